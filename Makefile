@@ -1,0 +1,20 @@
+# The two set-up commands of README.md: `make train` and `make test`.
+# Each installs what it needs (torch pinned to the CPU wheel for the test/CI set-up).
+PY ?= python3
+STAMP := .install.stamp
+export OMP_NUM_THREADS ?= 1
+
+$(STAMP): pyproject.toml requirements-dev.txt
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q -e .
+	touch $(STAMP)
+
+.PHONY: install train test bench
+install: $(STAMP)
+
+train: $(STAMP)
+	lioncub train
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
