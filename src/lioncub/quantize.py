@@ -1,0 +1,130 @@
+r"""Quantizers for Lion's update vector (DESIGN.md §4; the paper's §4). Pure functions.
+
+Each quantizer maps a float tensor ``x`` to integers ``q`` in ``[-s, s]`` (``s`` =
+``levels``) plus a scale, so that ``x ≈ q * scale``. Only the integers travel; the
+vote is ``sign(Σ_i q_i)`` over workers, so the scale is reported for instruments and
+dequantisation, not needed by the vote.
+
+With :math:`M_p(x) = (\mathrm{mean}\,|x|^p)^{1/p}`:
+
+* ``lp``  — :math:`Q_p(x) = \mathrm{clamp}(\mathrm{round}(s\,x / M_p(x)), -s, s)`;
+  ``l1`` (p = 1) is the paper's choice: on heavy-tailed ``x`` it keeps most signs
+  and acts like clipping of the outliers.
+* ``l0``  — the limit p → 0: :math:`M_0` is the geometric mean of the non-zero
+  :math:`|x|`.
+* ``linf`` — :math:`M_\infty = \max|x|` with *stochastic* rounding
+  (QSGD/TernGrad style, unbiased); needs a seeded ``torch.Generator`` for
+  reproducible, resumable runs. Collapses most entries of heavy-tailed ``x`` to 0.
+* ``log`` — :math:`\mathrm{sign}(x)\,2^{\mathrm{round}(\log_2 |x|/\max|x|)}` on
+  ``L = floor(log2 s) + 1`` levels, as integers ``{0, ±1, ±2, …, ±2^{L-1}}``.
+* ``sign`` — :math:`\mathrm{sign}(x)`, ``s = 1`` (zeros stay 0).
+
+A norm of 0 (all-zero ``x``) quantizes to all zeros.
+
+Example::
+
+    >>> q, scale = quantize(torch.tensor([0.1, -2.0, 0.5]), "l1", levels=7)
+    >>> q.tolist()
+    [1, -7, 4]
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["QUANTIZERS", "Quantized", "levels_for_bits", "lp_norm", "quantize"]
+
+QUANTIZERS = ("sign", "l1", "lp", "l0", "linf", "log")
+
+
+class Quantized(NamedTuple):
+    values: Tensor  # int8, in [-levels, levels]
+    scale: float  # x ≈ values * scale
+
+
+def levels_for_bits(bits: int) -> int:
+    """Symmetric levels of a ``bits``-bit signed code: ``s = 2**(bits-1) - 1``."""
+    if not isinstance(bits, int) or not 2 <= bits <= 8:
+        raise ValueError(f"bits must be an int in [2, 8], got {bits!r}")
+    return (1 << (bits - 1)) - 1
+
+
+def lp_norm(x: Tensor, p: float) -> float:
+    """The normaliser :math:`M_p(x)`: p=inf is max|x|, p=0 the geometric mean of non-zero |x|."""
+    a = x.detach().abs().float().reshape(-1)
+    if a.numel() == 0:
+        return 0.0
+    if p == math.inf:
+        return float(a.max())
+    if p == 0:
+        nz = a[a > 0]
+        return float(torch.exp(torch.log(nz).mean())) if nz.numel() else 0.0
+    if p == 1:
+        return float(a.mean())
+    return float(a.pow(p).mean().pow(1.0 / p))
+
+
+def _round(y: Tensor, stochastic: bool, generator: torch.Generator | None) -> Tensor:
+    if not stochastic:
+        return torch.round(y)
+    noise = torch.rand(y.shape, generator=generator, device=y.device, dtype=y.dtype)
+    return torch.floor(y + noise)
+
+
+def _scaled(x: Tensor, levels: int, norm: float, stochastic: bool, generator) -> Quantized:
+    if norm == 0.0 or not math.isfinite(norm):
+        return Quantized(torch.zeros(x.shape, dtype=torch.int8, device=x.device), 0.0)
+    y = x.float() * (levels / norm)
+    q = _round(y, stochastic, generator).clamp_(-levels, levels)
+    return Quantized(q.to(torch.int8), norm / levels)
+
+
+def _log(x: Tensor, levels: int) -> Quantized:
+    top = int(math.floor(math.log2(levels)))  # largest code is 2**top <= levels
+    norm = lp_norm(x, math.inf)
+    if norm == 0.0 or not math.isfinite(norm):
+        return Quantized(torch.zeros(x.shape, dtype=torch.int8, device=x.device), 0.0)
+    a = x.float().abs() / norm  # in [0, 1]
+    e = torch.round(torch.log2(a.clamp_min(1e-30))) + top  # exponent code; < 0 means too small
+    mag = torch.where(e >= 0, torch.exp2(e.clamp_min(0)), torch.zeros_like(e))
+    q = (torch.sign(x.float()) * mag).to(torch.int8)
+    return Quantized(q, norm / (1 << top))
+
+
+def quantize(
+    x: Tensor,
+    method: str,
+    *,
+    levels: int | None = None,
+    bits: int | None = None,
+    p: float = 1.0,
+    stochastic: bool | None = None,
+    generator: torch.Generator | None = None,
+) -> Quantized:
+    """Quantize ``x`` to integers in ``[-levels, levels]``; see the module docstring.
+
+    Give either ``levels`` (s, 1..127) or ``bits`` (s = 2**(bits-1) - 1). ``p`` is the
+    exponent of ``method='lp'``. ``stochastic`` defaults to True for ``linf`` and False
+    otherwise; ``generator`` seeds stochastic rounding.
+    """
+    if method not in QUANTIZERS:
+        raise ValueError(f"quantizer must be one of {QUANTIZERS}, got {method!r}")
+    if method == "sign":
+        return Quantized(torch.sign(x).to(torch.int8), 1.0)
+    if levels is None:
+        if bits is None:
+            raise ValueError(f"quantizer {method!r} needs levels or bits")
+        levels = levels_for_bits(bits)
+    if not isinstance(levels, int) or not 1 <= levels <= 127:
+        raise ValueError(f"levels must be an int in [1, 127], got {levels!r}")
+    if method == "log":
+        return _log(x, levels)
+    norm_p = {"l1": 1.0, "l0": 0.0, "linf": math.inf, "lp": p}[method]
+    if method == "lp" and not (p >= 0):
+        raise ValueError(f"p must be >= 0 for quantizer 'lp', got {p!r}")
+    if stochastic is None:
+        stochastic = method == "linf"
+    return _scaled(x, levels, lp_norm(x, norm_p), stochastic, generator)

@@ -1,0 +1,245 @@
+r"""The majority vote: every rank passes its update vector :math:`c_i`, every rank gets
+the same :math:`u = \mathrm{sign}(\sum_i q(c_i)) \in \{-1, 0, +1\}` (DESIGN.md §2–§3).
+
+Each method is a composition of separate stages (STYLE.md #3)::
+
+    encode (quantize → lane values / sign bits) → pack → collective → unpack → decide
+
+========================  =====================================  ===========================
+method                    what travels                           zeros and ties
+========================  =====================================  ===========================
+``sign_allreduce``        int8 signs, SUM all-reduce             exact: ties → 0 (P ≤ 127)
+``gather``                packed sign bits, all-gather           zeros of c → ±1 by step
+                                                                 parity; ties → 0
+``onebit``                packed sign bits: all-to-all, each     zeros and ties → ±1 by step
+                          rank votes its chunk, all-gather       parity (+1 even, −1 odd)
+``pbit`` (binary)         {0,1} in w-bit lanes, SUM all-reduce   zeros → parity; ties → 0
+``pbit`` + quantizer      q ∈ [−s, s] offset to [0, 2s] in       exact integer sums; ties → 0
+                          w-bit lanes, SUM all-reduce
+========================  =====================================  ===========================
+
+The alternating parity rule is the paper's: a fixed tie rule biases every tied
+coordinate one way and diverges (its Fig. 10). :func:`reference_vote` computes
+what every method must return from all ranks' inputs in full precision; the
+multi-process tests compare the two element for element.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import comm, packing
+from .comm import CommStats
+from .quantize import QUANTIZERS, quantize
+
+__all__ = ["VOTE_METHODS", "majority_vote", "reference_vote", "pbit_levels"]
+
+VOTE_METHODS = ("sign_allreduce", "gather", "onebit", "pbit")
+
+
+# ----------------------------------------------------------------------------- encode / decide
+def _parity_positive(step: int) -> bool:
+    """The sign a zero or a tie becomes on a 1-bit wire: +1 on even steps, -1 on odd."""
+    return step % 2 == 0
+
+
+def binary_signs(c: Tensor, step: int) -> Tensor:
+    """c > 0 as bool; exact zeros become +1 on even steps and -1 on odd steps."""
+    if _parity_positive(step):
+        return c >= 0
+    return c > 0
+
+
+def decide(count_pos: Tensor, world: int, step: int, *, ties: str) -> Tensor:
+    """Vote from the number of +1 voters: sign(2k - P); ties → 0 or → the step parity."""
+    d = 2 * count_pos.to(torch.int16) - world
+    u = torch.sign(d).to(torch.int8)
+    if ties == "parity":
+        u[d == 0] = 1 if _parity_positive(step) else -1
+    return u
+
+
+def pbit_levels(world: int, bits: int | None, quantizer: str | None) -> tuple[int, int | None]:
+    """Lane width ``w`` and quantizer levels ``s`` (None = binary signs) for ``pbit``.
+
+    Binary signs and ``'sign'`` pick the smallest lane that cannot overflow when
+    ``bits`` is None. Other quantizers default to 8-bit lanes and take the most
+    levels the lane allows: ``s = floor((2**w - 1) / (2P))``.
+    """
+    if quantizer is not None and quantizer not in QUANTIZERS:
+        raise ValueError(f"quantizer must be None or one of {QUANTIZERS}, got {quantizer!r}")
+    if bits is not None and bits not in packing.LANE_BITS:
+        raise ValueError(f"bits must be None or one of {packing.LANE_BITS} for vote 'pbit', got {bits!r}")
+    if quantizer in (None, "sign"):
+        levels = None if quantizer is None else 1
+        w = packing.lane_bits_for(world, levels) if bits is None else bits
+        if packing.max_lane_value(world, levels) > (1 << w) - 1:
+            raise ValueError(
+                f"bits={w} lanes overflow with {world} workers for quantizer={quantizer!r} "
+                f"(need bits >= {packing.lane_bits_for(world, levels)})"
+            )
+        return w, levels
+    w = 8 if bits is None else bits
+    s = ((1 << w) - 1) // (2 * world)
+    if s < 1:
+        raise ValueError(
+            f"bits={w} lanes leave no quantization level for {world} workers "
+            f"(need 2*s*P <= {(1 << w) - 1}); use more bits or quantizer=None"
+        )
+    return w, min(s, 127)
+
+
+def _encode_pbit(c: Tensor, world: int, step: int, levels: int | None, quantizer, generator) -> Tensor:
+    """Per-rank lane values in [0, 2s] (or {0, 1} for binary signs)."""
+    if levels is None:
+        return binary_signs(c, step).to(torch.uint8)
+    q = quantize(c, quantizer, levels=levels, generator=generator).values
+    return (q.to(torch.int16) + levels).to(torch.uint8)
+
+
+# ----------------------------------------------------------------------------- methods
+def _sign_allreduce(c, world, step, group, stats):
+    t0 = time.perf_counter()
+    s = torch.sign(c).to(torch.int8)
+    stats.t_quantize_pack += time.perf_counter() - t0
+    comm.all_reduce(s, group, stats)
+    t0 = time.perf_counter()
+    u = torch.sign(s)
+    stats.t_unpack_vote += time.perf_counter() - t0
+    return u
+
+
+def _gather(c, world, step, group, stats):
+    n = c.numel()
+    t0 = time.perf_counter()
+    packed = packing.pack_signs(binary_signs(c, step))
+    stats.t_quantize_pack += time.perf_counter() - t0
+    everyone = comm.all_gather(packed, group, stats)  # (P, ceil(n/8))
+    t0 = time.perf_counter()
+    count = packing.unpack_signs(everyone.reshape(-1), everyone.numel() * 8)
+    count = count.view(world, -1)[:, :n].sum(dim=0, dtype=torch.int16)
+    u = decide(count, world, step, ties="zero")
+    stats.t_unpack_vote += time.perf_counter() - t0
+    return u
+
+
+def _onebit(c, world, step, group, stats):
+    n = c.numel()
+    chunk = -(-n // (8 * world)) * 8  # elements per rank's chunk, a multiple of 8
+    t0 = time.perf_counter()
+    bits = torch.zeros(chunk * world, dtype=torch.bool, device=c.device)
+    bits[:n] = binary_signs(c, step)
+    packed = packing.pack_signs(bits)  # (P * chunk/8,): rank j's chunk at [j*chunk/8 : ...]
+    stats.t_quantize_pack += time.perf_counter() - t0
+    mine = comm.all_to_all(packed, group, stats)  # (P * chunk/8,): every rank's bits of my chunk
+    t0 = time.perf_counter()
+    count = packing.unpack_signs(mine, chunk * world).view(world, chunk).sum(dim=0, dtype=torch.int16)
+    voted = packing.pack_signs(decide(count, world, step, ties="parity") > 0)
+    stats.t_unpack_vote += time.perf_counter() - t0
+    everyone = comm.all_gather(voted, group, stats)  # (P, chunk/8)
+    t0 = time.perf_counter()
+    u = packing.unpack_signs(everyone.reshape(-1), n).to(torch.int8) * 2 - 1
+    stats.t_unpack_vote += time.perf_counter() - t0
+    return u
+
+
+def _pbit(c, world, step, group, stats, bits, quantizer, generator):
+    n = c.numel()
+    w, levels = pbit_levels(world, bits, quantizer)
+    t0 = time.perf_counter()
+    packed = packing.pack_lanes(_encode_pbit(c, world, step, levels, quantizer, generator), w)
+    stats.t_quantize_pack += time.perf_counter() - t0
+    comm.all_reduce(packed, group, stats)
+    t0 = time.perf_counter()
+    total = packing.unpack_lanes(packed, n, w)  # lane sums, int16
+    if levels is None:
+        u = decide(total, world, step, ties="zero")
+    else:
+        u = torch.sign(total - world * levels).to(torch.int8)
+    stats.t_unpack_vote += time.perf_counter() - t0
+    return u
+
+
+def majority_vote(
+    c: Tensor,
+    *,
+    method: str,
+    bits: int | None = None,
+    quantizer: str | None = None,
+    step: int = 0,
+    group=None,
+    stats: CommStats | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Agree on ``u = sign(Σ_i q(c_i))`` across the ranks of ``group``.
+
+    Every rank passes ``c`` of the same shape and gets the same ``u`` (same shape
+    and dtype as ``c``, values in {-1, 0, +1}). ``step`` sets the tie/zero parity of
+    the 1-bit paths; ``bits``/``quantizer`` configure ``pbit`` (see
+    :func:`pbit_levels`); ``generator`` seeds stochastic quantizers (``linf``);
+    ``stats`` accumulates bytes and time. Collective: all ranks must call it.
+
+    Example (under ``torchrun --nproc-per-node 4``)::
+
+        u = lioncub.majority_vote(torch.randn(1000), method="onebit", step=0)
+    """
+    if method not in VOTE_METHODS:
+        raise ValueError(f"method must be one of {VOTE_METHODS}, got {method!r}")
+    if not torch.is_floating_point(c):
+        raise TypeError(f"c must be a floating-point tensor, got {c.dtype}")
+    if quantizer is not None and method != "pbit":
+        raise ValueError(f"quantizer is only used by method='pbit', got method={method!r}")
+    world = dist.get_world_size(group)
+    if method == "sign_allreduce" and world > 127:
+        raise ValueError(f"method='sign_allreduce' sums int8 signs and needs world size <= 127, got {world}")
+    stats = CommStats() if stats is None else stats
+    flat = c.detach().reshape(-1)
+    if method == "pbit":
+        pbit_levels(world, bits, quantizer)  # validate before the empty short-cut
+    if flat.numel() == 0:
+        return torch.zeros_like(c)
+    if method == "sign_allreduce":
+        u = _sign_allreduce(flat, world, step, group, stats)
+    elif method == "gather":
+        u = _gather(flat, world, step, group, stats)
+    elif method == "onebit":
+        u = _onebit(flat, world, step, group, stats)
+    else:
+        u = _pbit(flat, world, step, group, stats, bits, quantizer, generator)
+    return u.view(c.shape).to(c.dtype)
+
+
+def reference_vote(
+    cs: list[Tensor],
+    *,
+    method: str,
+    bits: int | None = None,
+    quantizer: str | None = None,
+    step: int = 0,
+    generators: list[torch.Generator | None] | None = None,
+) -> Tensor:
+    """What :func:`majority_vote` must return, computed from every rank's ``c`` at once.
+
+    Plain integer arithmetic, no packing and no collectives: the exact reference.
+    ``generators[i]`` must be in the state rank ``i``'s generator had.
+    """
+    world = len(cs)
+    flat = [c.detach().reshape(-1) for c in cs]
+    if method == "sign_allreduce":
+        total = sum(torch.sign(c).long() for c in flat)
+        return torch.sign(total).view(cs[0].shape).to(cs[0].dtype)
+    if method in ("gather", "onebit") or (method == "pbit" and quantizer is None):
+        if method == "pbit":
+            pbit_levels(world, bits, quantizer)
+        count = sum(binary_signs(c, step).long() for c in flat)
+        u = decide(count, world, step, ties="parity" if method == "onebit" else "zero")
+        return u.view(cs[0].shape).to(cs[0].dtype)
+    if method == "pbit":
+        _, levels = pbit_levels(world, bits, quantizer)
+        gens = generators or [None] * world
+        total = sum(quantize(c, quantizer, levels=levels, generator=g).values.long() for c, g in zip(flat, gens))
+        return torch.sign(total).view(cs[0].shape).to(cs[0].dtype)
+    raise ValueError(f"method must be one of {VOTE_METHODS}, got {method!r}")
