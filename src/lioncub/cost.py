@@ -1,0 +1,286 @@
+r"""The α-β cost model of the vote methods (DESIGN.md §3, §6), as small pure functions.
+
+For ``n`` elements on ``P`` workers, with α the per-message latency (s) and β the
+seconds per bit of one full-duplex link, the ring collectives cost::
+
+    allreduce  of B bytes            2(P-1)·α + 2(P-1)/P · 8B · β   sends 2(P-1)/P · B
+    all_gather of B bytes per rank    (P-1)·α +  (P-1)   · 8B · β   sends  (P-1)   · B
+    all_to_all of B bytes per rank    (P-1)·α +  (P-1)/P · 8B · β   sends  (P-1)/P · B
+
+and every method is a fixed composition of them:
+
+    grad            one allreduce of n·4 (fp32) or n·2 (bf16) bytes
+    sign_allreduce  one int8 allreduce of n bytes                          (P·s ≤ 127)
+    gather          one all_gather of ⌈n/8⌉ packed sign bytes per rank
+    onebit          N = ⌈n/(8P)⌉·P: all_to_all of N bytes, all_gather of N/P bytes
+    pbit            one uint8 allreduce of ⌈n·w/8⌉ bytes, w-bit lanes        (2s·P ≤ 2^w-1)
+
+``P == 1`` sends nothing and costs nothing. The same functions serve run time
+(:func:`choose_method`, fed by :func:`calibrate`) and benchmark reports.
+
+Example::
+
+    >>> from lioncub.cost import predicted_bytes, choose_method
+    >>> predicted_bytes('onebit', 10**6, 4)['bytes_sent']
+    187500.0
+    >>> choose_method(10**6, 64, alpha=5e-5, beta=1e-9)
+    ('onebit', None)
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Iterable, Sequence
+
+METHODS = ("grad", "sign_allreduce", "gather", "onebit", "pbit")
+VOTE_METHODS = ("sign_allreduce", "gather", "onebit", "pbit")
+GRAD_DTYPES = {"fp32": 4, "bf16": 2}
+LANE_BITS = (2, 4, 8)
+DEFAULT_PROBE_SIZES = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
+
+__all__ = [
+    "METHODS",
+    "VOTE_METHODS",
+    "predicted_bytes",
+    "predicted_time",
+    "collective_time",
+    "method_valid",
+    "choose_method",
+    "calibrate",
+    "fit_alpha_beta",
+]
+
+
+def _lane_bits_for(world_size: int, levels: int | None = None) -> int:
+    """Smallest lane width in (2, 4, 8) that holds a SUM of ``world_size`` values."""
+    try:  # one source of truth once the core ships it
+        from lioncub.packing import lane_bits_for
+    except ImportError:
+        lane_bits_for = None
+    if lane_bits_for is not None:
+        return lane_bits_for(world_size, levels)
+    top = world_size if levels is None else 2 * levels * world_size  # largest lane sum
+    for w in LANE_BITS:
+        if top <= (1 << w) - 1:
+            return w
+    raise ValueError(
+        f"world_size={world_size} with levels={levels} needs a lane sum of {top}; "
+        f"the widest lane ({LANE_BITS[-1]} bits) holds {(1 << LANE_BITS[-1]) - 1}"
+    )
+
+
+def _levels(quantizer) -> int | None:
+    """``None`` (binary signs), an int s (values in [-s, s]) or an object with ``.levels``."""
+    if quantizer is None:
+        return None
+    s = getattr(quantizer, "levels", quantizer)
+    if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+        raise ValueError(f"quantizer must be None, an int s >= 1 or have .levels; got {quantizer!r}")
+    return s
+
+
+def _check_common(method: str, n: int, world_size: int) -> None:
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}; got {method!r}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be an int >= 0; got {n!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1; got {world_size!r}")
+
+
+def method_valid(method: str, world_size: int, *, bits: int | None = None, quantizer=None) -> bool:
+    """Whether ``method`` (with lane width ``bits`` for pbit) is exact for ``world_size`` workers.
+
+    sign_allreduce sums int8 values: P·s ≤ 127 (s = 1 for signs). gather and onebit
+    carry one bit, so only binary signs. pbit needs 2s·P ≤ 2^w - 1 (P ≤ 2^w - 1 for signs).
+    """
+    _check_common(method, 0, world_size)
+    s = _levels(quantizer)
+    if method == "grad":
+        return True
+    if method == "sign_allreduce":
+        return world_size * (s or 1) <= 127
+    if method in ("gather", "onebit"):
+        return s is None
+    if bits is None:
+        try:
+            _lane_bits_for(world_size, s)
+        except ValueError:
+            return False
+        return True
+    if bits not in LANE_BITS:
+        raise ValueError(f"bits must be one of {LANE_BITS}; got {bits!r}")
+    top = world_size if s is None else 2 * s * world_size
+    return top <= (1 << bits) - 1
+
+
+def _plan(method, n, world_size, bits, grad_dtype, quantizer):
+    """The collectives ``method`` issues: list of (kind, bytes) and the lane width used."""
+    _check_common(method, n, world_size)
+    P = world_size
+    if method == "grad":
+        if grad_dtype not in GRAD_DTYPES:
+            raise ValueError(f"grad_dtype must be one of {tuple(GRAD_DTYPES)}; got {grad_dtype!r}")
+        return [("allreduce", n * GRAD_DTYPES[grad_dtype])], None
+    if not method_valid(method, P, bits=bits, quantizer=quantizer):
+        raise ValueError(
+            f"method={method!r} (bits={bits}, quantizer={quantizer!r}) is not valid for world_size={P}"
+        )
+    if method == "sign_allreduce":
+        return [("allreduce", n)], None
+    if method == "gather":
+        return [("all_gather", math.ceil(n / 8))], None
+    if method == "onebit":
+        N = math.ceil(n / (8 * P)) * P  # padded so each rank owns N/P whole bytes
+        return [("all_to_all", N), ("all_gather", N // P)], None
+    w = bits if bits is not None else _lane_bits_for(P, _levels(quantizer))
+    return [("allreduce", math.ceil(n * w / 8))], w
+
+
+def _sent(kind: str, nbytes: int, P: int) -> float:
+    if P == 1:
+        return 0.0
+    if kind == "allreduce":
+        return 2 * (P - 1) / P * nbytes
+    if kind == "all_gather":
+        return float((P - 1) * nbytes)
+    return (P - 1) / P * nbytes  # all_to_all: B bytes in total per rank
+
+
+def collective_time(kind: str, nbytes: int, world_size: int, alpha: float, beta: float) -> float:
+    """Ring time of one collective: kind in ('allreduce', 'all_gather', 'all_to_all')."""
+    if kind not in ("allreduce", "all_gather", "all_to_all"):
+        raise ValueError(f"kind must be 'allreduce', 'all_gather' or 'all_to_all'; got {kind!r}")
+    P = world_size
+    if P == 1:
+        return 0.0
+    messages = 2 * (P - 1) if kind == "allreduce" else P - 1
+    return messages * alpha + _sent(kind, nbytes, P) * 8 * beta
+
+
+def predicted_bytes(method: str, n: int, world_size: int, *, bits: int | None = None,
+                    grad_dtype: str = "fp32", quantizer=None) -> dict:
+    """Bytes one worker sends (= receives) per step, and how many collectives it issues.
+
+    Returns ``{'bytes_sent', 'bytes_recv', 'n_collectives', 'payload_bytes', 'bits'}``;
+    ``payload_bytes`` lists the tensor size in bytes handed to each collective and
+    ``bits`` the lane width used (pbit only). ``P == 1``: zero bytes, zero collectives.
+    """
+    plan, w = _plan(method, n, world_size, bits, grad_dtype, quantizer)
+    if world_size == 1:
+        plan = []
+    sent = sum(_sent(kind, b, world_size) for kind, b in plan)
+    return {
+        "bytes_sent": float(sent),
+        "bytes_recv": float(sent),
+        "n_collectives": len(plan),
+        "payload_bytes": [b for _, b in plan],
+        "bits": w,
+    }
+
+
+def predicted_time(method: str, n: int, world_size: int, alpha: float, beta: float, *,
+                   bits: int | None = None, grad_dtype: str = "fp32", quantizer=None,
+                   gamma: float = 0.0) -> float:
+    """Seconds per step spent communicating (plus ``gamma``·n of local pack/vote work).
+
+    ``gamma`` (s per element) models quantize/pack/unpack/vote; it applies to the
+    vote methods only, never to the plain gradient allreduce.
+    """
+    for name, v in (("alpha", alpha), ("beta", beta), ("gamma", gamma)):
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+            raise ValueError(f"{name} must be a finite number >= 0; got {v!r}")
+    plan, _ = _plan(method, n, world_size, bits, grad_dtype, quantizer)
+    t = sum(collective_time(kind, b, world_size, alpha, beta) for kind, b in plan)
+    if method != "grad":
+        t += gamma * n
+    return t
+
+
+def _expand(candidates: Iterable, world_size: int, quantizer) -> list[tuple[str, int | None]]:
+    """Normalise candidates to (method, bits); a bare 'pbit' means its narrowest valid lane."""
+    out = []
+    for c in candidates:
+        method, bits = (c, None) if isinstance(c, str) else tuple(c)
+        _check_common(method, 0, world_size)
+        if not method_valid(method, world_size, bits=bits, quantizer=quantizer):
+            continue
+        if method == "pbit" and bits is None:
+            bits = _lane_bits_for(world_size, _levels(quantizer))
+        out.append((method, bits))
+    return out
+
+
+def choose_method(n: int, world_size: int, alpha: float, beta: float, *,
+                  candidates: Sequence = VOTE_METHODS, quantizer=None,
+                  gamma: float = 0.0) -> tuple[str, int | None]:
+    """The cheapest method valid for ``world_size``, as ``(method, bits)``.
+
+    ``candidates`` holds method names or ``(method, bits)`` pairs; invalid ones (lane
+    overflow, P > 127 for int8, multi-level values on a 1-bit path) are skipped.
+    Ties go to the earlier candidate. Raises ValueError when none is valid.
+    """
+    options = _expand(candidates, world_size, quantizer)
+    if not options:
+        raise ValueError(
+            f"no candidate in {tuple(candidates)} is valid for world_size={world_size}, "
+            f"quantizer={quantizer!r}"
+        )
+    times = [predicted_time(m, n, world_size, alpha, beta, bits=b, quantizer=quantizer,
+                            gamma=gamma) for m, b in options]
+    return options[times.index(min(times))]
+
+
+def fit_alpha_beta(nbytes: Sequence[int], seconds: Sequence[float], world_size: int) -> tuple[float, float]:
+    """Least-squares fit of allreduce times t = 2(P-1)α + 2(P-1)/P·8B·β; returns (α, β).
+
+    Both are clamped to a tiny positive floor so callers always get usable numbers.
+    """
+    if len(nbytes) != len(seconds) or len(set(nbytes)) < 2:
+        raise ValueError("nbytes and seconds must have equal length with >= 2 distinct sizes")
+    P = world_size
+    if P == 1:
+        return 0.0, 0.0
+    k = len(nbytes)
+    mx, my = sum(nbytes) / k, sum(seconds) / k
+    sxx = sum((x - mx) ** 2 for x in nbytes)
+    slope = sum((x - mx) * (y - my) for x, y in zip(nbytes, seconds)) / sxx
+    intercept = my - slope * mx
+    alpha = max(intercept / (2 * (P - 1)), 1e-9)
+    beta = max(slope / (2 * (P - 1) / P * 8), 1e-15)
+    return alpha, beta
+
+
+def calibrate(group=None, sizes: Sequence[int] = DEFAULT_PROBE_SIZES, *, repeats: int = 3,
+              warmup: int = 1) -> tuple[float, float]:
+    """Measure (α, β) on a live process group with uint8 SUM allreduces of ``sizes`` bytes.
+
+    Each size runs ``warmup`` + ``repeats`` times after a barrier; a rank keeps its
+    median; a MAX allreduce makes every rank fit the same (slowest-rank) times, so
+    all ranks get identical (α, β) and hence pick the same method. Collective: every
+    rank of ``group`` must call it. One rank: returns (0.0, 0.0).
+    """
+    import torch
+    import torch.distributed as dist
+
+    if len(set(sizes)) < 2 or any(int(s) < 1 for s in sizes):
+        raise ValueError(f"sizes must hold >= 2 distinct positive byte counts; got {sizes!r}")
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0; got {repeats}, {warmup}")
+    P = dist.get_world_size(group)
+    if P == 1:
+        return 0.0, 0.0
+    medians = []
+    for size in sizes:
+        buf = torch.zeros(int(size), dtype=torch.uint8)
+        runs = []
+        for i in range(warmup + repeats):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+            if i >= warmup:
+                runs.append(time.perf_counter() - t0)
+        medians.append(sorted(runs)[len(runs) // 2])
+    agreed = torch.tensor(medians, dtype=torch.float64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+    return fit_alpha_beta([int(s) for s in sizes], agreed.tolist(), P)

@@ -1,0 +1,157 @@
+"""The α-β cost model: formulas against hand-computed values, method choice, calibration."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lioncub import cost
+from lioncub.cost import choose_method, fit_alpha_beta, method_valid, predicted_bytes, predicted_time
+
+N = 10**6
+
+# n = 10^6, P = 4, worked by hand from DESIGN.md §3:
+#   grad fp32 : allreduce 4e6 B            -> 2·3/4·4e6        = 6e6 B
+#   grad bf16 : allreduce 2e6 B            -> 1.5·2e6          = 3e6 B
+#   sign_ar   : allreduce 1e6 B            -> 1.5e6 B
+#   gather    : all_gather 125000 B/rank   -> 3·125000         = 375000 B
+#   onebit    : N = 31250·4 = 125000; a2a 3/4·125000 + ag 3·31250 = 187500 B
+#   pbit      : P = 4 > 3 -> 4-bit lanes, 500000 B allreduce -> 750000 B
+HAND_P4 = [
+    ("grad", {}, 6e6, 1, [4_000_000]),
+    ("grad", {"grad_dtype": "bf16"}, 3e6, 1, [2_000_000]),
+    ("sign_allreduce", {}, 1.5e6, 1, [1_000_000]),
+    ("gather", {}, 375000.0, 1, [125_000]),
+    ("onebit", {}, 187500.0, 2, [125_000, 31_250]),
+    ("pbit", {}, 750000.0, 1, [500_000]),
+    ("pbit", {"bits": 8}, 1.5e6, 1, [1_000_000]),
+    ("pbit", {"quantizer": 7}, 1.5e6, 1, [1_000_000]),  # 2·7·4 = 56 > 15 -> 8-bit lanes
+]
+
+
+@pytest.mark.parametrize("method,kw,sent,ncoll,payload", HAND_P4)
+def test_bytes_by_hand_p4(method, kw, sent, ncoll, payload):
+    got = predicted_bytes(method, N, 4, **kw)
+    assert got["bytes_sent"] == pytest.approx(sent)
+    assert got["bytes_recv"] == got["bytes_sent"]
+    assert got["n_collectives"] == ncoll
+    assert got["payload_bytes"] == payload
+
+
+def test_time_by_hand_p4():
+    a, b = 1e-4, 1e-9
+    assert predicted_time("grad", N, 4, a, b) == pytest.approx(6e-4 + 6e6 * 8e-9)
+    assert predicted_time("sign_allreduce", N, 4, a, b) == pytest.approx(6e-4 + 0.012)
+    assert predicted_time("gather", N, 4, a, b) == pytest.approx(3e-4 + 0.003)
+    assert predicted_time("onebit", N, 4, a, b) == pytest.approx(2 * (3e-4 + 7.5e-4))
+    assert predicted_time("pbit", N, 4, a, b) == pytest.approx(6e-4 + 0.006)
+    # the pack/compute term applies to votes only
+    assert predicted_time("pbit", N, 4, a, b, gamma=1e-9) == pytest.approx(6e-4 + 0.006 + 1e-3)
+    assert predicted_time("grad", N, 4, a, b, gamma=1e-9) == pytest.approx(0.0486)
+
+
+def test_padding_and_single_worker():
+    # onebit pads to whole bytes per rank: n = 1001, P = 3 -> N = ceil(1001/24)·3 = 126
+    assert predicted_bytes("onebit", 1001, 3)["payload_bytes"] == [126, 42]
+    assert predicted_bytes("gather", 1001, 3)["payload_bytes"] == [126]
+    assert predicted_bytes("pbit", 1001, 3, bits=2)["payload_bytes"] == [251]
+    for m in cost.METHODS:
+        one = predicted_bytes(m, N, 1)
+        assert one["bytes_sent"] == 0 and one["n_collectives"] == 0
+        assert predicted_time(m, N, 1, 1e-3, 1e-9) == 0.0
+
+
+def test_lane_widths():
+    assert [predicted_bytes("pbit", 8, p)["bits"] for p in (2, 3, 4, 15, 16, 255)] == [2, 2, 4, 4, 8, 8]
+    assert method_valid("pbit", 15, bits=4) and not method_valid("pbit", 16, bits=4)
+    assert not method_valid("pbit", 256)  # binary signs overflow even 8-bit lanes
+    assert method_valid("pbit", 31, quantizer=4) and not method_valid("pbit", 32, quantizer=4)
+    assert method_valid("sign_allreduce", 127) and not method_valid("sign_allreduce", 128)
+    assert not method_valid("onebit", 4, quantizer=7) and not method_valid("gather", 4, quantizer=7)
+
+
+@pytest.mark.parametrize(
+    "call,needle",
+    [
+        (lambda: predicted_bytes("allgather", N, 4), "method"),
+        (lambda: predicted_bytes("grad", N, 4, grad_dtype="fp16"), "grad_dtype"),
+        (lambda: predicted_bytes("pbit", N, 4, bits=3), "bits"),
+        (lambda: predicted_bytes("pbit", N, 16, bits=4), "world_size=16"),
+        (lambda: predicted_bytes("sign_allreduce", N, 128), "world_size=128"),
+        (lambda: predicted_bytes("grad", -1, 4), "n"),
+        (lambda: predicted_bytes("grad", N, 0), "world_size"),
+        (lambda: predicted_bytes("pbit", N, 4, quantizer=0), "quantizer"),
+        (lambda: predicted_time("grad", N, 4, -1.0, 1e-9), "alpha"),
+        (lambda: predicted_time("grad", N, 4, 1e-4, float("nan")), "beta"),
+        (lambda: choose_method(N, 256, 1e-4, 1e-9, candidates=("pbit", "sign_allreduce")), "no candidate"),
+    ],
+)
+def test_bad_input_names_argument(call, needle):
+    with pytest.raises(ValueError, match=needle):
+        call()
+
+
+WORLD = (2, 4, 8, 16, 64, 200)
+
+
+@pytest.mark.parametrize("P", WORLD)
+def test_choose_latency_bound_prefers_fewest_messages(P):
+    # tiny tensor, huge α: gather's P-1 messages beat every 2(P-1)-message method
+    assert choose_method(64, P, alpha=1e-3, beta=1e-12) == ("gather", None)
+
+
+@pytest.mark.parametrize("P", WORLD)
+def test_choose_bandwidth_bound(P):
+    # 1 Gbit/s-like link, 10^8 elements: bytes dominate.
+    # P = 2: gather and onebit both send n/8 bytes, gather needs one message less.
+    # P >= 3: onebit sends 2(P-1)/P·n/8 < (P-1)·n/8 (gather) < 2(P-1)/P·n·w/8 (pbit, w >= 2).
+    want = ("gather", None) if P == 2 else ("onebit", None)
+    assert choose_method(10**8, P, alpha=5e-5, beta=1e-9) == want
+
+
+@pytest.mark.parametrize(
+    "P,want",
+    [
+        (2, ("pbit", 2)),
+        (4, ("pbit", 4)),
+        (8, ("pbit", 4)),
+        (16, ("sign_allreduce", None)),  # 4-bit lanes overflow; 8-bit pbit ties int8, first wins
+        (64, ("sign_allreduce", None)),
+        (200, ("pbit", 8)),  # int8 sums overflow past 127 workers
+    ],
+)
+def test_choose_among_allreduce_paths(P, want):
+    got = choose_method(10**7, P, 5e-5, 1e-9, candidates=("sign_allreduce", "pbit"))
+    assert got == want
+
+
+def test_choose_explicit_widths_and_quantizer():
+    assert choose_method(N, 16, 5e-5, 1e-9, candidates=[("pbit", 4), ("pbit", 8)]) == ("pbit", 8)
+    assert choose_method(N, 15, 5e-5, 1e-9, candidates=[("pbit", 4), ("pbit", 8)]) == ("pbit", 4)
+    # multi-level values cannot ride the 1-bit paths
+    assert choose_method(N, 4, 5e-5, 1e-9, quantizer=7, candidates=("onebit", "gather", "pbit")) == ("pbit", 8)
+    # bf16 gradients lose to any vote once bandwidth matters
+    assert choose_method(N, 4, 5e-5, 1e-9, candidates=("grad", "pbit")) == ("pbit", 4)
+
+
+def test_fit_recovers_synthetic_alpha_beta():
+    P, a, b = 4, 2e-4, 8e-10
+    sizes = [1 << 10, 1 << 16, 1 << 20, 1 << 24]
+    times = [2 * (P - 1) * a + 2 * (P - 1) / P * 8 * s * b for s in sizes]
+    fa, fb = fit_alpha_beta(sizes, times, P)
+    assert fa == pytest.approx(a, rel=1e-6) and fb == pytest.approx(b, rel=1e-6)
+    with pytest.raises(ValueError, match="distinct"):
+        fit_alpha_beta([10, 10], [1.0, 2.0], P)
+
+
+def _calibrate_worker(rank, world_size):
+    return cost.calibrate(sizes=(1 << 10, 1 << 16, 1 << 20), repeats=2)
+
+
+def test_calibrate_two_workers_agree():
+    from tests.dist import run_workers
+
+    (a0, b0), (a1, b1) = run_workers(_calibrate_worker, 2)
+    assert (a0, b0) == (a1, b1)
+    assert 0 < a0 < 1 and math.isfinite(a0)
+    assert 0 < b0 < 1e-6 and math.isfinite(b0)  # loopback moves far more than 1 Mbit/s
