@@ -1,0 +1,157 @@
+"""The training harness's typed configuration (filled by ``lioncub train``).
+
+One keyword-only dataclass, one docstring per field, validated in
+``__post_init__`` so a bad value fails before any worker starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+GPT_MODELS = ("gpt-tiny", "gpt-mini", "gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1.5b")
+IMAGE_MODELS = ("resnet18", "resnet50", "vit-tiny")
+MODELS = GPT_MODELS + IMAGE_MODELS
+OPTIMIZERS = ("lion", "lioncub", "adamw")
+VOTES = ("grad", "sign_allreduce", "gather", "onebit", "pbit", "auto")
+QUANTIZERS = (None, "sign", "l1", "lp", "l0", "linf", "log")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def default_cache_dir() -> str:
+    """Where ``prepare`` writes token files: $LIONCUB_CACHE or ~/.cache/lioncub."""
+    return os.environ.get("LIONCUB_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lioncub")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Everything one training run needs; ``lioncub train`` fills it from flags."""
+
+    model: str = "gpt-tiny"
+    """Model name, one of ``MODELS``."""
+    data: str | None = None
+    """Data set: ``shakespeare`` (text), ``digits`` (images), a directory holding
+    nanoGPT-style ``train.bin``/``val.bin``, a ``.txt`` file (tokenised to bytes), an
+    ``.npz`` image array file (x, y[, x_val, y_val]) or an image folder (class
+    sub-folders). None picks ``shakespeare`` for GPT models and ``digits`` otherwise."""
+    cache_dir: str = field(default_factory=default_cache_dir)
+    """Where ``prepare`` writes train.bin/val.bin for text corpora."""
+    steps: int = 200
+    """Optimizer steps to train (a resumed run continues up to this step)."""
+    batch_size: int = 8
+    """Sequences (or images) per worker per step."""
+    block_size: int = 64
+    """GPT context length in tokens."""
+    vocab_size: int | None = None
+    """GPT vocabulary; None reads the data's meta.json (256 for byte-level text)."""
+    tied_embeddings: bool = True
+    """Share the GPT input embedding with the output head."""
+    dropout: float = 0.0
+    """Dropout probability in the models."""
+    lr: float = 1e-3
+    """Peak learning rate for parameters outside embeddings and head."""
+    lr_embed: float | None = None
+    """Peak learning rate for input embeddings (None: ``lr``)."""
+    lr_head: float | None = None
+    """Peak learning rate for the output head (None: ``lr``; tied heads use ``lr_embed``)."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay for matrices (biases and norms get none)."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """Lion's (beta1, beta2), or AdamW's."""
+    warmup_steps: int = 10
+    """Linear warm-up steps before the cosine decay to ``min_lr_ratio * lr``."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak."""
+    optimizer: str = "lioncub"
+    """``lion`` (single-process Lion + fp32 gradient allreduce done by the harness),
+    ``lioncub`` (LionCub with ``vote``) or ``adamw`` (AdamW + gradient allreduce)."""
+    vote: str = "pbit"
+    """LionCub vote: ``grad`` is the gradient-allreduce baseline; see ``VOTES``."""
+    bits: int | None = None
+    """LionCub p-bit lane width (2/4/8); None picks the smallest valid."""
+    quantizer: str | None = None
+    """LionCub p-bit quantizer; None sends binary signs (the paper's 4-bit)."""
+    grad_dtype: str = "fp32"
+    """Gradient allreduce dtype for vote='grad': ``fp32`` or ``bf16``."""
+    nproc: int = 4
+    """Local workers to spawn when not under torchrun."""
+    device: str = "auto"
+    """``auto`` (CUDA when present), ``cpu`` or ``cuda``."""
+    seed: int = 0
+    """Seed for model init, data order and every RNG."""
+    eval_every: int = 50
+    """Evaluate validation loss every this many steps (and at the end); 0: only at the end."""
+    eval_batches: int = 4
+    """Validation batches per worker per evaluation."""
+    log_every: int = 1
+    """Write a step record to metrics.jsonl every this many steps."""
+    ckpt_every: int = 0
+    """Checkpoint every this many steps (0: never)."""
+    keep_ckpts: int = 2
+    """How many checkpoints to keep in ``out/ckpt``."""
+    resume: str | None = None
+    """Checkpoint directory, or a run directory (its latest checkpoint), to continue from."""
+    out: str = "runs/lioncub"
+    """Run directory: metrics.jsonl, summary.csv, ckpt/."""
+    name: str | None = None
+    """Run label in summaries and plots (None: derived from optimizer/vote/bits)."""
+    progress: bool = True
+    """Progress bar on a TTY (always off when CI=true)."""
+
+    def __post_init__(self) -> None:
+        _choice("model", self.model, MODELS)
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("vote", self.vote, VOTES)
+        _choice("quantizer", self.quantizer, QUANTIZERS)
+        _choice("device", self.device, DEVICES)
+        _choice("grad_dtype", self.grad_dtype, ("fp32", "bf16"))
+        _choice("bits", self.bits, (None, 1, 2, 4, 8))
+        for name in ("steps", "batch_size", "block_size", "nproc", "eval_batches", "log_every", "keep_ckpts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("eval_every", "ckpt_every", "warmup_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("lr", "lr_embed", "lr_head"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        self.betas = tuple(float(b) for b in self.betas)
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
+        if self.data is None:
+            self.data = "shakespeare" if self.is_gpt else "digits"
+
+    @property
+    def is_gpt(self) -> bool:
+        return self.model in GPT_MODELS
+
+    @property
+    def label(self) -> str:
+        """Run label: ``name`` or e.g. ``lioncub-pbit`` / ``lion-grad`` / ``adamw``."""
+        if self.name:
+            return self.name
+        if self.optimizer == "lioncub":
+            if self.vote == "grad":
+                return f"lion-grad-{self.grad_dtype}"
+            bits = f"-{self.bits}b" if self.bits else ""
+            quant = f"-{self.quantizer}" if self.quantizer else ""
+            return f"lioncub-{self.vote}{bits}{quant}"
+        return self.optimizer
+
+    def replace(self, **changes) -> "TrainConfig":
+        """A validated copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _choice(name: str, value, allowed: tuple) -> None:
+    if value not in allowed:
+        shown = ", ".join(repr(a) for a in allowed)
+        raise ValueError(f"{name} must be one of {shown}; got {value!r}")
