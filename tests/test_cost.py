@@ -25,7 +25,8 @@ HAND_P4 = [
     ("onebit", {}, 187500.0, 2, [125_000, 31_250]),
     ("pbit", {}, 750000.0, 1, [500_000]),
     ("pbit", {"bits": 8}, 1.5e6, 1, [1_000_000]),
-    ("pbit", {"quantizer": 7}, 1.5e6, 1, [1_000_000]),  # 2·7·4 = 56 > 15 -> 8-bit lanes
+    ("pbit", {"quantizer": "l1"}, 1.5e6, 1, [1_000_000]),  # multi-level quantizers: 8-bit lanes
+    ("pbit", {"quantizer": "sign"}, 750000.0, 1, [500_000]),  # {-1,0,1} -> [0,2]: 2·4 = 8 <= 15
 ]
 
 
@@ -56,18 +57,22 @@ def test_padding_and_single_worker():
     assert predicted_bytes("gather", 1001, 3)["payload_bytes"] == [126]
     assert predicted_bytes("pbit", 1001, 3, bits=2)["payload_bytes"] == [251]
     for m in cost.METHODS:
-        one = predicted_bytes(m, N, 1)
-        assert one["bytes_sent"] == 0 and one["n_collectives"] == 0
+        one = predicted_bytes(m, N, 1)  # nothing travels, but the vote still calls the collectives
+        assert one["bytes_sent"] == 0 and one["n_collectives"] == (2 if m == "onebit" else 1)
         assert predicted_time(m, N, 1, 1e-3, 1e-9) == 0.0
+        assert predicted_bytes(m, 0, 4)["n_collectives"] == 0  # empty tensors short-cut
 
 
 def test_lane_widths():
     assert [predicted_bytes("pbit", 8, p)["bits"] for p in (2, 3, 4, 15, 16, 255)] == [2, 2, 4, 4, 8, 8]
     assert method_valid("pbit", 15, bits=4) and not method_valid("pbit", 16, bits=4)
     assert not method_valid("pbit", 256)  # binary signs overflow even 8-bit lanes
-    assert method_valid("pbit", 31, quantizer=4) and not method_valid("pbit", 32, quantizer=4)
+    # 'sign' sends {-1,0,1} offset to [0,2]: 2P <= 2^w - 1
+    assert method_valid("pbit", 7, bits=4, quantizer="sign") and not method_valid("pbit", 8, bits=4, quantizer="sign")
+    # multi-level quantizers take s = floor((2^w-1)/2P) levels and need s >= 1
+    assert method_valid("pbit", 127, quantizer="l1") and not method_valid("pbit", 128, quantizer="l1")
     assert method_valid("sign_allreduce", 127) and not method_valid("sign_allreduce", 128)
-    assert not method_valid("onebit", 4, quantizer=7) and not method_valid("gather", 4, quantizer=7)
+    assert not method_valid("onebit", 4, quantizer="l1") and not method_valid("gather", 4, quantizer="l1")
 
 
 @pytest.mark.parametrize(
@@ -80,7 +85,8 @@ def test_lane_widths():
         (lambda: predicted_bytes("sign_allreduce", N, 128), "world_size=128"),
         (lambda: predicted_bytes("grad", -1, 4), "n"),
         (lambda: predicted_bytes("grad", N, 0), "world_size"),
-        (lambda: predicted_bytes("pbit", N, 4, quantizer=0), "quantizer"),
+        (lambda: predicted_bytes("pbit", N, 4, quantizer="l3"), "quantizer"),
+        (lambda: predicted_bytes("onebit", N, 4, quantizer="l1"), "quantizer='l1'"),
         (lambda: predicted_time("grad", N, 4, -1.0, 1e-9), "alpha"),
         (lambda: predicted_time("grad", N, 4, 1e-4, float("nan")), "beta"),
         (lambda: choose_method(N, 256, 1e-4, 1e-9, candidates=("pbit", "sign_allreduce")), "no candidate"),
@@ -129,7 +135,7 @@ def test_choose_explicit_widths_and_quantizer():
     assert choose_method(N, 16, 5e-5, 1e-9, candidates=[("pbit", 4), ("pbit", 8)]) == ("pbit", 8)
     assert choose_method(N, 15, 5e-5, 1e-9, candidates=[("pbit", 4), ("pbit", 8)]) == ("pbit", 4)
     # multi-level values cannot ride the 1-bit paths
-    assert choose_method(N, 4, 5e-5, 1e-9, quantizer=7, candidates=("onebit", "gather", "pbit")) == ("pbit", 8)
+    assert choose_method(N, 4, 5e-5, 1e-9, quantizer="l1", candidates=("onebit", "gather", "pbit")) == ("pbit", 8)
     # bf16 gradients lose to any vote once bandwidth matters
     assert choose_method(N, 4, 5e-5, 1e-9, candidates=("grad", "pbit")) == ("pbit", 4)
 
@@ -144,14 +150,35 @@ def test_fit_recovers_synthetic_alpha_beta():
         fit_alpha_beta([10, 10], [1.0, 2.0], P)
 
 
-def _calibrate_worker(rank, world_size):
-    return cost.calibrate(sizes=(1 << 10, 1 << 16, 1 << 20), repeats=2)
+def _live_worker(rank, world_size):
+    import torch
+
+    from lioncub.comm import CommStats
+    from lioncub.vote import majority_vote
+
+    sent = {}
+    for method, kw in [("sign_allreduce", {}), ("gather", {}), ("onebit", {}), ("pbit", {}),
+                       ("pbit", {"bits": 8}), ("pbit", {"quantizer": "l1"})]:
+        for n in (1, 1001, 4096):
+            stats = CommStats()
+            majority_vote(torch.randn(n), method=method, step=0, stats=stats, **kw)
+            sent[(method, kw.get("bits"), kw.get("quantizer"), n)] = (stats.bytes_sent, stats.n_collectives)
+    return cost.calibrate(sizes=(1 << 10, 1 << 16, 1 << 20), repeats=2), sent
 
 
-def test_calibrate_two_workers_agree():
+def test_live_two_workers_calibrate_and_vote_bytes():
+    """One gloo group (spawning costs ~6 s): calibrate agrees across ranks, and the
+    bytes/collectives the real vote records are the model's, padding included (STYLE.md #5)."""
     from tests.dist import run_workers
 
-    (a0, b0), (a1, b1) = run_workers(_calibrate_worker, 2)
-    assert (a0, b0) == (a1, b1)
+    P = 2
+    (ab0, sent0), (ab1, sent1) = run_workers(_live_worker, P)
+    a0, b0 = ab0
+    assert ab0 == ab1
     assert 0 < a0 < 1 and math.isfinite(a0)
     assert 0 < b0 < 1e-6 and math.isfinite(b0)  # loopback moves far more than 1 Mbit/s
+    assert sent0 == sent1
+    for (method, bits, quantizer, n), (nbytes, ncoll) in sent0.items():
+        want = predicted_bytes(method, n, P, bits=bits, quantizer=quantizer)
+        assert nbytes == pytest.approx(want["bytes_sent"]), (method, bits, quantizer, n)
+        assert ncoll == want["n_collectives"], (method, bits, quantizer, n)

@@ -51,32 +51,15 @@ __all__ = [
 ]
 
 
-def _lane_bits_for(world_size: int, levels: int | None = None) -> int:
-    """Smallest lane width in (2, 4, 8) that holds a SUM of ``world_size`` values."""
-    try:  # one source of truth once the core ships it
-        from lioncub.packing import lane_bits_for
-    except ImportError:
-        lane_bits_for = None
-    if lane_bits_for is not None:
-        return lane_bits_for(world_size, levels)
-    top = world_size if levels is None else 2 * levels * world_size  # largest lane sum
-    for w in LANE_BITS:
-        if top <= (1 << w) - 1:
-            return w
-    raise ValueError(
-        f"world_size={world_size} with levels={levels} needs a lane sum of {top}; "
-        f"the widest lane ({LANE_BITS[-1]} bits) holds {(1 << LANE_BITS[-1]) - 1}"
-    )
+def _pbit_width(world_size: int, bits: int | None, quantizer) -> int:
+    """Lane width the ``pbit`` vote uses; ValueError when its lanes would overflow.
 
+    Defers to :func:`lioncub.vote.pbit_levels` (itself built on
+    :func:`lioncub.packing.lane_bits_for`) so there is one source of truth.
+    """
+    from lioncub.vote import pbit_levels  # lazy: vote may one day import this module
 
-def _levels(quantizer) -> int | None:
-    """``None`` (binary signs), an int s (values in [-s, s]) or an object with ``.levels``."""
-    if quantizer is None:
-        return None
-    s = getattr(quantizer, "levels", quantizer)
-    if isinstance(s, bool) or not isinstance(s, int) or s < 1:
-        raise ValueError(f"quantizer must be None, an int s >= 1 or have .levels; got {quantizer!r}")
-    return s
+    return pbit_levels(world_size, bits, quantizer)[0]
 
 
 def _check_common(method: str, n: int, world_size: int) -> None:
@@ -89,29 +72,31 @@ def _check_common(method: str, n: int, world_size: int) -> None:
 
 
 def method_valid(method: str, world_size: int, *, bits: int | None = None, quantizer=None) -> bool:
-    """Whether ``method`` (with lane width ``bits`` for pbit) is exact for ``world_size`` workers.
+    """Whether ``method`` (lane width ``bits``, ``quantizer`` for pbit) is exact for ``world_size``.
 
-    sign_allreduce sums int8 values: P·s ≤ 127 (s = 1 for signs). gather and onebit
-    carry one bit, so only binary signs. pbit needs 2s·P ≤ 2^w - 1 (P ≤ 2^w - 1 for signs).
+    sign_allreduce sums int8 signs: P <= 127. gather and onebit carry one bit (no
+    quantizer). pbit needs 2s·P <= 2^w - 1 (P <= 2^w - 1 for binary signs); see
+    :func:`lioncub.vote.pbit_levels`. Malformed ``bits``/``quantizer`` raise ValueError.
     """
     _check_common(method, 0, world_size)
-    s = _levels(quantizer)
-    if method == "grad":
-        return True
+    if quantizer is not None:
+        from lioncub.quantize import QUANTIZERS
+
+        if quantizer not in QUANTIZERS:
+            raise ValueError(f"quantizer must be None or one of {QUANTIZERS}; got {quantizer!r}")
+        if method in ("sign_allreduce", "gather", "onebit"):
+            return False  # the vote takes a quantizer for pbit only
     if method == "sign_allreduce":
-        return world_size * (s or 1) <= 127
-    if method in ("gather", "onebit"):
-        return s is None
-    if bits is None:
-        try:
-            _lane_bits_for(world_size, s)
-        except ValueError:
-            return False
+        return world_size <= 127
+    if method != "pbit":  # grad, gather, onebit: any world size
         return True
-    if bits not in LANE_BITS:
-        raise ValueError(f"bits must be one of {LANE_BITS}; got {bits!r}")
-    top = world_size if s is None else 2 * s * world_size
-    return top <= (1 << bits) - 1
+    if bits is not None and bits not in LANE_BITS:
+        raise ValueError(f"bits must be None or one of {LANE_BITS} for method 'pbit'; got {bits!r}")
+    try:
+        _pbit_width(world_size, bits, quantizer)
+    except ValueError:  # lanes overflow, or no quantization level left
+        return False
+    return True
 
 
 def _plan(method, n, world_size, bits, grad_dtype, quantizer):
@@ -133,7 +118,7 @@ def _plan(method, n, world_size, bits, grad_dtype, quantizer):
     if method == "onebit":
         N = math.ceil(n / (8 * P)) * P  # padded so each rank owns N/P whole bytes
         return [("all_to_all", N), ("all_gather", N // P)], None
-    w = bits if bits is not None else _lane_bits_for(P, _levels(quantizer))
+    w = _pbit_width(P, bits, quantizer)
     return [("allreduce", math.ceil(n * w / 8))], w
 
 
@@ -164,11 +149,13 @@ def predicted_bytes(method: str, n: int, world_size: int, *, bits: int | None = 
 
     Returns ``{'bytes_sent', 'bytes_recv', 'n_collectives', 'payload_bytes', 'bits'}``;
     ``payload_bytes`` lists the tensor size in bytes handed to each collective and
-    ``bits`` the lane width used (pbit only). ``P == 1``: zero bytes, zero collectives.
+    ``bits`` the lane width used (pbit only). ``P == 1`` sends zero bytes but still
+    issues the collectives (as :func:`lioncub.vote.majority_vote` does); ``n == 0``
+    issues none.
     """
     plan, w = _plan(method, n, world_size, bits, grad_dtype, quantizer)
-    if world_size == 1:
-        plan = []
+    if n == 0:
+        plan = []  # the vote short-cuts empty tensors
     sent = sum(_sent(kind, b, world_size) for kind, b in plan)
     return {
         "bytes_sent": float(sent),
@@ -206,7 +193,7 @@ def _expand(candidates: Iterable, world_size: int, quantizer) -> list[tuple[str,
         if not method_valid(method, world_size, bits=bits, quantizer=quantizer):
             continue
         if method == "pbit" and bits is None:
-            bits = _lane_bits_for(world_size, _levels(quantizer))
+            bits = _pbit_width(world_size, None, quantizer)
         out.append((method, bits))
     return out
 
