@@ -1,0 +1,30 @@
+"""Lion Cub: communication-efficient distributed Lion (arXiv 2411.16462).
+
+Public API::
+
+    lioncub.Lion            single-process Lion (torch.optim.Optimizer)
+    lioncub.LionCub         distributed Lion by majority vote, 1-8 bits per element
+    lioncub.majority_vote   the vote collective; lioncub.reference_vote its exact reference
+    lioncub.quantize        the quantizers (sign, l1, lp, l0, linf, log)
+"""
+from .comm import CommStats
+from .distributed import GRAD_DTYPES, OPTIMIZER_VOTES, LionCub
+from .lion import Lion
+from .quantize import QUANTIZERS, Quantized, quantize
+from .vote import VOTE_METHODS, majority_vote, reference_vote
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CommStats",
+    "GRAD_DTYPES",
+    "Lion",
+    "LionCub",
+    "OPTIMIZER_VOTES",
+    "QUANTIZERS",
+    "Quantized",
+    "VOTE_METHODS",
+    "majority_vote",
+    "quantize",
+    "reference_vote",
+]

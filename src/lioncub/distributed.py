@@ -1,0 +1,297 @@
+r"""Distributed Lion by majority vote: the :class:`LionCub` optimizer (DESIGN.md §2).
+
+On each of P ranks, for every parameter, with local gradient :math:`g_i` and local
+momentum :math:`m_i`::
+
+    c_i = β1·m_i + (1-β1)·g_i                     # local, never communicated in full
+    u   = sign(Σ_i q(c_i))                         # majority_vote, 1–8 bits per element
+    θ  ← θ·(1 - η·λ) - η·u                         # the same u on every rank
+    m_i ← β2·m_i + (1-β2)·g_i                      # momenta stay local and drift apart
+
+Replicas stay bit-identical because every rank applies the same ``u`` to the same
+``θ``. ``vote='grad'`` is the baseline (averaged fp32/bf16 gradients, then plain
+Lion, identical momenta). The arithmetic lives in :mod:`lioncub.lion` and
+:mod:`lioncub.vote`; this class only gathers tensors into buckets and orchestrates.
+
+Buckets: parameters are flattened into buckets of at most ``bucket_mb`` MiB of
+fp32, in reverse registration order (the order backward produces gradients, as in
+DDP), and each bucket is voted with one collective (two for ``onebit``).
+
+Missing gradients: at every step the ranks agree (one small all-reduce) on which
+parameters have a gradient anywhere. A parameter with no gradient on any rank is
+skipped, as :class:`~lioncub.Lion` skips it. A parameter with a gradient on some
+ranks only is treated as having a zero gradient on the others (its vote there is
+``β1·m_i``), so no rank waits for a collective the others never issue.
+
+Example (``torchrun --nproc-per-node 4 train.py``)::
+
+    dist.init_process_group("gloo")
+    model = Net()
+    opt = lioncub.LionCub(model.parameters(), lr=3e-4, vote="pbit")  # 4-bit lanes
+    for x, y in loader:                     # each rank its own shard
+        loss_fn(model(x), y).backward()
+        opt.step(); opt.zero_grad()
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import comm
+from .comm import CommStats
+from .lion import _validate_hyperparameters, apply_update_, interpolate, lion
+from .quantize import QUANTIZERS
+from .vote import VOTE_METHODS, majority_vote, pbit_levels
+
+__all__ = ["LionCub", "OPTIMIZER_VOTES", "GRAD_DTYPES"]
+
+OPTIMIZER_VOTES = ("grad",) + VOTE_METHODS
+GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _world(group) -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError("process_group was given but torch.distributed is not initialised")
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+class LionCub(torch.optim.Optimizer):
+    """Lion with a compressed majority vote across data-parallel ranks.
+
+    Args:
+        params: iterable of parameters or param-group dicts (``lr``, ``betas``,
+            ``weight_decay`` per group).
+        lr, betas, weight_decay: as :class:`lioncub.Lion`.
+        vote: ``'grad'`` (gradient all-reduce baseline), ``'sign_allreduce'``,
+            ``'gather'``, ``'onebit'`` or ``'pbit'`` (see :mod:`lioncub.vote`).
+        bits: ``pbit`` lane width (2, 4 or 8); None picks the smallest valid one.
+        quantizer: ``pbit`` only: None (binary signs, the paper's 4-bit Lion Cub),
+            or one of ``'sign', 'l1', 'lp', 'l0', 'linf', 'log'``.
+        grad_dtype: ``vote='grad'`` only: ``'fp32'`` or ``'bf16'`` all-reduce.
+        process_group: the data-parallel group (default: the world).
+        bucket_mb: bucket size in MiB of fp32 elements.
+        maximize: maximise the objective.
+        seed: seeds the stochastic quantizer's generator (``seed + rank``).
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+        *,
+        vote: str = "pbit",
+        bits: Optional[int] = None,
+        quantizer: Optional[str] = None,
+        grad_dtype: str = "fp32",
+        process_group=None,
+        bucket_mb: float = 25.0,
+        maximize: bool = False,
+        seed: int = 0,
+    ):
+        _validate_hyperparameters(lr, betas, weight_decay)
+        if vote not in OPTIMIZER_VOTES:
+            raise ValueError(f"vote must be one of {OPTIMIZER_VOTES}, got {vote!r}")
+        if grad_dtype not in GRAD_DTYPES:
+            raise ValueError(f"grad_dtype must be one of {tuple(GRAD_DTYPES)}, got {grad_dtype!r}")
+        if quantizer is not None and quantizer not in QUANTIZERS:
+            raise ValueError(f"quantizer must be None or one of {QUANTIZERS}, got {quantizer!r}")
+        if vote != "pbit" and (bits is not None or quantizer is not None):
+            raise ValueError(f"bits and quantizer apply to vote='pbit' only, got vote={vote!r}")
+        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be a number > 0, got {bucket_mb!r}")
+        self.rank, self.world_size = _world(process_group)
+        if vote == "pbit":
+            pbit_levels(self.world_size, bits, quantizer)  # refuses lanes that would overflow
+        if vote == "sign_allreduce" and self.world_size > 127:
+            raise ValueError(f"vote='sign_allreduce' needs world size <= 127, got {self.world_size}")
+        self.vote, self.bits, self.quantizer, self.grad_dtype = vote, bits, quantizer, grad_dtype
+        self.group, self.bucket_mb, self.seed = process_group, float(bucket_mb), seed
+        defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize)
+        super().__init__(params, defaults)
+        self._check_params()
+        self.generator = torch.Generator().manual_seed(seed + self.rank)
+        self.steps = 0  # completed steps: sets the tie/zero parity of the 1-bit votes
+        self.last_step_stats = CommStats()
+        self._buckets = self._make_buckets()
+        self._broadcast_parameters()
+
+    # ------------------------------------------------------------------ set-up
+    def _params(self) -> list[tuple[dict, Tensor]]:
+        return [(g, p) for g in self.param_groups for p in g["params"]]
+
+    def _check_params(self) -> None:
+        for i, (_, p) in enumerate(self._params()):
+            if not torch.is_floating_point(p):
+                raise TypeError(f"parameter {i} has dtype {p.dtype}; LionCub needs floating-point params")
+            if p.is_sparse:
+                raise TypeError(f"parameter {i} is sparse; LionCub supports dense parameters only")
+
+    def _make_buckets(self) -> list[list[int]]:
+        """Parameter indices per bucket, last-registered first (backward order)."""
+        limit = max(1, int(self.bucket_mb * 2**20 / 4))
+        buckets, current, size = [], [], 0
+        params = self._params()
+        for i in reversed(range(len(params))):
+            n = params[i][1].numel()
+            if current and size + n > limit:
+                buckets.append(current)
+                current, size = [], 0
+            current.append(i)
+            size += n
+        if current:
+            buckets.append(current)
+        return buckets
+
+    @torch.no_grad()
+    def _broadcast_parameters(self) -> None:
+        """Start every replica from rank 0's parameters (one broadcast per bucket)."""
+        if self.world_size == 1:
+            return
+        params = [p for _, p in self._params()]
+        for idx in self._buckets:
+            ts = [params[i] for i in idx]
+            flat = torch.cat([t.detach().reshape(-1).double() for t in ts])
+            dist.broadcast(flat, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
+            for t, piece in zip(ts, flat.split([t.numel() for t in ts])):
+                t.copy_(piece.view_as(t))
+
+    # ------------------------------------------------------------------ step
+    def _agree_active(self, params: list[Tensor], stats: CommStats) -> list[bool]:
+        """Which params have a gradient on at least one rank (one tiny all-reduce)."""
+        has = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)
+        if self.world_size > 1 and has.numel():
+            comm.all_reduce(has, self.group, stats)
+        return (has > 0).tolist()
+
+    def _grads(self, params: list[Tensor]) -> list[Tensor]:
+        grads = []
+        for i, p in enumerate(params):
+            g = p.grad
+            if g is None:
+                g = torch.zeros_like(p)
+            elif g.is_sparse:
+                raise TypeError(f"parameter {i} has a sparse gradient; LionCub supports dense gradients only")
+            grads.append(g)
+        return grads
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None):
+        """One step for every rank. Collective: every rank must call it every iteration."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        stats = CommStats()
+        entries = self._params()
+        params = [p for _, p in entries]
+        active = self._agree_active(params, stats)
+        for idx in self._buckets:
+            idx = [i for i in idx if active[i]]
+            if idx:
+                self._step_bucket([entries[i] for i in idx], stats)
+        self.steps += 1
+        self.last_step_stats = stats
+        return loss
+
+    def _init_state(self, p: Tensor) -> Tensor:
+        state = self.state[p]
+        if "exp_avg" not in state:
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state["exp_avg"]
+
+    def _by_group(self, entries):
+        """Split a bucket's (group, param) entries into runs that share a param group."""
+        runs: list[tuple[dict, list[int]]] = []
+        for k, (g, _) in enumerate(entries):
+            if runs and runs[-1][0] is g:
+                runs[-1][1].append(k)
+            else:
+                runs.append((g, [k]))
+        return runs
+
+    def _step_bucket(self, entries: list[tuple[dict, Tensor]], stats: CommStats) -> None:
+        params = [p for _, p in entries]
+        grads = self._grads(params)
+        exp_avgs = [self._init_state(p) for p in params]
+        runs = self._by_group(entries)
+        if self.vote == "grad":
+            return self._step_grad(params, grads, exp_avgs, runs, stats)
+        t0 = time.perf_counter()
+        cs: list[Tensor] = [None] * len(params)  # type: ignore[list-item]
+        for g, ks in runs:
+            out = interpolate([exp_avgs[k] for k in ks], [grads[k] for k in ks], g["betas"][0],
+                              maximize=g["maximize"], foreach=True)
+            for k, c in zip(ks, out):
+                cs[k] = c
+        stats.t_apply += time.perf_counter() - t0
+        if self.world_size == 1:  # no one to vote with: this is Lion
+            us = [c.sign_() for c in cs]
+        else:
+            t0 = time.perf_counter()
+            flat = torch.cat([c.reshape(-1).float() for c in cs])
+            stats.t_quantize_pack += time.perf_counter() - t0
+            u = majority_vote(flat, method=self.vote, bits=self.bits, quantizer=self.quantizer,
+                              step=self.steps, group=self.group, stats=stats, generator=self.generator)
+            us = [piece.view_as(p).to(p.dtype) for piece, p in zip(u.split([p.numel() for p in params]), params)]
+        t0 = time.perf_counter()
+        for g, ks in runs:
+            apply_update_([params[k] for k in ks], [us[k] for k in ks], [exp_avgs[k] for k in ks],
+                          [grads[k] for k in ks], lr=g["lr"], beta2=g["betas"][1],
+                          weight_decay=g["weight_decay"], maximize=g["maximize"], foreach=True)
+        stats.t_apply += time.perf_counter() - t0
+
+    def _step_grad(self, params, grads, exp_avgs, runs, stats: CommStats) -> None:
+        """Baseline: average gradients in ``grad_dtype`` with one all-reduce, then plain Lion."""
+        if self.world_size > 1:
+            t0 = time.perf_counter()
+            flat = torch.cat([g.reshape(-1).to(GRAD_DTYPES[self.grad_dtype]) for g in grads])
+            stats.t_quantize_pack += time.perf_counter() - t0
+            comm.all_reduce(flat, self.group, stats)
+            t0 = time.perf_counter()
+            flat.div_(self.world_size)
+            grads = [piece.view_as(p).to(p.dtype) for piece, p in zip(flat.split([p.numel() for p in params]), params)]
+            stats.t_unpack_vote += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for g, ks in runs:
+            lion([params[k] for k in ks], [grads[k] for k in ks], [exp_avgs[k] for k in ks],
+                 lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1],
+                 weight_decay=g["weight_decay"], maximize=g["maximize"], foreach=True)
+        stats.t_apply += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        sd["lioncub"] = {
+            "steps": self.steps,
+            "generator": self.generator.get_state(),
+            "vote": self.vote,
+            "bits": self.bits,
+            "quantizer": self.quantizer,
+            "grad_dtype": self.grad_dtype,
+            "world_size": self.world_size,
+            "rank": self.rank,
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        extra = state_dict.get("lioncub")
+        if extra is None:
+            raise ValueError("state_dict has no 'lioncub' entry: it was not saved by LionCub.state_dict()")
+        for key in ("vote", "bits", "quantizer", "grad_dtype"):
+            if extra[key] != getattr(self, key):
+                raise ValueError(
+                    f"checkpoint was saved with {key}={extra[key]!r} but this optimizer has "
+                    f"{key}={getattr(self, key)!r}"
+                )
+        base = {k: v for k, v in state_dict.items() if k != "lioncub"}
+        super().load_state_dict(base)
+        self.steps = int(extra["steps"])
+        self.generator.set_state(extra["generator"])
