@@ -36,7 +36,7 @@ METHODS = ("grad", "sign_allreduce", "gather", "onebit", "pbit")
 VOTE_METHODS = ("sign_allreduce", "gather", "onebit", "pbit")
 GRAD_DTYPES = {"fp32": 4, "bf16": 2}
 LANE_BITS = (2, 4, 8)
-DEFAULT_PROBE_SIZES = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
+DEFAULT_PROBE_SIZES = (4 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 
 __all__ = [
     "METHODS",
