@@ -9,11 +9,13 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
+from ..distributed import OPTIMIZER_VOTES
+
 GPT_MODELS = ("gpt-tiny", "gpt-mini", "gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1.5b")
 IMAGE_MODELS = ("resnet18", "resnet50", "vit-tiny")
 MODELS = GPT_MODELS + IMAGE_MODELS
 OPTIMIZERS = ("lion", "lioncub", "adamw")
-VOTES = ("grad", "sign_allreduce", "gather", "onebit", "pbit", "auto")
+VOTES = tuple(OPTIMIZER_VOTES)  # whatever LionCub accepts: grad, sign_allreduce, gather, onebit, pbit, ...
 QUANTIZERS = (None, "sign", "l1", "lp", "l0", "linf", "log")
 DEVICES = ("auto", "cpu", "cuda")
 

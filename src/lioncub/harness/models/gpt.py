@@ -138,7 +138,7 @@ class GPT(nn.Module):
         logits = self.head(self.ln_f(x))  # (B, T, vocab)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1))
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
         return logits, loss
 
 

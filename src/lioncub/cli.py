@@ -1,0 +1,150 @@
+"""``lioncub`` command line: a thin dispatcher, one function pair per subcommand.
+
+    lioncub train [flags]      train (default: baseline vs Lion Cub on Shakespeare, 4 workers)
+    lioncub prepare [--data]   tokenise a text corpus into train.bin/val.bin
+    lioncub plot RUN_DIR...    overlay runs' loss curves into one PNG
+
+To add a subcommand: write ``_add_NAME(subparsers)`` (which sets ``func``) and
+``cmd_NAME(args) -> int``, and list ``_add_NAME`` in ``_SUBCOMMANDS``. Heavy
+imports stay inside the ``cmd_`` functions (the harness, matplotlib) so other subcommands do not pay for them.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .harness.config import DEVICES, MODELS, OPTIMIZERS, QUANTIZERS, VOTES, TrainConfig
+
+
+def _add_train(sub) -> None:
+    d = TrainConfig()
+    p = sub.add_parser("train", help="train a model data-parallel (default: Lion vs Lion Cub side by side)",
+                       description="Train with Lion / Lion Cub / AdamW on local workers (--nproc) or under "
+                       "torchrun. With neither --optimizer nor --vote, runs the comparison: Lion's gradient "
+                       "allreduce (vote='grad') vs Lion Cub (pbit), then prints a summary and writes loss.png.")
+    p.add_argument("--model", choices=MODELS, default=d.model)
+    p.add_argument("--data", default=None, help="shakespeare | digits | DIR with train.bin/val.bin | FILE.txt | "
+                   "FILE.npz | image folder (default: shakespeare for GPT, digits for images)")
+    p.add_argument("--cache-dir", default=d.cache_dir, help="where prepared token files go (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="per worker")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="GPT context length")
+    p.add_argument("--vocab-size", type=int, default=None, help="GPT vocabulary (default: from the data)")
+    p.add_argument("--untied", dest="tied_embeddings", action="store_false", help="untie GPT input/output embeddings")
+    p.add_argument("--dropout", type=float, default=d.dropout)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--lr-embed", type=float, default=None, help="learning rate of embeddings (default: --lr)")
+    p.add_argument("--lr-head", type=float, default=None, help="learning rate of the output head (default: --lr)")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--betas", type=float, nargs=2, default=d.betas, metavar=("B1", "B2"))
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help=f"default: {d.optimizer}")
+    p.add_argument("--vote", choices=VOTES, default=None, help=f"LionCub vote (default: {d.vote})")
+    p.add_argument("--bits", type=int, choices=(1, 2, 4, 8), default=None, help="pbit lane width")
+    p.add_argument("--quantizer", choices=[q for q in QUANTIZERS if q], default=None)
+    p.add_argument("--grad-dtype", choices=("fp32", "bf16"), default=d.grad_dtype)
+    p.add_argument("--nproc", type=int, default=d.nproc, help="local workers when not under torchrun")
+    p.add_argument("--device", choices=DEVICES, default=d.device)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--eval-every", type=int, default=d.eval_every)
+    p.add_argument("--eval-batches", type=int, default=d.eval_batches)
+    p.add_argument("--log-every", type=int, default=d.log_every)
+    p.add_argument("--ckpt-every", type=int, default=d.ckpt_every)
+    p.add_argument("--resume", nargs="?", const="", default=None, metavar="PATH",
+                   help="continue from PATH (a checkpoint or run dir); bare --resume: the --out run's latest")
+    p.add_argument("--out", default=d.out, help="run directory (default: %(default)s)")
+    p.add_argument("--name", default=None, help="run label")
+    p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
+                   help="train baseline (vote=grad) and Lion Cub side by side (default: on unless "
+                   "--optimizer or --vote is given)")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.set_defaults(func=cmd_train, parser=p)
+
+
+def cmd_train(args) -> int:
+    compare = args.compare if args.compare is not None else (args.optimizer is None and args.vote is None)
+    fields = {k: v for k, v in vars(args).items() if k not in ("func", "parser", "compare", "command")}
+    fields["optimizer"] = fields["optimizer"] or "lioncub"
+    fields["vote"] = fields["vote"] or "pbit"
+    fields["betas"] = tuple(fields["betas"])
+    if fields["resume"] == "":
+        fields["resume"] = fields["out"]
+    if compare and fields["resume"] is not None:
+        args.parser.error("--resume applies to a single run; add --no-compare (or --optimizer/--vote)")
+    try:
+        config = TrainConfig(**fields)
+    except ValueError as exc:
+        args.parser.error(str(exc))
+    if compare:
+        from .harness.compare import run_compare
+
+        run_compare(config)
+        return 0
+    from .harness.train import run
+
+    summary = run(config)
+    if summary is not None and int(os.environ.get("RANK", 0)) == 0:
+        from .harness.compare import format_table
+
+        print(format_table([summary]))
+        print(f"\nwrote {config.out}/metrics.jsonl and {config.out}/summary.csv")
+    return 0
+
+
+def _add_prepare(sub) -> None:
+    p = sub.add_parser("prepare", help="tokenise a text corpus into train.bin/val.bin (byte-level)")
+    p.add_argument("--data", default="shakespeare", help="shakespeare | FILE.txt")
+    p.add_argument("--out", default=None, help="output directory (default: the cache dir's entry)")
+    p.add_argument("--cache-dir", default=TrainConfig().cache_dir)
+    p.set_defaults(func=cmd_prepare, parser=p)
+
+
+def cmd_prepare(args) -> int:
+    from .harness.data.text import prepare, prepared_dir, read_meta
+
+    try:
+        out = prepare(args.data, args.out or prepared_dir(args.data, args.cache_dir))
+    except ValueError as exc:
+        args.parser.error(str(exc))
+    meta = read_meta(out)
+    print(f"wrote {out}/train.bin ({meta['train_tokens']:,} tokens) and val.bin ({meta['val_tokens']:,} tokens)")
+    return 0
+
+
+def _add_plot(sub) -> None:
+    p = sub.add_parser("plot", help="overlay runs' loss curves (loss vs step and vs time) in one PNG")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="directories holding metrics.jsonl")
+    p.add_argument("-o", "--output", default="loss.png", help="PNG to write (default: %(default)s)")
+    p.add_argument("--title", default=None)
+    p.set_defaults(func=cmd_plot, parser=p)
+
+
+def cmd_plot(args) -> int:
+    from .harness.plot import plot_runs
+
+    try:
+        print(f"wrote {plot_runs(args.runs, args.output, title=args.title)}")
+    except ValueError as exc:
+        args.parser.error(str(exc))
+    return 0
+
+
+_SUBCOMMANDS = [_add_train, _add_prepare, _add_plot]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lioncub", description="Lion Cub: communication-efficient distributed Lion")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in _SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

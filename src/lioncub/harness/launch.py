@@ -1,0 +1,93 @@
+"""Process launch: under ``torchrun`` (env:// rendezvous) or spawning local workers.
+
+``launch(fn, config)`` returns ``fn(config)`` as computed on rank 0:
+
+- inside an initialised process group: calls ``fn`` directly (the caller owns the group);
+- under torchrun (RANK/WORLD_SIZE in the environment): joins the env:// rendezvous,
+  single or multi node, NCCL when the device is CUDA, gloo otherwise;
+- else: spawns ``config.nproc`` workers on this machine (TCP rendezvous on loopback).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """``auto`` -> cuda:LOCAL_RANK when CUDA is present, else cpu."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but CUDA is not available; use 'auto' or 'cpu'")
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def _backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def launch(fn, config):
+    """Run ``fn(config)`` on every rank of a process group; return rank 0's result."""
+    if dist.is_available() and dist.is_initialized():
+        return fn(config)
+    if under_torchrun():
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        device = resolve_device(config.device, local_rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(_backend(device), init_method="env://", timeout=_TIMEOUT)
+        try:
+            return fn(config)
+        finally:
+            dist.destroy_process_group()
+    return spawn_local(fn, config, config.nproc)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_local(fn, config, nproc: int):
+    """Spawn ``nproc`` local workers running ``fn(config)``; return rank 0's result."""
+    port = _free_port()
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_worker, args=(nproc, port, fn, config, tmp), nprocs=nproc, join=True,
+                           start_method="spawn")
+        with open(os.path.join(tmp, "result.pkl"), "rb") as f:
+            return pickle.load(f)
+
+
+def _worker(rank: int, world_size: int, port: int, fn, config, tmp: str) -> None:
+    # Share the cores: 4 workers on a 2-core laptop get one thread each.
+    threads = max(1, (os.cpu_count() or 1) // world_size)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    device = resolve_device(config.device, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(_backend(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=_TIMEOUT)
+    try:
+        result = fn(config)
+        if rank == 0:
+            with open(os.path.join(tmp, "result.pkl"), "wb") as f:
+                pickle.dump(result, f)
+    finally:
+        dist.destroy_process_group()

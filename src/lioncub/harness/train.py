@@ -1,0 +1,242 @@
+"""The training loop behind ``lioncub train``.
+
+``run(config) -> summary`` launches the workers (see ``launch.py``) and returns
+rank 0's summary. Each step, per rank::
+
+    x, y   = loader.next_batch()            # this rank's own shard
+    loss   = model(x, y); loss.backward()   # timed: "compute"
+    opt.step()                              # vote timing and bytes from opt.last_step_stats
+                                            # (harness-timed gradient allreduce for lion/adamw)
+
+and every ``log_every`` steps one record goes to ``RUN/metrics.jsonl``::
+
+    {"kind": "step", "step", "loss" (mean over ranks), "lr", "t_step", "t_compute",
+     "t_vote", "t_other", "bytes_sent", "bytes_recv", "n_collectives", "tokens_per_s",
+     "train_time" (sum of t_step so far), "elapsed" (wall time incl. evals)}
+    {"kind": "eval", "step", "val_loss", ["val_acc"], "train_time", "elapsed"}
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .. import Lion, LionCub
+from . import checkpoint
+from .config import TrainConfig
+from .data import (ImageLoader, TokenLoader, ensure_prepared, eval_batches, image_eval_batches,
+                   load_images, read_meta)
+from .launch import launch, resolve_device
+from .metrics import MetricsWriter, ProgressBar, progress_enabled, write_csv
+from .models import build_model, param_groups
+
+
+def run(config: TrainConfig) -> dict:
+    """Train per ``config`` (spawning or joining workers as needed); return rank 0's summary."""
+    return launch(train_worker, config)
+
+
+def lr_factor(step: int, config: TrainConfig) -> float:
+    """Linear warm-up over ``warmup_steps``, then cosine decay to ``min_lr_ratio``."""
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    span = max(1, config.steps - config.warmup_steps)
+    progress = min(1.0, (step - config.warmup_steps) / span)
+    return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class _Data:
+    """The rank's training loader, its fixed validation batches and what the model needs to know."""
+
+    def __init__(self, config: TrainConfig, rank: int, world: int):
+        kw = dict(batch_size=config.batch_size, rank=rank, world_size=world, seed=config.seed)
+        if config.is_gpt:
+            if rank == 0:  # one rank tokenises; the others wait at the barrier
+                ensure_prepared(config.data, config.cache_dir)
+            dist.barrier()
+            token_dir = ensure_prepared(config.data, config.cache_dir)
+            self.info = read_meta(token_dir)
+            self.loader = TokenLoader(os.path.join(token_dir, "train.bin"), block_size=config.block_size, **kw)
+            self.val = list(eval_batches(os.path.join(token_dir, "val.bin"), block_size=config.block_size,
+                                         batch_size=config.batch_size, n_batches=config.eval_batches,
+                                         rank=rank, world_size=world))
+            self.items_per_step = config.batch_size * config.block_size * world  # tokens
+        else:
+            images = load_images(config.data, seed=config.seed)
+            self.info = images.info
+            self.loader = ImageLoader(images.x_train, images.y_train, **kw)
+            self.val = list(image_eval_batches(images.x_val, images.y_val, batch_size=config.batch_size,
+                                               n_batches=config.eval_batches, rank=rank, world_size=world))
+            self.items_per_step = config.batch_size * world  # images
+
+
+def _loss(model, x, y, is_gpt: bool):
+    if is_gpt:
+        return model(x, y)[1], None
+    logits = model(x)
+    return F.cross_entropy(logits.float(), y), (logits.argmax(-1) == y).sum()
+
+
+def make_optimizer(config: TrainConfig, groups: list[dict]):
+    """lioncub -> LionCub(vote=...); lion -> Lion; adamw -> AdamW (the last two with a harness allreduce)."""
+    if config.optimizer == "lioncub":
+        extra = dict(bits=config.bits, quantizer=config.quantizer) if config.vote == "pbit" else {}
+        return LionCub(groups, lr=config.lr, betas=config.betas, vote=config.vote, grad_dtype=config.grad_dtype,
+                       seed=config.seed, **extra)
+    if config.optimizer == "lion":
+        return Lion(groups, lr=config.lr, betas=config.betas)
+    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas)
+
+
+def _allreduce_grads(params: list[torch.Tensor], world: int) -> tuple[float, float]:
+    """Average gradients with one fp32 SUM allreduce; returns (seconds, ring-model bytes sent)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    t0 = time.perf_counter()
+    flat = torch.cat([g.reshape(-1) for g in grads]).float()
+    dist.all_reduce(flat)
+    flat /= world
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+    return time.perf_counter() - t0, 2 * (world - 1) / world * flat.numel() * 4
+
+
+@torch.no_grad()
+def evaluate(model, data: _Data, config: TrainConfig, device, autocast) -> dict:
+    """Mean validation loss (and accuracy for images) over every rank's fixed batches."""
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
+    for x, y in data.val:
+        x, y = x.to(device), y.to(device)
+        with autocast():
+            loss, correct = _loss(model, x, y, config.is_gpt)
+        totals[0] += loss.double() * len(y)
+        totals[1] += 0 if correct is None else correct.double()
+        totals[2] += len(y)
+    dist.all_reduce(totals)
+    model.train()
+    out = {"val_loss": (totals[0] / totals[2]).item()}
+    if not config.is_gpt:
+        out["val_acc"] = (totals[1] / totals[2]).item()
+    return out
+
+
+def train_worker(config: TrainConfig) -> dict:
+    """One rank's training run inside an initialised process group; returns the run summary."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = resolve_device(config.device, int(os.environ.get("LOCAL_RANK", rank)))
+    torch.manual_seed(config.seed)  # same init on every rank (LionCub also broadcasts rank 0's)
+    np.random.seed(config.seed + rank)
+    random.seed(config.seed + rank)
+    data = _Data(config, rank, world)
+    model = build_model(config, data.info).to(device)
+    if config.optimizer != "lioncub":
+        for t in model.state_dict().values():
+            dist.broadcast(t, src=0)
+    groups = param_groups(model, lr=config.lr, weight_decay=config.weight_decay,
+                          lr_embed=config.lr_embed, lr_head=config.lr_head)
+    base_lrs = [g["lr"] for g in groups]
+    opt = make_optimizer(config, groups)
+    params = [p for g in groups for p in g["params"]]
+    start = 0
+    if config.resume:
+        meta = checkpoint.load_checkpoint(checkpoint.find_checkpoint(config.resume), model=model,
+                                          optimizer=opt, loader=data.loader, device=device)
+        start = meta["step"]
+    cuda = device.type == "cuda"
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    writer = MetricsWriter(os.path.join(config.out, "metrics.jsonl"), enabled=rank == 0,
+                           truncate_after_step=start if config.resume else None)
+    bar = ProgressBar(config.steps, label=config.label, enabled=rank == 0 and progress_enabled(config.progress))
+    n_params = sum(p.numel() for p in params)
+    steps, evals, train_time, t_begin = [], [], 0.0, time.perf_counter()
+    model.train()
+    for step in range(start, config.steps):
+        lr_scale = lr_factor(step, config)
+        for g, base in zip(opt.param_groups, base_lrs):
+            g["lr"] = base * lr_scale
+        sync()
+        t0 = time.perf_counter()
+        x, y = data.loader.next_batch()
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        t1 = time.perf_counter()
+        with autocast():
+            loss, _ = _loss(model, x, y, config.is_gpt)
+        loss.backward()
+        sync()
+        t_compute = time.perf_counter() - t1
+        if config.optimizer == "lioncub":
+            opt.step()
+            s = opt.last_step_stats
+            t_vote = s.t_quantize_pack + s.t_collective + s.t_unpack_vote
+            comm = {"bytes_sent": s.bytes_sent, "bytes_recv": s.bytes_recv, "n_collectives": s.n_collectives}
+        else:
+            t_vote, sent = _allreduce_grads(params, world)
+            opt.step()
+            comm = {"bytes_sent": sent, "bytes_recv": sent, "n_collectives": 1}
+        sync()
+        t_step = time.perf_counter() - t0
+        opt.zero_grad(set_to_none=True)
+        train_time += t_step
+        done = step + 1
+        if done % config.log_every == 0 or done == config.steps:
+            mean_loss = loss.detach().float().clone()
+            dist.all_reduce(mean_loss)
+            record = {"kind": "step", "step": done, "loss": mean_loss.item() / world, "lr": base_lrs[-1] * lr_scale,
+                      "t_step": t_step, "t_compute": t_compute, "t_vote": t_vote,
+                      "t_other": t_step - t_compute - t_vote, **comm,
+                      "tokens_per_s" if config.is_gpt else "images_per_s": data.items_per_step / t_step,
+                      "train_time": train_time, "elapsed": time.perf_counter() - t_begin}
+            steps.append(record)
+            writer.write(record)
+            bar.update(done, f"loss {record['loss']:.3f} | {1e3 * t_step:.0f} ms/step")
+        if (config.eval_every and done % config.eval_every == 0) or done == config.steps:
+            record = {"kind": "eval", "step": done, **evaluate(model, data, config, device, autocast),
+                      "train_time": train_time, "elapsed": time.perf_counter() - t_begin}
+            evals.append(record)
+            writer.write(record)
+        if config.ckpt_every and done % config.ckpt_every == 0:
+            checkpoint.save_checkpoint(config.out, done, model=model, optimizer=opt, loader=data.loader,
+                                       meta={"label": config.label, "config": config.as_dict()},
+                                       keep=config.keep_ckpts)
+    bar.close()
+    summary = summarize(config, steps, evals, world=world, n_params=n_params,
+                        wall_s=time.perf_counter() - t_begin, device=str(device))
+    if rank == 0:
+        write_csv(os.path.join(config.out, "summary.csv"), [summary])
+    return summary
+
+
+def summarize(config: TrainConfig, steps: list[dict], evals: list[dict], *, world: int, n_params: int,
+              wall_s: float, device: str) -> dict:
+    """One row per run: final losses and mean per-step costs (first 3 steps skipped as warm-up)."""
+    timed = steps[3:] if len(steps) > 6 else steps
+
+    def mean(key):
+        return statistics.fmean(r[key] for r in timed) if timed else float("nan")
+
+    rate_key = "tokens_per_s" if config.is_gpt else "images_per_s"
+    row = {"label": config.label, "model": config.model, "optimizer": config.optimizer,
+           "vote": config.vote if config.optimizer == "lioncub" else "grad(harness)",
+           "bits": config.bits, "quantizer": config.quantizer, "world_size": world, "device": device,
+           "params": n_params, "steps": steps[-1]["step"] if steps else 0,
+           "final_train_loss": steps[-1]["loss"] if steps else float("nan"),
+           "final_val_loss": evals[-1]["val_loss"] if evals else float("nan")}
+    if evals and "val_acc" in evals[-1]:
+        row["final_val_acc"] = evals[-1]["val_acc"]
+    row.update({"bytes_sent_per_step": mean("bytes_sent"), "n_collectives_per_step": mean("n_collectives"),
+                "t_step_ms": 1e3 * mean("t_step"), "t_compute_ms": 1e3 * mean("t_compute"),
+                "t_vote_ms": 1e3 * mean("t_vote"), "t_other_ms": 1e3 * mean("t_other"),
+                rate_key: mean(rate_key), "train_time_s": steps[-1]["train_time"] if steps else 0.0,
+                "wall_s": wall_s, "run_dir": config.out})
+    return row
