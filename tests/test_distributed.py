@@ -82,7 +82,7 @@ def _votes_and_replicas(rank, world):
                                      bits=cfg.get("bits"), quantizer=cfg.get("quantizer"))["bytes_sent"]
                      for params_ in [[p for g in opt.param_groups for p in g["params"]]]
                      for b in opt._buckets)
-        mask_bytes = 2 * (world - 1) / world * len(params)
+        mask_bytes = 2 * (world - 1) / world * (len(params) + 1)  # has-grad mask + nonfinite flag
         assert stats.bytes_sent == pytest.approx(expect + mask_bytes), cfg
         report[cfg["vote"] + str(cfg.get("quantizer"))] = (n, stats.bytes_sent, stats.n_collectives)
     return report

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import comm
+from . import comm, guard, momentum
 from .comm import CommStats
 from .lion import _validate_hyperparameters, apply_update_, interpolate, lion
 from .quantize import QUANTIZERS
@@ -51,6 +51,7 @@ __all__ = ["LionCub", "OPTIMIZER_VOTES", "GRAD_DTYPES"]
 
 OPTIMIZER_VOTES = ("grad",) + VOTE_METHODS
 GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+NONFINITE_POLICIES = ("raise", "skip_step")
 
 
 def _world(group) -> tuple[int, int]:
@@ -78,6 +79,17 @@ class LionCub(torch.optim.Optimizer):
         bucket_mb: bucket size in MiB of fp32 elements.
         maximize: maximise the objective.
         seed: seeds the stochastic quantizer's generator (``seed + rank``).
+        momentum_sync: which momenta to average across ranks every ``sync_every``
+            steps: ``'none'``, ``'all'``, ``'io'`` (input embedding + output layer,
+            needs ``model``), ``'adaptive'``, or an explicit list of parameter names
+            or tensors (see :mod:`lioncub.momentum`).
+        sync_every, sync_dtype: period (steps) and dtype (``'fp32'``/``'bf16'``) of
+            the momentum all-reduce.
+        model: the module the params come from; used to name parameters and to find
+            the input/output layers.
+        nonfinite: ``'raise'`` or ``'skip_step'`` when any rank's gradient holds NaN or
+            Inf; the decision is agreed by all ranks (see :mod:`lioncub.guard`).
+        check_every: every k steps verify that replicas are identical (0 = never).
     """
 
     def __init__(
@@ -95,6 +107,12 @@ class LionCub(torch.optim.Optimizer):
         bucket_mb: float = 25.0,
         maximize: bool = False,
         seed: int = 0,
+        momentum_sync="none",
+        sync_every: int = 10,
+        sync_dtype: str = "fp32",
+        model: Optional[torch.nn.Module] = None,
+        nonfinite: str = "raise",
+        check_every: int = 0,
     ):
         _validate_hyperparameters(lr, betas, weight_decay)
         if vote not in OPTIMIZER_VOTES:
@@ -107,6 +125,10 @@ class LionCub(torch.optim.Optimizer):
             raise ValueError(f"bits and quantizer apply to vote='pbit' only, got vote={vote!r}")
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be a number > 0, got {bucket_mb!r}")
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+        if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 0:
+            raise ValueError(f"check_every must be an int >= 0 (0 = never), got {check_every!r}")
         self.rank, self.world_size = _world(process_group)
         if vote == "pbit":
             pbit_levels(self.world_size, bits, quantizer)  # refuses lanes that would overflow
@@ -114,6 +136,8 @@ class LionCub(torch.optim.Optimizer):
             raise ValueError(f"vote='sign_allreduce' needs world size <= 127, got {self.world_size}")
         self.vote, self.bits, self.quantizer, self.grad_dtype = vote, bits, quantizer, grad_dtype
         self.group, self.bucket_mb, self.seed = process_group, float(bucket_mb), seed
+        self.nonfinite, self.check_every = nonfinite, check_every
+        self.skipped_steps = 0  # steps skipped by nonfinite='skip_step' (all ranks agree)
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults)
         self._check_params()
@@ -121,7 +145,11 @@ class LionCub(torch.optim.Optimizer):
         self.steps = 0  # completed steps: sets the tie/zero parity of the 1-bit votes
         self.last_step_stats = CommStats()
         self._buckets = self._make_buckets()
+        guard.check_same_params([p for _, p in self._params()], self.group, self.world_size)
         self._broadcast_parameters()
+        self.momentum_sync = momentum.MomentumSync(
+            momentum_sync, every=sync_every, dtype=sync_dtype, model=model, optimizer=self
+        )
 
     # ------------------------------------------------------------------ set-up
     def _params(self) -> list[tuple[dict, Tensor]]:
@@ -164,12 +192,14 @@ class LionCub(torch.optim.Optimizer):
                 t.copy_(piece.view_as(t))
 
     # ------------------------------------------------------------------ step
-    def _agree_active(self, params: list[Tensor], stats: CommStats) -> list[bool]:
-        """Which params have a gradient on at least one rank (one tiny all-reduce)."""
-        has = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)
-        if self.world_size > 1 and has.numel():
+    def _agree_active(self, params: list[Tensor], stats: CommStats) -> tuple[list[bool], int]:
+        """One tiny all-reduce agrees on (a) which params have a gradient on at least one
+        rank and (b) how many ranks hold a non-finite gradient (0 = all finite)."""
+        has = torch.tensor([p.grad is not None for p in params] + [0], dtype=torch.uint8)
+        has[-1] = int(not guard.grads_finite(params))
+        if self.world_size > 1:
             comm.all_reduce(has, self.group, stats)
-        return (has > 0).tolist()
+        return (has[:-1] > 0).tolist(), int(has[-1])
 
     def _grads(self, params: list[Tensor]) -> list[Tensor]:
         grads = []
@@ -192,12 +222,20 @@ class LionCub(torch.optim.Optimizer):
         stats = CommStats()
         entries = self._params()
         params = [p for _, p in entries]
-        active = self._agree_active(params, stats)
+        active, bad_ranks = self._agree_active(params, stats)
+        if bad_ranks:
+            guard.handle_nonfinite(self, params, bad_ranks)  # raises, or we skip this step
+            self.skipped_steps += 1
+            self.last_step_stats = stats
+            return loss
         for idx in self._buckets:
             idx = [i for i in idx if active[i]]
             if idx:
                 self._step_bucket([entries[i] for i in idx], stats)
         self.steps += 1
+        self.momentum_sync.after_step(self, stats)
+        if self.check_every and self.steps % self.check_every == 0:
+            guard.check_replicas(params, self.group, self.world_size, step=self.steps)
         self.last_step_stats = stats
         return loss
 
@@ -278,6 +316,8 @@ class LionCub(torch.optim.Optimizer):
             "grad_dtype": self.grad_dtype,
             "world_size": self.world_size,
             "rank": self.rank,
+            "skipped_steps": self.skipped_steps,
+            "momentum_sync": self.momentum_sync.state_dict(),
         }
         return sd
 
@@ -294,4 +334,6 @@ class LionCub(torch.optim.Optimizer):
         base = {k: v for k, v in state_dict.items() if k != "lioncub"}
         super().load_state_dict(base)
         self.steps = int(extra["steps"])
+        self.skipped_steps = int(extra.get("skipped_steps", 0))
         self.generator.set_state(extra["generator"])
+        self.momentum_sync.load_state_dict(extra.get("momentum_sync", {}))
