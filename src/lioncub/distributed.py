@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import comm, guard, momentum
+from . import comm, guard, momentum, resume
 from .comm import CommStats
 from .lion import _validate_hyperparameters, apply_update_, interpolate, lion
 from .quantize import QUANTIZERS
@@ -145,13 +145,24 @@ class LionCub(torch.optim.Optimizer):
         self.steps = 0  # completed steps: sets the tie/zero parity of the 1-bit votes
         self.last_step_stats = CommStats()
         self._buckets = self._make_buckets()
-        guard.check_same_params([p for _, p in self._params()], self.group, self.world_size)
+        self._param_names = guard.param_names(model, [p for _, p in self._params()])
+        guard.check_same_params([p for _, p in self._params()], self.group, self.world_size,
+                                names=self._param_names)
         self._broadcast_parameters()
         self.momentum_sync = momentum.MomentumSync(
             momentum_sync, every=sync_every, dtype=sync_dtype, model=model, optimizer=self
         )
 
     # ------------------------------------------------------------------ set-up
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        g = self.param_groups[-1]  # now filled with defaults
+        try:
+            _validate_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
+        except (TypeError, ValueError) as exc:
+            self.param_groups.pop()
+            raise type(exc)(f"param group {len(self.param_groups)}: {exc}") from None
+
     def _params(self) -> list[tuple[dict, Tensor]]:
         return [(g, p) for g in self.param_groups for p in g["params"]]
 
@@ -215,6 +226,10 @@ class LionCub(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
         """One step for every rank. Collective: every rank must call it every iteration."""
+        with comm.step_context(self.steps):  # a failed collective names this step
+            return self._step(closure)
+
+    def _step(self, closure):
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -235,7 +250,8 @@ class LionCub(torch.optim.Optimizer):
         self.steps += 1
         self.momentum_sync.after_step(self, stats)
         if self.check_every and self.steps % self.check_every == 0:
-            guard.check_replicas(params, self.group, self.world_size, step=self.steps)
+            guard.check_replicas(params, self.group, self.world_size, step=self.steps,
+                                 names=self._param_names, stats=stats)
         self.last_step_stats = stats
         return loss
 
@@ -331,6 +347,7 @@ class LionCub(torch.optim.Optimizer):
                     f"checkpoint was saved with {key}={extra[key]!r} but this optimizer has "
                     f"{key}={getattr(self, key)!r}"
                 )
+        resume.check_loadable(self, state_dict)  # rank, world size, shapes, finite momenta
         base = {k: v for k, v in state_dict.items() if k != "lioncub"}
         super().load_state_dict(base)
         self.steps = int(extra["steps"])

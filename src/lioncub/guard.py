@@ -2,39 +2,174 @@
 identical replicas (DESIGN.md §2: replicas must stay bit-identical).
 
 Every check that needs other ranks is a collective: all ranks call it at the same
-point, and all of them raise (or skip) together.
+point, see the same gathered data, and so all of them raise (or skip) together,
+with the same message.
+
+* :func:`check_same_params` (construction): one all-gather of 16 bytes per rank
+  (parameter count and a digest of every shape and dtype). Only when the digests
+  differ does a second gather of the full signatures name the rank and the
+  parameter.
+* :func:`grads_finite` + :func:`handle_nonfinite` (every step): the count of ranks
+  with a NaN/Inf gradient rides on LionCub's has-grad all-reduce. The vote input
+  ``c = β1·m + (1-β1)·g`` is a convex combination of ``m`` and ``g``, and ``m`` only
+  ever absorbs gradients that passed this check (loaded momenta are checked by
+  :func:`lioncub.resume.check_loadable`), so finite gradients mean a finite ``c``:
+  a NaN can never reach the vote and become a silent ±1.
+* :func:`check_replicas` (every ``check_every`` steps): per-parameter checksums of
+  the raw bits, all-gathered and compared with rank 0's.
 """
 from __future__ import annotations
 
+import hashlib
+from typing import Optional, Sequence
+
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["check_same_params", "grads_finite", "handle_nonfinite", "check_replicas"]
+from . import comm
+from .comm import CommStats
+
+__all__ = ["param_names", "check_same_params", "grads_finite", "handle_nonfinite", "check_replicas"]
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_CHUNK = 1 << 20  # elements per checksum chunk: bounds the int64 temporaries to 8 MiB
+
+
+def param_names(model: Optional[torch.nn.Module], params: Sequence[Tensor]) -> Optional[list[Optional[str]]]:
+    """``model``'s name for each of ``params`` (None where unknown); None without a model."""
+    if model is None:
+        return None
+    by_id = {id(p): name for name, p in model.named_parameters()}
+    return [by_id.get(id(p)) for p in params]
+
+
+def _label(i: int, names, shape) -> str:
+    name = names[i] if names is not None and i < len(names) else None
+    return f"parameter {i} ({name!r}, shape {tuple(shape)})" if name else f"parameter {i} (shape {tuple(shape)})"
+
+
+def _gather_bytes(t: Tensor, group, stats: Optional[CommStats], step: Optional[int] = None) -> Tensor:
+    """All-gather an int64 tensor as raw bytes (gloo gathers uint8 on every version)."""
+    raw = t.contiguous().view(torch.uint8)
+    return comm.all_gather(raw, group, stats, step=step).view(torch.int64).view((-1,) + tuple(t.shape))
+
+
+def _signature(params: Sequence[Tensor]) -> list[tuple[tuple[int, ...], str]]:
+    return [(tuple(p.shape), str(p.dtype).replace("torch.", "")) for p in params]
+
+
+def check_same_params(params: list[Tensor], group, world_size: int, *, names=None,
+                      stats: Optional[CommStats] = None) -> None:
+    """Collective check that every rank holds the same parameter count, shapes and dtypes.
+
+    Raises ``ValueError`` on every rank naming the first rank that differs from rank 0
+    and the first parameter where it differs.
+    """
+    if world_size == 1:
+        return
+    sig = _signature(params)
+    digest = int.from_bytes(hashlib.sha256(repr(sig).encode()).digest()[:7], "little")
+    everyone = _gather_bytes(torch.tensor([len(sig), digest], dtype=torch.int64), group, stats)
+    if bool((everyone == everyone[0]).all()):
+        return
+    # Rare path: all ranks saw the mismatch, so all take part in naming it.
+    labelled = [(names[i] if names is not None and i < len(names) else None, s) for i, s in enumerate(sig)]
+    all_sigs: list = [None] * world_size
+    dist.all_gather_object(all_sigs, labelled, group=group)
+    ref = all_sigs[0]
+    for r in range(1, world_size):
+        other = all_sigs[r]
+        if other == ref or [s for _, s in other] == [s for _, s in ref]:
+            continue
+        for i, ((n0, (shape0, dt0)), (n1, (shape1, dt1))) in enumerate(zip(ref, other)):
+            if (shape0, dt0) != (shape1, dt1):
+                label = f"parameter {i}" + (f" ({n0!r})" if n0 else "")
+                raise ValueError(
+                    f"model differs across ranks: rank {r} has {label} of shape {shape1} {dt1}, "
+                    f"rank 0 has shape {shape0} {dt0}; every rank must build the same model"
+                )
+        raise ValueError(
+            f"model differs across ranks: rank {r} has {len(other)} parameters, rank 0 has {len(ref)} "
+            f"(the first {min(len(ref), len(other))} agree); every rank must build the same model"
+        )
 
 
 def grads_finite(params: list[Tensor]) -> bool:
-    """True when every present gradient is finite (local, no communication)."""
-    for p in params:
-        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+    """True when every present gradient is finite (local, no communication).
+
+    Raises ``TypeError`` for a sparse gradient (LionCub votes on dense tensors).
+    """
+    for i, p in enumerate(params):
+        g = p.grad
+        if g is None:
+            continue
+        if g.is_sparse:
+            raise TypeError(f"parameter {i} has a sparse gradient; LionCub supports dense gradients only "
+                            "(e.g. build nn.Embedding with sparse=False)")
+        if not bool(torch.isfinite(g).all()):
             return False
     return True
 
 
+def _first_nonfinite(params: list[Tensor]) -> Optional[int]:
+    for i, p in enumerate(params):
+        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+            return i
+    return None
+
+
 def handle_nonfinite(optimizer, params: list[Tensor], bad_ranks: int) -> None:
     """Apply ``optimizer.nonfinite`` once all ranks agree that ``bad_ranks`` > 0 of them
-    hold a NaN/Inf gradient: raise, or return so the step is skipped everywhere."""
+    hold a NaN/Inf gradient: raise, or return so the step is skipped everywhere
+    (parameters, momenta, step parity and RNG untouched; the caller counts the skip)."""
     if optimizer.nonfinite == "raise":
+        i = _first_nonfinite(params)
+        names = getattr(optimizer, "_param_names", None)
+        here = ("this rank's gradients are finite" if i is None else
+                f"this rank holds a non-finite gradient in {_label(i, names, params[i].shape)}")
         raise FloatingPointError(
-            f"non-finite gradient on {bad_ranks} rank(s) at step {optimizer.steps}; "
+            f"non-finite gradient on {bad_ranks} rank(s) at step {optimizer.steps} ({here}); "
             "pass nonfinite='skip_step' to skip such steps on all ranks"
         )
 
 
-def check_same_params(params: list[Tensor], group, world_size: int) -> None:
-    """Collective check that every rank holds the same parameter shapes and dtypes."""
-    return None  # filled in by the reliability work (issue 7)
+def _checksums(params: Sequence[Tensor]) -> Tensor:
+    """(n_params, 2) int64: Σ bits and Σ bits·(position+1) of each parameter's raw bits.
+
+    Integer sums wrap around identically everywhere, so equal tensors give equal
+    checksums; the position weight catches swapped elements.
+    """
+    out = torch.zeros(len(params), 2, dtype=torch.int64)
+    for i, p in enumerate(params):
+        bits = p.detach().reshape(-1).view(_INT_OF_SIZE[p.element_size()])  # same bytes, integer view
+        for start in range(0, bits.numel(), _CHUNK):
+            chunk = bits[start:start + _CHUNK].to(torch.int64)
+            pos = torch.arange(start + 1, start + 1 + chunk.numel(), dtype=torch.int64, device=chunk.device)
+            out[i, 0] += chunk.sum().cpu()
+            out[i, 1] += (chunk * pos).sum().cpu()
+    return out
 
 
-def check_replicas(params: list[Tensor], group, world_size: int, *, step: int) -> None:
-    """Collective check that every rank holds bit-identical parameters."""
-    return None  # filled in by the reliability work (issue 7)
+def check_replicas(params: list[Tensor], group, world_size: int, *, step: int, names=None,
+                   stats: Optional[CommStats] = None) -> None:
+    """Collective check that every rank holds bit-identical parameters.
+
+    One all-gather of 16 bytes per parameter per rank. Raises ``RuntimeError`` on
+    every rank naming the first parameter (and the ranks) that differ from rank 0.
+    """
+    if world_size == 1:
+        return
+    sums = _checksums(params)
+    everyone = _gather_bytes(sums, group, stats, step=step)  # (P, n_params, 2)
+    differ = (everyone != everyone[0]).any(dim=2)  # (P, n_params)
+    if not bool(differ.any()):
+        return
+    i = int(differ.any(dim=0).nonzero()[0])
+    ranks = differ[:, i].nonzero().flatten().tolist()
+    raise RuntimeError(
+        f"replicas diverged at step {step}: {_label(i, names, params[i].shape)} on rank(s) {ranks} "
+        f"differs from rank 0 ({int(differ.any(dim=1).sum())} rank(s) and "
+        f"{int(differ.any(dim=0).sum())} parameter(s) differ in all). Every rank must apply the same "
+        "update: was a parameter changed outside the optimizer on one rank?"
+    )
