@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import kernels
+
 __all__ = [
     "LANE_BITS",
     "lane_bits_for",
@@ -81,15 +83,12 @@ def packed_size(n: int, bits: int) -> int:
 
 
 def _pack(values: Tensor, bits: int) -> Tensor:
-    # values: (n,) integer tensor in [0, 2**bits); returns (ceil(n*bits/8),) uint8
-    per_byte = 8 // bits
+    # values: (n,) integer tensor in [0, 2**bits); returns (ceil(n*bits/8),) uint8.
+    # Word-folding kernel (lioncub.kernels): no int64 temporary, no reduction over lanes.
     n = values.numel()
-    nbytes = -(-n // per_byte)
-    padded = torch.zeros(nbytes * per_byte, dtype=torch.uint8, device=values.device)
-    padded[:n] = values
-    lanes = padded.view(nbytes, per_byte)  # (nbytes, per_byte): lane k of each byte
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=values.device)
-    return (lanes << shifts).sum(dim=1, dtype=torch.uint8)
+    if values.dtype not in (torch.uint8, torch.bool):
+        values = values.to(torch.uint8)
+    return kernels.pack_bytes(values.reshape(-1), n, bits)
 
 
 def _unpack(packed: Tensor, n: int, bits: int) -> Tensor:
@@ -98,22 +97,19 @@ def _unpack(packed: Tensor, n: int, bits: int) -> Tensor:
         raise TypeError(f"packed must be a uint8 tensor, got {packed.dtype}")
     if packed.numel() * per_byte < n:
         raise ValueError(f"packed holds {packed.numel() * per_byte} elements, fewer than n={n}")
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    mask = (1 << bits) - 1
-    lanes = (packed.reshape(-1, 1) >> shifts) & mask  # (nbytes, per_byte)
-    return lanes.reshape(-1)[:n]
+    return kernels.unpack_bytes(packed, n, bits)  # (n,) uint8 via a 256-entry table
 
 
 def pack_signs(positive: Tensor) -> Tensor:
     """Pack a boolean tensor (True = +1) into bits, 8 per byte. Returns flat uint8."""
     if positive.dtype != torch.bool:
         raise TypeError(f"positive must be a bool tensor, got {positive.dtype}")
-    return _pack(positive.reshape(-1).to(torch.uint8), 1)
+    return _pack(positive.reshape(-1), 1)
 
 
 def unpack_signs(packed: Tensor, n: int) -> Tensor:
     """Inverse of :func:`pack_signs`: the first ``n`` bits as a bool tensor."""
-    return _unpack(packed, n, 1).bool()
+    return _unpack(packed, n, 1).view(torch.bool)
 
 
 def pack_lanes(values: Tensor, bits: int) -> Tensor:

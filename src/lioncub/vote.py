@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import comm, packing
+from . import comm, kernels, packing
 from .comm import CommStats
 from .quantize import QUANTIZERS, quantize
 
@@ -95,9 +95,9 @@ def pbit_levels(world: int, bits: int | None, quantizer: str | None) -> tuple[in
 def _encode_pbit(c: Tensor, world: int, step: int, levels: int | None, quantizer, generator) -> Tensor:
     """Per-rank lane values in [0, 2s] (or {0, 1} for binary signs)."""
     if levels is None:
-        return binary_signs(c, step).to(torch.uint8)
+        return kernels.sign_bits(c, step)  # word-padded 0/1 bytes, [:n] are the values
     q = quantize(c, quantizer, levels=levels, generator=generator).values
-    return (q.to(torch.int16) + levels).to(torch.uint8)
+    return q.view(torch.uint8) + levels  # q + s in [0, 2s]: exact modulo 256
 
 
 # ----------------------------------------------------------------------------- methods
@@ -115,13 +115,11 @@ def _sign_allreduce(c, world, step, group, stats):
 def _gather(c, world, step, group, stats):
     n = c.numel()
     t0 = time.perf_counter()
-    packed = packing.pack_signs(binary_signs(c, step))
+    packed = kernels.pack_bytes(kernels.sign_bits(c, step), n, 1)
     stats.t_quantize_pack += time.perf_counter() - t0
     everyone = comm.all_gather(packed, group, stats)  # (P, ceil(n/8))
     t0 = time.perf_counter()
-    count = packing.unpack_signs(everyone.reshape(-1), everyone.numel() * 8)
-    count = count.view(world, -1)[:, :n].sum(dim=0, dtype=torch.int16)
-    u = decide(count, world, step, ties="zero")
+    u = kernels.decide_counts(kernels.count_bits(everyone, n), world, step, ties="zero")
     stats.t_unpack_vote += time.perf_counter() - t0
     return u
 
@@ -130,18 +128,17 @@ def _onebit(c, world, step, group, stats):
     n = c.numel()
     chunk = -(-n // (8 * world)) * 8  # elements per rank's chunk, a multiple of 8
     t0 = time.perf_counter()
-    bits = torch.zeros(chunk * world, dtype=torch.bool, device=c.device)
-    bits[:n] = binary_signs(c, step)
-    packed = packing.pack_signs(bits)  # (P * chunk/8,): rank j's chunk at [j*chunk/8 : ...]
+    # (P * chunk/8,): rank j's chunk at [j*chunk/8 : ...]
+    packed = kernels.pack_bytes(kernels.sign_bits(c, step, length=chunk * world), chunk * world, 1)
     stats.t_quantize_pack += time.perf_counter() - t0
     mine = comm.all_to_all(packed, group, stats)  # (P * chunk/8,): every rank's bits of my chunk
     t0 = time.perf_counter()
-    count = packing.unpack_signs(mine, chunk * world).view(world, chunk).sum(dim=0, dtype=torch.int16)
-    voted = packing.pack_signs(decide(count, world, step, ties="parity") > 0)
+    count = kernels.count_bits(mine.view(world, -1), chunk)
+    voted = kernels.pack_bytes(kernels.parity_bits(count, world, step), chunk, 1)
     stats.t_unpack_vote += time.perf_counter() - t0
     everyone = comm.all_gather(voted, group, stats)  # (P, chunk/8)
     t0 = time.perf_counter()
-    u = packing.unpack_signs(everyone.reshape(-1), n).to(torch.int8) * 2 - 1
+    u = kernels.unpack_pm1(everyone, n)
     stats.t_unpack_vote += time.perf_counter() - t0
     return u
 
@@ -150,15 +147,17 @@ def _pbit(c, world, step, group, stats, bits, quantizer, generator):
     n = c.numel()
     w, levels = pbit_levels(world, bits, quantizer)
     t0 = time.perf_counter()
-    packed = packing.pack_lanes(_encode_pbit(c, world, step, levels, quantizer, generator), w)
+    values = _encode_pbit(c, world, step, levels, quantizer, generator)
+    packed = values[:n] if w == 8 else kernels.pack_bytes(values, n, w)
     stats.t_quantize_pack += time.perf_counter() - t0
     comm.all_reduce(packed, group, stats)
     t0 = time.perf_counter()
-    total = packing.unpack_lanes(packed, n, w)  # lane sums, int16
+    total = kernels.unpack_bytes(packed, n, w)  # lane sums, uint8 (no lane exceeds 2**w - 1)
     if levels is None:
-        u = decide(total, world, step, ties="zero")
-    else:
-        u = torch.sign(total - world * levels).to(torch.int8)
+        u = kernels.decide_counts(total, world, step, ties="zero")
+    else:  # sign(total - P·s); P·s <= 127
+        mid = world * levels
+        u = (total > mid).view(torch.int8) - (total < mid).view(torch.int8)
     stats.t_unpack_vote += time.perf_counter() - t0
     return u
 

@@ -1,0 +1,189 @@
+r"""Fast pack / unpack / vote kernels: vectorised word tricks, no per-element Python.
+
+Same layouts as :mod:`lioncub.packing` (element ``8j+k`` is bit ``k`` of byte ``j``;
+``w``-bit lanes, lane ``k`` at bits ``k·w``), computed with few passes over memory:
+
+* **pack** — the byte values (0/1 signs or lane values) are read as machine words
+  and folded into one byte per word. For sign bits, with the 8 bytes ``b_k`` of an
+  int64 word ``x``::
+
+      (x · 0x0102040810204080) >> 56 = Σ_k b_k·2^k
+
+  because ``b_k`` lands at bit ``8k + 7(7-k) + 7 = 56 + k`` and no two partial
+  products share a bit (so nothing carries). Lanes use ``x | x >> (8-w) | …`` on an
+  int16 (``w = 4``) or int32 (``w = 2``) word: two or three passes instead of
+  torch's ``(lanes << shifts).sum(dim)`` over an int64 temporary.
+* **unpack** — one ``index_select`` into a 256-entry table whose entries are the
+  8 (or 4, 2) unpacked bytes of a packed byte, read as one int64 (int32, int16).
+* **count** — summing the unpacked words of P ranks as int64 adds every byte
+  independently (each byte holds at most P ≤ 255, so no carry crosses a byte): the
+  vote's per-element count without an int16 temporary.
+* **decide** — ``u = (2k > P) - (2k < P)`` from uint8 counts with two comparisons;
+  the 1-bit wire's parity rule is one comparison against ⌈P/2⌉ or ⌊P/2⌋+1.
+
+Everything here is a pure function of tensors and works on any device; on CUDA,
+:func:`maybe_compiled` fuses a kernel with ``torch.compile`` when Triton is present.
+Tested element for element against :mod:`lioncub.packing`'s reference loops
+(``tests/test_kernels.py``).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "sign_bits",
+    "pack_bytes",
+    "unpack_bytes",
+    "count_bits",
+    "decide_counts",
+    "parity_bits",
+    "unpack_pm1",
+    "maybe_compiled",
+]
+
+_MUL_BITS = 0x0102040810204080  # gathers the low bit of each byte into the top byte
+_WORD = {1: torch.int64, 2: torch.int32, 4: torch.int16}  # word holding 8/w lane bytes
+
+
+def _padded_bytes(n: int, bits: int, device) -> Tensor:
+    """A uint8 buffer of ``n`` bytes rounded up to whole words (one word per packed
+    byte: ``8 // bits`` bytes), the tail zeroed."""
+    per_byte = 8 // bits
+    buf = torch.empty(-(-n // per_byte) * per_byte, dtype=torch.uint8, device=device)
+    buf[n:].zero_()
+    return buf
+
+
+def sign_bits(c: Tensor, step: int, length: int | None = None) -> Tensor:
+    """``c > 0`` (zeros → +1 on even steps, −1 on odd) as 0/1 bytes in a word-padded
+    uint8 buffer ready for :func:`pack_bytes` (``[:c.numel()]`` are the signs).
+
+    ``length`` pads the buffer with zeros to at least that many bytes (``onebit``'s
+    P equal chunks)."""
+    n = c.numel()
+    buf = _padded_bytes(max(n, length or 0), 1, c.device)
+    buf[n:].zero_()
+    out = buf[:n].view(torch.bool)
+    if step % 2 == 0:
+        torch.ge(c.reshape(-1), 0, out=out)
+    else:
+        torch.gt(c.reshape(-1), 0, out=out)
+    return buf
+
+
+def pack_bytes(values: Tensor, n: int, bits: int) -> Tensor:
+    """Pack the first ``n`` byte values of ``values`` into ``bits``-wide lanes.
+
+    ``values``: flat uint8 (or bool), each < 2**bits. When it is at least one word
+    per output byte long (a buffer from :func:`sign_bits`) it is packed in place and
+    its bytes past ``n`` must be 0; otherwise it is copied into a zero-padded buffer.
+    Returns ``ceil(n·bits/8)`` bytes, identical to :func:`lioncub.packing.pack_lanes`.
+    """
+    values = values.reshape(-1).view(torch.uint8)
+    per_byte = 8 // bits
+    nbytes = -(-n // per_byte)
+    if bits == 8:
+        return values[:n].clone()
+    need = nbytes * per_byte  # one word of per_byte bytes per output byte
+    if values.numel() >= need and values.storage_offset() % per_byte == 0:
+        src = values[:need]
+    else:
+        src = _padded_bytes(n, bits, values.device)
+        src[:n] = values[:n]
+    word = src.view(_WORD[bits])  # (nbytes,): lane k of output byte j in byte k of word j
+    if bits == 1:
+        folded = word * _MUL_BITS  # wraps mod 2**64: the sum lands in the top byte
+        folded >>= 56
+    elif bits == 2:
+        folded = word | (word >> 6)
+        folded |= folded >> 12
+    else:
+        folded = word | (word >> 4)
+    return folded.to(torch.uint8)  # the low byte (truncating cast)
+
+
+@functools.lru_cache(maxsize=None)
+def _table(bits: int, kind: str, device: str) -> Tensor:
+    """256-entry unpack table: entry b holds the 8/bits unpacked bytes of byte b, as one word."""
+    per_byte = 8 // bits
+    b = torch.arange(256, dtype=torch.int64).unsqueeze(1)
+    shifts = torch.arange(0, 8, bits, dtype=torch.int64)
+    lanes = (b >> shifts) & ((1 << bits) - 1)  # (256, per_byte)
+    if kind == "pm1":  # sign bits as ±1 (int8)
+        lanes = lanes * 2 - 1
+    t = lanes.to(torch.int8).view(torch.uint8).contiguous()
+    word = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[per_byte]
+    return t.view(word).reshape(256).to(device)
+
+
+def unpack_bytes(packed: Tensor, n: int, bits: int) -> Tensor:
+    """The first ``n`` lane values of ``packed`` (flat uint8) as uint8, one per element."""
+    if bits == 8:
+        return packed.reshape(-1)[:n]
+    idx = packed.reshape(-1).to(torch.int32)
+    words = torch.index_select(_table(bits, "lanes", str(packed.device)), 0, idx)
+    return words.view(torch.uint8)[:n]
+
+
+def unpack_pm1(packed: Tensor, n: int) -> Tensor:
+    """Sign bits as int8 ±1 (bit 1 → +1, bit 0 → −1): the voted 1-bit result."""
+    idx = packed.reshape(-1).to(torch.int32)
+    words = torch.index_select(_table(1, "pm1", str(packed.device)), 0, idx)
+    return words.view(torch.int8)[:n]
+
+
+def count_bits(packed: Tensor, n: int) -> Tensor:
+    """Per element, how many of the P rows of ``packed`` (P, nbytes) have its bit set.
+
+    Returns uint8 counts of length ``n``. Needs P ≤ 255 (no carry across bytes).
+    """
+    world = packed.shape[0]
+    if world > 255:
+        raise ValueError(f"count_bits needs at most 255 rows, got {world}")
+    idx = packed.reshape(-1).to(torch.int32)
+    words = torch.index_select(_table(1, "lanes", str(packed.device)), 0, idx).view(world, -1)
+    total = words[0].clone()
+    for r in range(1, world):  # int64 adds: 8 independent byte counters per word
+        total += words[r]
+    return total.view(torch.uint8)[:n]
+
+
+def decide_counts(count: Tensor, world: int, step: int, *, ties: str) -> Tensor:
+    """``u = sign(2k − P)`` as int8 from uint8 counts ``k``; ties → 0 or → step parity.
+
+    Same result as :func:`lioncub.vote.decide` without its int16 temporaries.
+    """
+    if ties == "parity":
+        return unpack_pm1_from_bool(parity_bits(count, world, step))
+    gt = count > world // 2  # 2k > P
+    lt = count < (world + 1) // 2  # 2k < P
+    return gt.view(torch.int8) - lt.view(torch.int8)
+
+
+def parity_bits(count: Tensor, world: int, step: int) -> Tensor:
+    """The 1-bit vote ``u > 0`` as bool: 2k > P wins, ties follow the step parity."""
+    if step % 2 == 0:
+        return count >= (world + 1) // 2  # 2k >= P
+    return count > world // 2  # 2k > P
+
+
+def unpack_pm1_from_bool(positive: Tensor) -> Tensor:
+    """bool → int8 ±1 in one pass (True → +1, False → −1)."""
+    return positive.view(torch.int8) * 2 - 1
+
+
+def maybe_compiled(fn):
+    """``fn`` fused by ``torch.compile`` for CUDA tensors when Triton is importable; else ``fn``.
+
+    The compiled and eager versions are the same code, tested against each other on a GPU.
+    """
+    if not torch.cuda.is_available():
+        return fn
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return fn
+    return torch.compile(fn, dynamic=True)

@@ -1,0 +1,135 @@
+"""The fast kernels against plain reference loops (STYLE.md #2), element for element.
+
+The references below are written independently of :mod:`lioncub.kernels`: one bit or
+lane at a time, with integer arithmetic in int64. ``packing`` and ``vote`` now run on
+the kernels, so they are checked here against the same references.
+"""
+import pytest
+import torch
+
+from lioncub import kernels, packing
+from lioncub.vote import binary_signs, decide
+
+SIZES = [0, 1, 7, 8, 9, 15, 16, 17, 100, 1001, 4099, 65539]
+
+
+def ref_pack(values, bits):
+    """Element 8j/bits + k goes to bits [k*bits, (k+1)*bits) of byte j."""
+    per = 8 // bits
+    v = values.reshape(-1).long()
+    out = torch.zeros(-(-v.numel() // per), dtype=torch.long)
+    for k in range(per):
+        part = v[k::per]
+        out[: part.numel()] += part << (k * bits)
+    return out.to(torch.uint8)
+
+
+def ref_unpack(packed, n, bits):
+    per = 8 // bits
+    p = packed.long()
+    lanes = torch.stack([(p >> (k * bits)) & ((1 << bits) - 1) for k in range(per)], dim=1)
+    return lanes.reshape(-1)[:n]
+
+
+def ref_decide(count, world, step, ties):
+    d = 2 * count.long() - world
+    u = torch.sign(d)
+    if ties == "parity":
+        u[d == 0] = 1 if step % 2 == 0 else -1
+    return u.to(torch.int8)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_pack_unpack_match_reference(n):
+    g = torch.Generator().manual_seed(n)
+    for bits in (1, 2, 4, 8):
+        v = torch.randint(0, 1 << bits, (n,), generator=g, dtype=torch.uint8)
+        ref = ref_pack(v, bits)
+        assert torch.equal(kernels.pack_bytes(v, n, bits), ref), bits
+        assert torch.equal(kernels.unpack_bytes(ref, n, bits).long(), ref_unpack(ref, n, bits)), bits
+        if bits == 1:
+            assert torch.equal(packing.pack_signs(v.bool()), ref)
+            assert torch.equal(packing.unpack_signs(ref, n), ref_unpack(ref, n, 1).bool())
+            assert torch.equal(kernels.unpack_pm1(ref, n).long(), ref_unpack(ref, n, 1) * 2 - 1)
+        else:
+            assert torch.equal(packing.pack_lanes(v, bits), ref)
+            out = packing.unpack_lanes(ref, n, bits)
+            assert out.dtype == torch.int16 and torch.equal(out.long(), ref_unpack(ref, n, bits))
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_sign_bits_fuse_quantize_and_pack(n):
+    c = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    c[::3] = 0.0
+    if n > 2:
+        c[1] = -0.0  # -0.0 is a zero: parity decides, like +0.0
+    for step in (0, 1, 2, 7):
+        buf = kernels.sign_bits(c, step)
+        assert buf.numel() % 8 == 0 and not buf[n:].any()
+        assert torch.equal(buf[:n].bool(), binary_signs(c, step))
+        assert torch.equal(kernels.pack_bytes(buf, n, 1), ref_pack(binary_signs(c, step), 1))
+        padded = kernels.sign_bits(c, step, length=n + 37)
+        assert padded.numel() >= n + 37 and not padded[n:].any()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 7, 8, 16, 255])
+def test_count_and_decide_match_reference(world):
+    g = torch.Generator().manual_seed(world)
+    n = 1003
+    bits = torch.rand(world, n, generator=g) < 0.5
+    packed = torch.stack([ref_pack(b, 1) for b in bits])
+    count = kernels.count_bits(packed, n)
+    assert count.dtype == torch.uint8 and torch.equal(count.long(), bits.long().sum(0))
+    for step in (0, 1):
+        for ties in ("zero", "parity"):
+            u = kernels.decide_counts(count, world, step, ties=ties)
+            assert u.dtype == torch.int8
+            assert torch.equal(u, ref_decide(count, world, step, ties))
+            assert torch.equal(u, decide(count, world, step, ties=ties))
+        assert torch.equal(kernels.parity_bits(count, world, step),
+                           ref_decide(count, world, step, "parity") > 0)
+
+
+def test_every_count_value_decides_right():
+    """Exhaustive over k = 0..P for the small worlds where ties are common."""
+    for world in range(1, 17):
+        count = torch.arange(world + 1, dtype=torch.uint8)
+        for step in (0, 1):
+            for ties in ("zero", "parity"):
+                assert torch.equal(kernels.decide_counts(count, world, step, ties=ties),
+                                   ref_decide(count, world, step, ties)), (world, step, ties)
+
+
+def test_count_bits_refuses_carry():
+    with pytest.raises(ValueError, match="at most 255 rows"):
+        kernels.count_bits(torch.zeros(256, 4, dtype=torch.uint8), 32)
+
+
+def test_packing_still_validates_user_input():
+    with pytest.raises(ValueError, match="values must lie in"):
+        packing.pack_lanes(torch.tensor([0, 16]), 4)
+    with pytest.raises(TypeError, match="positive must be a bool"):
+        packing.pack_signs(torch.tensor([0, 1]))
+    with pytest.raises(TypeError, match="packed must be a uint8"):
+        packing.unpack_signs(torch.zeros(2, dtype=torch.int8), 8)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none in this environment)")
+def test_cuda_kernels_match_cpu_reference():
+    n, world = 100_003, 4
+    dev = torch.device("cuda")
+    c = torch.randn(n)
+    c[::7] = 0
+    for step in (0, 1):
+        buf = kernels.sign_bits(c.to(dev), step)
+        packed = kernels.maybe_compiled(kernels.pack_bytes)(buf, n, 1)
+        assert torch.equal(packed.cpu(), ref_pack(binary_signs(c, step), 1))
+    bits = torch.rand(world, n) < 0.5
+    packed = torch.stack([ref_pack(b, 1) for b in bits])
+    count = kernels.count_bits(packed.to(dev), n)
+    u = kernels.decide_counts(count, world, 0, ties="zero")
+    assert torch.equal(u.cpu(), ref_decide(bits.long().sum(0), world, 0, "zero"))
+    for w in (2, 4):
+        v = torch.randint(0, 1 << w, (n,), dtype=torch.uint8)
+        assert torch.equal(kernels.pack_bytes(v.to(dev), n, w).cpu(), ref_pack(v, w))
+        assert torch.equal(kernels.unpack_bytes(ref_pack(v, w).to(dev), n, w).cpu().long(), v.long())
