@@ -153,8 +153,30 @@ def _missing_and_resume(rank, world):
     return True
 
 
+def _bf16_and_empty(rank, world):
+    torch.manual_seed(rank)
+    params = [torch.nn.Parameter(torch.randn(37, dtype=torch.bfloat16)),
+              torch.nn.Parameter(torch.zeros(0)), torch.nn.Parameter(torch.randn(5, 3))]
+    opt = LionCub(params, lr=0.125, vote="pbit", quantizer="l1")
+    for step in range(4):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        opt.step()
+    for p in params:
+        for other in _all(p.detach()):
+            assert torch.equal(other, p.detach())
+    assert params[0].dtype == torch.bfloat16 and opt.state[params[0]]["exp_avg"].dtype == torch.bfloat16
+    return params[0].detach().float().sum().item()
+
+
 def test_missing_gradients_and_resume():
     assert all(run_workers(_missing_and_resume, 3))
+
+
+def test_bf16_and_empty_params_stay_identical():
+    sums = run_workers(_bf16_and_empty, 2)
+    assert sums[0] == sums[1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
