@@ -1,0 +1,218 @@
+"""Momentum synchronisation (lioncub.momentum): selection of tensors, the sync itself on
+real gloo groups (mean of the pre-sync momenta, identical on every rank, the rest
+untouched), its bytes in the step's CommStats, and the adaptive policy's divergence."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from lioncub import CommStats, LionCub
+from lioncub.harness.models.gpt import build_gpt
+from lioncub.harness.models.resnet import resnet18
+from lioncub.momentum import Adaptive, MomentumSync, divergence_sketch, io_parameters, param_names, sync_bytes
+from tests.dist import run_workers
+
+
+def _gpt(tied, seed=0):
+    torch.manual_seed(seed)
+    return build_gpt("gpt-tiny", vocab_size=32, block_size=8, tied_embeddings=tied)
+
+
+def _io_names(model):
+    return param_names(io_parameters(model), model)
+
+
+# ----------------------------------------------------------------------------- selection (one process)
+def test_io_picks_embeddings_and_head():
+    assert _io_names(_gpt(tied=False)) == ["wte.weight", "wpe.weight", "head.weight"]
+    tied = _gpt(tied=True)
+    assert _io_names(tied) == ["wte.weight", "wpe.weight"]  # head.weight *is* wte.weight: once
+    assert tied.head.weight is io_parameters(tied)[0]
+    net = resnet18(num_classes=10, in_channels=1)
+    assert _io_names(net) == ["stem.0.weight", "head.weight", "head.bias"]
+
+
+def test_selection_by_names_tensors_and_errors():
+    model = _gpt(tied=True)
+    opt = LionCub(model.parameters(), model=model, momentum_sync=["blocks.0.mlp.fc.weight", model.ln_f.bias])
+    assert opt.momentum_sync.selected_names() == ["blocks.0.mlp.fc.weight", "ln_f.bias"]
+    # a tied head named by its second name resolves to the one tensor
+    opt = LionCub(model.parameters(), model=model, momentum_sync=["head.weight", "wte.weight"])
+    assert opt.momentum_sync.selected_names() == ["wte.weight"]
+    opt = LionCub(model.parameters(), model=model, momentum_sync="all")
+    assert len(opt.momentum_sync.selected) == len(list(model.parameters()))
+    with pytest.raises(ValueError, match="momentum_sync must be one of"):
+        LionCub(model.parameters(), momentum_sync="embeddings")
+    with pytest.raises(ValueError, match="needs model"):
+        LionCub(model.parameters(), momentum_sync="io")
+    with pytest.raises(ValueError, match="unknown parameter 'nope'"):
+        LionCub(model.parameters(), model=model, momentum_sync=["nope"])
+    with pytest.raises(ValueError, match="does not hold"):
+        LionCub(model.blocks.parameters(), model=model, momentum_sync="io")
+    with pytest.raises(TypeError, match="names or tensors"):
+        LionCub(model.parameters(), model=model, momentum_sync=[3])
+    with pytest.raises(ValueError, match="sync_every must be an int >= 1"):
+        LionCub(model.parameters(), sync_every=0)
+    with pytest.raises(ValueError, match="sync_dtype must be one of"):
+        LionCub(model.parameters(), sync_dtype="fp16")
+    with pytest.raises(ValueError, match="threshold must be"):
+        Adaptive(threshold=2.0)
+
+
+def test_sketch_is_linear_and_small_tensors_exact():
+    a, b = torch.randn(1000, dtype=torch.float64), torch.randn(1000, dtype=torch.float64)
+    za = divergence_sketch(a, 16, torch.Generator().manual_seed(3))
+    zb = divergence_sketch(b, 16, torch.Generator().manual_seed(3))
+    zd = divergence_sketch(a - b, 16, torch.Generator().manual_seed(3))
+    assert za.shape == (16,)
+    torch.testing.assert_close(za - zb, zd, rtol=0, atol=1e-9)
+    small = torch.randn(5)
+    assert torch.equal(divergence_sketch(small, 16, torch.Generator()), small.double())
+    # unbiased: mean of ||z||^2 over many sign draws approaches ||a||^2
+    g = torch.Generator().manual_seed(0)
+    est = torch.stack([divergence_sketch(a, 16, g).square().sum() for _ in range(400)]).mean()
+    assert abs(float(est) / float(a.double().square().sum()) - 1) < 0.05
+
+
+def test_sync_bytes_is_ring_allreduce():
+    assert sync_bytes(1000, 4) == 2 * 3 / 4 * 4000
+    assert sync_bytes(1000, 4, dtype="bf16", every=10) == 2 * 3 / 4 * 2000 / 10
+
+
+# ----------------------------------------------------------------------------- sync on gloo
+def _train_step(opt, model, rank, step):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x = torch.randint(0, 32, (2, 8), generator=g)
+    model.zero_grad()
+    model(x, x)[1].backward()
+    opt.step()
+
+
+def _gathered(t):
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.contiguous())
+    return torch.stack(out)
+
+
+def _check_sync(rank, world, tied, dtype):
+    """Train 3 steps with sync_every=3 and 'io'; return what the checks need."""
+    model = _gpt(tied, seed=rank)  # LionCub broadcasts rank 0's weights
+    opt = LionCub(model.parameters(), lr=1e-3, betas=(0.9, 0.95), vote="sign_allreduce",
+                  momentum_sync="io", sync_every=3, sync_dtype=dtype, model=model)
+    sync, params = opt.momentum_sync, list(model.parameters())
+    pre = {}
+    real_average = sync.average
+
+    def spy(optimizer, idx, stats=None):  # record the momenta just before the all-reduce
+        pre.update({i: optimizer.state[params[i]]["exp_avg"].clone() for i in range(len(params))})
+        real_average(optimizer, idx, stats)
+
+    sync.average = spy
+    bytes_, colls = [], []
+    for step in range(3):
+        _train_step(opt, model, rank, step)
+        bytes_.append(opt.last_step_stats.bytes_sent)
+        colls.append(opt.last_step_stats.n_collectives)
+    names = param_names(params, model)
+    out = {"selected": sync.selected_names(), "bytes": bytes_, "colls": colls, "sync_bytes": sync.bytes_sent,
+           "n_selected": sum(params[i].numel() for i in sync.selected), "synced": {}, "unsynced": {}}
+    for i, p in enumerate(params):
+        post = _gathered(opt.state[p]["exp_avg"])
+        before = _gathered(pre[i])
+        key = "synced" if i in sync.selected else "unsynced"
+        out[key][names[i]] = dict(
+            identical=bool((post == post[0]).all()),
+            err=float((post[rank] - before.mean(0)).abs().max() / before.abs().max()),
+            untouched=bool(torch.equal(post[rank], before[rank])),
+            ranks_differ=bool((before != before[0]).any()),
+        )
+    return out
+
+
+def _check_adaptive(rank, world):
+    """Hand-set momenta: 'diverged' differs across ranks, 'agreed' is the same everywhere."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 50), torch.nn.Linear(50, 3))
+    opt = LionCub(model.parameters(), momentum_sync=Adaptive(threshold=0.3, buckets=64), sync_every=2,
+                  model=model)
+    (w0, b0, w1, b1) = list(model.parameters())
+    g = torch.Generator().manual_seed(rank)
+    shared = torch.randn(2000, generator=torch.Generator().manual_seed(9)).view(50, 40)
+    opt.state[w0]["exp_avg"] = shared + 0.1 * torch.randn(50, 40, generator=g)  # r ≈ 0.01 · (P-1)/P
+    opt.state[b0]["exp_avg"] = torch.randn(50, generator=g)  # r ≈ (P-1)/P, exact (50 <= buckets)
+    opt.state[w1]["exp_avg"] = torch.randn(3, 50, generator=g)  # r ≈ (P-1)/P, sketched
+    opt.state[b1]["exp_avg"] = torch.ones(3)  # identical: r = 0
+    ms = [opt.state[p]["exp_avg"].clone() for p in (w0, b0, w1, b1)]
+    exact = []
+    for m in ms:
+        allm = _gathered(m).double()
+        exact.append(float((allm - allm.mean(0)).square().sum() / allm.square().sum()))
+    opt.steps = 2  # as if two steps had completed: this is a check step
+    stats = CommStats()
+    opt.momentum_sync.after_step(opt, stats)
+    r = opt.momentum_sync.last_divergence
+    post = [opt.state[p]["exp_avg"] for p in (w0, b0, w1, b1)]
+    return dict(exact=exact, est=[r[n] for n in ("0.weight", "0.bias", "1.weight", "1.bias")],
+                synced=[bool(torch.allclose(q, _gathered(m).mean(0), atol=1e-6)) for q, m in zip(post, ms)],
+                untouched=[bool(torch.equal(q, m)) for q, m in zip(post, ms)],
+                stats=stats.as_dict(), counts=opt.momentum_sync.sync_counts)
+
+
+def _workers(rank, world):
+    return dict(
+        untied=_check_sync(rank, world, tied=False, dtype="fp32"),
+        tied=_check_sync(rank, world, tied=True, dtype="fp32"),
+        bf16=_check_sync(rank, world, tied=False, dtype="bf16"),
+        adaptive=_check_adaptive(rank, world),
+    )
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_workers(_workers, 4)
+
+
+@pytest.mark.parametrize("case", ["untied", "tied", "bf16"])
+def test_sync_averages_selected_momenta_only(four_ranks, case):
+    tol = 1e-6 if case != "bf16" else 2e-2
+    for r in four_ranks:
+        res = r[case]
+        want = ["wte.weight", "wpe.weight"] + ([] if case == "tied" else ["head.weight"])
+        assert res["selected"] == want
+        assert set(res["synced"]) == set(want)
+        for name, s in res["synced"].items():
+            assert s["identical"], name
+            assert s["ranks_differ"], name  # the momenta had drifted, so the sync did something
+            assert s["err"] < tol, (name, s["err"])
+        for name, s in res["unsynced"].items():
+            assert s["untouched"], name
+        assert any(s["ranks_differ"] for s in res["unsynced"].values())
+
+
+@pytest.mark.parametrize("case", ["untied", "tied", "bf16"])
+def test_sync_bytes_in_step_stats(four_ranks, case):
+    res = four_ranks[0][case]
+    b, c = res["bytes"], res["colls"]
+    assert b[0] == b[1] and c[0] == c[1]  # steps 1 and 2: no sync
+    want = sync_bytes(res["n_selected"], 4, dtype="bf16" if case == "bf16" else "fp32")
+    assert want == 2 * 3 / 4 * res["n_selected"] * (2 if case == "bf16" else 4)
+    assert b[2] - b[1] == pytest.approx(want, rel=1e-12)
+    assert c[2] - c[1] == 1  # one all-reduce: a tied head is not sent twice
+    assert res["sync_bytes"] == pytest.approx(want, rel=1e-12)
+
+
+def test_adaptive_finds_diverged_tensors(four_ranks):
+    for r in four_ranks:
+        res = r["adaptive"]
+        exact, est = res["exact"], res["est"]
+        assert exact[0] < 0.02 and exact[1] > 0.5 and exact[2] > 0.5 and exact[3] == 0.0
+        assert est[1] == pytest.approx(exact[1], abs=1e-9)  # 50 elements <= 64 buckets: exact
+        assert est[3] == pytest.approx(0.0, abs=1e-12)
+        assert abs(est[0] - exact[0]) < 0.02 and abs(est[2] - exact[2]) < 0.25  # sketched
+        assert res["synced"][:3] == [False, True, True]  # (the last is the same on every rank)
+        assert res["untouched"] == [True, False, False, True]
+        assert res["counts"] == {"0.bias": 1, "1.weight": 1}
+        # one check all-reduce of (50+1) + (64+1) + ... float64s, then one fp32 sync of 50 + 150
+        n_check = (64 + 1) + (50 + 1) + (64 + 1) + (3 + 1)
+        assert res["stats"]["n_collectives"] == 2
+        assert res["stats"]["bytes_sent"] == pytest.approx(1.5 * (8 * n_check + 4 * 200))
+    assert len({tuple(r["adaptive"]["est"]) for r in four_ranks}) == 1  # every rank decides alike
