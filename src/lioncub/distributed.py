@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import comm, guard, momentum, resume
+from . import auto, comm, cost, guard, momentum, resume
 from .comm import CommStats
 from .lion import _validate_hyperparameters, apply_update_, interpolate, lion
 from .quantize import QUANTIZERS
@@ -49,7 +49,7 @@ from .vote import VOTE_METHODS, majority_vote, pbit_levels
 
 __all__ = ["LionCub", "OPTIMIZER_VOTES", "GRAD_DTYPES"]
 
-OPTIMIZER_VOTES = ("grad",) + VOTE_METHODS
+OPTIMIZER_VOTES = ("grad",) + VOTE_METHODS + ("auto",)
 GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 NONFINITE_POLICIES = ("raise", "skip_step")
 
@@ -70,7 +70,12 @@ class LionCub(torch.optim.Optimizer):
             ``weight_decay`` per group).
         lr, betas, weight_decay: as :class:`lioncub.Lion`.
         vote: ``'grad'`` (gradient all-reduce baseline), ``'sign_allreduce'``,
-            ``'gather'``, ``'onebit'`` or ``'pbit'`` (see :mod:`lioncub.vote`).
+            ``'gather'``, ``'onebit'``, ``'pbit'`` (see :mod:`lioncub.vote`) or ``'auto'``:
+            the cheapest binary-sign vote for this world size by the α-β model plus
+            per-method local cost (:mod:`lioncub.auto`); the pick is ``vote_chosen``.
+        alpha, beta, gamma: ``vote='auto'`` only: latency (s) and seconds per bit of
+            the link (both None: measured by :func:`lioncub.cost.calibrate`), and
+            per-method local costs overriding :data:`lioncub.auto.DEFAULT_GAMMA`.
         bits: ``pbit`` lane width (2, 4 or 8); None picks the smallest valid one.
         quantizer: ``pbit`` only: None (binary signs, the paper's 4-bit Lion Cub),
             or one of ``'sign', 'l1', 'lp', 'l0', 'linf', 'log'``.
@@ -113,6 +118,9 @@ class LionCub(torch.optim.Optimizer):
         model: Optional[torch.nn.Module] = None,
         nonfinite: str = "raise",
         check_every: int = 0,
+        alpha: Optional[float] = None,
+        beta: Optional[float] = None,
+        gamma: Optional[dict] = None,
     ):
         _validate_hyperparameters(lr, betas, weight_decay)
         if vote not in OPTIMIZER_VOTES:
@@ -129,6 +137,10 @@ class LionCub(torch.optim.Optimizer):
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
         if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 0:
             raise ValueError(f"check_every must be an int >= 0 (0 = never), got {check_every!r}")
+        if vote != "auto" and (alpha is not None or beta is not None or gamma is not None):
+            raise ValueError(f"alpha, beta and gamma apply to vote='auto' only, got vote={vote!r}")
+        if (alpha is None) != (beta is None):
+            raise ValueError("give both alpha and beta (skips the probe), or neither (calibrate)")
         self.rank, self.world_size = _world(process_group)
         if vote == "pbit":
             pbit_levels(self.world_size, bits, quantizer)  # refuses lanes that would overflow
@@ -145,6 +157,10 @@ class LionCub(torch.optim.Optimizer):
         self.steps = 0  # completed steps: sets the tie/zero parity of the 1-bit votes
         self.last_step_stats = CommStats()
         self._buckets = self._make_buckets()
+        self.vote_requested = vote
+        if vote == "auto":
+            self.vote, self.bits = self._choose_vote(alpha, beta, gamma)
+        self.vote_chosen = (self.vote, self.bits)
         self._param_names = guard.param_names(model, [p for _, p in self._params()])
         guard.check_same_params([p for _, p in self._params()], self.group, self.world_size,
                                 names=self._param_names)
@@ -188,6 +204,22 @@ class LionCub(torch.optim.Optimizer):
         if current:
             buckets.append(current)
         return buckets
+
+    def _choose_vote(self, alpha, beta, gamma) -> tuple[str, Optional[int]]:
+        """vote='auto': the cheapest valid vote over this optimizer's buckets; rank 0's
+        pick is broadcast so every rank runs the same method even if inputs differ."""
+        if alpha is None:
+            alpha, beta = (0.0, 0.0) if self.world_size == 1 else cost.calibrate(self.group)
+        params = self._params()
+        sizes = [sum(params[i][1].numel() for i in idx) for idx in self._buckets]
+        self.auto_alpha_beta = (float(alpha), float(beta))
+        method, bits = auto.choose_vote(sizes, self.world_size, alpha, beta, gamma=gamma)
+        if self.world_size > 1:
+            pick = torch.tensor([auto.AUTO_CANDIDATES.index(method)], dtype=torch.int64)
+            dist.broadcast(pick, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
+            method = auto.AUTO_CANDIDATES[int(pick)]
+            bits = pbit_levels(self.world_size, None, None)[0] if method == "pbit" else None
+        return method, bits
 
     @torch.no_grad()
     def _broadcast_parameters(self) -> None:
@@ -327,6 +359,7 @@ class LionCub(torch.optim.Optimizer):
             "steps": self.steps,
             "generator": self.generator.get_state(),
             "vote": self.vote,
+            "vote_requested": self.vote_requested,
             "bits": self.bits,
             "quantizer": self.quantizer,
             "grad_dtype": self.grad_dtype,
@@ -341,6 +374,9 @@ class LionCub(torch.optim.Optimizer):
         extra = state_dict.get("lioncub")
         if extra is None:
             raise ValueError("state_dict has no 'lioncub' entry: it was not saved by LionCub.state_dict()")
+        if self.vote_requested == "auto" and extra.get("vote_requested") == "auto":
+            self.vote, self.bits = extra["vote"], extra["bits"]  # resume with the run's pick
+            self.vote_chosen = (self.vote, self.bits)
         for key in ("vote", "bits", "quantizer", "grad_dtype"):
             if extra[key] != getattr(self, key):
                 raise ValueError(
