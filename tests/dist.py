@@ -54,8 +54,40 @@ def _entry(rank, world_size, port, fn, args, out_dir, timeout_s):
             dist.destroy_process_group()
 
 
-def run_workers(fn, world_size: int, *args, timeout_s: float = 120.0):
-    """Spawn ``world_size`` gloo workers running ``fn``; return their results by rank."""
+def _wait_allowing_exits(ctx, world_size, out_dir, allow_exit, deadline):
+    """Wait for every worker without killing the others when one dies (ctx.join would)."""
+    import time
+
+    while any(p.is_alive() for p in ctx.processes):
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                proc.kill()
+            raise TimeoutError(f"workers still running after the deadline (alive: "
+                               f"{[r for r, p in enumerate(ctx.processes) if p.is_alive()]})")
+        time.sleep(0.1)
+    results = []
+    for r in range(world_size):
+        path = os.path.join(out_dir, f"{r}.pkl")
+        status, payload = ("missing", None)
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                status, payload = pickle.load(f)
+        if r in allow_exit:
+            results.append(payload if status == "ok" else None)
+        elif status != "ok":
+            raise AssertionError(f"rank {r} failed (exit code {ctx.processes[r].exitcode}):\n{payload}")
+        else:
+            results.append(payload)
+    return results
+
+
+def run_workers(fn, world_size: int, *args, timeout_s: float = 120.0, allow_exit=(), deadline_s=None):
+    """Spawn ``world_size`` gloo workers running ``fn``; return their results by rank.
+
+    ``timeout_s`` is the process group's timeout. ``allow_exit``: ranks that may die
+    or fail (their result is None) without the others being killed, for tests of
+    worker failure. ``deadline_s`` bounds the whole run (default ``2 * timeout_s``).
+    """
     port = _free_port()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     with tempfile.TemporaryDirectory() as out_dir:
@@ -68,7 +100,9 @@ def run_workers(fn, world_size: int, *args, timeout_s: float = 120.0):
         )
         import time
 
-        deadline = time.monotonic() + 2 * timeout_s
+        deadline = time.monotonic() + (2 * timeout_s if deadline_s is None else deadline_s)
+        if allow_exit:
+            return _wait_allowing_exits(ctx, world_size, out_dir, set(allow_exit), deadline)
         try:
             while not ctx.join(timeout=1.0):
                 if time.monotonic() > deadline:

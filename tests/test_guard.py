@@ -1,0 +1,234 @@
+"""Reliability (issue 7) on real gloo groups: argument validation, mismatched models named
+by rank and parameter, the non-finite policy with NaN on one rank only, the replica
+checksum guard, and a killed or stalled worker making the survivors raise in time."""
+import datetime
+import math
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lioncub import LionCub
+from lioncub.comm import CollectiveError
+from tests.dist import run_workers
+
+
+def _lin():
+    return torch.nn.Linear(3, 2)
+
+
+# ----------------------------------------------------------------------------- validation, one process
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(lr=-1.0), ValueError, r"lr must be >= 0"),
+    (dict(lr="0.1"), TypeError, r"lr must be a real number"),
+    (dict(lr=float("nan")), ValueError, r"lr must be >= 0"),
+    (dict(betas=(0.9,)), ValueError, r"betas must be a pair"),
+    (dict(betas=(1.0, 0.99)), ValueError, r"beta1 must be in \[0, 1\)"),
+    (dict(betas=(0.9, -0.1)), ValueError, r"beta2 must be in \[0, 1\)"),
+    (dict(weight_decay=-0.1), ValueError, r"weight_decay must be >= 0"),
+    (dict(weight_decay=None), TypeError, r"weight_decay must be a real number"),
+    (dict(vote="allreduce"), ValueError, r"vote must be one of \('grad', 'sign_allreduce'"),
+    (dict(bits=3), ValueError, r"bits must be None or one of \(2, 4, 8\)"),
+    (dict(vote="gather", bits=4), ValueError, r"bits and quantizer apply to vote='pbit' only"),
+    (dict(quantizer="l2"), ValueError, r"quantizer must be None or one of \('sign', 'l1'"),
+    (dict(vote="grad", grad_dtype="fp16"), ValueError, r"grad_dtype must be one of \('fp32', 'bf16'\)"),
+    (dict(bucket_mb=0), ValueError, r"bucket_mb must be a number > 0"),
+    (dict(bucket_mb="25"), ValueError, r"bucket_mb must be a number > 0"),
+    (dict(bucket_mb=True), ValueError, r"bucket_mb must be a number > 0"),
+    (dict(nonfinite="ignore"), ValueError, r"nonfinite must be one of \('raise', 'skip_step'\)"),
+    (dict(check_every=-1), ValueError, r"check_every must be an int >= 0"),
+    (dict(check_every=2.5), ValueError, r"check_every must be an int >= 0"),
+    (dict(momentum_sync="sometimes"), ValueError, r"momentum_sync"),
+    (dict(process_group=object()), ValueError, r"process_group was given but torch.distributed is not"),
+])
+def test_bad_argument_is_named(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        LionCub(_lin().parameters(), **kwargs)
+
+
+@pytest.mark.parametrize("group, exc, match", [
+    (dict(lr=-0.5), ValueError, r"param group 1: lr must be >= 0"),
+    (dict(betas=(0.9, 1.5)), ValueError, r"param group 1: betas: beta2 must be in \[0, 1\)"),
+    (dict(weight_decay="0.1"), TypeError, r"param group 1: weight_decay must be a real number"),
+])
+def test_bad_param_group_is_named(group, exc, match):
+    a, b = _lin(), _lin()
+    with pytest.raises(exc, match=match):
+        LionCub([{"params": a.parameters()}, {"params": b.parameters(), **group}], lr=0.1)
+    opt = LionCub(a.parameters(), lr=0.1)
+    with pytest.raises(exc, match=match):
+        opt.add_param_group({"params": b.parameters(), **group})
+    assert len(opt.param_groups) == 1  # the bad group was not kept
+
+
+@pytest.mark.parametrize("param, match", [
+    (torch.zeros(3, dtype=torch.complex64, requires_grad=True), r"parameter 0 has dtype torch.complex64"),
+    (torch.zeros(3, dtype=torch.long), r"parameter 0 has dtype torch.int64"),
+    (torch.zeros(3, dtype=torch.bool), r"parameter 0 has dtype torch.bool"),
+    (torch.sparse_coo_tensor([[0]], [1.0], (3,), check_invariants=True).requires_grad_(), r"parameter 0 is sparse"),
+])
+def test_unsupported_parameter_kinds(param, match):
+    with pytest.raises(TypeError, match=match):
+        LionCub([param])
+
+
+def test_sparse_gradient_is_refused():
+    emb = torch.nn.Embedding(5, 2, sparse=True)
+    opt = LionCub(emb.parameters(), lr=0.1)
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(TypeError, match=r"parameter 0 has a sparse gradient.*sparse=False"):
+        opt.step()
+
+
+# ----------------------------------------------------------------------------- on a 4-rank group
+def _net(out=2, extra_bias=True, dtype=torch.float32):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(),
+                               torch.nn.Linear(3, out, bias=extra_bias)).to(dtype)
+
+
+def _backward(model, rank, step):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    model.zero_grad()
+    model(torch.randn(5, 4, generator=g)).pow(2).sum().backward()
+
+
+def _error(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test inspects type and message
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def _on_group(rank, world):
+    out = {}
+    p = _net().parameters
+    out["pbit2"] = _error(lambda: LionCub(p(), vote="pbit", bits=2))  # 4 voters overflow 2-bit lanes
+    out["pbit2_l1"] = _error(lambda: LionCub(p(), vote="pbit", bits=2, quantizer="l1"))
+    out["pbit4_l1"] = _error(lambda: LionCub(p(), vote="pbit", bits=4, quantizer="l1"))  # valid
+    # models that differ on one rank only: every rank raises, naming that rank
+    shape = _net(out=5 if rank == 2 else 2)
+    out["shape"] = _error(lambda: LionCub(shape.parameters(), model=shape))
+    count = _net(extra_bias=rank != 3)
+    out["count"] = _error(lambda: LionCub(count.parameters()))
+    dtype = _net(dtype=torch.float64 if rank == 1 else torch.float32)
+    out["dtype"] = _error(lambda: LionCub(dtype.parameters()))
+
+    # NaN on rank 2 only, nonfinite='raise': all ranks raise at the same step
+    model = _net()
+    opt = LionCub(model.parameters(), lr=0.01, model=model, nonfinite="raise")
+    for step in range(3):
+        _backward(model, rank, step)
+        if step == 2 and rank == 2:
+            model[2].weight.grad[0, 1] = float("nan")
+        err = _error(opt.step)
+    out["raise"] = (err, opt.steps)
+
+    # Inf on rank 1 only, nonfinite='skip_step': all ranks skip that step, then train on
+    model = _net()
+    opt = LionCub(model.parameters(), lr=0.01, vote="onebit", nonfinite="skip_step")
+    skipped_ok = True
+    for step in range(5):
+        _backward(model, rank, step)
+        if step == 2 and rank == 1:
+            model[0].bias.grad[1] = -math.inf
+        before = [(q.detach().clone(), opt.state[q].get("exp_avg", q).clone()) for q in model.parameters()]
+        opt.step()
+        if step == 2:  # parameters and momenta untouched on every rank
+            skipped_ok = all(torch.equal(q, q0) and torch.equal(opt.state[q]["exp_avg"], m0)
+                             for q, (q0, m0) in zip(model.parameters(), before))
+    flat = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
+    everyone = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(everyone, flat)
+    out["skip"] = (skipped_ok, opt.skipped_steps, opt.steps, all(torch.equal(e, flat) for e in everyone),
+                   bool(torch.isfinite(flat).all()))
+
+    # replica guard: no false alarm while replicas agree; names the parameter when one drifts
+    model = _net()
+    opt = LionCub(model.parameters(), lr=0.01, model=model, check_every=2)
+    n_coll = []
+    for step in range(2):
+        _backward(model, rank, step)
+        opt.step()
+        n_coll.append(opt.last_step_stats.n_collectives)
+    if rank == 3:
+        with torch.no_grad():  # the smallest possible drift: one ulp of one element
+            model[0].bias[1] = torch.nextafter(model[0].bias[1], torch.tensor(math.inf))
+    _backward(model, rank, 2)
+    opt.step()
+    _backward(model, rank, 3)
+    out["replicas"] = (n_coll, _error(opt.step))
+    return out
+
+
+def test_validation_nonfinite_and_replica_guard_on_four_ranks():
+    res = run_workers(_on_group, 4)
+    for r, out in enumerate(res):
+        assert out["pbit2"][0] == "ValueError" and "bits=2 lanes overflow with 4 workers" in out["pbit2"][1]
+        assert out["pbit2_l1"][0] == "ValueError" and "leave no quantization level for 4 workers" in out["pbit2_l1"][1]
+        assert out["pbit4_l1"] is None
+        kind, msg = out["shape"]
+        assert kind == "ValueError"
+        assert "rank 2 has parameter 2 ('2.weight') of shape (5, 3) float32, rank 0 has shape (2, 3)" in msg
+        kind, msg = out["count"]
+        assert kind == "ValueError" and "rank 3 has 3 parameters, rank 0 has 4" in msg
+        kind, msg = out["dtype"]
+        assert kind == "ValueError" and "rank 1 has parameter 0 of shape (3, 4) float64, rank 0 has shape (3, 4) float32" in msg
+        (kind, msg), steps = out["raise"]
+        assert kind == "FloatingPointError" and "non-finite gradient on 1 rank(s) at step 2" in msg
+        assert steps == 2  # the failed step did not count
+        if r == 2:
+            assert "this rank holds a non-finite gradient in parameter 2 ('2.weight'" in msg
+        else:
+            assert "this rank's gradients are finite" in msg
+        assert out["skip"] == (True, 1, 4, True, True)
+        n_coll, err = out["replicas"]
+        assert n_coll[1] == n_coll[0] + 1  # the check at step 2 is one more collective
+        assert err is not None and err[0] == "RuntimeError"
+        assert ("replicas diverged at step 4: parameter 1 ('0.bias', shape (3,)) on rank(s) [3] "
+                "differs from rank 0") in err[1]
+
+
+# ----------------------------------------------------------------------------- dead or stalled worker
+GROUP_TIMEOUT_S = 3.0
+
+
+def _train_until_failure(rank, world, mode):
+    # the process group's timeout bounds every collective; a sub-group carries its own
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    model = _net()
+    opt = LionCub(model.parameters(), lr=0.01, vote="onebit", process_group=group)
+    for step in range(6):
+        _backward(model, rank, step)
+        if step == 3 and rank == 1:
+            if mode == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(GROUP_TIMEOUT_S + 2)  # stall past the survivors' timeout, then vanish
+            os._exit(0)
+        t0 = time.monotonic()
+        try:
+            opt.step()
+        except CollectiveError as exc:
+            return step, time.monotonic() - t0, str(exc)
+    return None
+
+
+@pytest.mark.parametrize("mode", ["kill", "stall"])
+def test_dead_or_stalled_worker_makes_survivors_raise_in_time(mode):
+    t0 = time.monotonic()
+    res = run_workers(_train_until_failure, 3, mode, allow_exit=(1,), deadline_s=75)
+    assert time.monotonic() - t0 < 75  # the whole test is bounded, whatever gloo does
+    assert res[1] is None
+    for r in (0, 2):
+        assert res[r] is not None, f"rank {r} never noticed the failure"
+        step, waited, msg = res[r]
+        assert step == 3
+        assert waited < GROUP_TIMEOUT_S + 2.0  # raised within the group's timeout (+ slack)
+        assert msg.startswith(f"all_reduce of 5 bytes (5 x torch.uint8) at optimizer step 3 failed on rank {r}")
+        if mode == "stall":
+            assert waited >= GROUP_TIMEOUT_S - 0.5  # it really waited for the timeout
+            assert "Timed out" in msg
