@@ -1,0 +1,264 @@
+"""Step time of data-parallel Lion / Lion Cub on an emulated 1 Gbit/s cluster (paper Table 4, Fig. 15).
+
+A GPT (default ~28M parameters, 1 sequence of 16 tokens per worker) trained for a
+few steps by 4 workers inside a :class:`lioncub.netem.Testbed` at ``--rate`` and
+unshaped (the CPU floor), once per method:
+
+    adamw fp32      AdamW after an fp32 gradient allreduce
+    lion fp32/bf16  LionCub(vote='grad'): fp32 / bf16 gradient allreduce, then Lion
+    sign int8       vote='sign_allreduce';  gather 1-bit: vote='gather'
+    onebit          1-bit all_to_all + all_gather
+    pbit 4          4-bit packed lanes;  pbit 8 l1: 8-bit lanes of L1-quantized values
+
+Per method: median over steps of the slowest rank's step time, split into compute
+(forward+backward) / quantize+pack / collective / unpack+vote / apply; wire bytes
+per step and rank (the veth tx counter); speedups over Lion fp32 and Lion bf16; the
+α-β model (compute + apply + Σ_buckets predicted comm, β = line rate, α from
+``calibrate``) and the ideal (compute + apply + measured wire bytes at line rate).
+
+    sudo OMP_NUM_THREADS=1 PYTHONPATH=src python3 bench/step_time.py          # ~6 min
+    ... bench/step_time.py --rates 1gbit --steps 3 --layers 2   # quicker, smaller
+Writes bench/results/step_time.json and bench/results/step_time.png. Needs root.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+METHODS = [  # (label, optimizer kwargs; 'adamw' is AdamW with a harness fp32 allreduce)
+    ("adamw fp32", None),
+    ("lion fp32", dict(vote="grad", grad_dtype="fp32")),
+    ("lion bf16", dict(vote="grad", grad_dtype="bf16")),
+    ("sign int8", dict(vote="sign_allreduce")),
+    ("gather 1-bit", dict(vote="gather")),
+    ("onebit", dict(vote="onebit")),
+    ("pbit 4", dict(vote="pbit", bits=4)),
+    ("pbit 8 l1", dict(vote="pbit", bits=8, quantizer="l1")),
+]
+PARTS = ("compute", "pack", "collective", "unpack", "apply", "other")
+
+
+def _adamw_step(opt, params, world, t):
+    """AdamW's step after one flat fp32 gradient allreduce (what DDP + AdamW sends)."""
+    import torch
+    import torch.distributed as dist
+
+    t0 = time.perf_counter()
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    t1 = time.perf_counter()
+    dist.all_reduce(flat)
+    t2 = time.perf_counter()
+    flat /= world
+    for p, piece in zip(params, flat.split([p.numel() for p in params])):
+        p.grad.copy_(piece.view_as(p))
+    t3 = time.perf_counter()
+    opt.step()
+    t.update(pack=t1 - t0, collective=t2 - t1, unpack=t3 - t2, apply=time.perf_counter() - t3)
+
+
+def worker(args, out_dir: str) -> None:
+    """One rank: every method for ``args.steps`` timed steps, per-step records to JSON."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from lioncub import LionCub, cost
+    from lioncub.harness.models.gpt import GPT, GPTConfig
+    from lioncub.netem import iface_bytes
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    rank, world, dev = dist.get_rank(), dist.get_world_size(), os.environ["GLOO_SOCKET_IFNAME"]
+    alpha, beta = cost.calibrate()
+    x = torch.randint(0, args.vocab, (1, args.tokens), generator=torch.Generator().manual_seed(rank))
+    out = {"calibrate": [alpha, beta], "methods": {}}
+    for label, kw in METHODS:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=args.layers, n_head=8, n_embd=args.embd, vocab_size=args.vocab,
+                              block_size=args.tokens))
+        params = list(model.parameters())
+        if kw is None:
+            for p in params:
+                dist.broadcast(p.data, 0)
+            opt, sizes = torch.optim.AdamW(params, lr=1e-4), [sum(p.numel() for p in params)]
+        else:
+            opt = LionCub(params, lr=1e-4, **kw)
+            sizes = [sum(params[i].numel() for i in idx) for idx in opt._buckets]
+        steps = []
+        for i in range(args.warmup + args.steps):
+            dist.barrier()
+            b0 = iface_bytes(dev)
+            t0 = time.perf_counter()
+            model(x, x)[1].backward()
+            t = {"compute": time.perf_counter() - t0}
+            if kw is None:
+                _adamw_step(opt, params, world, t)
+            else:
+                opt.step()
+                s = opt.last_step_stats
+                t.update(pack=s.t_quantize_pack, collective=s.t_collective, unpack=s.t_unpack_vote,
+                         apply=s.t_apply)
+            t["step"] = time.perf_counter() - t0
+            t["other"] = t["step"] - sum(t[k] for k in PARTS[:-1])
+            opt.zero_grad(set_to_none=False)
+            dist.barrier()  # my last bytes may still sit in my tbf queue when my step ends
+            b1 = iface_bytes(dev)
+            b2 = iface_bytes(dev)
+            dist.barrier()
+            t["tx"] = (b1["tx"] - b0["tx"]) - (iface_bytes(dev)["tx"] - b2["tx"])  # minus one barrier
+            if i >= args.warmup:
+                steps.append(t)
+        out["methods"][label] = {"sizes": sizes, "n_params_tensors": len(params), "steps": steps}
+        del model, opt, params
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+def _model(label, kw, sizes, n_tensors, P, alpha, beta):
+    """(bytes sent per rank, α-β seconds) the model predicts for one step of ``label``."""
+    from lioncub import cost
+
+    if kw is None:
+        m, mkw = "grad", {}
+    else:
+        m = kw["vote"]
+        mkw = {k: v for k, v in kw.items() if k != "vote"}
+    nbytes = sum(cost.predicted_bytes(m, n, P, **mkw)["bytes_sent"] for n in sizes)
+    secs = sum(cost.predicted_time(m, n, P, alpha, beta, **mkw) for n in sizes)
+    if kw is not None:  # LionCub's has-grad / finite flag: one uint8 allreduce per step
+        nbytes += cost.predicted_bytes("sign_allreduce", n_tensors + 1, P)["bytes_sent"]
+        secs += cost.collective_time("allreduce", n_tensors + 1, P, alpha, beta)
+    return nbytes, secs
+
+
+def run_testbed(args, rate) -> dict:
+    from lioncub.auto import choose_vote, vote_costs
+    from lioncub.netem import Testbed
+
+    P = args.workers
+    argv = [sys.executable, os.path.abspath(__file__), "--worker"] + _pass_through(args)
+    with tempfile.TemporaryDirectory(prefix="lcs-step-") as d, \
+            Testbed(P, rate=rate, prefix="lcs", subnet="10.79.1", port=29531) as tb:
+        t0 = time.perf_counter()
+        tb.run_workers([argv + ["--out-dir", d]] * P, timeout=1500)
+        wall = time.perf_counter() - t0
+        ranks = [json.load(open(os.path.join(d, f"{r}.json"))) for r in range(P)]
+    alpha, beta_cal = ranks[0]["calibrate"]
+    beta = beta_cal if tb.rate_bps is None else 1.0 / tb.rate_bps
+    rows = []
+    for label, kw in METHODS:
+        per = [r["methods"][label] for r in ranks]
+        k = len(per[0]["steps"])
+        slow = [{p: max(r["steps"][i][p] for r in per) for p in PARTS + ("step",)} for i in range(k)]
+        row = {"method": label, **{p: statistics.median(s[p] for s in slow) for p in PARTS + ("step",)}}
+        row["wire_bytes"] = statistics.median(statistics.fmean(r["steps"][i]["tx"] for r in per) for i in range(k))
+        row["model_bytes"], comm = _model(label, kw, per[0]["sizes"], per[0]["n_params_tensors"], P, alpha, beta)
+        row["model_s"] = row["compute"] + row["apply"] + comm
+        row["ideal_s"] = row["compute"] + row["apply"] + row["wire_bytes"] * 8 * beta
+        row["n"] = sum(per[0]["sizes"])
+        rows.append(row)
+    by = {r["method"]: r for r in rows}
+    for r in rows:
+        r["speedup_fp32"] = by["lion fp32"]["step"] / r["step"]
+        r["speedup_bf16"] = by["lion bf16"]["step"] / r["step"]
+    names = {"sign int8": "sign_allreduce", "gather 1-bit": "gather", "onebit": "onebit", "pbit 4": "pbit"}
+    measured_gamma = {m: (by[lbl]["pack"] + by[lbl]["unpack"]) / by[lbl]["n"] for lbl, m in names.items()}
+    sizes = ranks[0]["methods"]["onebit"]["sizes"]
+    auto = {"default_gamma": choose_vote(sizes, P, alpha, beta),
+            "measured_gamma": choose_vote(sizes, P, alpha, beta, gamma=measured_gamma),
+            "costs_measured_gamma": {f"{m}/{b}": c for (m, b), c in
+                                     vote_costs(sizes, P, alpha, beta, gamma=measured_gamma).items()}}
+    return {"rate": tb.rate or "unshaped", "rate_bps": tb.rate_bps, "workers": P, "alpha": alpha,
+            "beta": beta, "calibrate_beta": beta_cal, "rows": rows, "measured_gamma": measured_gamma,
+            "auto": auto, "wall_s": wall}
+
+
+def table(res: dict) -> str:
+    head = (f"{'method':13s} {'step s':>7s} {'comp':>6s} {'pack':>6s} {'coll':>6s} {'unpk':>6s} {'apply':>6s} "
+            f"{'wire MB':>8s} {'modelMB':>8s} {'x fp32':>6s} {'x bf16':>6s} {'model s':>7s} {'ideal s':>7s}")
+    lines = [f"{res['rate']}, {res['workers']} workers, alpha={res['alpha'] * 1e3:.2f} ms, "
+             f"beta -> {1e-9 / res['beta']:.2f} Gbit/s, n={res['rows'][0]['n'] / 1e6:.1f}M params", head]
+    for r in res["rows"]:
+        lines.append(f"{r['method']:13s} {r['step']:7.3f} {r['compute']:6.3f} {r['pack']:6.3f} "
+                     f"{r['collective']:6.3f} {r['unpack']:6.3f} {r['apply']:6.3f} {r['wire_bytes'] / 1e6:8.2f} "
+                     f"{r['model_bytes'] / 1e6:8.2f} {r['speedup_fp32']:6.2f} {r['speedup_bf16']:6.2f} "
+                     f"{r['model_s']:7.3f} {r['ideal_s']:7.3f}")
+    a = res["auto"]
+    lines.append(f"auto picks {a['default_gamma']} (default gamma), {a['measured_gamma']} (this run's gamma)")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6.5 * len(results), 4.8), squeeze=False)
+    colors = dict(compute="#4c72b0", pack="#dd8452", collective="#c44e52", unpack="#8172b3",
+                  apply="#55a868", other="#bbbbbb")
+    for ax, res in zip(axes[0], results):
+        labels = [r["method"] for r in res["rows"]]
+        bottom = [0.0] * len(labels)
+        for part in PARTS:
+            vals = [max(r[part], 0.0) for r in res["rows"]]
+            ax.bar(labels, vals, bottom=bottom, color=colors[part], label=part)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.scatter(labels, [r["model_s"] for r in res["rows"]], marker="_", s=400, color="k", zorder=3,
+                   label="α-β model")
+        for i, r in enumerate(res["rows"]):
+            ax.text(i, bottom[i], f"{r['speedup_fp32']:.2f}x", ha="center", va="bottom", fontsize=8)
+        ax.set_title(f"{res['workers']} workers, {res['rate']} (n={res['rows'][0]['n'] / 1e6:.1f}M)")
+        ax.set_ylabel("seconds per step (slowest rank, median)")
+        ax.tick_params(axis="x", rotation=40)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _pass_through(args) -> list[str]:
+    return ["--steps", str(args.steps), "--warmup", str(args.warmup), "--layers", str(args.layers),
+            "--embd", str(args.embd), "--vocab", str(args.vocab), "--tokens", str(args.tokens)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--rates", default="1gbit,none", help="comma list; 'none' = unshaped")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per method")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--embd", type=int, default=576)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--tokens", type=int, default=16, help="tokens per worker per step (batch 1)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "step_time.json"))
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out-dir", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(args, args.out_dir)
+        return 0
+    rates = [None if r.strip().lower() == "none" else r.strip() for r in args.rates.split(",")]
+    results = []
+    for rate in rates:
+        results.append(run_testbed(args, rate))
+        print(table(results[-1]), flush=True)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "load_avg": os.getloadavg(), "results": results}, f, indent=1)
+    png = os.path.splitext(args.out)[0] + ".png"
+    plot(results, png)
+    print(f"wrote {args.out} and {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
