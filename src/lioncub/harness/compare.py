@@ -63,7 +63,7 @@ def format_table(summaries: list[dict]) -> str:
                  for s in summaries]
         lines.append(f"{title:26}" + "".join(f"{c:>{width + 2}}" for c in cells))
     base, other = summaries[0], summaries[-1]
-    if other.get("bytes_sent_per_step"):
+    if len(summaries) > 1 and other.get("bytes_sent_per_step"):
         lines.append(f"\n{other['label']} sends {base['bytes_sent_per_step'] / other['bytes_sent_per_step']:.1f}x "
                      f"fewer bytes per step than {base['label']}; step time ratio "
                      f"{base['t_step_ms'] / other['t_step_ms']:.2f}x")
