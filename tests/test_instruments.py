@@ -52,6 +52,10 @@ def test_sign_match_by_hand():
     assert rows[0]["kept"] == 1.0 and rows[1]["name"] == "vote:sign_allreduce"
     rows = ins.sign_match([torch.tensor([1.0, 2.0]), torch.tensor([-3.0, -1.0])], quantizers=("sign",), votes=())
     assert (rows[0]["match"], rows[0]["zero"]) == (0.0, 1.0)  # exact [-, +]; signs cancel: u = 0
+    # c = 0 on every worker: exact vote 0; a 1-bit wire sends +1 at even steps (spurious)
+    cs = [torch.tensor([0.0, 1.0]), torch.tensor([0.0, 1.0])]
+    row = ins.sign_match(cs, quantizers=(), votes=({"method": "onebit"},), step=0)[0]
+    assert (row["match"], row["spurious"]) == (0.5, 0.5)
 
 
 def test_l1_keeps_far_more_signs_than_linf_on_laplace():
@@ -67,7 +71,7 @@ def test_l1_keeps_far_more_signs_than_linf_on_laplace():
     assert rows["linf-2bit"]["zero"] > 0.5 > 0.3 > rows["l1-2bit"]["zero"]
     assert rows["l1-4bit"]["match"] > rows["linf-4bit"]["match"] + 0.08
     for r in rows.values():
-        assert r["match"] + r["flip"] + r["zero"] == pytest.approx(1.0)
+        assert r["match"] + r["flip"] + r["zero"] == pytest.approx(1.0) and r["spurious"] == 0.0
 
 
 def test_momentum_std_by_hand():

@@ -81,15 +81,17 @@ def _rates(u: Tensor, exact: Tensor) -> dict:
     u, exact = u.reshape(-1).long(), exact.reshape(-1).long()
     return {"match": float((u == exact).double().mean()),
             "flip": float((u * exact == -1).double().mean()),
-            "zero": float(((u == 0) & (exact != 0)).double().mean())}
+            "zero": float(((u == 0) & (exact != 0)).double().mean()),
+            "spurious": float(((u != 0) & (exact == 0)).double().mean())}
 
 
 def sign_match(cs: list[Tensor], *, quantizers=DEFAULT_QUANTIZERS, bits=DEFAULT_BITS,
                votes=DEFAULT_VOTES, step: int = 0, seed: int = 0) -> list[dict]:
-    """Rows ``{name, quantizer, bits, match, flip, zero, kept}`` comparing a vote with ``sign(Σ c_i)``.
+    """Rows ``{name, quantizer, bits, match, flip, zero, spurious, kept}`` comparing a vote with ``sign(Σ c_i)``.
 
     ``match``: same sign (both 0 counts); ``flip``: opposite signs; ``zero``: the vote is 0
-    where the exact vote is not; ``kept``: per worker, the fraction of coordinates whose
+    where the exact vote is not; ``spurious``: the vote moves a coordinate whose exact vote is
+    0 (e.g. a 1-bit wire sending ±1 for c = 0); the four sum to 1. ``kept``: per worker, the fraction of coordinates whose
     quantized value keeps the sign of ``c_i`` (mean over workers; None for wire votes). For each quantizer and bit width (``levels = 2**(bits-1)-1``;
     ``sign`` once, as 1 bit) the vote is ``sign(Σ_i quantize(c_i))``. ``votes`` adds what
     LionCub's wire methods return (:func:`~lioncub.vote.reference_vote` kwargs, at ``step``).
@@ -274,7 +276,7 @@ def plot_sign_match(rows: list[dict], path: str) -> None:
     names = [r["name"] for r in rows]
     fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(rows)), 3.8))
     bottom = [0.0] * len(rows)
-    for key in ("match", "zero", "flip"):
+    for key in ("match", "zero", "flip", "spurious"):
         vals = [r[key] for r in rows]
         ax.bar(names, vals, bottom=bottom, label=key)
         bottom = [b + v for b, v in zip(bottom, vals)]
