@@ -10,7 +10,7 @@ unshaped (the CPU floor), once per method:
     onebit          1-bit all_to_all + all_gather
     pbit 4          4-bit packed lanes;  pbit 8 l1: 8-bit lanes of L1-quantized values
 
-Per method: median over steps of the slowest rank's step time, split into compute
+Per method: the median step (each step timed on its slowest rank), split into compute
 (forward+backward) / quantize+pack / collective / unpack+vote / apply; wire bytes
 per step and rank (the veth tx counter); speedups over Lion fp32 and Lion bf16; the
 α-β model (compute + apply + Σ_buckets predicted comm, β = line rate, α from
@@ -157,8 +157,11 @@ def run_testbed(args, rate) -> dict:
     for label, kw in METHODS:
         per = [r["methods"][label] for r in ranks]
         k = len(per[0]["steps"])
-        slow = [{p: max(r["steps"][i][p] for r in per) for p in PARTS + ("step",)} for i in range(k)]
-        row = {"method": label, **{p: statistics.median(s[p] for s in slow) for p in PARTS + ("step",)}}
+        # a step lasts as long as its slowest rank: take that rank's split of the median step,
+        # so the parts add up to the step time
+        slow = [max((r["steps"][i] for r in per), key=lambda s: s["step"]) for i in range(k)]
+        median = sorted(slow, key=lambda s: s["step"])[(k - 1) // 2]
+        row = {"method": label, **{p: median[p] for p in PARTS + ("step",)}}
         row["wire_bytes"] = statistics.median(statistics.fmean(r["steps"][i]["tx"] for r in per) for i in range(k))
         row["model_bytes"], comm = _model(label, kw, per[0]["sizes"], per[0]["n_params_tensors"], P, alpha, beta)
         row["model_s"] = row["compute"] + row["apply"] + comm
@@ -178,7 +181,7 @@ def run_testbed(args, rate) -> dict:
                                      vote_costs(sizes, P, alpha, beta, gamma=measured_gamma).items()}}
     return {"rate": tb.rate or "unshaped", "rate_bps": tb.rate_bps, "workers": P, "alpha": alpha,
             "beta": beta, "calibrate_beta": beta_cal, "rows": rows, "measured_gamma": measured_gamma,
-            "auto": auto, "wall_s": wall}
+            "auto": auto, "wall_s": wall, "per_rank": ranks}
 
 
 def table(res: dict) -> str:
@@ -219,8 +222,9 @@ def plot(results: list[dict], path: str) -> None:
         ax.set_title(f"{res['workers']} workers, {res['rate']} (n={res['rows'][0]['n'] / 1e6:.1f}M)")
         ax.set_ylabel("seconds per step (slowest rank, median)")
         ax.tick_params(axis="x", rotation=40)
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
+    handles, names = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=len(names), fontsize=8)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
 
 
@@ -233,8 +237,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--rates", default="1gbit,none", help="comma list; 'none' = unshaped")
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per method")
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per method")
+    ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--embd", type=int, default=576)
     ap.add_argument("--vocab", type=int, default=8192)

@@ -3,6 +3,7 @@
     lioncub train [flags]      train (default: baseline vs Lion Cub on Shakespeare, 4 workers)
     lioncub prepare [--data]   tokenise a text corpus into train.bin/val.bin
     lioncub plot RUN_DIR...    overlay runs' loss curves into one PNG
+    lioncub bench net|probe|votes [ARGS]  step-time table / net probe / vote costs (bench/)
 
 To add a subcommand: write ``_add_NAME(subparsers)`` (which sets ``func``) and
 ``cmd_NAME(args) -> int``, and list ``_add_NAME`` in ``_SUBCOMMANDS``. Heavy
@@ -59,12 +60,44 @@ def _add_train(sub) -> None:
                    help="train baseline (vote=grad) and Lion Cub side by side (default: on unless "
                    "--optimizer or --vote is given)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--link", default=None, metavar="RATE",
+                   help="run the --nproc workers in an emulated cluster whose links are shaped to RATE "
+                   "(e.g. 1gbit, 500mbit; 'none' = unshaped namespaces); needs root")
     p.set_defaults(func=cmd_train, parser=p)
 
 
+def _without_link(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--link":
+            skip = True
+        elif not a.startswith("--link="):
+            out.append(a)
+    return out
+
+
+def _train_behind_link(args) -> int:
+    from .harness.launch import run_in_testbed
+    from .netem import parse_rate
+
+    link = None if args.link.lower() == "none" else args.link
+    try:
+        parse_rate(link)
+    except ValueError as exc:
+        args.parser.error(f"--link: {exc}")
+    try:
+        return run_in_testbed(_without_link(args.argv), args.nproc, link)
+    except RuntimeError as exc:
+        args.parser.error(str(exc))
+
+
 def cmd_train(args) -> int:
+    if args.link is not None and "RANK" not in os.environ:  # inside the testbed: train as usual
+        return _train_behind_link(args)
     compare = args.compare if args.compare is not None else (args.optimizer is None and args.vote is None)
-    fields = {k: v for k, v in vars(args).items() if k not in ("func", "parser", "compare", "command")}
+    fields = {k: v for k, v in vars(args).items() if k not in ("func", "parser", "compare", "command", "link", "argv")}
     fields["optimizer"] = fields["optimizer"] or "lioncub"
     fields["vote"] = fields["vote"] or "pbit"
     fields["betas"] = tuple(fields["betas"])
@@ -130,7 +163,34 @@ def cmd_plot(args) -> int:
     return 0
 
 
-_SUBCOMMANDS = [_add_train, _add_prepare, _add_plot]
+_BENCH_SCRIPTS = {"net": "step_time.py", "probe": "net_probe.py", "votes": "vote_bench.py"}
+
+
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks from the source tree's bench/ (net needs root)",
+                       description="net: the step-time table on an emulated 1 Gbit/s cluster and unshaped "
+                       "(bench/step_time.py); probe: allreduce time and wire bytes vs the ring model "
+                       "(bench/net_probe.py); votes: per-method vote cost on loopback (bench/vote_bench.py). "
+                       "Remaining arguments go to the script (e.g. `lioncub bench net -- --rates 1gbit`).")
+    p.add_argument("which", choices=tuple(_BENCH_SCRIPTS))
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="passed to the script")
+    p.set_defaults(func=cmd_bench, parser=p)
+
+
+def cmd_bench(args) -> int:
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = os.path.join(root, "bench", _BENCH_SCRIPTS[args.which])
+    if not os.path.exists(script):
+        args.parser.error(f"{script} not found: `lioncub bench` runs from a source checkout (pip install -e .)")
+    extra = args.script_args[1:] if args.script_args[:1] == ["--"] else args.script_args
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env["PYTHONPATH"] = os.path.join(root, "src") + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, script] + extra, env=env).returncode
+
+
+_SUBCOMMANDS = [_add_train, _add_prepare, _add_plot, _add_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     return args.func(args)
 
 

@@ -6,6 +6,10 @@
 - under torchrun (RANK/WORLD_SIZE in the environment): joins the env:// rendezvous,
   single or multi node, NCCL when the device is CUDA, gloo otherwise;
 - else: spawns ``config.nproc`` workers on this machine (TCP rendezvous on loopback).
+
+``run_in_testbed(argv, nproc, link)`` runs a whole ``lioncub`` command once per worker
+inside an emulated cluster (:class:`lioncub.netem.Testbed`: a namespace per worker,
+every link shaped to ``link``), where each worker finds torchrun's environment.
 """
 from __future__ import annotations
 
@@ -91,3 +95,35 @@ def _worker(rank: int, world_size: int, port: int, fn, config, tmp: str) -> None
                 pickle.dump(result, f)
     finally:
         dist.destroy_process_group()
+
+
+def run_in_testbed(argv: list[str], nproc: int, link, *, prefix: str = "lct") -> int:
+    """Run ``python -m lioncub.cli *argv`` on ``nproc`` workers behind ``link``-shaped links.
+
+    ``link``: a rate such as '1gbit' or '500mbit', or None (unshaped). Rank 0 prints to
+    this terminal; the other ranks' output is kept only when a worker fails. Needs root.
+    Returns the first non-zero exit code, else 0.
+    """
+    import subprocess
+    import sys
+
+    from ..netem import Testbed, _wait_all, check_available
+
+    reason = check_available()
+    if reason is not None:
+        raise RuntimeError(f"--link needs the netem testbed, which cannot be built here: {reason}")
+    cmd = [sys.executable, "-m", "lioncub.cli"] + list(argv)
+    with tempfile.TemporaryDirectory(prefix="lioncub-link-") as tmp, Testbed(nproc, rate=link, prefix=prefix) as tb:
+        logs = [None] + [open(os.path.join(tmp, f"{r}.log"), "w+") for r in range(1, nproc)]
+        try:
+            procs = tb.launch([cmd] * nproc, stdout=logs, stderr=[None] + logs[1:])
+            _wait_all(procs, timeout=7 * 24 * 3600.0)
+            codes = [p.returncode for p in procs]
+            for r, code in enumerate(codes):
+                if code and r:
+                    logs[r].seek(0)
+                    sys.stderr.write(f"--- worker {r} exited with {code}:\n{logs[r].read()[-4000:]}\n")
+        finally:
+            for f in logs[1:]:
+                f.close()
+    return next((c for c in codes if c), 0)
