@@ -1,0 +1,241 @@
+r"""Overlap the majority vote with backward (issue 6).
+
+Without overlap, :meth:`LionCub.step` computes every bucket's ``c``, votes and applies
+after backward has finished: step time ≈ compute + comm. With overlap a bucket's vote
+starts as soon as backward has produced its last gradient, so the votes of the late
+layers travel while backward still computes the early ones: step time → max(compute,
+comm) + the last bucket's vote.
+
+Mechanism (one :class:`VoteDriver` per optimizer)::
+
+    backward: grad of p accumulated ─► bucket b complete? ─► launch buckets in index order:
+                 c_b = β1·m + (1-β1)·g   (caller thread, cheap)
+                 submit majority_vote(c_b) to one background thread (FIFO; torch ops and
+                 gloo release the GIL)
+    step():   launch buckets not launched yet (params without a gradient vote as zeros)
+              wait for every vote ─► agree on active params / non-finite (as without overlap)
+              ─► apply θ ← θ(1-ηλ) - η·u, m ← β2·m + (1-β2)·g per bucket
+
+Every rank launches buckets in the same order (bucket index order, like DDP: a bucket
+that completes early waits for its predecessors), so the collectives line up. All
+collectives of a step run on the one FIFO thread and the main thread issues none
+until they are done, so no two collectives of a group ever run concurrently.
+
+:class:`Overlap` is the driver for ``LionCub(..., overlap=True)``: it hooks every
+parameter with ``Tensor.register_post_accumulate_grad_hook`` and uses LionCub's own
+buckets (``bucket_mb``). A bucket counts as complete when every parameter that had a
+gradient in the previous step has one again (all parameters in the first step), so an
+unused layer does not hold back the launches; a parameter that gets a gradient after
+its bucket was launched raises ``RuntimeError``. :mod:`lioncub.ddp_hook` is the driver for DDP's buckets.
+Bit-for-bit the same parameters as without overlap whenever every parameter has a
+gradient on some rank and the vote is per element (all binary-sign votes); quantized
+``pbit`` normalises per bucket, and a parameter with no gradient anywhere still takes
+part in its bucket's scale (its update is still skipped).
+
+Gradient accumulation: run every micro-batch but the last under ``opt.no_sync()``;
+only the last backward launches votes. A gradient accumulated after its bucket was
+launched raises ``RuntimeError`` (the vote would miss it).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import Future
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+
+from . import comm
+from .comm import CommStats
+
+__all__ = ["VoteDriver", "Overlap"]
+
+
+class _VoteThread:
+    """One daemon thread running submitted jobs strictly in FIFO order."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="lioncub-vote", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, fut = job
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # surfaced by step() through the future
+                fut.set_exception(exc)
+
+    def submit(self, fn: Callable) -> Future:
+        fut: Future = Future()
+        self._jobs.put((fn, fut))
+        return fut
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=60)
+
+
+class VoteDriver:
+    """Launches bucket votes asynchronously and applies them in ``LionCub.step``.
+
+    Subclasses decide *when* a bucket (a list of parameter indices into
+    ``opt._params()``) is launched; this class does the launch, the wait and the apply.
+    """
+
+    def __init__(self, opt):
+        from .distributed import LionCub
+
+        if not isinstance(opt, LionCub):
+            raise TypeError(f"optimizer must be a lioncub.LionCub, got {type(opt).__name__}")
+        if opt.vote == "grad":
+            raise ValueError("vote='grad' has nothing to overlap here; use DDP's own allreduce for the baseline")
+        if opt._driver is not None:
+            raise ValueError(f"this LionCub is already driven by {type(opt._driver).__name__}; "
+                             "remove it first (remove_hooks())")
+        self.opt = opt
+        self._entries = opt._params()
+        self._index = {id(p): i for i, (_, p) in enumerate(self._entries)}
+        self._thread = _VoteThread()
+        self._pending: list[tuple[list[int], Future, CommStats]] = []
+        self.accumulating = False
+        opt._driver = self
+
+    # ---------------------------------------------------------------- launching
+    def launch(self, idx: list[int]) -> None:
+        """Compute ``c`` for params ``idx`` now and queue their vote."""
+        opt = self.opt
+        entries = [self._entries[i] for i in idx]
+        stats = CommStats()
+        with torch.no_grad():
+            flat = opt._bucket_c(entries, stats)
+        step = opt.steps
+
+        def vote():
+            with comm.step_context(step), torch.no_grad():
+                return opt._vote_flat(flat, step, stats)
+
+        self._pending.append((idx, self._thread.submit(vote), stats))
+
+    def launch_rest(self) -> None:
+        """Launch what backward did not (called by step(), before waiting)."""
+
+    def reset(self) -> None:
+        """Per-step bookkeeping back to 'nothing launched'."""
+
+    # ---------------------------------------------------------------- LionCub.step
+    def finish_votes(self, stats: CommStats) -> None:
+        self.launch_rest()
+        for _, fut, st in self._pending:
+            fut.result()  # re-raises a failed vote here, on the main thread
+            stats.add(st)
+
+    def apply(self, active: list[bool], stats: CommStats) -> None:
+        opt = self.opt
+        for idx, fut, _ in self._pending:
+            u = fut.result()
+            keep = [k for k, i in enumerate(idx) if active[i]]
+            if len(keep) < len(idx):  # no gradient on any rank: skipped, as without overlap
+                sizes = [self._entries[i][1].numel() for i in idx]
+                pieces = u.split(sizes)
+                u = torch.cat([pieces[k] for k in keep]) if keep else u[:0]
+            if keep:
+                opt._apply_bucket([self._entries[idx[k]] for k in keep], u, stats)
+        self._pending = []
+        self.reset()
+
+    def discard(self) -> None:
+        """Drop this step's votes (the step is skipped); waits for them first."""
+        for _, fut, _ in self._pending:
+            fut.exception()
+        self._pending = []
+        self.reset()
+
+    # ---------------------------------------------------------------- user API
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients without launching votes."""
+        prev, self.accumulating = self.accumulating, True
+        try:
+            yield
+        finally:
+            self.accumulating = prev
+
+    def remove_hooks(self) -> None:
+        """Detach from the optimizer; its step() votes after backward again."""
+        if self._pending:
+            self.discard()
+        if self.opt._driver is self:
+            self.opt._driver = None
+        self._thread.close()
+
+    @property
+    def in_flight(self) -> int:
+        return sum(not fut.done() for _, fut, _ in self._pending)
+
+
+class Overlap(VoteDriver):
+    """``LionCub(..., overlap=True)``: votes LionCub's buckets from post-accumulate-grad hooks."""
+
+    def __init__(self, opt):
+        super().__init__(opt)
+        self.buckets = [list(b) for b in opt._buckets]
+        self._bucket_of = {i: b for b, idx in enumerate(self.buckets) for i in idx}
+        self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
+                         for i, (_, p) in enumerate(self._entries)]
+        self.reset()
+
+    def _make_hook(self, i: int):
+        def hook(_p: torch.Tensor) -> None:
+            if self.accumulating:
+                return
+            if self._seen[i]:
+                raise RuntimeError(
+                    f"parameter {i} received a second gradient after its bucket's vote was launched; "
+                    "run all micro-batches but the last under `with opt.no_sync():`")
+            self._seen[i] = True
+            b = self._bucket_of[i]
+            if b < self._next:  # launched without this gradient (none came last step)
+                raise RuntimeError(
+                    f"parameter {i} got a gradient after its bucket's vote was launched: it had none "
+                    "in the previous step, so backward did not wait for it; with overlap=True every "
+                    "rank's set of parameters that receive gradients must not grow between steps")
+            if self._expect[i]:
+                self._missing[b] -= 1
+                if self._missing[b] == 0:
+                    self._launch_ready()
+        return hook
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self._missing[self._next] == 0:
+            self.launch(self.buckets[self._next])
+            self._next += 1
+
+    def launch_rest(self) -> None:
+        while self._next < len(self.buckets):  # index order on every rank
+            self.launch(self.buckets[self._next])
+            self._next += 1
+
+    def reset(self) -> None:
+        # A bucket is complete when every param that had a gradient last step has one
+        # again (all params at first): an unused layer does not hold back the launches.
+        # Only *when* a bucket launches depends on this; what it votes and the order of
+        # the launches are the same on every rank.
+        seen = getattr(self, "_seen", None)
+        self._expect = list(seen) if seen is not None and any(seen) else [True] * len(self._entries)
+        self._seen = [False] * len(self._entries)
+        self._missing = [sum(self._expect[i] for i in b) for b in self.buckets]
+        self._next = 0
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        super().remove_hooks()
