@@ -113,3 +113,15 @@ def test_auto_resolves_identically_on_two_ranks():
     # the step really used the chosen method (onebit: two collectives + the has-grad one)
     assert r0["collectives"] == r1["collectives"] == 1 + cost.predicted_bytes(expected[0], 8, 2)["n_collectives"]
     assert torch.equal(r0["params"], r1["params"])
+
+
+def test_cli_auto_link_and_bench_arguments():
+    from lioncub.cli import _without_link, build_parser, main
+
+    args = build_parser().parse_args(["train", "--vote", "auto", "--link", "1gbit", "--nproc", "2"])
+    assert (args.vote, args.link) == ("auto", "1gbit")
+    assert _without_link(["train", "--link", "1gbit", "--steps", "3", "--link=2gbit"]) == ["train", "--steps", "3"]
+    with pytest.raises(SystemExit):  # refused before any namespace is built
+        main(["train", "--link", "bogus"])
+    bench = build_parser().parse_args(["bench", "net", "--", "--rates", "1gbit"])
+    assert (bench.which, bench.script_args) == ("net", ["--rates", "1gbit"])
