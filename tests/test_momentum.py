@@ -216,3 +216,16 @@ def test_adaptive_finds_diverged_tensors(four_ranks):
         assert res["stats"]["n_collectives"] == 2
         assert res["stats"]["bytes_sent"] == pytest.approx(1.5 * (8 * n_check + 4 * 200))
     assert len({tuple(r["adaptive"]["est"]) for r in four_ranks}) == 1  # every rank decides alike
+
+
+def test_state_dict_round_trip_through_lioncub():
+    model = _gpt(tied=False)
+    opt = LionCub(model.parameters(), model=model, momentum_sync="adaptive")
+    sync = opt.momentum_sync
+    sync.n_syncs, sync.n_checks, sync.bytes_sent = 3, 7, 123.0
+    sync.sync_counts, sync.last_divergence = {"wte.weight": 3}, {"wte.weight": 0.5}
+    state = opt.state_dict()
+    fresh = LionCub(model.parameters(), model=model, momentum_sync="adaptive")
+    fresh.load_state_dict(state)
+    assert fresh.momentum_sync.state_dict() == sync.state_dict()
+    assert fresh.momentum_sync.n_checks == 7  # the sketch seed resumes where it stopped
