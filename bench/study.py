@@ -1,0 +1,327 @@
+"""Convergence study at CPU scale (issue 8): the paper's ablations on tiny models.
+
+Parts (DESIGN.md §2, §4, §5; the paper's Table 2 / Figs. 4, 5, 9, 10, 14):
+
+1. ``quant``  — the vote through sign / Linf / L1 / L0 in 4- and 8-bit p-bit lanes vs Lion.
+2. ``ties``   — a 1-bit vote whose ties (and zeros) go to +1, to -1, or alternate by step.
+3. ``msync``  — β2 ∈ {0.95, 0.99} × momentum sync none / all / io every 10 / adaptive.
+4. ``vision`` — a small ResNet and a small ViT on digits: Lion, 1-bit, 4-bit, 8-bit L1.
+5. ``tied``   — untied vs tied GPT embeddings (byte vocabulary, 256): does io sync still match?
+
+Driver: one group of ``--nproc`` gloo workers is spawned with the harness's launcher
+(``lioncub.harness.launch.spawn_local``) and runs every (config, seed) in turn, so the
+~2 s torch start-up is paid once, not per run. The loop is a lean copy of the harness's
+(its models, data loaders and lr schedule), because ``harness.run(config)`` has no
+momentum-sync, tie-rule or model-width options. "Lion" is ``LionCub(vote='grad')``: fp32
+gradient all-reduce then plain Lion, identical momenta on every rank.
+
+Rank 0 appends one JSON line per finished run to ``--out`` (so a killed study keeps what it
+finished and a rerun skips it); ``bench/study_report.py`` turns that file into tables and plots.
+
+    OMP_NUM_THREADS=1 PYTHONPATH=src python3 bench/study.py --parts quant,ties --seeds 0,1,2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lioncub import LionCub, comm
+from lioncub.harness.data import (ImageLoader, TokenLoader, ensure_prepared, eval_batches,
+                                  image_eval_batches, load_images)
+from lioncub.harness.data.text import read_meta
+from lioncub.harness.launch import spawn_local
+from lioncub.harness.models import param_groups
+from lioncub.harness.models.gpt import GPT, GPTConfig
+from lioncub.harness.models.resnet import BasicBlock, ResNet
+from lioncub.harness.models.vit import ViT
+
+PARTS = ("quant", "ties", "msync", "tied", "vision")
+BLOCK = 32  # GPT context; with width 32 and 2 layers the GPT has ~35k params (CPU is scarce)
+TIE_RULES = ("plus", "minus", "alternate")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One training run. ``vote='tie'`` is the study's own 1-bit vote with ``tie_rule``."""
+
+    part: str
+    label: str
+    model: str = "gpt"  # gpt | resnet | vit
+    vote: str = "grad"
+    bits: int | None = None
+    quantizer: str | None = None
+    tie_rule: str | None = None
+    beta2: float = 0.99
+    sync: str = "none"
+    tied: bool = True
+    seed: int = 0
+    steps: int = 150
+    lr: float = 2e-3
+
+    def key(self) -> str:
+        """Identity of the run without its part/label: equal keys are the same experiment."""
+        d = asdict(self)
+        del d["part"], d["label"]
+        return json.dumps(d, sort_keys=True)
+
+
+def plan(parts, seeds, gpt_steps: int, img_steps: int) -> list[Spec]:
+    """Every run of the requested parts (a run shared by two parts appears once per part)."""
+    out = []
+    for seed in seeds:
+        g = dict(seed=seed, steps=gpt_steps)
+        if "quant" in parts:
+            out.append(Spec("quant", "Lion (grad all-reduce)", **g))
+            out.append(Spec("quant", "sign 4b", vote="pbit", bits=4, quantizer="sign", **g))
+            for q in ("linf", "l1", "l0"):
+                for b in (4, 8):
+                    out.append(Spec("quant", f"{q} {b}b", vote="pbit", bits=b, quantizer=q, **g))
+        if "ties" in parts:
+            for rule in TIE_RULES:
+                out.append(Spec("ties", f"1-bit, ties {rule}", vote="tie", tie_rule=rule, **g))
+            out.append(Spec("ties", "ties -> 0 (4-bit pbit)", vote="pbit", bits=4, **g))
+        if "msync" in parts or "tied" in parts:
+            tied_opts = ([True] if "msync" in parts else []) + ([False] if "tied" in parts else [])
+            for tied in tied_opts:
+                part = "msync" if tied else "tied"
+                betas = (0.95, 0.99) if tied else (0.95,)
+                syncs = ("none", "all", "io", "adaptive") if tied else ("none", "io", "all")
+                for b2 in betas:
+                    out.append(Spec(part, f"Lion b2={b2}", beta2=b2, tied=tied, **g))
+                    for s in syncs:
+                        out.append(Spec(part, f"4-bit, sync {s}, b2={b2}", vote="pbit", bits=4, beta2=b2,
+                                        sync=s, tied=tied, **g))
+        if "vision" in parts:
+            for m in ("resnet", "vit"):
+                v = dict(model=m, seed=seed, steps=img_steps, lr=1e-3)
+                out.append(Spec("vision", f"{m}: Lion", **v))
+                out.append(Spec("vision", f"{m}: 1-bit", vote="onebit", **v))
+                out.append(Spec("vision", f"{m}: 4-bit", vote="pbit", bits=4, **v))
+                out.append(Spec("vision", f"{m}: 8-bit L1", vote="pbit", bits=8, quantizer="l1", **v))
+    return out
+
+
+# ----------------------------------------------------------------------------- the tie ablation
+def fixed_tie_vote(c: torch.Tensor, rule: str, step: int, group=None, stats=None) -> torch.Tensor:
+    """A 1-bit majority vote with a given rule for zeros of ``c`` and for tied counts.
+
+    Each rank's bit is ``c > 0`` (zeros go where ``rule`` says); u = sign(Σ ±1) and a tied
+    sum becomes +1 (``plus``), -1 (``minus``) or +1/-1 on even/odd steps (``alternate``,
+    the library's ``onebit`` rule). The ±1 values travel as int8 in one SUM all-reduce:
+    the same result as a 1-bit wire, not its cost (only the convergence is studied here).
+    """
+    if rule not in TIE_RULES:
+        raise ValueError(f"rule must be one of {TIE_RULES}, got {rule!r}")
+    positive = rule == "plus" or (rule == "alternate" and step % 2 == 0)
+    bits = c >= 0 if positive else c > 0
+    votes = bits.to(torch.int8) * 2 - 1  # ±1
+    comm.all_reduce(votes, group, stats)
+    u = torch.sign(votes)
+    u[votes == 0] = 1 if positive else -1
+    return u.to(c.dtype)
+
+
+class TieRuleLionCub(LionCub):
+    """LionCub whose vote is :func:`fixed_tie_vote` (study only; the library keeps ``onebit``)."""
+
+    def __init__(self, params, *, tie_rule: str, **kwargs):
+        super().__init__(params, vote="onebit", **kwargs)
+        self.tie_rule = tie_rule
+
+    def _vote_flat(self, flat, step, stats):
+        return fixed_tie_vote(flat, self.tie_rule, step, self.group, stats)
+
+
+# ----------------------------------------------------------------------------- one run, per rank
+def _model(spec: Spec, info: dict) -> torch.nn.Module:
+    if spec.model == "gpt":  # 2 layers, 4 heads, width 32: 35k params tied (8k of them the byte embedding)
+        return GPT(GPTConfig(n_layer=2, n_head=4, n_embd=32, vocab_size=info["vocab_size"], block_size=BLOCK,
+                             tied_embeddings=spec.tied))
+    kw = dict(num_classes=info["num_classes"], in_channels=info["channels"])
+    if spec.model == "resnet":  # 3 stages of one basic block, width 8 (~20k params)
+        return ResNet(BasicBlock, [1, 1, 1], width=8, **kw)
+    return ViT(image_size=info["image_size"], patch=2, dim=32, depth=2, heads=4, **kw)  # ~27k params
+
+
+def _data(spec: Spec, rank: int, world: int, cache_dir: str):
+    """(train loader, fixed val batches, info) for this rank."""
+    if spec.model == "gpt":
+        d = ensure_prepared("shakespeare", cache_dir)
+        info = read_meta(d)
+        loader = TokenLoader(os.path.join(d, "train.bin"), block_size=BLOCK, batch_size=8, rank=rank,
+                             world_size=world, seed=spec.seed)
+        val = list(eval_batches(os.path.join(d, "val.bin"), block_size=BLOCK, batch_size=16, n_batches=8,
+                                rank=rank, world_size=world))
+        return loader, val, info
+    images = load_images("digits", seed=0)  # same split for every seed; seed moves init and order
+    loader = ImageLoader(images.x_train, images.y_train, batch_size=32, rank=rank, world_size=world, seed=spec.seed)
+    val = list(image_eval_batches(images.x_val, images.y_val, batch_size=128, n_batches=4, rank=rank,
+                                  world_size=world))
+    return loader, val, images.info
+
+
+def _loss(model, x, y, is_gpt):
+    if is_gpt:
+        return model(x, y)[1], None
+    logits = model(x)
+    return F.cross_entropy(logits, y), (logits.argmax(-1) == y).sum()
+
+
+@torch.no_grad()
+def _evaluate(model, val, is_gpt) -> dict:
+    model.eval()
+    tot = torch.zeros(3, dtype=torch.float64)  # loss·n, correct, n
+    for x, y in val:
+        loss, correct = _loss(model, x, y, is_gpt)
+        tot += torch.tensor([loss.item() * len(y), 0 if correct is None else correct.item(), len(y)], dtype=torch.float64)
+    dist.all_reduce(tot)
+    model.train()
+    out = {"val_loss": (tot[0] / tot[2]).item()}
+    if not is_gpt:
+        out["val_acc"] = (tot[1] / tot[2]).item()
+    return out
+
+
+def _momentum_spread(opt, model) -> dict[str, float]:
+    """Per named parameter: max over elements of the std across ranks of the momentum (Fig. 6)."""
+    world = dist.get_world_size()
+    out, seen = {}, set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        m = opt.state[p]["exp_avg"].reshape(-1).float()
+        gathered = [torch.empty_like(m) for _ in range(world)]
+        dist.all_gather(gathered, m)
+        out[name] = torch.stack(gathered).std(0).max().item()
+    return out
+
+
+def _lr_scale(step: int, steps: int, warmup: int = 10, floor: float = 0.1) -> float:
+    import math
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def train_one(spec: Spec, cache_dir: str, eval_every: int) -> dict:
+    """Train ``spec`` on this rank (inside the process group); every rank returns the same record."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(spec.seed)
+    loader, val, info = _data(spec, rank, world, cache_dir)
+    model = _model(spec, info)
+    is_gpt = spec.model == "gpt"
+    groups = param_groups(model, lr=spec.lr, weight_decay=0.1)
+    base = [g["lr"] for g in groups]
+    kw = dict(lr=spec.lr, betas=(0.9, spec.beta2), seed=spec.seed, model=model,
+              momentum_sync=spec.sync, sync_every=10, nonfinite="skip_step")
+    if spec.vote == "tie":
+        opt = TieRuleLionCub(groups, tie_rule=spec.tie_rule, **kw)
+    else:
+        extra = dict(bits=spec.bits, quantizer=spec.quantizer) if spec.vote == "pbit" else {}
+        opt = LionCub(groups, vote=spec.vote, **extra, **kw)
+    curve, losses, t0 = [], [], time.perf_counter()
+    for step in range(spec.steps):
+        for g, b in zip(opt.param_groups, base):
+            g["lr"] = b * _lr_scale(step, spec.steps)
+        x, y = loader.next_batch()
+        loss, _ = _loss(model, x, y, is_gpt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        done = step + 1
+        if done % eval_every == 0 or done == spec.steps:
+            curve.append({"step": done, **_evaluate(model, val, is_gpt)})
+    train_loss = torch.tensor(sum(losses[-20:]) / len(losses[-20:]), dtype=torch.float64)
+    dist.all_reduce(train_loss)
+    rec = {"key": spec.key(), **asdict(spec), "world": world, "final": curve[-1],
+           "train_loss_last20": train_loss.item() / world, "curve": curve,
+           "skipped_steps": opt.skipped_steps, "wall_s": time.perf_counter() - t0,
+           "params": sum(p.numel() for p in model.parameters())}
+    if spec.vote != "grad" and spec.part in ("msync", "tied"):
+        rec["momentum_spread"] = _momentum_spread(opt, model)
+    return rec
+
+
+@dataclass
+class Job:
+    """What the spawned group runs: the specs, where results go. ``device`` is for the launcher."""
+
+    specs: list
+    out: str
+    cache_dir: str
+    eval_every: int = 50
+    device: str = "cpu"
+    done: list = field(default_factory=list)
+
+
+def study_worker(job: Job) -> list[dict]:
+    """Every rank runs every spec in order; rank 0 appends each record to ``job.out``."""
+    records = []
+    for spec in job.specs:
+        rec = train_one(spec, job.cache_dir, job.eval_every)
+        records.append(rec)
+        if dist.get_rank() == 0:
+            with open(job.out, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            print(f"[study] {spec.part:6s} {spec.label:28s} seed {spec.seed}: "
+                  f"val {rec['final']['val_loss']:.4f} ({rec['wall_s']:.0f} s)", flush=True)
+    return records
+
+
+def load_records(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def run_study(parts, seeds, *, gpt_steps=150, img_steps=100, nproc=4, out="bench/results/study.jsonl",
+              cache_dir=None, eval_every=50) -> list[dict]:
+    """Run what ``out`` lacks (by experiment key), in one spawned group; return all records."""
+    from lioncub.harness.config import default_cache_dir
+
+    bad = [p for p in parts if p not in PARTS]
+    if bad:
+        raise ValueError(f"parts must be among {PARTS}, got {bad}")
+    cache_dir = cache_dir or default_cache_dir()
+    ensure_prepared("shakespeare", cache_dir)  # tokenise once, before the workers start
+    have = {r["key"] for r in load_records(out) if r.get("world") == nproc}
+    todo, seen = [], set(have)
+    for spec in plan(parts, seeds, gpt_steps, img_steps):
+        if spec.key() not in seen:
+            seen.add(spec.key())
+            todo.append(spec)
+    if todo:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        spawn_local(study_worker, Job(todo, out, cache_dir, eval_every), nproc)
+    return load_records(out)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma list from {PARTS}")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--gpt-steps", type=int, default=150)
+    ap.add_argument("--img-steps", type=int, default=100)
+    ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--out", default="bench/results/study.jsonl")
+    a = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    run_study(a.parts.split(","), [int(s) for s in a.seeds.split(",")], gpt_steps=a.gpt_steps,
+              img_steps=a.img_steps, nproc=a.nproc, out=a.out, eval_every=a.eval_every)
+    print(f"[study] done in {time.perf_counter() - t0:.0f} s -> {a.out}")
+
+
+if __name__ == "__main__":
+    main()
