@@ -11,6 +11,7 @@ import torch
 from lioncub.harness.config import TrainConfig
 from lioncub.harness.data import (ImageLoader, TokenLoader, decode_bytes, encode_bytes, eval_batches,
                                   image_eval_batches, load_images, prepare, read_meta)
+from lioncub.harness.data.images import digits
 from lioncub.harness.data.text import markdown_to_text
 
 
@@ -117,6 +118,10 @@ def test_digits_shards_disjoint_deterministic_resumable():
     assert data.x_train.shape[1:] == (1, 8, 8) and data.num_classes == 10
     assert len(data.x_train) + len(data.x_val) == 1797
     assert abs(float(data.x_train.mean())) < 1e-4
+    from sklearn.datasets import load_digits  # our direct read of sklearn's file matches its loader
+
+    x, y = digits()
+    assert np.array_equal(x, load_digits().images / 16.0) and np.array_equal(y, load_digits().target)
     world, shards = 3, []
     for rank in range(world):
         loader = ImageLoader(data.x_train, data.y_train, batch_size=10, rank=rank, world_size=world, seed=0)

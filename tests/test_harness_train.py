@@ -82,7 +82,7 @@ def test_default_comparison_writes_wellformed_outputs(tmp_path):
 
 @pytest.mark.parametrize("model_args", [
     ["--vote", "onebit", *TINY],
-    ["--vote", "pbit", "--model", "resnet18", "--batch-size", "8", "--no-progress"],
+    ["--vote", "pbit", "--model", "resnet18", "--width", "8", "--batch-size", "8", "--no-progress"],
 ], ids=["gpt-onebit", "resnet-bn"])
 def test_resume_reproduces_uninterrupted_run_bit_for_bit(tmp_path, model_args):
     common = [*model_args, "--steps", "6", "--eval-every", "3", "--cache-dir", str(tmp_path / "cache")]

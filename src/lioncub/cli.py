@@ -33,6 +33,7 @@ def _add_train(sub) -> None:
     p.add_argument("--block-size", type=int, default=d.block_size, help="GPT context length")
     p.add_argument("--vocab-size", type=int, default=None, help="GPT vocabulary (default: from the data)")
     p.add_argument("--untied", dest="tied_embeddings", action="store_false", help="untie GPT input/output embeddings")
+    p.add_argument("--width", type=int, default=d.width, help="ResNet base width (default: %(default)s)")
     p.add_argument("--dropout", type=float, default=d.dropout)
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--lr-embed", type=float, default=None, help="learning rate of embeddings (default: --lr)")

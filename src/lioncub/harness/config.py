@@ -48,6 +48,8 @@ class TrainConfig:
     """GPT vocabulary; None reads the data's meta.json (256 for byte-level text)."""
     tied_embeddings: bool = True
     """Share the GPT input embedding with the output head."""
+    width: int = 64
+    """ResNet base channel width (64 is the published size; smaller runs faster on a CPU)."""
     dropout: float = 0.0
     """Dropout probability in the models."""
     lr: float = 1e-3
@@ -108,7 +110,7 @@ class TrainConfig:
         _choice("device", self.device, DEVICES)
         _choice("grad_dtype", self.grad_dtype, ("fp32", "bf16"))
         _choice("bits", self.bits, (None, 1, 2, 4, 8))
-        for name in ("steps", "batch_size", "block_size", "nproc", "eval_batches", "log_every", "keep_ckpts"):
+        for name in ("steps", "batch_size", "block_size", "width", "nproc", "eval_batches", "log_every", "keep_ckpts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("eval_every", "ckpt_every", "warmup_steps"):

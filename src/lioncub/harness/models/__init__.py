@@ -23,9 +23,9 @@ def build_model(config, data_info: dict) -> nn.Module:
                          tied_embeddings=config.tied_embeddings)
     kwargs = dict(num_classes=data_info["num_classes"], in_channels=data_info["channels"])
     if config.model == "resnet18":
-        return resnet18(**kwargs)
+        return resnet18(width=config.width, **kwargs)
     if config.model == "resnet50":
-        return resnet50(**kwargs)
+        return resnet50(width=config.width, **kwargs)
     if config.model == "vit-tiny":
         return vit_tiny(image_size=data_info["image_size"], dropout=config.dropout, **kwargs)
     raise ValueError(f"unknown model {config.model!r}")

@@ -83,9 +83,9 @@ class ResNet(nn.Module):
         return self.head(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
-def resnet18(*, num_classes: int, in_channels: int = 3) -> ResNet:
-    return ResNet(BasicBlock, [2, 2, 2, 2], num_classes=num_classes, in_channels=in_channels)
+def resnet18(*, num_classes: int, in_channels: int = 3, width: int = 64) -> ResNet:
+    return ResNet(BasicBlock, [2, 2, 2, 2], num_classes=num_classes, in_channels=in_channels, width=width)
 
 
-def resnet50(*, num_classes: int, in_channels: int = 3) -> ResNet:
-    return ResNet(Bottleneck, [3, 4, 6, 3], num_classes=num_classes, in_channels=in_channels)
+def resnet50(*, num_classes: int, in_channels: int = 3, width: int = 64) -> ResNet:
+    return ResNet(Bottleneck, [3, 4, 6, 3], num_classes=num_classes, in_channels=in_channels, width=width)
