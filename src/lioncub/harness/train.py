@@ -139,6 +139,7 @@ def train_worker(config: TrainConfig) -> dict:
     random.seed(config.seed + rank)
     data = _Data(config, rank, world)
     model = build_model(config, data.info).to(device)
+    torch.manual_seed(config.seed + 1000 + rank)  # dropout masks differ across ranks, as their data does
     if config.optimizer != "lioncub":
         for t in model.state_dict().values():
             dist.broadcast(t, src=0)
