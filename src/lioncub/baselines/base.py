@@ -1,0 +1,60 @@
+"""The one interface every race method implements (:class:`Adapter`).
+
+A method owns the rank's local replica (``module``) and its optimizer(s); the
+runner (``bench/race.py``, the tests) only calls::
+
+    loss = method.backward(x, y)   # forward + backward of this rank's batch
+    synced = method.step(lr)       # update; True when every replica now holds the same parameters
+
+``synced`` marks the points where the model is the one model all workers agree on:
+every step for the data-parallel methods (DDP, Lion Cub), every ``H`` steps for
+local SGD and DiLoCo. The runner evaluates and decides to stop only there, so a
+local method is judged on the consensus model, never on one worker's drifted copy.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["Adapter", "broadcast_module", "set_lr"]
+
+
+class Adapter:
+    """Base class: ``module`` (the local replica) and the two calls above."""
+
+    name: str = "?"
+    family: str = "?"  # 'adamw' or 'lion': which learning-rate grid the method sweeps
+
+    def __init__(self, module: nn.Module, *, group=None):
+        self.module = module
+        self.group = group
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.steps = 0
+
+    def forward_module(self) -> nn.Module:
+        """What ``backward`` runs the batch through (a DDP wrapper where there is one)."""
+        return self.module
+
+    def backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        _, loss = self.forward_module()(x, y)
+        loss.backward()
+        return float(loss.detach())
+
+    def step(self, lr: float) -> bool:  # pragma: no cover - every method overrides it
+        raise NotImplementedError
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    for g in opt.param_groups:
+        g["lr"] = lr
+
+
+@torch.no_grad()
+def broadcast_module(module: nn.Module, group=None) -> None:
+    """Start every replica from rank 0's parameters (what DDP and LionCub do on construction)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    for p in module.parameters():
+        dist.broadcast(p.data, src=src, group=group)

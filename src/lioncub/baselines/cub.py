@@ -1,0 +1,36 @@
+"""Lion Cub as a race method: :class:`lioncub.LionCub` with a compressed vote.
+
+``vote``/``bits`` pick the vote (default: 4-bit packed lanes, the paper's "4-bit Lion
+Cub"); ``overlap=True`` launches each bucket's vote from backward hooks
+(:mod:`lioncub.overlap`), with buckets of ``bucket_mb`` MiB so that there is more than
+one bucket to overlap. Replicas stay identical after every step (every rank applies
+the same voted sign); momenta stay local.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from ..distributed import LionCub
+from .base import Adapter, set_lr
+from .ddp import BETAS
+
+__all__ = ["CubMethod"]
+
+
+class CubMethod(Adapter):
+    family = "lion"
+
+    def __init__(self, module: nn.Module, *, lr: float, vote: str = "pbit", bits: int | None = 4,
+                 overlap: bool = False, bucket_mb: float = 25.0, group=None, weight_decay: float = 0.0):
+        super().__init__(module, group=group)
+        kw = dict(bits=bits) if vote == "pbit" else {}
+        self.opt = LionCub(module.parameters(), lr=lr, betas=BETAS, weight_decay=weight_decay, vote=vote,
+                           overlap=overlap, bucket_mb=bucket_mb, process_group=group, model=module, **kw)
+        self.name = f"lioncub-{vote}{bits if vote == 'pbit' else ''}" + ("-overlap" if overlap else "")
+
+    def step(self, lr: float) -> bool:
+        set_lr(self.opt, lr)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.steps += 1
+        return True
