@@ -29,7 +29,7 @@ def default_cache_dir() -> str:
 class TrainConfig:
     """Everything one training run needs; ``lioncub train`` fills it from flags."""
 
-    model: str = "gpt-tiny"
+    model: str = "gpt-mini"
     """Model name, one of ``MODELS``."""
     data: str | None = None
     """Data set: ``shakespeare`` (text), ``digits`` (images), a directory holding
@@ -38,7 +38,7 @@ class TrainConfig:
     sub-folders). None picks ``shakespeare`` for GPT models and ``digits`` otherwise."""
     cache_dir: str = field(default_factory=default_cache_dir)
     """Where ``prepare`` writes train.bin/val.bin for text corpora."""
-    steps: int = 200
+    steps: int = 250
     """Optimizer steps to train (a resumed run continues up to this step)."""
     batch_size: int = 8
     """Sequences (or images) per worker per step."""

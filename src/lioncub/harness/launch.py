@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import signal
 import socket
 import tempfile
 
@@ -71,10 +72,23 @@ def spawn_local(fn, config, nproc: int):
     port = _free_port()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(nproc, port, fn, config, tmp), nprocs=nproc, join=True,
-                           start_method="spawn")
+        ctx = mp.start_processes(_worker, args=(nproc, port, fn, config, tmp), nprocs=nproc, join=False,
+                                 start_method="spawn")
+        previous = signal.signal(signal.SIGTERM, _raise_exit)  # a killed launcher takes its workers along
+        try:
+            while not ctx.join():
+                pass
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            for proc in ctx.processes:
+                if proc.is_alive():
+                    proc.kill()
         with open(os.path.join(tmp, "result.pkl"), "rb") as f:
             return pickle.load(f)
+
+
+def _raise_exit(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 def _worker(rank: int, world_size: int, port: int, fn, config, tmp: str) -> None:
