@@ -34,6 +34,13 @@ each chunk's elements are summed with random signs shared by all ranks,
 and one multiply-add per element, and ``8·T·(buckets+1)·2(P-1)/P`` bytes sent per rank.
 Tensors with ``r > threshold`` are then averaged.
 
+What it finds (``examples/instruments_gpt.py``, gpt-tiny, 4 workers, 4×64 tokens per
+worker, β2 = 0.99, 300 steps): r is 0.5–0.96 in almost every tensor (gradient noise
+dominates at this batch size), so with threshold 0.25 it averaged nearly every block on
+most checks but the head only 3 times in 30. It does *not* single out the embedding and
+head; the paper's absolute statistic (max std, :func:`lioncub.instruments.live_momentum_std`)
+does rank ``wte`` and ``head`` 1st and 3rd there. r is scale-free by design; measure first.
+
 Example::
 
     opt = LionCub(model.parameters(), betas=(0.9, 0.95), momentum_sync="io", model=model)
