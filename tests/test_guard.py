@@ -41,7 +41,12 @@ def _lin():
     (dict(nonfinite="ignore"), ValueError, r"nonfinite must be one of \('raise', 'skip_step'\)"),
     (dict(check_every=-1), ValueError, r"check_every must be an int >= 0"),
     (dict(check_every=2.5), ValueError, r"check_every must be an int >= 0"),
-    (dict(momentum_sync="sometimes"), ValueError, r"momentum_sync"),
+    (dict(momentum_sync="sometimes"), ValueError, r"momentum_sync must be one of"),
+    (dict(momentum_sync="all", sync_every=0), ValueError, r"sync_every must be an int >= 1"),
+    (dict(momentum_sync="all", sync_dtype="fp8"), ValueError, r"sync_dtype must be one of \('fp32', 'bf16'\)"),
+    (dict(momentum_sync="io"), ValueError, r"momentum_sync='io' needs model="),
+    (dict(seed="x"), TypeError, r"seed must be an int"),
+    (dict(maximize="yes"), TypeError, r"maximize must be a bool"),
     (dict(process_group=object()), ValueError, r"process_group was given but torch.distributed is not"),
 ])
 def test_bad_argument_is_named(kwargs, exc, match):

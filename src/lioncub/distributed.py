@@ -34,6 +34,7 @@ Example (``torchrun --nproc-per-node 4 train.py``)::
 """
 from __future__ import annotations
 
+import copy
 import time
 from typing import Callable, Iterable, Optional
 
@@ -137,6 +138,10 @@ class LionCub(torch.optim.Optimizer):
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
         if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 0:
             raise ValueError(f"check_every must be an int >= 0 (0 = never), got {check_every!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {seed!r}")
+        if not isinstance(maximize, bool):
+            raise TypeError(f"maximize must be a bool, got {maximize!r}")
         if vote != "auto" and (alpha is not None or beta is not None or gamma is not None):
             raise ValueError(f"alpha, beta and gamma apply to vote='auto' only, got vote={vote!r}")
         if (alpha is None) != (beta is None):
@@ -384,7 +389,8 @@ class LionCub(torch.optim.Optimizer):
                     f"{key}={getattr(self, key)!r}"
                 )
         resume.check_loadable(self, state_dict)  # rank, world size, shapes, finite momenta
-        base = {k: v for k, v in state_dict.items() if k != "lioncub"}
+        # a copy: torch keeps same-dtype tensors by reference, which would share momenta
+        base = copy.deepcopy({k: v for k, v in state_dict.items() if k != "lioncub"})
         super().load_state_dict(base)
         self.steps = int(extra["steps"])
         self.skipped_steps = int(extra.get("skipped_steps", 0))
