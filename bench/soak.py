@@ -84,6 +84,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir:
             mem_start = _mem()
         if step % 250 == 0:
             mem_trace.append((step, _mem()))
+            if rank == 0:
+                print(f"step {step}/{args.steps}: loss {loss.item():.3f}, RSS {mem_trace[-1][1]['rss_mib']:.1f} "
+                      f"MiB, {sum(step_s):.0f} s", flush=True)
     mem_end = _mem()
     guard.check_replicas(list(model.parameters()), None, world, step=opt.steps)  # checksum path
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
