@@ -82,8 +82,12 @@ def test_gamma_table_and_errors():
 
 
 def _auto_worker(rank, world):
+    import functools
+
     torch.manual_seed(rank)  # different init per rank: LionCub broadcasts rank 0's
     model = torch.nn.Linear(64, 64)
+    # the real calibrate on this gloo group, with small probes (16 MiB ones take ~20 s on a busy host)
+    cost.calibrate = functools.partial(cost.calibrate, sizes=(4096, 65536, 262144), repeats=1)
     live = LionCub(model.parameters(), lr=1e-2, vote="auto")  # calibrate on the group
     # given (alpha, beta) that disagree: rank 0 (1 Gbit/s) would pick onebit, rank 1 (1 Tbit/s)
     # the cheapest local path; rank 0's pick must win on both
