@@ -31,10 +31,11 @@ class DDPMethod(Adapter):
     """``DDP(module)`` + optional comm hook + ``optimizer``."""
 
     def __init__(self, module: nn.Module, make_opt, *, name: str, family: str, group=None,
-                 hook=None, hook_state=None):
+                 hook=None, hook_state=None, bucket_cap_mb=None):
         super().__init__(module, group=group)
         self.name, self.family = name, family
-        self.ddp = DDP(module, process_group=group)  # broadcasts rank 0's params
+        # broadcasts rank 0's params; bucket_cap_mb=None: DDP's default buckets (1 MiB first, then 25)
+        self.ddp = DDP(module, process_group=group, bucket_cap_mb=bucket_cap_mb)
         if hook is not None:
             self.ddp.register_comm_hook(hook_state, hook)
         self.opt = make_opt(module.parameters())
@@ -73,8 +74,12 @@ def adamw(module: nn.Module, *, lr: float, compress: str = "fp32", rank: int = 1
         # feedback); the run is a few hundred steps, so the default 1000 would never compress
         state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=rank,
                                             start_powerSGD_iter=2)
+        # One bucket: the hook issues its P and Q all-reduces from future callbacks (a gloo
+        # thread), so with several buckets the ranks can interleave collectives in different
+        # orders (on 4 gloo ranks we hit "Received data size doesn't match expected size").
+        # Cost: PowerSGD's traffic no longer overlaps backward.
         return DDPMethod(module, make_opt, name=f"adamw-psgd-r{rank}", family="adamw", group=group,
-                         hook=powerSGD_hook.powerSGD_hook, hook_state=state)
+                         hook=powerSGD_hook.powerSGD_hook, hook_state=state, bucket_cap_mb=4096)
     raise ValueError(f"compress must be 'fp32', 'bf16' or 'powersgd', got {compress!r}")
 
 

@@ -1,0 +1,287 @@
+"""Time to loss: Lion Cub against what users would pick instead, on an emulated slow network (issue 9).
+
+Every method in :mod:`lioncub.baselines` trains the same GPT on the same byte-level
+Shakespeare shards, 4 workers inside a :class:`lioncub.netem.Testbed` (tbf 1 Gbit/s up
+and down per worker), for the same wall-clock budget of *training* time (evaluations
+are not counted), once per learning rate of its family's grid (``--lr-adamw`` /
+``--lr-lion``: the same 2-3 point sweep for every method of a family). Constant learning
+rate after a ``--warmup``-step linear warm-up; weight decay 0; betas (0.9, 0.99).
+
+At each point where the replicas agree (every step; every H steps for local SGD and
+DiLoCo) the ranks agree on the elapsed time (one 8-byte all-reduce, MAX) and, every
+``--eval-every`` seconds, evaluate the agreed model on fixed validation batches. Each
+evaluation records: training seconds, steps, validation loss, bytes this rank's veth
+sent so far (mean over ranks). The target is the loss Lion + DDP fp32 (best LR) reaches
+at the end of its budget; the table gives each method's time and bytes to reach it.
+
+    sudo OMP_NUM_THREADS=1 PYTHONPATH=src python3 bench/race.py                  # ~25 min
+    ... bench/race.py --budget 20 --methods lion-ddp,lioncub-pbit4 --lr-lion 3e-4   # a quick look
+Writes bench/results/race.json and bench/results/race.png. Needs root (namespaces, tc).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_METHODS = ("adamw-ddp,adamw-bf16,adamw-psgd-r1,adamw-psgd-r4,local-adamw-h10,diloco-h10,diloco-h50,"
+                   "lion-ddp,lioncub-pbit4,lioncub-pbit4-overlap")
+REFERENCE = "lion-ddp"
+
+
+def _runs(args) -> list[tuple[str, float]]:
+    from lioncub import baselines
+
+    grids = {"adamw": [float(v) for v in args.lr_adamw.split(",")],
+             "lion": [float(v) for v in args.lr_lion.split(",")]}
+    return [(m, lr) for m in args.methods.split(",") for lr in grids[baselines.family(m)]]
+
+
+def _evaluate(model, val) -> float:
+    import torch
+    import torch.distributed as dist
+
+    model.eval()
+    with torch.no_grad():
+        total = torch.tensor([sum(float(model(x, y)[1]) for x, y in val), float(len(val))], dtype=torch.float64)
+    model.train()
+    dist.all_reduce(total)
+    return float(total[0] / total[1])
+
+
+def train_one(args, name: str, lr: float, data_dir: str) -> dict:
+    """One (method, lr) run on this rank for ``args.budget`` seconds of training time."""
+    import torch
+    import torch.distributed as dist
+
+    from lioncub import baselines
+    from lioncub.harness.data.text import TokenLoader, eval_batches
+    from lioncub.harness.models.gpt import GPT, GPTConfig
+    from lioncub.netem import iface_bytes
+
+    rank, world, dev = dist.get_rank(), dist.get_world_size(), os.environ["GLOO_SOCKET_IFNAME"]
+    torch.manual_seed(args.seed)
+    model = GPT(GPTConfig(n_layer=args.layers, n_head=args.heads, n_embd=args.embd, vocab_size=256,
+                          block_size=args.block))
+    loader = TokenLoader(os.path.join(data_dir, "train.bin"), block_size=args.block, batch_size=args.batch,
+                         rank=rank, world_size=world, seed=args.seed)
+    val = list(eval_batches(os.path.join(data_dir, "val.bin"), block_size=args.block, batch_size=16,
+                            n_batches=args.eval_batches, rank=rank, world_size=world))
+    method = baselines.build(name, model, lr=lr)
+    n_params = sum(p.numel() for p in model.parameters())
+    dist.barrier()
+    tx0 = iface_bytes(dev)["tx"]
+    evals = [dict(t=0.0, step=0, val=_evaluate(model, val), tx=0, train=float("nan"))]
+    clock, step, recent, next_eval, status = 0.0, 0, [], args.eval_every, "ok"
+    dist.barrier()
+    t_last = time.perf_counter()
+    while True:
+        x, y = loader.next_batch()
+        recent.append(method.backward(x, y))
+        synced = method.step(lr * min(1.0, (step + 1) / args.warmup))
+        step += 1
+        if not synced:
+            continue
+        elapsed = torch.tensor([clock + time.perf_counter() - t_last], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # every rank stops/evaluates at the same step
+        clock = float(elapsed)  # the slowest rank's time: the others waited for it inside the all-reduce
+        if clock < next_eval and clock < args.budget:
+            t_last = time.perf_counter()
+            continue
+        tx = iface_bytes(dev)["tx"] - tx0
+        v = _evaluate(model, val)
+        evals.append(dict(t=clock, step=step, val=v, tx=tx, train=sum(recent) / len(recent)))
+        recent = []
+        while next_eval <= clock:
+            next_eval += args.eval_every
+        if not math.isfinite(v) or v > evals[0]["val"] + 1.0:  # agreed: val is all-reduced
+            status = "diverged"
+            break
+        if clock >= args.budget:
+            break
+        dist.barrier()
+        t_last = time.perf_counter()
+    del method
+    dist.barrier()
+    return dict(method=name, lr=lr, status=status, n_params=n_params, steps=step, evals=evals)
+
+
+def worker(args) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    rank = dist.get_rank()
+    with open(os.path.join(args.out_dir, f"{rank}.jsonl"), "a") as f:
+        for name, lr in _runs(args):
+            f.write(json.dumps(train_one(args, name, lr, args.data_dir)) + "\n")
+            f.flush()  # a later crash keeps the runs done so far
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------- report
+def merge(per_rank: list[list[dict]]) -> list[dict]:
+    """Rank 0's records with ``tx`` replaced by the mean over ranks."""
+    out = []
+    for recs in zip(*per_rank):
+        run = dict(recs[0])
+        run["evals"] = [dict(e, tx=sum(r["evals"][i]["tx"] for r in recs) / len(recs))
+                        for i, e in enumerate(recs[0]["evals"])]
+        out.append(run)
+    return out
+
+
+def final_loss(run: dict, budget: float) -> float:
+    """Validation loss of the last evaluation within the budget (local methods may overshoot it)."""
+    inside = [e for e in run["evals"] if e["t"] <= budget * 1.05] or run["evals"][:1]
+    return inside[-1]["val"] if run["status"] == "ok" else float("inf")
+
+
+def summarize(runs: list[dict], budget: float) -> dict:
+    best = {}
+    for r in runs:
+        if r["method"] not in best or final_loss(r, budget) < final_loss(best[r["method"]], budget):
+            best[r["method"]] = r
+    target = final_loss(best[REFERENCE], budget) if REFERENCE in best else None
+    rows = []
+    for name, r in best.items():
+        ev = r["evals"]
+        last, mid = ev[-1], ev[len(ev) // 2]
+        hit = _crossing(ev, target) if target is not None and r["status"] == "ok" else None
+        rows.append(dict(method=name, lr=r["lr"], final_val=final_loss(r, budget), steps=last["step"],
+                         step_s=last["t"] / max(1, last["step"]),
+                         # second half of the run: PowerSGD's first steps are uncompressed
+                         bytes_per_step=(last["tx"] - mid["tx"]) / max(1, last["step"] - mid["step"]),
+                         time_to_target=hit[0] if hit else None, bytes_to_target=hit[1] if hit else None,
+                         lrs_tried={x["lr"]: final_loss(x, budget) for x in runs if x["method"] == name}))
+    return dict(target=target, rows=rows)
+
+
+def _crossing(evals: list[dict], target: float):
+    """(seconds, bytes) where the validation loss first reaches ``target``, linear between evaluations."""
+    for a, b in zip(evals, evals[1:]):
+        if b["val"] <= target:
+            f = 1.0 if a["val"] == b["val"] else min(1.0, max(0.0, (a["val"] - target) / (a["val"] - b["val"])))
+            return a["t"] + f * (b["t"] - a["t"]), a["tx"] + f * (b["tx"] - a["tx"])
+    return None
+
+
+def table(summary: dict) -> str:
+    ref = next((r for r in summary["rows"] if r["method"] == REFERENCE), None)
+    lines = [f"target = {summary['target']:.3f} (final val loss of {REFERENCE}, best lr)" if ref else "no reference",
+             f"| method | best lr | val @ budget | steps | s/step | MB/step sent | time to target | "
+             f"x vs {REFERENCE} | MB to target |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in summary["rows"]:
+        tt = f"{r['time_to_target']:.1f} s" if r["time_to_target"] is not None else "not reached"
+        sp = (f"{ref['time_to_target'] / r['time_to_target']:.2f}x"
+              if r["time_to_target"] and ref and ref["time_to_target"] else "-")
+        mb = f"{r['bytes_to_target'] / 1e6:.0f}" if r["bytes_to_target"] is not None else "-"
+        lines.append(f"| {r['method']} | {r['lr']:g} | {r['final_val']:.3f} | {r['steps']} | {r['step_s']:.3f} | "
+                     f"{r['bytes_per_step'] / 1e6:.2f} | {tt} | {sp} | {mb} |")
+    return "\n".join(lines)
+
+
+def plot(runs: list[dict], summary: dict, path: str, title: str, budget: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    best = {(r["method"], r["lr"]) for r in summary["rows"]}
+    for r in runs:
+        if (r["method"], r["lr"]) not in best:
+            continue
+        ev = r["evals"]
+        style = "-" if r["method"].startswith("lion") else "--"
+        line, = axes[0].plot([e["t"] for e in ev], [e["val"] for e in ev], style, marker=".",
+                             label=f"{r['method']} (lr {r['lr']:g})")
+        axes[1].plot([e["tx"] / 1e6 for e in ev[1:]], [e["val"] for e in ev[1:]], style, marker=".",
+                     color=line.get_color())  # log axis: the t=0 point (0 bytes) is left out
+    for ax, xl in zip(axes, ("training seconds (wall clock, evals excluded)", "MB sent per worker (veth tx)")):
+        if summary["target"] is not None:
+            ax.axhline(summary["target"], color="k", lw=0.8, ls=":", label="target (Lion fp32 @ budget)")
+        ax.set_xlabel(xl)
+        ax.set_ylabel("validation loss (nats/byte)")
+    axes[0].set_xlim(0, budget * 1.15)  # local methods overshoot to their next sync point
+    axes[1].set_xscale("log")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# ---------------------------------------------------------------------- driver
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--methods", default=DEFAULT_METHODS, help="comma list of lioncub.baselines.METHODS")
+    ap.add_argument("--lr-adamw", default="1e-3,3e-3", help="AdamW-family learning rates (DDP, local, DiLoCo inner)")
+    ap.add_argument("--lr-lion", default="1e-4,3e-4", help="Lion-family learning rates (Lion DDP, Lion Cub)")
+    ap.add_argument("--budget", type=float, default=60.0, help="training seconds per run")
+    ap.add_argument("--eval-every", type=float, default=6.0, help="training seconds between evaluations")
+    ap.add_argument("--eval-batches", type=int, default=2, help="validation batches (16 sequences) per worker")
+    ap.add_argument("--warmup", type=int, default=10, help="linear warm-up steps")
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--rate", default="1gbit", help="per-direction link rate; 'none' = unshaped")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--embd", type=int, default=256)
+    ap.add_argument("--block", type=int, default=32, help="tokens per sequence")
+    ap.add_argument("--batch", type=int, default=1, help="sequences per worker per step")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "race.json"))
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--data-dir", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    from lioncub.harness.config import default_cache_dir
+    from lioncub.harness.data.text import ensure_prepared
+    from lioncub.netem import Testbed
+
+    _runs(args)  # unknown method names fail here, before any namespace exists
+    data_dir = ensure_prepared("shakespeare", default_cache_dir())
+    rate = None if args.rate.lower() == "none" else args.rate
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="lct-race-") as d, \
+            Testbed(args.workers, rate=rate, prefix="lct", subnet="10.81.1", port=29561) as tb:
+        passed = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--worker"]
+        argv_w = [sys.executable, os.path.abspath(__file__), *passed, "--worker", "--out-dir", d,
+                  "--data-dir", data_dir]
+        t0 = time.perf_counter()
+        done = tb.run_workers([argv_w] * args.workers, timeout=len(_runs(args)) * (args.budget * 3 + 120),
+                              check=False)
+        wall = time.perf_counter() - t0
+        per_rank = [[json.loads(line) for line in open(os.path.join(d, f"{r}.jsonl"))]
+                    if os.path.exists(os.path.join(d, f"{r}.jsonl")) else [] for r in range(args.workers)]
+    bad = [c for c in done if c.returncode != 0]
+    if bad:
+        print(f"a worker failed ({bad[0].returncode}); keeping the runs that finished:\n{bad[0].stderr[-3000:]}")
+    runs = merge(per_rank)
+    summary = summarize(runs, args.budget)
+    print(table(summary))
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "rate": tb.rate or "unshaped", "wall_s": wall,
+                   "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
+                   "summary": summary, "runs": runs}, f, indent=1)
+    png = os.path.splitext(args.out)[0] + ".png"
+    plot(runs, summary, png, f"{args.workers} workers, {tb.rate or 'unshaped'}, GPT {args.layers}L/{args.embd}d "
+         f"({runs[0]['n_params'] / 1e6:.1f}M params), {args.batch}x{args.block} tokens/worker/step, "
+         f"{args.budget:.0f} s budget", args.budget)
+    print(f"wrote {args.out} and {png}")
+    return 0 if not bad else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
