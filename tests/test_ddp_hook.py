@@ -1,0 +1,138 @@
+"""The DDP comm hook on real gloo groups: bit-identical to LionCub without DDP, gradient
+accumulation with ddp.no_sync(), clear errors; and HF Trainer (skipped without transformers)."""
+import importlib.util
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from lioncub import LionCub
+from lioncub.ddp_hook import register
+from tests.dist import run_workers
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(13, 6)
+        self.l1 = torch.nn.Linear(18, 32)
+        self.l2 = torch.nn.Linear(32, 32)
+        self.head = torch.nn.Linear(32, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.l1(self.emb(x).flatten(1)))
+        return self.head(torch.tanh(self.l2(h)))
+
+
+def _loss(model, rank, step, micro=0):
+    g = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
+    x, y = torch.randint(0, 13, (5, 3), generator=g), torch.randn(5, 3, generator=g)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def _pair(cfg):
+    torch.manual_seed(0)
+    plain = Net()
+    opt = LionCub(plain.parameters(), lr=0.01, weight_decay=0.1, **cfg)
+    torch.manual_seed(0)
+    ddp = DDP(Net(), bucket_cap_mb=1500 * 4 / 2**20)  # several DDP buckets
+    opt_ddp = LionCub(ddp.parameters(), lr=0.01, weight_decay=0.1, **cfg)
+    return plain, opt, ddp, opt_ddp
+
+
+def _ddp_worker(rank, world):
+    for cfg in (dict(vote="pbit"), dict(vote="onebit"), dict(vote="sign_allreduce")):
+        plain, opt, ddp, opt_ddp = _pair(cfg)
+        state = register(ddp, opt_ddp)
+        for step in range(4):
+            micro = 1 if step < 2 else 3  # steps 2-3 accumulate 3 micro-batches
+            for m in range(micro):  # the plain run first: no two optimizers' collectives interleave
+                _loss(plain, rank, step, m).backward()
+            opt.step()
+            for m in range(micro):
+                if m < micro - 1:
+                    with ddp.no_sync():
+                        _loss(ddp, rank, step, m).backward()
+                    assert not state._pending  # no vote launched inside no_sync
+                else:
+                    _loss(ddp, rank, step, m).backward()
+            # one vote per DDP bucket, launched by backward (DDP's first step: one 1 MiB bucket)
+            assert len(state._pending) >= (2 if step else 1), len(state._pending)
+            opt_ddp.step()
+            # no fp32 gradient all-reduce: only the votes and the agreement flag travel
+            fp32_allreduce = 2 * (world - 1) / world * 4 * sum(p.numel() for p in ddp.parameters())
+            assert opt_ddp.last_step_stats.bytes_sent < fp32_allreduce / 3  # int8 signs at most
+            # p.grad still holds the local gradient (DDP wrote back the hook's unchanged buffer)
+            for a, b in zip(plain.parameters(), ddp.module.parameters()):
+                assert torch.equal(a.grad, b.grad)
+            opt.zero_grad()
+            opt_ddp.zero_grad()
+            for a, b in zip(plain.parameters(), ddp.module.parameters()):
+                assert torch.equal(a, b), (cfg, step)
+        for a, b in zip(plain.parameters(), ddp.module.parameters()):  # local momenta, from local grads
+            assert torch.equal(opt.state[a]["exp_avg"], opt_ddp.state[b]["exp_avg"])
+    # errors
+    _, _, ddp, opt_ddp = _pair(dict(vote="pbit"))
+    register(ddp, opt_ddp)
+    with pytest.raises(ValueError, match="already registered"):
+        register(ddp, opt_ddp)
+    _, _, ddp2, _ = _pair(dict(vote="pbit"))
+    with pytest.raises(ValueError, match="already driven"):
+        register(ddp2, opt_ddp)
+    other = LionCub(Net().parameters(), lr=0.01)
+    with pytest.raises(ValueError, match="does not hold 7 of the DDP model's 7"):
+        register(ddp2, other)
+    assert other._driver is None  # a refused registration leaves the optimizer as it was
+    with pytest.raises(TypeError, match="ddp_model must be a DistributedDataParallel"):
+        register(Net(), other)
+    with pytest.raises(ValueError, match="vote='grad'"):
+        register(ddp2, LionCub(ddp2.parameters(), lr=0.01, vote="grad"))
+    return True
+
+
+def test_ddp_hook_matches_standalone_lioncub():
+    assert all(run_workers(_ddp_worker, 2))
+
+
+def _trainer_worker(rank, world, out_dir):
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from lioncub.ddp_hook import attach_to_trainer
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    model = GPT2LMHeadModel(cfg)  # built from a config: nothing downloaded
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": t, "labels": t} for t in torch.randint(0, 64, (32, 16), generator=g)]
+    opt = LionCub(model.parameters(), lr=1e-3, vote="pbit")
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    args = TrainingArguments(output_dir=os.path.join(out_dir, str(rank)), per_device_train_batch_size=4,
+                             max_steps=4, max_grad_norm=0.0, report_to=[], save_strategy="no",
+                             logging_strategy="no", use_cpu=True, dataloader_num_workers=0,
+                             gradient_accumulation_steps=2, ddp_backend="gloo")
+    trainer = Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, sched))
+    attach_to_trainer(trainer, opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer.train()
+    assert isinstance(trainer.model_wrapped, DDP) and opt._driver is not None
+    assert opt.steps == 4 and opt.last_step_stats.n_collectives > 1
+    n = sum(p.numel() for p in model.parameters())
+    assert opt.last_step_stats.bytes_sent < n  # ~n/2 bytes of 4-bit lanes, not 4n of fp32
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    everyone = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(everyone, flat)
+    assert all(torch.equal(flat, e) for e in everyone)  # replicas bit-identical
+    bad = Trainer(model=GPT2LMHeadModel(cfg), args=TrainingArguments(output_dir=out_dir, use_cpu=True, report_to=[]),
+                  train_dataset=data, optimizers=(opt, sched))
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        attach_to_trainer(bad, opt)
+    return True
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
+def test_hf_trainer_uses_the_hook(tmp_path):
+    assert all(run_workers(_trainer_worker, 2, str(tmp_path)))
