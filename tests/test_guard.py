@@ -200,6 +200,7 @@ def test_validation_nonfinite_and_replica_guard_on_four_ranks():
 
 # ----------------------------------------------------------------------------- dead or stalled worker
 GROUP_TIMEOUT_S = 3.0
+HANG_GUARD_S = 150
 
 
 def _train_until_failure(rank, world, mode):
@@ -225,8 +226,9 @@ def _train_until_failure(rank, world, mode):
 @pytest.mark.parametrize("mode", ["kill", "stall"])
 def test_dead_or_stalled_worker_makes_survivors_raise_in_time(mode):
     t0 = time.monotonic()
-    res = run_workers(_train_until_failure, 3, mode, allow_exit=(1,), deadline_s=75)
-    assert time.monotonic() - t0 < 75  # the whole test is bounded, whatever gloo does
+    # hang guard for the whole run (spawn included; ~10 s idle, far more on a loaded host)
+    res = run_workers(_train_until_failure, 3, mode, allow_exit=(1,), deadline_s=HANG_GUARD_S)
+    assert time.monotonic() - t0 < HANG_GUARD_S
     assert res[1] is None
     for r in (0, 2):
         assert res[r] is not None, f"rank {r} never noticed the failure"
