@@ -52,7 +52,7 @@ class TrainConfig:
     """ResNet base channel width (64 is the published size; smaller runs faster on a CPU)."""
     dropout: float = 0.0
     """Dropout probability in the models."""
-    lr: float = 1e-3
+    lr: float = 3e-4
     """Peak learning rate for parameters outside embeddings and head."""
     lr_embed: float | None = None
     """Peak learning rate for input embeddings (None: ``lr``)."""
