@@ -19,7 +19,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--model", "gpt-tiny", "--batch-size", "4", "--block-size", "32", "--no-progress"]
+TINY = ["--model", "gpt-tiny", "--batch-size", "4", "--block-size", "32", "--lr", "1e-3", "--no-progress"]
 
 
 def _env():
