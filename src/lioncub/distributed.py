@@ -34,6 +34,7 @@ Example (``torchrun --nproc-per-node 4 train.py``)::
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from typing import Callable, Iterable, Optional
@@ -96,6 +97,12 @@ class LionCub(torch.optim.Optimizer):
         nonfinite: ``'raise'`` or ``'skip_step'`` when any rank's gradient holds NaN or
             Inf; the decision is agreed by all ranks (see :mod:`lioncub.guard`).
         check_every: every k steps verify that replicas are identical (0 = never).
+        overlap: launch each bucket's vote from backward hooks as soon as its last
+            gradient is accumulated (:mod:`lioncub.overlap`); step() then waits only for
+            votes still in flight and applies. Same parameters, bit for bit, for every
+            binary-sign vote. For gradient accumulation run all micro-batches but the last
+            under ``with opt.no_sync():``. ``opt.remove_hooks()`` turns it off. Under DDP use
+            :func:`lioncub.ddp_hook.register` instead (DDP's buckets, DDP's hooks).
     """
 
     def __init__(
@@ -111,6 +118,7 @@ class LionCub(torch.optim.Optimizer):
         grad_dtype: str = "fp32",
         process_group=None,
         bucket_mb: float = 25.0,
+        overlap: bool = False,
         maximize: bool = False,
         seed: int = 0,
         momentum_sync="none",
@@ -162,6 +170,7 @@ class LionCub(torch.optim.Optimizer):
         self.steps = 0  # completed steps: sets the tie/zero parity of the 1-bit votes
         self.last_step_stats = CommStats()
         self._buckets = self._make_buckets()
+        self._driver = None  # set by lioncub.overlap (overlap=True) or lioncub.ddp_hook
         self.vote_requested = vote
         if vote == "auto":
             self.vote, self.bits = self._choose_vote(alpha, beta, gamma)
@@ -173,6 +182,12 @@ class LionCub(torch.optim.Optimizer):
         self.momentum_sync = momentum.MomentumSync(
             momentum_sync, every=sync_every, dtype=sync_dtype, model=model, optimizer=self
         )
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be a bool, got {overlap!r}")
+        if overlap:
+            from .overlap import Overlap  # hooks every param; launches votes during backward
+
+            Overlap(self)
 
     # ------------------------------------------------------------------ set-up
     def add_param_group(self, param_group: dict) -> None:
@@ -183,6 +198,16 @@ class LionCub(torch.optim.Optimizer):
         except (TypeError, ValueError) as exc:
             self.param_groups.pop()
             raise type(exc)(f"param group {len(self.param_groups)}: {exc}") from None
+
+    def no_sync(self):
+        """Context manager for gradient accumulation: backward passes inside launch no vote
+        (overlap / DDP hook). A no-op without them: votes happen in step() anyway."""
+        return self._driver.no_sync() if self._driver is not None else contextlib.nullcontext()
+
+    def remove_hooks(self) -> None:
+        """Stop overlapping: remove the backward hooks; step() votes after backward again."""
+        if self._driver is not None:
+            self._driver.remove_hooks()
 
     def _params(self) -> list[tuple[dict, Tensor]]:
         return [(g, p) for g in self.param_groups for p in g["params"]]
@@ -274,16 +299,24 @@ class LionCub(torch.optim.Optimizer):
         stats = CommStats()
         entries = self._params()
         params = [p for _, p in entries]
+        driver = self._driver  # overlap / DDP hook: votes already launched during backward
+        if driver is not None:
+            driver.finish_votes(stats)  # nothing in flight before the next collective
         active, bad_ranks = self._agree_active(params, stats)
         if bad_ranks:
+            if driver is not None:
+                driver.discard()
             guard.handle_nonfinite(self, params, bad_ranks)  # raises, or we skip this step
             self.skipped_steps += 1
             self.last_step_stats = stats
             return loss
-        for idx in self._buckets:
-            idx = [i for i in idx if active[i]]
-            if idx:
-                self._step_bucket([entries[i] for i in idx], stats)
+        if driver is not None:
+            driver.apply(active, stats)
+        else:
+            for idx in self._buckets:
+                idx = [i for i in idx if active[i]]
+                if idx:
+                    self._step_bucket([entries[i] for i in idx], stats)
         self.steps += 1
         self.momentum_sync.after_step(self, stats)
         if self.check_every and self.steps % self.check_every == 0:
@@ -309,31 +342,48 @@ class LionCub(torch.optim.Optimizer):
         return runs
 
     def _step_bucket(self, entries: list[tuple[dict, Tensor]], stats: CommStats) -> None:
+        if self.vote == "grad":
+            params = [p for _, p in entries]
+            return self._step_grad(params, self._grads(params), [self._init_state(p) for p in params],
+                                   self._by_group(entries), stats)
+        flat = self._bucket_c(entries, stats)
+        self._apply_bucket(entries, self._vote_flat(flat, self.steps, stats), stats)
+
+    # The three pieces of a voted bucket; lioncub.overlap drives them from backward hooks.
+    def _bucket_c(self, entries: list[tuple[dict, Tensor]], stats: CommStats) -> Tensor:
+        """Flat fp32 ``c = β1·m + (1-β1)·g`` of a bucket's params (missing grads as zeros)."""
         params = [p for _, p in entries]
         grads = self._grads(params)
         exp_avgs = [self._init_state(p) for p in params]
-        runs = self._by_group(entries)
-        if self.vote == "grad":
-            return self._step_grad(params, grads, exp_avgs, runs, stats)
         t0 = time.perf_counter()
         cs: list[Tensor] = [None] * len(params)  # type: ignore[list-item]
-        for g, ks in runs:
+        for g, ks in self._by_group(entries):
             out = interpolate([exp_avgs[k] for k in ks], [grads[k] for k in ks], g["betas"][0],
                               maximize=g["maximize"], foreach=True)
             for k, c in zip(ks, out):
                 cs[k] = c
         stats.t_apply += time.perf_counter() - t0
-        if self.world_size == 1:  # no one to vote with: this is Lion
-            us = [c.sign_() for c in cs]
-        else:
-            t0 = time.perf_counter()
-            flat = torch.cat([c.reshape(-1).float() for c in cs])
-            stats.t_quantize_pack += time.perf_counter() - t0
-            u = majority_vote(flat, method=self.vote, bits=self.bits, quantizer=self.quantizer,
-                              step=self.steps, group=self.group, stats=stats, generator=self.generator)
-            us = [piece.view_as(p).to(p.dtype) for piece, p in zip(u.split([p.numel() for p in params]), params)]
         t0 = time.perf_counter()
-        for g, ks in runs:
+        flat = torch.cat([c.reshape(-1).float() for c in cs])
+        stats.t_quantize_pack += time.perf_counter() - t0
+        return flat
+
+    def _vote_flat(self, flat: Tensor, step: int, stats: CommStats, group=None) -> Tensor:
+        """u = sign(Σ_i q(c_i)) for one bucket (collective; sign(c) alone on one rank).
+        ``group``: the same ranks on another process group (the overlap thread's own)."""
+        if self.world_size == 1:  # no one to vote with: this is Lion
+            return flat.sign_()
+        return majority_vote(flat, method=self.vote, bits=self.bits, quantizer=self.quantizer, step=step,
+                             group=self.group if group is None else group, stats=stats, generator=self.generator)
+
+    def _apply_bucket(self, entries: list[tuple[dict, Tensor]], u: Tensor, stats: CommStats) -> None:
+        """θ ← θ(1-ηλ) - η·u and m ← β2·m + (1-β2)·g for a bucket, from its flat vote ``u``."""
+        params = [p for _, p in entries]
+        grads = self._grads(params)
+        exp_avgs = [self._init_state(p) for p in params]
+        t0 = time.perf_counter()
+        us = [piece.view_as(p).to(p.dtype) for piece, p in zip(u.split([p.numel() for p in params]), params)]
+        for g, ks in self._by_group(entries):
             apply_update_([params[k] for k in ks], [us[k] for k in ks], [exp_avgs[k] for k in ks],
                           [grads[k] for k in ks], lr=g["lr"], beta2=g["betas"][1],
                           weight_decay=g["weight_decay"], maximize=g["maximize"], foreach=True)

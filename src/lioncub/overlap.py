@@ -18,8 +18,7 @@ Mechanism (one :class:`VoteDriver` per optimizer)::
 
 Every rank launches buckets in the same order (bucket index order, like DDP: a bucket
 that completes early waits for its predecessors), so the collectives line up. All
-collectives of a step run on the one FIFO thread and the main thread issues none
-until they are done, so no two collectives of a group ever run concurrently.
+votes of a step run on the one FIFO thread, on the driver's own process group.
 
 :class:`Overlap` is the driver for ``LionCub(..., overlap=True)``: it hooks every
 parameter with ``Tensor.register_post_accumulate_grad_hook`` and uses LionCub's own
@@ -31,6 +30,11 @@ Bit-for-bit the same parameters as without overlap whenever every parameter has 
 gradient on some rank and the vote is per element (all binary-sign votes); quantized
 ``pbit`` normalises per bucket, and a parameter with no gradient anywhere still takes
 part in its bucket's scale (its update is still skipped).
+
+The vote thread has its own process group (``dist.new_group`` over the optimizer's
+ranks, made when the driver is created: a collective call), so collectives the main
+thread issues meanwhile — DDP's unused-parameter all-reduce, a logged loss — cannot
+interleave with the votes and disagree on their order across ranks.
 
 Gradient accumulation: run every micro-batch but the last under ``opt.no_sync()``;
 only the last backward launches votes. A gradient accumulated after its bucket was
@@ -45,6 +49,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 
 from . import comm
 from .comm import CommStats
@@ -103,6 +108,10 @@ class VoteDriver:
         self.opt = opt
         self._entries = opt._params()
         self._index = {id(p): i for i, (_, p) in enumerate(self._entries)}
+        self.group = None  # the votes' own process group: no race with main-thread collectives
+        if opt.world_size > 1:
+            base = opt.group if opt.group is not None else dist.group.WORLD
+            self.group = dist.new_group(dist.get_process_group_ranks(base), backend=dist.get_backend(base))
         self._thread = _VoteThread()
         self._pending: list[tuple[list[int], Future, CommStats]] = []
         self.accumulating = False
@@ -120,7 +129,7 @@ class VoteDriver:
 
         def vote():
             with comm.step_context(step), torch.no_grad():
-                return opt._vote_flat(flat, step, stats)
+                return opt._vote_flat(flat, step, stats, group=self.group)
 
         self._pending.append((idx, self._thread.submit(vote), stats))
 
