@@ -86,7 +86,7 @@ def markdown(summary: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
-def plot(summary: dict[str, list[dict]], fig_dir: str) -> list[str]:
+def plot(summary: dict[str, list[dict]], fig_dir: str, tag: str = "") -> list[str]:
     """Per part: final val loss (bars, ±std) and mean val-loss curves; the momentum spread per layer."""
     import matplotlib
 
@@ -116,7 +116,7 @@ def plot(summary: dict[str, list[dict]], fig_dir: str) -> list[str]:
         ax1.legend(fontsize=7)
         fig.suptitle(f"study: {part} ({len(rows[0]['seeds'])} seeds, 4 workers)")
         fig.tight_layout()
-        path = os.path.join(fig_dir, f"{part}.png")
+        path = os.path.join(fig_dir, f"{part}{tag}.png")
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)
@@ -133,7 +133,7 @@ def plot(summary: dict[str, list[dict]], fig_dir: str) -> list[str]:
         ax.set_title("momentum spread per tensor at the end, no sync (paper Fig. 6); tied wte = head")
         ax.legend(fontsize=7)
         fig.tight_layout()
-        path = os.path.join(fig_dir, "momentum_spread.png")
+        path = os.path.join(fig_dir, f"momentum_spread{tag}.png")
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)
@@ -145,11 +145,12 @@ def main(argv=None) -> None:
     ap.add_argument("records", nargs="?", default="bench/results/study.jsonl")
     ap.add_argument("--figures", default="docs/figures/study")
     ap.add_argument("--summary", default="bench/results/study_summary.json")
+    ap.add_argument("--tag", default="", help="suffix for the PNG names (e.g. _long)")
     a = ap.parse_args(argv)
     summary = summarize(load_records(a.records))
     with open(a.summary, "w") as f:
         json.dump(summary, f, indent=1)
-    for p in plot(summary, a.figures):
+    for p in plot(summary, a.figures, a.tag):
         print("wrote", p)
     print(markdown(summary))
 
