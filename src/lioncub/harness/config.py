@@ -9,7 +9,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from ..distributed import OPTIMIZER_VOTES
+from ..distributed import NONFINITE_POLICIES, OPTIMIZER_VOTES
 
 GPT_MODELS = ("gpt-tiny", "gpt-mini", "gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1.5b")
 IMAGE_MODELS = ("resnet18", "resnet50", "vit-tiny")
@@ -18,6 +18,8 @@ OPTIMIZERS = ("lion", "lioncub", "adamw")
 VOTES = tuple(OPTIMIZER_VOTES)  # whatever LionCub accepts: grad, sign_allreduce, gather, onebit, pbit, ...
 QUANTIZERS = (None, "sign", "l1", "lp", "l0", "linf", "log")
 DEVICES = ("auto", "cpu", "cuda")
+MOMENTUM_SYNCS = ("none", "all", "io", "adaptive")
+NONFINITE = tuple(NONFINITE_POLICIES)
 
 
 def default_cache_dir() -> str:
@@ -77,6 +79,21 @@ class TrainConfig:
     """LionCub p-bit quantizer; None sends binary signs (the paper's 4-bit)."""
     grad_dtype: str = "fp32"
     """Gradient allreduce dtype for vote='grad': ``fp32`` or ``bf16``."""
+    momentum_sync: str = "none"
+    """LionCub: which momenta to average across ranks every ``sync_every`` steps:
+    ``none``, ``all``, ``io`` (input embedding + output head) or ``adaptive``."""
+    sync_every: int = 10
+    """LionCub: period in steps of the momentum synchronisation."""
+    nonfinite: str = "raise"
+    """LionCub: on a NaN/Inf gradient on any rank, ``raise`` (naming the parameter) or
+    ``skip_step`` (every rank skips the step; counted in ``skipped_steps``)."""
+    check_every: int = 0
+    """LionCub: verify every this many steps that replicas are identical (0: never)."""
+    overlap: bool = False
+    """LionCub: launch each bucket's vote from backward hooks (overlaps compute)."""
+    timeout: float = 600.0
+    """Process-group timeout in seconds: how long a collective waits for a dead or stuck
+    rank before failing (then the process exits; torchrun may restart it)."""
     nproc: int = 4
     """Local workers to spawn when not under torchrun."""
     device: str = "auto"
@@ -94,7 +111,12 @@ class TrainConfig:
     keep_ckpts: int = 2
     """How many checkpoints to keep in ``out/ckpt``."""
     resume: str | None = None
-    """Checkpoint directory, or a run directory (its latest checkpoint), to continue from."""
+    """Checkpoint directory, or a run directory (its latest checkpoint), to continue from.
+    The world size may differ from the saved one (see ``checkpoint.load_checkpoint``)."""
+    auto_resume: bool = False
+    """Continue from ``out``'s latest checkpoint when there is one, else start afresh:
+    a job restarted with the same arguments (``torchrun --max-restarts=N``) picks up
+    where it stopped."""
     out: str = "runs/lioncub"
     """Run directory: metrics.jsonl, summary.csv, ckpt/."""
     name: str | None = None
@@ -110,16 +132,25 @@ class TrainConfig:
         _choice("device", self.device, DEVICES)
         _choice("grad_dtype", self.grad_dtype, ("fp32", "bf16"))
         _choice("bits", self.bits, (None, 1, 2, 4, 8))
-        for name in ("steps", "batch_size", "block_size", "width", "nproc", "eval_batches", "log_every", "keep_ckpts"):
+        _choice("momentum_sync", self.momentum_sync, MOMENTUM_SYNCS)
+        _choice("nonfinite", self.nonfinite, NONFINITE)
+        for name in ("steps", "batch_size", "block_size", "width", "nproc", "eval_batches", "log_every", "keep_ckpts", "sync_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("eval_every", "ckpt_every", "warmup_steps"):
+        for name in ("eval_every", "ckpt_every", "warmup_steps", "check_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("lr", "lr_embed", "lr_head"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+        if not self.timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")
+        if self.optimizer != "lioncub":
+            changed = [f"{n}={getattr(self, n)!r}" for n, d in _LIONCUB_ONLY.items() if getattr(self, n) != d]
+            if changed:
+                raise ValueError(f"{', '.join(changed)} apply to optimizer='lioncub' only, got "
+                                 f"optimizer={self.optimizer!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -153,6 +184,9 @@ class TrainConfig:
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+_LIONCUB_ONLY = {"momentum_sync": "none", "nonfinite": "raise", "check_every": 0, "overlap": False}
 
 
 def _choice(name: str, value, allowed: tuple) -> None:

@@ -24,7 +24,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-_TIMEOUT = datetime.timedelta(minutes=10)
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def _timeout(config) -> datetime.timedelta:
+    """The process group's collective timeout: ``config.timeout`` seconds (``--timeout``)."""
+    return datetime.timedelta(seconds=float(getattr(config, "timeout", DEFAULT_TIMEOUT_S)))
 
 
 def under_torchrun() -> bool:
@@ -53,7 +58,7 @@ def launch(fn, config):
         device = resolve_device(config.device, local_rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(_backend(device), init_method="env://", timeout=_TIMEOUT)
+        dist.init_process_group(_backend(device), init_method="env://", timeout=_timeout(config))
         try:
             return fn(config)
         finally:
@@ -101,7 +106,7 @@ def _worker(rank: int, world_size: int, port: int, fn, config, tmp: str) -> None
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(_backend(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=_TIMEOUT)
+                            world_size=world_size, timeout=_timeout(config))
     try:
         result = fn(config)
         if rank == 0:

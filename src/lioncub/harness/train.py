@@ -12,7 +12,8 @@ and every ``log_every`` steps one record goes to ``RUN/metrics.jsonl``::
 
     {"kind": "step", "step", "loss" (mean over ranks), "lr", "t_step", "t_compute",
      "t_vote", "t_other", "bytes_sent", "bytes_recv", "n_collectives", "tokens_per_s",
-     "train_time" (sum of t_step so far), "elapsed" (wall time incl. evals)}
+     "train_time" (sum of t_step so far), "elapsed" (wall time incl. evals),
+     ["skipped_steps" (LionCub: non-finite steps skipped so far)]}
     {"kind": "eval", "step", "val_loss", ["val_acc"], "train_time", "elapsed"}
 """
 from __future__ import annotations
@@ -85,12 +86,16 @@ def _loss(model, x, y, is_gpt: bool):
     return F.cross_entropy(logits.float(), y), (logits.argmax(-1) == y).sum()
 
 
-def make_optimizer(config: TrainConfig, groups: list[dict]):
-    """lioncub -> LionCub(vote=...); lion -> Lion; adamw -> AdamW (the last two with a harness allreduce)."""
+def make_optimizer(config: TrainConfig, groups: list[dict], model=None):
+    """lioncub -> LionCub(vote=...); lion -> Lion; adamw -> AdamW (the last two with a harness allreduce).
+
+    ``model`` lets LionCub name parameters in its errors and find the ``io`` layers."""
     if config.optimizer == "lioncub":
         extra = dict(bits=config.bits, quantizer=config.quantizer) if config.vote == "pbit" else {}
         return LionCub(groups, lr=config.lr, betas=config.betas, vote=config.vote, grad_dtype=config.grad_dtype,
-                       seed=config.seed, **extra)
+                       seed=config.seed, model=model, momentum_sync=config.momentum_sync,
+                       sync_every=config.sync_every, nonfinite=config.nonfinite, check_every=config.check_every,
+                       overlap=config.overlap, **extra)
     if config.optimizer == "lion":
         return Lion(groups, lr=config.lr, betas=config.betas)
     return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas)
@@ -146,18 +151,18 @@ def train_worker(config: TrainConfig) -> dict:
     groups = param_groups(model, lr=config.lr, weight_decay=config.weight_decay,
                           lr_embed=config.lr_embed, lr_head=config.lr_head)
     base_lrs = [g["lr"] for g in groups]
-    opt = make_optimizer(config, groups)
+    opt = make_optimizer(config, groups, model)
     params = [p for g in groups for p in g["params"]]
-    start = 0
-    if config.resume:
-        meta = checkpoint.load_checkpoint(checkpoint.find_checkpoint(config.resume), model=model,
-                                          optimizer=opt, loader=data.loader, device=device)
+    start, resume_from = 0, _resume_path(config)
+    if resume_from:
+        meta = checkpoint.load_checkpoint(resume_from, model=model, optimizer=opt, loader=data.loader,
+                                          device=device, seed=config.seed)
         start = meta["step"]
     cuda = device.type == "cuda"
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     writer = MetricsWriter(os.path.join(config.out, "metrics.jsonl"), enabled=rank == 0,
-                           truncate_after_step=start if config.resume else None)
+                           truncate_after_step=start if resume_from else None)
     bar = ProgressBar(config.steps, label=config.label, enabled=rank == 0 and progress_enabled(config.progress))
     n_params = sum(p.numel() for p in params)
     steps, evals, train_time, t_begin = [], [], 0.0, time.perf_counter()
@@ -180,7 +185,8 @@ def train_worker(config: TrainConfig) -> dict:
             opt.step()
             s = opt.last_step_stats
             t_vote = s.t_quantize_pack + s.t_collective + s.t_unpack_vote
-            comm = {"bytes_sent": s.bytes_sent, "bytes_recv": s.bytes_recv, "n_collectives": s.n_collectives}
+            comm = {"bytes_sent": s.bytes_sent, "bytes_recv": s.bytes_recv, "n_collectives": s.n_collectives,
+                    "skipped_steps": opt.skipped_steps}
         else:
             t_vote, sent = _allreduce_grads(params, world)
             opt.step()
@@ -212,15 +218,25 @@ def train_worker(config: TrainConfig) -> dict:
                                        keep=config.keep_ckpts)
     bar.close()
     summary = summarize(config, steps, evals, world=world, n_params=n_params,
-                        wall_s=time.perf_counter() - t_begin, device=str(device))
+                        wall_s=time.perf_counter() - t_begin, device=str(device), optimizer=opt)
     if rank == 0:
         write_csv(os.path.join(config.out, "summary.csv"), [summary])
     return summary
 
 
+def _resume_path(config: TrainConfig) -> str | None:
+    """The checkpoint to continue from: ``resume``, else with ``auto_resume`` ``out``'s latest (if any)."""
+    if config.resume:
+        return checkpoint.find_checkpoint(config.resume)
+    return checkpoint.latest_checkpoint(config.out) if config.auto_resume else None
+
+
 def summarize(config: TrainConfig, steps: list[dict], evals: list[dict], *, world: int, n_params: int,
-              wall_s: float, device: str) -> dict:
-    """One row per run: final losses and mean per-step costs (first 3 steps skipped as warm-up)."""
+              wall_s: float, device: str, optimizer=None) -> dict:
+    """One row per run: final losses and mean per-step costs (first 3 steps skipped as warm-up).
+
+    With a LionCub ``optimizer``: ``vote_chosen`` (the method run, e.g. ``pbit/2b``; what
+    ``vote='auto'`` picked) and ``skipped_steps`` (non-finite steps skipped)."""
     timed = steps[3:] if len(steps) > 6 else steps
 
     def mean(key):
@@ -235,6 +251,10 @@ def summarize(config: TrainConfig, steps: list[dict], evals: list[dict], *, worl
            "final_val_loss": evals[-1]["val_loss"] if evals else float("nan")}
     if evals and "val_acc" in evals[-1]:
         row["final_val_acc"] = evals[-1]["val_acc"]
+    if isinstance(optimizer, LionCub):
+        vote, bits = optimizer.vote_chosen
+        row.update(vote_chosen=f"{vote}/{bits}b" if bits else vote, skipped_steps=optimizer.skipped_steps,
+                   momentum_sync=config.momentum_sync)
     row.update({"bytes_sent_per_step": mean("bytes_sent"), "n_collectives_per_step": mean("n_collectives"),
                 "t_step_ms": 1e3 * mean("t_step"), "t_compute_ms": 1e3 * mean("t_compute"),
                 "t_vote_ms": 1e3 * mean("t_vote"), "t_other_ms": 1e3 * mean("t_other"),

@@ -148,7 +148,9 @@ class ImageLoader:
         return torch.from_numpy(self.x[picked]), torch.from_numpy(self.y[picked])
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "pos": self.pos}
+        """Position: ``epoch``, ``pos`` (items of this epoch done) and ``epoch_len`` (items in
+        this epoch; lets a checkpoint be re-sharded to another world size)."""
+        return {"epoch": self.epoch, "pos": self.pos, "epoch_len": len(self._order)}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
