@@ -3,6 +3,7 @@
     lioncub train [flags]      train (default: baseline vs Lion Cub on Shakespeare, 4 workers)
     lioncub prepare [--data]   tokenise a text corpus into train.bin/val.bin
     lioncub plot RUN_DIR...    overlay runs' loss curves into one PNG
+    lioncub analyze [flags]    the paper's instruments (c, sign match, momentum spread, ties) on a small GPT
     lioncub bench net|probe|votes [ARGS]  step-time table / net probe / vote costs (bench/)
 
 To add a subcommand: write ``_add_NAME(subparsers)`` (which sets ``func``) and
@@ -15,7 +16,7 @@ import argparse
 import os
 import sys
 
-from .harness.config import DEVICES, MODELS, OPTIMIZERS, QUANTIZERS, VOTES, TrainConfig
+from .harness.config import DEVICES, MODELS, MOMENTUM_SYNCS, NONFINITE, OPTIMIZERS, QUANTIZERS, VOTES, TrainConfig
 
 
 def _add_train(sub) -> None:
@@ -23,7 +24,10 @@ def _add_train(sub) -> None:
     p = sub.add_parser("train", help="train a model data-parallel (default: Lion vs Lion Cub side by side)",
                        description="Train with Lion / Lion Cub / AdamW on local workers (--nproc) or under "
                        "torchrun. With neither --optimizer nor --vote, runs the comparison: Lion's gradient "
-                       "allreduce (vote='grad') vs Lion Cub (pbit), then prints a summary and writes loss.png.")
+                       "allreduce (vote='grad') vs Lion Cub (pbit), then prints a summary and writes loss.png. "
+                       "Elastic restarts: `torchrun --max-restarts=N -m lioncub.cli train --ckpt-every K "
+                       "--auto-resume ...` restarts every worker after a failure with the same arguments, and "
+                       "each restart continues from --out's ckpt/latest (also on another world size).")
     p.add_argument("--model", choices=MODELS, default=d.model)
     p.add_argument("--data", default=None, help="shakespeare | digits | DIR with train.bin/val.bin | FILE.txt | "
                    "FILE.npz | image folder (default: shakespeare for GPT, digits for images)")
@@ -46,6 +50,16 @@ def _add_train(sub) -> None:
     p.add_argument("--bits", type=int, choices=(1, 2, 4, 8), default=None, help="pbit lane width")
     p.add_argument("--quantizer", choices=[q for q in QUANTIZERS if q], default=None)
     p.add_argument("--grad-dtype", choices=("fp32", "bf16"), default=d.grad_dtype)
+    p.add_argument("--momentum-sync", choices=MOMENTUM_SYNCS, default=d.momentum_sync,
+                   help="LionCub: momenta averaged across workers every --sync-every steps (default: %(default)s)")
+    p.add_argument("--sync-every", type=int, default=d.sync_every, help="default: %(default)s")
+    p.add_argument("--nonfinite", choices=NONFINITE, default=d.nonfinite,
+                   help="LionCub: on a NaN/Inf gradient, raise or skip the step on every worker (default: %(default)s)")
+    p.add_argument("--check-every", type=int, default=d.check_every,
+                   help="LionCub: check every N steps that replicas are identical (0: never)")
+    p.add_argument("--overlap", action="store_true", help="LionCub: launch votes from backward hooks")
+    p.add_argument("--timeout", type=float, default=d.timeout, metavar="SECONDS",
+                   help="process-group timeout: how long a collective waits for a dead worker (default: %(default)s)")
     p.add_argument("--nproc", type=int, default=d.nproc, help="local workers when not under torchrun")
     p.add_argument("--device", choices=DEVICES, default=d.device)
     p.add_argument("--seed", type=int, default=d.seed)
@@ -54,7 +68,11 @@ def _add_train(sub) -> None:
     p.add_argument("--log-every", type=int, default=d.log_every)
     p.add_argument("--ckpt-every", type=int, default=d.ckpt_every)
     p.add_argument("--resume", nargs="?", const="", default=None, metavar="PATH",
-                   help="continue from PATH (a checkpoint or run dir); bare --resume: the --out run's latest")
+                   help="continue from PATH (a checkpoint or run dir, of any world size); bare --resume: "
+                   "the --out run's latest")
+    p.add_argument("--auto-resume", action="store_true",
+                   help="continue from --out's ckpt/latest if there is one, else start afresh (for restarted "
+                   "jobs: torchrun --max-restarts=N)")
     p.add_argument("--out", default=d.out, help="run directory (default: %(default)s)")
     p.add_argument("--name", default=None, help="run label")
     p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=None,
@@ -104,8 +122,8 @@ def cmd_train(args) -> int:
     fields["betas"] = tuple(fields["betas"])
     if fields["resume"] == "":
         fields["resume"] = fields["out"]
-    if compare and fields["resume"] is not None:
-        args.parser.error("--resume applies to a single run; add --no-compare (or --optimizer/--vote)")
+    if compare and (fields["resume"] is not None or fields["auto_resume"]):
+        args.parser.error("--resume/--auto-resume apply to a single run; add --no-compare (or --optimizer/--vote)")
     try:
         config = TrainConfig(**fields)
     except ValueError as exc:
@@ -164,6 +182,27 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def _add_analyze(sub) -> None:
+    from .harness.analyze import add_arguments
+
+    p = sub.add_parser("analyze", help="the paper's instruments on a small GPT (writes instruments.json, CSVs, PNGs)",
+                       description="Train a small GPT with LionCub on local gloo workers and measure what the "
+                       "paper's figures show: the distribution of c, sign match per quantizer and bit width, "
+                       "momentum spread across workers, tie rates; then a run with momentum_sync='adaptive'.")
+    add_arguments(p)
+    p.set_defaults(func=cmd_analyze, parser=p)
+
+
+def cmd_analyze(args) -> int:
+    from .harness.analyze import config_from_args, main_run
+
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        args.parser.error(str(exc))
+    return main_run(config)
+
+
 _BENCH_SCRIPTS = {"net": "step_time.py", "probe": "net_probe.py", "votes": "vote_bench.py"}
 
 
@@ -191,7 +230,7 @@ def cmd_bench(args) -> int:
     return subprocess.run([sys.executable, script] + extra, env=env).returncode
 
 
-_SUBCOMMANDS = [_add_train, _add_prepare, _add_plot, _add_bench]
+_SUBCOMMANDS = [_add_train, _add_prepare, _add_plot, _add_analyze, _add_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:
