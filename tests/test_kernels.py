@@ -100,6 +100,48 @@ def test_every_count_value_decides_right():
                                    ref_decide(count, world, step, ties)), (world, step, ties)
 
 
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8, 16, 31, 255])
+def test_word_votes_on_packed_bits_match_reference(world):
+    """vote_bits / majority_bits / spread_votes / unpack_pm1 against integer counts."""
+    g = torch.Generator().manual_seed(world)
+    for n in (1, 9, 64, 1003):
+        bits = torch.rand(world, n, generator=g) < 0.5
+        if world % 2 == 0 and n > 4:  # exact ties on a few coordinates
+            bits[:, :4] = torch.arange(world).unsqueeze(1) < world // 2
+        packed = torch.stack([ref_pack(b, 1) for b in bits])
+        count = bits.long().sum(0)
+        gt, eq = kernels.vote_bits(packed, world, 0)
+        gt_b = ref_unpack(gt.view(torch.uint8)[: packed.shape[1]], n, 1)
+        eq_b = ref_unpack(eq.view(torch.uint8)[: packed.shape[1]], n, 1)
+        assert torch.equal(gt_b, (2 * count > world).long()) and torch.equal(eq_b, (2 * count == world).long())
+        lt = ~(gt | eq)
+        for dtype in (torch.int8, torch.float32, torch.bfloat16):
+            u = kernels.spread_votes(gt, lt, n, dtype)
+            assert u.dtype == dtype and torch.equal(u.long(), ref_decide(count, world, 0, "zero").long())
+        for step in (0, 1, 2, 3):
+            voted = kernels.majority_bits(packed, world, step)
+            assert voted.dtype == torch.uint8 and voted.numel() == packed.shape[1]
+            want = ref_decide(count, world, step, "parity").long()
+            assert torch.equal(ref_unpack(voted, n, 1) * 2 - 1, want)
+            for dtype in (torch.int8, torch.float32, torch.float64):
+                u = kernels.unpack_pm1(voted, n, dtype)
+                assert u.dtype == dtype and torch.equal(u.long(), want)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_vote_lanes_matches_reference(bits):
+    g = torch.Generator().manual_seed(bits)
+    top = (1 << bits) - 1
+    for n in (1, 3, 8, 17, 1001):
+        k = torch.randint(0, top + 1, (n,), generator=g, dtype=torch.uint8)
+        packed = ref_pack(k, bits)
+        for above, below in [(0, 1), (1, 2), (2, 2), (top // 2, (top + 1) // 2), (top, top), (0, 0)]:
+            want = (k.long() > above).long() - (k.long() < below).long()
+            for dtype in (torch.int8, torch.float32):
+                u = kernels.vote_lanes(packed, n, bits, above, below, dtype)
+                assert u.dtype == dtype and torch.equal(u.long(), want), (n, above, below)
+
+
 def test_count_bits_refuses_carry():
     with pytest.raises(ValueError, match="at most 255 rows"):
         kernels.count_bits(torch.zeros(256, 4, dtype=torch.uint8), 32)

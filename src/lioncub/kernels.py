@@ -20,6 +20,18 @@ Same layouts as :mod:`lioncub.packing` (element ``8j+k`` is bit ``k`` of byte ``
   vote's per-element count without an int16 temporary.
 * **decide** — ``u = (2k > P) - (2k < P)`` from uint8 counts with two comparisons;
   the 1-bit wire's parity rule is one comparison against ⌈P/2⌉ or ⌊P/2⌋+1.
+* **vote on packed bits** (:func:`vote_bits`, :func:`majority_bits`) — the P rows of
+  packed signs are never unpacked: a bit-sliced counter (plane ``j`` holds bit ``j`` of
+  64 counts per int64 word; adding a row is a ripple of AND/XOR over ⌈log2(P+1)⌉
+  planes) and one bit-sliced comparison with ⌊P/2⌋ give the "2k > P" and "2k = P"
+  masks, still packed. :func:`unpack_pm1` / :func:`spread_votes` then write ``u``
+  once: bytes via ``b·0x0101… & 0x8040…``, a ``+0x7F…`` carry into each byte's top
+  bit and a shift (all on int64 words), or floats via one 256-row embedding lookup.
+  torch's uint8 comparisons and ``index_select`` run element by element on CPU
+  (~1 ns each); these word ops run at memory speed.
+* **vote on lane sums** (:func:`vote_lanes`) — lanes are spread to one byte each by
+  shift/OR on int16/int32 words and compared with ``+(127-t)`` per byte (lane sums
+  are < 16, so no carry crosses a byte).
 
 Everything here is a pure function of tensors and works on any device; on CUDA,
 :func:`maybe_compiled` fuses a kernel with ``torch.compile`` when Triton is present.
@@ -41,6 +53,10 @@ __all__ = [
     "decide_counts",
     "parity_bits",
     "unpack_pm1",
+    "vote_bits",
+    "majority_bits",
+    "spread_votes",
+    "vote_lanes",
     "maybe_compiled",
 ]
 
@@ -128,11 +144,142 @@ def unpack_bytes(packed: Tensor, n: int, bits: int) -> Tensor:
     return words.view(torch.uint8)[:n]
 
 
-def unpack_pm1(packed: Tensor, n: int) -> Tensor:
-    """Sign bits as int8 ±1 (bit 1 → +1, bit 0 → −1): the voted 1-bit result."""
-    idx = packed.reshape(-1).to(torch.int32)
-    words = torch.index_select(_table(1, "pm1", str(packed.device)), 0, idx)
-    return words.view(torch.int8)[:n]
+def unpack_pm1(packed: Tensor, n: int, dtype: torch.dtype = torch.int8) -> Tensor:
+    """Sign bits as ±1 of ``dtype`` (bit 1 → +1, bit 0 → −1): the voted 1-bit result.
+
+    int8 by word arithmetic; floating dtypes by one lookup of 8 values per packed
+    byte (no int8 temporary, no second conversion pass)."""
+    flat = packed.reshape(-1)
+    if dtype == torch.int8:
+        words = _spread(flat)
+        words *= 0xFE  # byte 0/1 → 0x00/0xFE (no carry)
+        words ^= -1  # → 0xFF (−1) / 0x01 (+1)
+        return words.view(torch.int8)[:n]
+    table = _float_table(dtype, str(packed.device))
+    return torch.nn.functional.embedding(flat.to(torch.int64), table).reshape(-1)[:n]
+
+
+# ----------------------------------------------------------------------------- word (SWAR) votes
+_ONES = 0x0101010101010101  # 1 in every byte of an int64
+_DIAG = 0x8040201008040201 - (1 << 64)  # byte k keeps bit k (two's complement, fits int64)
+_LOW7 = 0x7F7F7F7F7F7F7F7F
+
+
+@functools.lru_cache(maxsize=None)
+def _float_table(dtype: torch.dtype, device: str) -> Tensor:
+    """(256, 8): row b holds the 8 sign bits of byte b as ±1 in ``dtype``."""
+    bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
+    return (bits * 2 - 1).to(dtype).to(device)
+
+
+def _as_words(packed: Tensor) -> Tensor:
+    """Rows of uint8 as int64 words (a zero-padded copy when a row is not whole words)."""
+    rows = packed.reshape(packed.shape[0], -1) if packed.dim() > 1 else packed.reshape(1, -1)
+    m = rows.shape[1]
+    if m % 8 or rows.stride(0) != m or rows.storage_offset() % 8:
+        padded = torch.zeros(rows.shape[0], -(-m // 8) * 8, dtype=torch.uint8, device=rows.device)
+        padded[:, :m] = rows
+        rows = padded
+    return rows.view(torch.int64)
+
+
+def _spread(packed: Tensor) -> Tensor:
+    """Each bit of a flat uint8 tensor as one 0/1 byte: int64 words, 8 per packed byte."""
+    words = packed.reshape(-1).to(torch.int64)
+    words *= _ONES  # the byte in every byte of the word
+    words &= _DIAG  # byte k: bit k alone (0 or 2**k)
+    words += _LOW7  # byte k: bit 7 set iff bit k was (≤ 0xFF: no carry)
+    words >>= 7
+    words &= _ONES
+    return words
+
+
+def vote_bits(packed: Tensor, world: int, step: int) -> tuple[Tensor, Tensor]:
+    """Per element of the P rows of packed sign bits: masks "2k > P" and "2k = P".
+
+    Both are packed like the rows (int64 words; ``.view(torch.uint8)`` gives bytes,
+    zero-padded past the rows' length). Needs P ≤ 255."""
+    if world > 255:
+        raise ValueError(f"vote_bits needs at most 255 rows, got {world}")
+    rows = _as_words(packed)
+    planes: list[Tensor] = []  # planes[j]: bit j of the running counts
+    for r in range(rows.shape[0]):
+        carry = rows[r].clone()
+        for j in range(len(planes)):
+            nxt = planes[j] & carry
+            planes[j] ^= carry
+            carry = nxt
+        if len(planes) < (r + 1).bit_length():
+            planes.append(carry)  # otherwise the carry is provably zero
+    t = world // 2  # 2k > P  ⟺  k > ⌊P/2⌋
+    gt = torch.zeros_like(rows[0])
+    eq = torch.full_like(rows[0], -1)
+    if t >= 1 << len(planes):
+        return gt, gt.clone()
+    for j in reversed(range(len(planes))):  # compare from the top bit down
+        if (t >> j) & 1:
+            eq &= planes[j]
+        else:
+            gt |= eq & planes[j]
+            eq &= ~planes[j]
+    if world % 2:
+        eq.zero_()  # odd P: k = ⌊P/2⌋ means 2k < P, not a tie
+    return gt, eq
+
+
+def majority_bits(packed: Tensor, world: int, step: int) -> Tensor:
+    """The 1-bit vote of the P rows, packed: 2k > P wins, ties follow the step parity.
+
+    Returns uint8 of the rows' byte length (:func:`parity_bits` + :func:`pack_bytes`)."""
+    gt, eq = vote_bits(packed, world, step)
+    if step % 2 == 0:
+        gt |= eq
+    m = packed.reshape(packed.shape[0], -1).shape[1] if packed.dim() > 1 else packed.numel()
+    return gt.view(torch.uint8)[:m]
+
+
+def spread_votes(pos: Tensor, neg: Tensor, n: int, dtype: torch.dtype = torch.int8) -> Tensor:
+    """``u = pos − neg`` per element from packed masks (never both set) as ``dtype``."""
+    u = _spread(neg.view(torch.uint8))
+    u *= 0xFF  # 0/1 → 0x00/0xFF (−1)
+    u |= _spread(pos.view(torch.uint8))
+    u8 = u.view(torch.int8)[:n]
+    return u8 if dtype == torch.int8 else u8.to(dtype)
+
+
+def vote_lanes(packed: Tensor, n: int, bits: int, above: int, below: int,
+               dtype: torch.dtype = torch.int8) -> Tensor:
+    """``u = (k > above) − (k < below)`` for the ``bits``-wide lane values ``k`` of ``packed``.
+
+    Word arithmetic for 2- and 4-bit lanes (lane values ≤ 15); 8-bit lanes compare bytes."""
+    if bits == 8:
+        k = packed.reshape(-1)[:n]
+        return ((k > above).view(torch.int8) - (k < below).view(torch.int8)).to(dtype)
+    flat = packed.reshape(-1)
+    x = torch.zeros(-(-flat.numel() // (bits * 2)) * bits * 2, dtype=_WORD[bits], device=packed.device)
+    x[:flat.numel()] = flat  # one word per packed byte (8/bits bytes), whole int64 words in all
+    if bits == 4:
+        y = x << 4
+        y |= x
+        y &= 0x0F0F  # byte 0: low lane, byte 1: high lane
+    else:
+        y = x | (x << 6)
+        y |= x << 12
+        y |= x << 18
+        y &= 0x03030303  # lane k (bits 2k..2k+1) → byte k
+    words = _as_words(y.view(torch.uint8))[0]
+    pos = words + (127 - above) * _ONES  # bit 7 of a byte set iff k > above (k ≤ 15: no carry)
+    pos >>= 7
+    pos &= _ONES
+    ge = (128 - below) * _ONES
+    words += ge - (1 << 64) if ge >= 1 << 63 else ge  # bit 7 set iff k ≥ below
+    words >>= 7
+    words &= _ONES
+    words ^= _ONES  # k < below
+    words *= 0xFF
+    words |= pos
+    u8 = words.view(torch.int8)[:n]
+    return u8 if dtype == torch.int8 else u8.to(dtype)
 
 
 def count_bits(packed: Tensor, n: int) -> Tensor:

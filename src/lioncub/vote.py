@@ -119,7 +119,10 @@ def _gather(c, world, step, group, stats):
     stats.t_quantize_pack += time.perf_counter() - t0
     everyone = comm.all_gather(packed, group, stats)  # (P, ceil(n/8))
     t0 = time.perf_counter()
-    u = kernels.decide_counts(kernels.count_bits(everyone, n), world, step, ties="zero")
+    gt, eq = kernels.vote_bits(everyone, world, step)  # packed masks 2k > P, 2k = P
+    lt = gt | eq
+    lt.bitwise_not_()  # 2k < P
+    u = kernels.spread_votes(gt, lt, n, c.dtype)
     stats.t_unpack_vote += time.perf_counter() - t0
     return u
 
@@ -133,12 +136,11 @@ def _onebit(c, world, step, group, stats):
     stats.t_quantize_pack += time.perf_counter() - t0
     mine = comm.all_to_all(packed, group, stats)  # (P * chunk/8,): every rank's bits of my chunk
     t0 = time.perf_counter()
-    count = kernels.count_bits(mine.view(world, -1), chunk)
-    voted = kernels.pack_bytes(kernels.parity_bits(count, world, step), chunk, 1)
+    voted = kernels.majority_bits(mine.view(world, -1), world, step)  # on packed words
     stats.t_unpack_vote += time.perf_counter() - t0
     everyone = comm.all_gather(voted, group, stats)  # (P, chunk/8)
     t0 = time.perf_counter()
-    u = kernels.unpack_pm1(everyone, n)
+    u = kernels.unpack_pm1(everyone, n, c.dtype)  # straight into c's dtype
     stats.t_unpack_vote += time.perf_counter() - t0
     return u
 
@@ -152,12 +154,10 @@ def _pbit(c, world, step, group, stats, bits, quantizer, generator):
     stats.t_quantize_pack += time.perf_counter() - t0
     comm.all_reduce(packed, group, stats)
     t0 = time.perf_counter()
-    total = kernels.unpack_bytes(packed, n, w)  # lane sums, uint8 (no lane exceeds 2**w - 1)
-    if levels is None:
-        u = kernels.decide_counts(total, world, step, ties="zero")
-    else:  # sign(total - P·s); P·s <= 127
-        mid = world * levels
-        u = (total > mid).view(torch.int8) - (total < mid).view(torch.int8)
+    # lane sums k (no lane exceeds 2**w - 1): binary u = (2k > P) - (2k < P);
+    # quantized u = sign(k - P·s), P·s <= 127
+    above, below = (world // 2, (world + 1) // 2) if levels is None else (world * levels,) * 2
+    u = kernels.vote_lanes(packed, n, w, above, below, c.dtype)
     stats.t_unpack_vote += time.perf_counter() - t0
     return u
 
