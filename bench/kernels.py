@@ -4,13 +4,17 @@ Stages (n elements, P ranks, one thread):
 
     quantize+pack  c (fp32, 4n B) -> signs -> 1-bit packed (n/8 B)        [gather/onebit]
     quantize+pack  c (fp32, 4n B) -> {0,1} -> 4-bit lanes (n/2 B)         [pbit]
-    unpack+vote    P x n/8 B packed signs -> counts -> u (int8, n B)       [gather]
-    unpack+vote    n/2 B lane sums -> u (int8, n B)                         [pbit]
+    vote 1-bit x P   P x n/8 B packed signs -> u (int8 n B | fp32 4n B)      [gather]
+    onebit vote      P x n/(8P) B -> voted bits n/(8P) B (rank's chunk)      [onebit]
+    onebit unpack    n/8 B voted bits -> u (int8 n B | fp32 4n B)            [onebit]
+    vote 4-bit       n/2 B lane sums -> u (int8 n B | fp32 4n B)             [pbit]
 
-GB/s is counted on the larger side of each stage (4n B in, or n B out for the
-votes); "copy" copies that many bytes (``dst.copy_(src)``, preallocated), the
-memory-bandwidth yardstick. "old" is the pre-kernel implementation (shift + sum
-over lanes, int16 counts), kept here only as the baseline.
+GB/s is counted on the largest buffer a stage reads or writes; "copy" copies that
+many bytes (``dst.copy_(src)``, preallocated, the same size: no smaller, cache-resident
+yardstick), the memory-bandwidth yardstick. "old" is the previous implementation:
+for pack the pre-kernel shift + sum over lanes; for the votes the table kernels
+(``index_select`` unpack, uint8 counts, torch comparisons, ``.to(fp32)``) that the
+word votes (bit-sliced counter, SWAR compare, embedding decode) replaced.
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python3 bench/kernels.py [--mib 64] [--world 4]
 Writes bench/results/kernels.json.
@@ -43,13 +47,18 @@ def _old_unpack(packed, n, bits):
     return ((packed.reshape(-1, 1) >> shifts) & ((1 << bits) - 1)).reshape(-1)[:n]
 
 
+def _old_unpack_pm1(packed, n):
+    idx = packed.reshape(-1).to(torch.int32)
+    return torch.index_select(kernels._table(1, "pm1", "cpu"), 0, idx).view(torch.int8)[:n]
+
+
 def _time(fn, repeats):
     fn()
     best = float("inf")
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         fn()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, time.thread_time() - t0)
     return best
 
 
@@ -61,35 +70,55 @@ def main():
     a = ap.parse_args()
     torch.set_num_threads(1)
     n, P = int(a.mib * 2**20) // 4, a.world
+    f32 = torch.float32
     c = torch.randn(n)
     packed_all = torch.stack([kernels.pack_bytes(kernels.sign_bits(torch.randn(n), 0), n, 1) for _ in range(P)])
+    chunk = -(-n // (8 * P)) * 8
+    mine = packed_all[:, : chunk // 8].contiguous()  # (P, chunk/8): every rank's bits of one chunk
+    voted = kernels.majority_bits(packed_all.reshape(-1)[: n // 8].view(1, -1), 1, 0)  # n/8 B of bits
     lanes = kernels.pack_bytes(torch.randint(0, P + 1, (n,), dtype=torch.uint8), n, 4)
-    big_src, big_dst = torch.empty(4 * n, dtype=torch.uint8), torch.empty(4 * n, dtype=torch.uint8)
-    small_src, small_dst = torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
-    stages = {
+
+    def gather_new(dtype):
+        gt, eq = kernels.vote_bits(packed_all, P, 0)
+        return kernels.spread_votes(gt, ~(gt | eq), n, dtype)
+
+    old_gather = lambda: kernels.decide_counts(kernels.count_bits(packed_all, n), P, 0, ties="zero")  # noqa: E731
+    old_lanes = lambda: kernels.decide_counts(kernels.unpack_bytes(lanes, n, 4), P, 0, ties="zero")  # noqa: E731
+    stages = {  # name: (bytes of the largest buffer, new, old)
         "quantize+pack 1-bit": (4 * n, lambda: kernels.pack_bytes(kernels.sign_bits(c, 0), n, 1),
                                 lambda: _old_pack(binary_signs(c, 0).to(torch.uint8), 1)),
         "quantize+pack 4-bit": (4 * n, lambda: kernels.pack_bytes(kernels.sign_bits(c, 0), n, 4),
                                 lambda: _old_pack(binary_signs(c, 0).to(torch.uint8), 4)),
-        "unpack+vote 1-bit x P": (n, lambda: kernels.decide_counts(kernels.count_bits(packed_all, n), P, 0, ties="zero"),
-                                  lambda: decide(_old_unpack(packed_all.reshape(-1), P * n, 1).view(P, n)
-                                                 .sum(0, dtype=torch.int16), P, 0, ties="zero")),
-        "unpack+vote 4-bit": (n, lambda: kernels.decide_counts(kernels.unpack_bytes(lanes, n, 4), P, 0, ties="zero"),
-                              lambda: decide(_old_unpack(lanes, n, 4).to(torch.int16), P, 0, ties="zero")),
+        "vote 1-bit x P -> int8": (n, lambda: gather_new(torch.int8), old_gather),
+        "vote 1-bit x P -> fp32": (4 * n, lambda: gather_new(f32), lambda: old_gather().to(f32)),
+        "onebit vote (chunk)": (P * chunk // 8, lambda: kernels.majority_bits(mine, P, 0),
+                                lambda: kernels.pack_bytes(kernels.parity_bits(kernels.count_bits(mine, chunk), P, 0),
+                                                           chunk, 1)),
+        "onebit unpack -> int8": (n, lambda: kernels.unpack_pm1(voted, n), lambda: _old_unpack_pm1(voted, n)),
+        "onebit unpack -> fp32": (4 * n, lambda: kernels.unpack_pm1(voted, n, f32),
+                                  lambda: _old_unpack_pm1(voted, n).to(f32)),
+        "vote 4-bit -> int8": (n, lambda: kernels.vote_lanes(lanes, n, 4, P // 2, (P + 1) // 2), old_lanes),
+        "vote 4-bit -> fp32": (4 * n, lambda: kernels.vote_lanes(lanes, n, 4, P // 2, (P + 1) // 2, f32),
+                               lambda: old_lanes().to(f32)),
     }
-    copy_big = _time(lambda: big_dst.copy_(big_src), a.repeats)
-    copy_small = _time(lambda: small_dst.copy_(small_src), a.repeats)
+    copies = {}
+    for nbytes, _, _ in stages.values():  # copy yardstick of each stage's largest buffer
+        if nbytes not in copies:
+            src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+            copies[nbytes] = _time(lambda: dst.copy_(src), a.repeats)
     rows = []
-    print(f"n = {n:,} elements ({a.mib:g} MiB fp32), P = {P}, 1 thread")
-    print(f"{'stage':24s} {'GB/s':>7s} {'old GB/s':>9s} {'copy GB/s':>10s} {'% of copy':>10s} {'x old':>6s}")
+    print(f"n = {n:,} elements ({a.mib:g} MiB fp32), P = {P}, 1 thread, load {os.getloadavg()[0]:.1f}")
+    print(f"{'stage':24s} {'MB':>6s} {'GB/s':>7s} {'old GB/s':>9s} {'copy GB/s':>10s} {'% of copy':>10s} "
+          f"{'old %':>6s} {'x old':>6s}")
     for name, (nbytes, new, old) in stages.items():
         t_new, t_old = _time(new, a.repeats), _time(old, max(2, a.repeats // 2))
-        t_copy = copy_big if nbytes == 4 * n else copy_small
+        t_copy = copies[nbytes]
         row = dict(stage=name, bytes=nbytes, gbps=nbytes / t_new / 1e9, old_gbps=nbytes / t_old / 1e9,
-                   copy_gbps=nbytes / t_copy / 1e9, frac_of_copy=t_copy / t_new, speedup=t_old / t_new)
+                   copy_gbps=nbytes / t_copy / 1e9, frac_of_copy=t_copy / t_new,
+                   old_frac_of_copy=t_copy / t_old, speedup=t_old / t_new)
         rows.append(row)
-        print(f"{name:24s} {row['gbps']:7.2f} {row['old_gbps']:9.2f} {row['copy_gbps']:10.2f} "
-              f"{100 * row['frac_of_copy']:9.0f}% {row['speedup']:6.1f}")
+        print(f"{name:24s} {nbytes / 1e6:6.1f} {row['gbps']:7.2f} {row['old_gbps']:9.2f} {row['copy_gbps']:10.2f} "
+              f"{100 * row['frac_of_copy']:9.0f}% {100 * row['old_frac_of_copy']:5.0f}% {row['speedup']:6.1f}")
     os.makedirs("bench/results", exist_ok=True)
     with open("bench/results/kernels.json", "w") as f:
         json.dump(dict(n=n, world=P, threads=1, rows=rows, load=os.getloadavg()), f, indent=1)
