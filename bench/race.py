@@ -14,8 +14,14 @@ evaluation records: training seconds, steps, validation loss, bytes this rank's 
 sent so far (mean over ranks). The target is the loss Lion + DDP fp32 (best LR) reaches
 at the end of its budget; the table gives each method's time and bytes to reach it.
 
-    sudo OMP_NUM_THREADS=1 PYTHONPATH=src python3 bench/race.py                  # ~25 min
+    sudo OMP_NUM_THREADS=1 PYTHONPATH=src python3 bench/race.py                  # ~21 min
+    ... bench/race.py --methods lioncub-onebit,lioncub-onebit-overlap --append bench/results/race.json
     ... bench/race.py --budget 20 --methods lion-ddp,lioncub-pbit4 --lr-lion 3e-4   # a quick look
+
+Default model: GPT 2 layers x 192 wide (0.95M parameters), 1 sequence of 32 bytes per
+worker per step. Communication-bound at 1 Gbit/s on 2 CPU cores: an fp32 gradient
+all-reduce sends 5.7 MB per worker per step, and a step of the methods that send
+every step takes 2-3x as long as one that (almost) never sends (DiLoCo H=50).
 Writes bench/results/race.json and bench/results/race.png. Needs root (namespaces, tc).
 """
 from __future__ import annotations
@@ -150,19 +156,27 @@ def summarize(runs: list[dict], budget: float) -> dict:
     for r in runs:
         if r["method"] not in best or final_loss(r, budget) < final_loss(best[r["method"]], budget):
             best[r["method"]] = r
+    # two targets, both set by Lion fp32 alone: its loss at the end of the budget, and at half of it
     target = final_loss(best[REFERENCE], budget) if REFERENCE in best else None
+    half = None
+    if REFERENCE in best:
+        half = next(e["val"] for e in reversed(best[REFERENCE]["evals"]) if e["t"] <= budget / 2 * 1.05)
     rows = []
     for name, r in best.items():
         ev = r["evals"]
         last, mid = ev[-1], ev[len(ev) // 2]
-        hit = _crossing(ev, target) if target is not None and r["status"] == "ok" else None
+        ok = r["status"] == "ok"
+        hit = _crossing(ev, target) if target is not None and ok else None
+        hit_half = _crossing(ev, half) if half is not None and ok else None
         rows.append(dict(method=name, lr=r["lr"], final_val=final_loss(r, budget), steps=last["step"],
                          step_s=last["t"] / max(1, last["step"]),
                          # second half of the run: PowerSGD's first steps are uncompressed
                          bytes_per_step=(last["tx"] - mid["tx"]) / max(1, last["step"] - mid["step"]),
                          time_to_target=hit[0] if hit else None, bytes_to_target=hit[1] if hit else None,
+                         time_to_half=hit_half[0] if hit_half else None,
+                         bytes_to_half=hit_half[1] if hit_half else None,
                          lrs_tried={x["lr"]: final_loss(x, budget) for x in runs if x["method"] == name}))
-    return dict(target=target, rows=rows)
+    return dict(target=target, target_half=half, rows=rows)
 
 
 def _crossing(evals: list[dict], target: float):
@@ -174,18 +188,25 @@ def _crossing(evals: list[dict], target: float):
     return None
 
 
+def _hit(r: dict, ref: dict | None, key: str) -> str:
+    t, b = r[f"time_to_{key}"], r[f"bytes_to_{key}"]
+    if t is None:
+        return "not reached | - | -"
+    sp = f"{ref[f'time_to_{key}'] / t:.2f}x" if ref and ref[f"time_to_{key}"] else "-"
+    return f"{t:.1f} s | {sp} | {b / 1e6:.0f}"
+
+
 def table(summary: dict) -> str:
     ref = next((r for r in summary["rows"] if r["method"] == REFERENCE), None)
-    lines = [f"target = {summary['target']:.3f} (final val loss of {REFERENCE}, best lr)" if ref else "no reference",
-             f"| method | best lr | val @ budget | steps | s/step | MB/step sent | time to target | "
-             f"x vs {REFERENCE} | MB to target |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in summary["rows"]:
-        tt = f"{r['time_to_target']:.1f} s" if r["time_to_target"] is not None else "not reached"
-        sp = (f"{ref['time_to_target'] / r['time_to_target']:.2f}x"
-              if r["time_to_target"] and ref and ref["time_to_target"] else "-")
-        mb = f"{r['bytes_to_target'] / 1e6:.0f}" if r["bytes_to_target"] is not None else "-"
+    if ref is None:
+        return "no reference run (lion-ddp)"
+    lines = [f"A = {summary['target']:.3f}: {REFERENCE}'s (best lr) val loss at the end of the budget; "
+             f"B = {summary['target_half']:.3f}: its val loss at half the budget",
+             "| method | best lr | val @ budget | steps | s/step | MB/step sent | time to A | x | MB to A "
+             "| time to B | x | MB to B |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(summary["rows"], key=lambda r: r["final_val"]):
         lines.append(f"| {r['method']} | {r['lr']:g} | {r['final_val']:.3f} | {r['steps']} | {r['step_s']:.3f} | "
-                     f"{r['bytes_per_step'] / 1e6:.2f} | {tt} | {sp} | {mb} |")
+                     f"{r['bytes_per_step'] / 1e6:.2f} | {_hit(r, ref, 'target')} | {_hit(r, ref, 'half')} |")
     return "\n".join(lines)
 
 
@@ -208,7 +229,8 @@ def plot(runs: list[dict], summary: dict, path: str, title: str, budget: float) 
                      color=line.get_color())  # log axis: the t=0 point (0 bytes) is left out
     for ax, xl in zip(axes, ("training seconds (wall clock, evals excluded)", "MB sent per worker (veth tx)")):
         if summary["target"] is not None:
-            ax.axhline(summary["target"], color="k", lw=0.8, ls=":", label="target (Lion fp32 @ budget)")
+            ax.axhline(summary["target"], color="k", lw=0.8, ls=":", label="target A (Lion fp32 @ budget)")
+            ax.axhline(summary["target_half"], color="grey", lw=0.8, ls=":", label="target B (@ half budget)")
         ax.set_xlabel(xl)
         ax.set_ylabel("validation loss (nats/byte)")
     axes[0].set_xlim(0, budget * 1.15)  # local methods overshoot to their next sync point
@@ -224,20 +246,23 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--methods", default=DEFAULT_METHODS, help="comma list of lioncub.baselines.METHODS")
     ap.add_argument("--lr-adamw", default="1e-3,3e-3", help="AdamW-family learning rates (DDP, local, DiLoCo inner)")
-    ap.add_argument("--lr-lion", default="1e-4,3e-4", help="Lion-family learning rates (Lion DDP, Lion Cub)")
-    ap.add_argument("--budget", type=float, default=60.0, help="training seconds per run")
-    ap.add_argument("--eval-every", type=float, default=6.0, help="training seconds between evaluations")
+    ap.add_argument("--lr-lion", default="3e-4,1e-3", help="Lion-family learning rates (Lion DDP, Lion Cub)")
+    ap.add_argument("--budget", type=float, default=50.0, help="training seconds per run")
+    ap.add_argument("--eval-every", type=float, default=5.0, help="training seconds between evaluations")
     ap.add_argument("--eval-batches", type=int, default=2, help="validation batches (16 sequences) per worker")
     ap.add_argument("--warmup", type=int, default=10, help="linear warm-up steps")
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--rate", default="1gbit", help="per-direction link rate; 'none' = unshaped")
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--embd", type=int, default=256)
+    ap.add_argument("--embd", type=int, default=192)
     ap.add_argument("--block", type=int, default=32, help="tokens per sequence")
     ap.add_argument("--batch", type=int, default=1, help="sequences per worker per step")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "race.json"))
+    ap.add_argument("--append", metavar="JSON", help="keep the runs of an earlier race.json (a later run of the "
+                    "same method and lr replaces it) and report them together")
+    ap.add_argument("--report-only", metavar="JSON", help="re-make the table and plot of a race.json; run nothing")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out-dir", help=argparse.SUPPRESS)
     ap.add_argument("--data-dir", help=argparse.SUPPRESS)
@@ -245,6 +270,8 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
+    if args.report_only:
+        return report(args.report_only)
     from lioncub.harness.config import default_cache_dir
     from lioncub.harness.data.text import ensure_prepared
     from lioncub.netem import Testbed
@@ -268,19 +295,40 @@ def main(argv=None) -> int:
     if bad:
         print(f"a worker failed ({bad[0].returncode}); keeping the runs that finished:\n{bad[0].stderr[-3000:]}")
     runs = merge(per_rank)
-    summary = summarize(runs, args.budget)
-    print(table(summary))
+    earlier = {}
+    if args.append:
+        with open(args.append) as f:
+            earlier = json.load(f)
+        new_keys = {(r["method"], r["lr"]) for r in runs}
+        earlier["replaced_runs"] = [r for r in earlier["runs"] if (r["method"], r["lr"]) in new_keys]
+        runs = [r for r in earlier["runs"] if (r["method"], r["lr"]) not in new_keys] + runs
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "rate": tb.rate or "unshaped", "wall_s": wall,
                    "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
-                   "summary": summary, "runs": runs}, f, indent=1)
-    png = os.path.splitext(args.out)[0] + ".png"
-    plot(runs, summary, png, f"{args.workers} workers, {tb.rate or 'unshaped'}, GPT {args.layers}L/{args.embd}d "
-         f"({runs[0]['n_params'] / 1e6:.1f}M params), {args.batch}x{args.block} tokens/worker/step, "
-         f"{args.budget:.0f} s budget", args.budget)
-    print(f"wrote {args.out} and {png}")
+                   "earlier": {k: earlier[k] for k in ("args", "wall_s", "load_avg_before", "load_avg_after",
+                                                            "replaced_runs")
+                               if k in earlier} or None,
+                   "runs": runs}, f, indent=1)
+    report(args.out)
     return 0 if not bad else 1
+
+
+def report(path: str) -> int:
+    """Summary, table and plot of a race.json (written back into it), e.g. after changing the report."""
+    with open(path) as f:
+        res = json.load(f)
+    a = res["args"]
+    res["summary"] = summarize(res["runs"], a["budget"])
+    print(table(res["summary"]))
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    png = os.path.splitext(path)[0] + ".png"
+    plot(res["runs"], res["summary"], png, f"{a['workers']} workers, {res['rate']}, GPT {a['layers']}L/{a['embd']}d "
+         f"({res['runs'][0]['n_params'] / 1e6:.2f}M params), {a['batch']}x{a['block']} tokens/worker/step, "
+         f"{a['budget']:.0f} s budget", a["budget"])
+    print(f"wrote {path} and {png}")
+    return 0
 
 
 if __name__ == "__main__":
