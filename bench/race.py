@@ -218,13 +218,12 @@ def plot(runs: list[dict], summary: dict, path: str, title: str, budget: float) 
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     best = {(r["method"], r["lr"]) for r in summary["rows"]}
-    for r in runs:
-        if (r["method"], r["lr"]) not in best:
-            continue
+    shown = [r for r in runs if (r["method"], r["lr"]) in best]
+    for i, r in enumerate(shown):
         ev = r["evals"]
         style = "-" if r["method"].startswith("lion") else "--"
         line, = axes[0].plot([e["t"] for e in ev], [e["val"] for e in ev], style, marker=".",
-                             label=f"{r['method']} (lr {r['lr']:g})")
+                             color=plt.cm.tab20(i / max(1, len(shown) - 1)), label=f"{r['method']} (lr {r['lr']:g})")
         axes[1].plot([e["tx"] / 1e6 for e in ev[1:]], [e["val"] for e in ev[1:]], style, marker=".",
                      color=line.get_color())  # log axis: the t=0 point (0 bytes) is left out
     for ax, xl in zip(axes, ("training seconds (wall clock, evals excluded)", "MB sent per worker (veth tx)")):
