@@ -4,7 +4,9 @@ One comparison run checks the outputs (JSONL, CSV, PNG, printed table); a run
 under torchrun that checkpoints, resumed from its middle checkpoint by a local
 ``--nproc`` launch (bare ``--resume``), checks that a resumed run reproduces the uninterrupted one
 bit for bit (1-bit vote with 2 workers: ties every step, so step parity matters;
-ResNet: BatchNorm buffers are per rank).
+ResNet: BatchNorm buffers are per rank), and then continues the GPT run on 3 workers
+(another world size: momenta and data re-sharded). A torchrun job that loses a worker
+restarts (``--max-restarts``) and ``--auto-resume`` continues it from its checkpoint.
 """
 from __future__ import annotations
 
@@ -28,10 +30,11 @@ def _env():
     return env
 
 
-def lioncub(*args, torchrun: int = 0) -> str:
+def lioncub(*args, torchrun: int = 0, restarts: int = 0, entry: tuple = ("-m", "lioncub.cli")) -> str:
     launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={torchrun}",
-                "--standalone", "-m", "lioncub.cli"] if torchrun else [sys.executable, "-m", "lioncub.cli"]
-    proc = subprocess.run(launcher + list(args), env=_env(), capture_output=True, text=True, timeout=300)
+                f"--max-restarts={restarts}", "--standalone"] if torchrun else [sys.executable]
+    proc = subprocess.run(launcher + list(entry) + list(args), env=_env(), capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc.stdout
 
@@ -100,6 +103,56 @@ def test_resume_reproduces_uninterrupted_run_bit_for_bit(tmp_path, model_args):
     after = read_jsonl(resumed / "metrics.jsonl")
     assert [(r["kind"], r["step"]) for r in after] == [(r["kind"], r["step"]) for r in records]
     assert [r.get("loss", r.get("val_loss")) for r in after] == [r.get("loss", r.get("val_loss")) for r in records]
+    if "resnet18" in model_args:
+        return
+    # The same checkpoint continued on 3 workers: momenta averaged, data shards re-cut (replicas checked).
+    three = tmp_path / "three"
+    lioncub("train", *model_args, "--steps", "8", "--eval-every", "0", "--check-every", "1", "--nproc", "3",
+            "--resume", str(full / "ckpt" / "step_0000006"), "--out", str(three), "--cache-dir", str(tmp_path / "cache"))
+    steps = [r for r in read_jsonl(three / "metrics.jsonl") if r["kind"] == "step"]
+    assert [r["step"] for r in steps] == [7, 8] and all(0 < r["loss"] < 6 for r in steps)
+    assert read_csv(three / "summary.csv")[0]["world_size"] == "3"
+
+
+# Run by torchrun in place of `-m lioncub.cli`: on the first attempt rank 1 dies right after
+# the first checkpoint, so torchrun restarts both workers with the same arguments.
+_DIE_AFTER_FIRST_CKPT = """
+import os, sys
+from lioncub import cli
+from lioncub.harness import checkpoint
+
+attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+with open(sys.argv[1], "a") as f:
+    f.write(f"rank {os.environ['RANK']} attempt {attempt}\\n")
+save = checkpoint.save_checkpoint
+
+def save_then_die(*args, **kwargs):
+    path = save(*args, **kwargs)
+    if attempt == "0" and os.environ["RANK"] == "1":
+        os._exit(3)
+    return path
+
+checkpoint.save_checkpoint = save_then_die
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+def test_elastic_restart_auto_resumes_from_latest_checkpoint(tmp_path):
+    """torchrun --max-restarts=1 + --auto-resume: the restarted job continues from ckpt/latest."""
+    out, log = tmp_path / "run", tmp_path / "attempts.txt"
+    (tmp_path / "die.py").write_text(_DIE_AFTER_FIRST_CKPT)
+    lioncub(str(log), "train", *TINY, "--vote", "auto", "--momentum-sync", "io", "--sync-every", "2",
+            "--nonfinite", "skip_step", "--check-every", "1", "--ckpt-every", "2", "--eval-every", "0",
+            "--timeout", "60", "--cache-dir", str(tmp_path / "cache"), "--out", str(out), "--auto-resume",
+            "--steps", "4", torchrun=2, restarts=1, entry=(str(tmp_path / "die.py"),))
+    assert sorted(log.read_text().splitlines()) == [f"rank {r} attempt {a}" for r in (0, 1) for a in (0, 1)]
+    records = read_jsonl(out / "metrics.jsonl")  # steps 1-2 from attempt 0, 3-4 from attempt 1
+    assert [(r["kind"], r["step"]) for r in records] == [("step", s) for s in (1, 2, 3, 4)] + [("eval", 4)]
+    assert all(math.isfinite(r["loss"]) and r["skipped_steps"] == 0 for r in records[:4])
+    assert (out / "ckpt" / "latest").read_text().strip() == "step_0000004"
+    row = read_csv(out / "summary.csv")[0]  # attempt 1's: it ran steps 3-4
+    assert row["steps"] == "4" and row["skipped_steps"] == "0" and row["momentum_sync"] == "io"
+    assert row["vote"] == "auto" and row["vote_chosen"].split("/")[0] in ("sign_allreduce", "gather", "onebit", "pbit")
 
 
 def test_cli_rejects_bad_arguments(capsys):
@@ -107,7 +160,11 @@ def test_cli_rejects_bad_arguments(capsys):
 
     for argv, message in ((["train", "--model", "gpt5"], "invalid choice: 'gpt5'"),
                           (["train", "--steps", "0", "--no-compare"], "steps must be >= 1"),
-                          (["train", "--resume"], "--resume applies to a single run"),
+                          (["train", "--resume"], "apply to a single run"),
+                          (["train", "--auto-resume"], "apply to a single run"),
+                          (["train", "--optimizer", "adamw", "--overlap"], "apply to optimizer='lioncub' only"),
+                          (["train", "--no-compare", "--timeout", "0"], "timeout must be > 0"),
+                          (["analyze", "--vote", "grad"], "vote must be one of"),
                           (["plot", "/nonexistent-run"], "has no metrics.jsonl")):
         with pytest.raises(SystemExit) as exc:
             main(argv)

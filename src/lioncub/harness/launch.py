@@ -58,12 +58,29 @@ def launch(fn, config):
         device = resolve_device(config.device, local_rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(_backend(device), init_method="env://", timeout=_timeout(config))
+        _init_under_torchrun(_backend(device), _timeout(config))
         try:
             return fn(config)
         finally:
             dist.destroy_process_group()
     return spawn_local(fn, config, config.nproc)
+
+
+def _init_under_torchrun(backend: str, timeout: datetime.timedelta) -> None:
+    """env:// rendezvous, with the keys of each torchrun restart under their own prefix.
+
+    torchrun's workers share the agent's TCP store across restarts (TORCHELASTIC_USE_AGENT_STORE),
+    so a restarted attempt could read the dead attempt's gloo addresses and fail to connect
+    ("connectFullMesh ... Connection refused"); a prefix per TORCHELASTIC_RESTART_COUNT avoids that."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"lioncub/attempt_{attempt}", store), rank=rank,
+                            world_size=world, timeout=timeout)
 
 
 def _free_port() -> int:
