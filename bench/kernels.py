@@ -10,8 +10,9 @@ Stages (n elements, P ranks, one thread):
     vote 4-bit       n/2 B lane sums -> u (int8 n B | fp32 4n B)             [pbit]
 
 GB/s is counted on the largest buffer a stage reads or writes; "copy" copies that
-many bytes (``dst.copy_(src)``, preallocated, the same size: no smaller, cache-resident
-yardstick), the memory-bandwidth yardstick. "old" is the previous implementation:
+many bytes (``dst.copy_(src)``, preallocated; the same size, not a smaller cache-resident
+one), the memory-bandwidth yardstick. Times are the best of ``--repeats`` in thread CPU
+time (the shared host runs at load 10-30). "old" is the previous implementation:
 for pack the pre-kernel shift + sum over lanes; for the votes the table kernels
 (``index_select`` unpack, uint8 counts, torch comparisons, ``.to(fp32)``) that the
 word votes (bit-sliced counter, SWAR compare, embedding decode) replaced.
