@@ -123,14 +123,14 @@ def plot(summary: dict[str, list[dict]], fig_dir: str, tag: str = "") -> list[st
     spread = [r for rows in summary.values() for r in rows if "momentum_spread" in r and "sync none" in r["label"]]
     if spread:
         fig, ax = plt.subplots(figsize=(11, 4))
-        names = list(spread[0]["momentum_spread"])
+        names = list(dict.fromkeys(n for r in spread for n in r["momentum_spread"]))  # untied adds head.weight
         width = 0.8 / len(spread)
         for i, r in enumerate(spread):
             vals = [r["momentum_spread"].get(n, float("nan")) for n in names]
             ax.bar([j + i * width for j in range(len(names))], vals, width, label=f"{r['part']}: {r['label']}")
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names, rotation=70, fontsize=7)
         ax.set_ylabel("max over elements of std across workers")
-        ax.set_title("momentum spread per tensor at the end, no sync (paper Fig. 6); tied wte = head")
+        ax.set_title("momentum spread per tensor at the end, no sync (paper Fig. 6); tied: wte = head; mean over seeds")
         ax.legend(fontsize=7)
         fig.tight_layout()
         path = os.path.join(fig_dir, f"momentum_spread{tag}.png")
