@@ -174,3 +174,24 @@ def test_config_rejects_bad_values_by_name():
     with pytest.raises(ValueError, match="betas"):
         TrainConfig(betas=(0.9, 1.5))
     assert TrainConfig(model="resnet18").data == "digits" and TrainConfig().data == "shakespeare"
+
+
+def test_reshard_loader_keeps_the_mean_epoch_fraction(shakespeare):
+    from lioncub.harness.checkpoint import reshard_loader
+
+    path = os.path.join(shakespeare, "train.bin")
+    old = [TokenLoader(path, block_size=32, batch_size=4, rank=r, world_size=2, seed=0) for r in range(2)]
+    for loader in old:
+        for _ in range(50):
+            loader.next_batch()
+    states = [loader.state_dict() for loader in old]
+    progress = sum(s["epoch"] + s["pos"] / s["epoch_len"] for s in states) / 2
+    assert 0 < progress < 1 and states[0]["pos"] == states[1]["pos"] == 200
+    for r in range(3):
+        new = TokenLoader(path, block_size=32, batch_size=4, rank=r, world_size=3, seed=0)
+        reshard_loader(states, new)
+        s = new.state_dict()
+        assert s["epoch"] == 0 and s["pos"] == round(progress * s["epoch_len"]) and s["epoch_len"] < states[0]["epoch_len"]
+    # Checkpoints written before epoch_len was saved: rank 0's position as it was.
+    reshard_loader([{"epoch": 2, "pos": 7}, {"epoch": 2, "pos": 7}], new)
+    assert (new.epoch, new.pos) == (2, 7)

@@ -16,9 +16,9 @@ Resuming on another world size (:func:`load_checkpoint` reads every old
 ``rank{r}.pt``; same size: bit for bit, as above). The rules:
 
 - optimizer: LionCub momenta via :func:`lioncub.resume.reshard_states` (every new
-  rank starts from the old ranks' mean momentum; step parity carries over). A
-  ``pbit`` lane width left to the optimizer (``bits=None``) and ``vote='auto'``'s
-  pick are re-derived for the new world. Lion/AdamW state (identical on all
+  rank starts from the old ranks' mean momentum; step parity carries over). The
+  ``pbit`` lane width and ``vote='auto'``'s pick are the new world's (the old
+  width could overflow with more workers). Lion/AdamW state (identical on all
   ranks under the gradient allreduce): old rank 0's.
 - model buffers (BatchNorm statistics, per rank): floating ones averaged over the
   old ranks, the others (counters) from old rank 0.
