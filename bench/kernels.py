@@ -80,7 +80,7 @@ def main():
     lanes = kernels.pack_bytes(torch.randint(0, P + 1, (n,), dtype=torch.uint8), n, 4)
 
     def gather_new(dtype):
-        gt, eq = kernels.vote_bits(packed_all, P, 0)
+        gt, eq = kernels.vote_bits(packed_all, P)
         return kernels.spread_votes(gt, ~(gt | eq), n, dtype)
 
     old_gather = lambda: kernels.decide_counts(kernels.count_bits(packed_all, n), P, 0, ties="zero")  # noqa: E731

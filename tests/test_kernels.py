@@ -110,7 +110,7 @@ def test_word_votes_on_packed_bits_match_reference(world):
             bits[:, :4] = torch.arange(world).unsqueeze(1) < world // 2
         packed = torch.stack([ref_pack(b, 1) for b in bits])
         count = bits.long().sum(0)
-        gt, eq = kernels.vote_bits(packed, world, 0)
+        gt, eq = kernels.vote_bits(packed, world)
         gt_b = ref_unpack(gt.view(torch.uint8)[: packed.shape[1]], n, 1)
         eq_b = ref_unpack(eq.view(torch.uint8)[: packed.shape[1]], n, 1)
         assert torch.equal(gt_b, (2 * count > world).long()) and torch.equal(eq_b, (2 * count == world).long())

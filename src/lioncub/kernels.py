@@ -185,7 +185,7 @@ def _spread(packed: Tensor) -> Tensor:
     return torch.index_select(_table(1, "lanes", str(packed.device)), 0, idx)
 
 
-def vote_bits(packed: Tensor, world: int, step: int) -> tuple[Tensor, Tensor]:
+def vote_bits(packed: Tensor, world: int) -> tuple[Tensor, Tensor]:
     """Per element of the P rows of packed sign bits: masks "2k > P" and "2k = P".
 
     Both are packed like the rows (int64 words; ``.view(torch.uint8)`` gives bytes,
@@ -222,7 +222,7 @@ def majority_bits(packed: Tensor, world: int, step: int) -> Tensor:
     """The 1-bit vote of the P rows, packed: 2k > P wins, ties follow the step parity.
 
     Returns uint8 of the rows' byte length (:func:`parity_bits` + :func:`pack_bytes`)."""
-    gt, eq = vote_bits(packed, world, step)
+    gt, eq = vote_bits(packed, world)
     if step % 2 == 0:
         gt |= eq
     m = packed.reshape(packed.shape[0], -1).shape[1] if packed.dim() > 1 else packed.numel()

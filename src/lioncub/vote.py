@@ -119,7 +119,7 @@ def _gather(c, world, step, group, stats):
     stats.t_quantize_pack += time.perf_counter() - t0
     everyone = comm.all_gather(packed, group, stats)  # (P, ceil(n/8))
     t0 = time.perf_counter()
-    gt, eq = kernels.vote_bits(everyone, world, step)  # packed masks 2k > P, 2k = P
+    gt, eq = kernels.vote_bits(everyone, world)  # packed masks 2k > P, 2k = P
     lt = gt | eq
     lt.bitwise_not_()  # 2k < P
     u = kernels.spread_votes(gt, lt, n, c.dtype)
