@@ -207,9 +207,11 @@ def _train_until_failure(rank, world, mode):
     # the process group's timeout bounds every collective; a sub-group carries its own
     group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
     model = _net()
+    dist.barrier()  # default group (long timeout): a slow spawn on a loaded host is not a stall
     opt = LionCub(model.parameters(), lr=0.01, vote="onebit", process_group=group)
     for step in range(6):
         _backward(model, rank, step)
+        dist.barrier()  # every rank enters the step together; only the injected failure is late
         if step == 3 and rank == 1:
             if mode == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
