@@ -41,8 +41,17 @@ class Adapter:
         loss.backward()
         return float(loss.detach())
 
-    def step(self, lr: float) -> bool:  # pragma: no cover - every method overrides it
-        raise NotImplementedError
+    def step(self, lr: float) -> bool:
+        """One optimizer step at ``lr``; True when the replicas agree afterwards.
+
+        The default serves methods that synchronise every step (``self.opt`` all-reduces or
+        votes inside backward/step); local methods override it.
+        """
+        set_lr(self.opt, lr)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.steps += 1
+        return True
 
 
 def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..distributed import LionCub
-from .base import Adapter, set_lr
+from .base import Adapter
 from .ddp import BETAS
 
 __all__ = ["CubMethod"]
@@ -27,10 +27,3 @@ class CubMethod(Adapter):
         self.opt = LionCub(module.parameters(), lr=lr, betas=BETAS, weight_decay=weight_decay, vote=vote,
                            overlap=overlap, bucket_mb=bucket_mb, process_group=group, model=module, **kw)
         self.name = f"lioncub-{vote}{bits if vote == 'pbit' else ''}" + ("-overlap" if overlap else "")
-
-    def step(self, lr: float) -> bool:
-        set_lr(self.opt, lr)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.steps += 1
-        return True

@@ -20,7 +20,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..lion import Lion
-from .base import Adapter, set_lr
+from .base import Adapter
 
 __all__ = ["DDPMethod", "adamw", "lion"]
 
@@ -42,13 +42,6 @@ class DDPMethod(Adapter):
 
     def forward_module(self) -> nn.Module:
         return self.ddp
-
-    def step(self, lr: float) -> bool:
-        set_lr(self.opt, lr)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.steps += 1
-        return True
 
 
 def _bf16_hook(process_group, bucket):
