@@ -20,6 +20,25 @@ def _lin():
     return torch.nn.Linear(3, 2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_grads_finite_matches_isfinite_at_every_position(dtype):
+    """The one-sync min/max check agrees with isfinite().all() for a NaN or ±Inf at any
+    position (vector bodies and tails), and huge finite values (whose sum overflows) pass."""
+    from lioncub.guard import grads_finite
+
+    big = torch.finfo(dtype).max
+    for n in (1, 7, 33, 1000):
+        p, q = torch.nn.Parameter(torch.zeros(n, dtype=dtype)), torch.nn.Parameter(torch.zeros(0, dtype=dtype))
+        p.grad = torch.full((n,), big, dtype=dtype)
+        q.grad = torch.zeros(0, dtype=dtype)
+        assert grads_finite([p, q, torch.nn.Parameter(torch.zeros(2))])  # huge, empty, grad None
+        for pos in range(n):
+            for bad in (math.nan, math.inf, -math.inf):
+                p.grad = torch.randn(n).to(dtype)
+                p.grad[pos] = bad
+                assert grads_finite([q, p]) is False, (n, pos, bad)
+
+
 # ----------------------------------------------------------------------------- validation, one process
 @pytest.mark.parametrize("kwargs, exc, match", [
     (dict(lr=-1.0), ValueError, r"lr must be >= 0"),
