@@ -118,6 +118,9 @@ def test_word_votes_on_packed_bits_match_reference(world):
         for dtype in (torch.int8, torch.float32, torch.bfloat16):
             u = kernels.spread_votes(gt, lt, n, dtype)
             assert u.dtype == dtype and torch.equal(u.long(), ref_decide(count, world, 0, "zero").long())
+            buf = torch.full((n + 3,), 7, dtype=dtype)  # out: a view into a larger buffer
+            assert kernels.spread_votes(gt, lt, n, dtype, out=buf[1:n + 1]).data_ptr() == buf[1:].data_ptr()
+            assert torch.equal(buf[1:n + 1], u) and buf[0] == 7 and buf[n + 1] == 7
         for step in (0, 1, 2, 3):
             voted = kernels.majority_bits(packed, world, step)
             assert voted.dtype == torch.uint8 and voted.numel() == packed.shape[1]
@@ -126,6 +129,9 @@ def test_word_votes_on_packed_bits_match_reference(world):
             for dtype in (torch.int8, torch.float32, torch.float64):
                 u = kernels.unpack_pm1(voted, n, dtype)
                 assert u.dtype == dtype and torch.equal(u.long(), want)
+                buf = torch.full((n + 2,), 7, dtype=dtype)
+                kernels.unpack_pm1(voted, n, dtype, out=buf[1:n + 1])
+                assert torch.equal(buf[1:n + 1], u) and buf[0] == 7 and buf[n + 1] == 7
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
@@ -140,6 +146,9 @@ def test_vote_lanes_matches_reference(bits):
             for dtype in (torch.int8, torch.float32):
                 u = kernels.vote_lanes(packed, n, bits, above, below, dtype)
                 assert u.dtype == dtype and torch.equal(u.long(), want), (n, above, below)
+                buf = torch.full((n + 2,), 7, dtype=dtype)
+                kernels.vote_lanes(packed, n, bits, above, below, dtype, out=buf[1:n + 1])
+                assert torch.equal(buf[1:n + 1], u) and buf[0] == 7 and buf[n + 1] == 7
 
 
 def test_count_bits_refuses_carry():

@@ -255,3 +255,22 @@ def test_sparse_grad_and_complex_param_raise():
         Lion(emb.parameters()).step()
     with pytest.raises(TypeError, match="complex|real"):
         Lion([torch.nn.Parameter(torch.ones(2, dtype=torch.complex64))])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_interpolate_into_out_equals_new_tensors(dtype):
+    """out= views of one flat fp32 buffer (what LionCub votes on) hold exactly the values
+    interpolate returns as new tensors cast to fp32, also for channels_last momenta."""
+    g = torch.Generator().manual_seed(3)
+    ms = [torch.randn(2, 3, 4, 5, generator=g).to(dtype).to(memory_format=torch.channels_last),
+          torch.randn(7, generator=g).to(dtype), torch.zeros(0, dtype=dtype)]
+    gs = [torch.randn(m.shape, generator=g).to(dtype) for m in ms]
+    for maximize in (False, True):
+        want = interpolate(ms, gs, 0.9, maximize=maximize, foreach=True)
+        flat = torch.full((sum(m.numel() for m in ms),), float("nan"))
+        outs = list(flat.split([m.numel() for m in ms]))
+        got = interpolate(ms, gs, 0.9, maximize=maximize, out=outs)
+        assert got is outs
+        assert torch.equal(flat, torch.cat([w.reshape(-1).float() for w in want]))
+    with pytest.raises(ValueError, match="out tensors must be contiguous"):
+        interpolate(ms[1:2], gs[1:2], 0.9, out=[torch.zeros(6)])

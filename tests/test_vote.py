@@ -53,6 +53,10 @@ def _check_all(rank, world):
                                      step=step, generators=gens)
                 assert u.shape == cs[rank].shape and u.dtype == cs[rank].dtype
                 assert torch.equal(u, ref), (method, bits, quantizer, n, step)
+                c = cs[rank].clone()  # out=c: u written over c itself (what LionCub does)
+                same = majority_vote(c, method=method, bits=bits, quantizer=quantizer, step=step,
+                                     generator=torch.Generator().manual_seed(7 + rank), out=c)
+                assert same is c and torch.equal(c, ref), ("out=c", method, bits, quantizer, n, step)
                 checked += 1
     return checked
 
@@ -61,6 +65,13 @@ def _check_all(rank, world):
 def test_every_method_matches_reference(world):
     counts = run_workers(_check_all, world)
     assert counts[0] > 0 and len(set(counts)) == 1
+
+
+def test_out_must_match_c():
+    c = torch.zeros(4)
+    for bad in (torch.zeros(5), torch.zeros(4, dtype=torch.float64), torch.zeros(8)[::2]):
+        with pytest.raises(ValueError, match="out must be a contiguous tensor of c's shape"):
+            majority_vote(c, method="onebit", out=bad)
 
 
 def test_reference_semantics_by_hand():

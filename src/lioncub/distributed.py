@@ -171,6 +171,7 @@ class LionCub(torch.optim.Optimizer):
         self.last_step_stats = CommStats()
         self._buckets = self._make_buckets()
         self._driver = None  # set by lioncub.overlap (overlap=True) or lioncub.ddp_hook
+        self._scratch: dict = {}  # flat bucket buffers kept between steps (see _buffer)
         self.vote_requested = vote
         if vote == "auto":
             self.vote, self.bits = self._choose_vote(alpha, beta, gamma)
@@ -341,40 +342,53 @@ class LionCub(torch.optim.Optimizer):
                 runs.append((g, [k]))
         return runs
 
+    def _buffer(self, key, n: int, dtype: torch.dtype, device) -> Tensor:
+        """A flat tensor of ``n`` elements under ``key``, kept between steps.
+
+        Buckets are tens of MB: a fresh allocation per step costs page faults that took
+        longer than the arithmetic on CPU. Without a driver all buckets share one buffer
+        (votes run one after another); with overlap / the DDP hook each bucket has its own
+        (several are in flight at once). Memory: one fp32 copy of the largest bucket, or
+        of all buckets with a driver — what DDP keeps for its own buckets."""
+        buf = self._scratch.get(key)
+        if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != device:
+            buf = self._scratch[key] = torch.empty(n, dtype=dtype, device=device)
+        return buf[:n]
+
     def _step_bucket(self, entries: list[tuple[dict, Tensor]], stats: CommStats) -> None:
         if self.vote == "grad":
             params = [p for _, p in entries]
             return self._step_grad(params, self._grads(params), [self._init_state(p) for p in params],
                                    self._by_group(entries), stats)
-        flat = self._bucket_c(entries, stats)
+        flat = self._bucket_c(entries, stats, key="c")
         self._apply_bucket(entries, self._vote_flat(flat, self.steps, stats), stats)
 
     # The three pieces of a voted bucket; lioncub.overlap drives them from backward hooks.
-    def _bucket_c(self, entries: list[tuple[dict, Tensor]], stats: CommStats) -> Tensor:
-        """Flat fp32 ``c = β1·m + (1-β1)·g`` of a bucket's params (missing grads as zeros)."""
+    def _bucket_c(self, entries: list[tuple[dict, Tensor]], stats: CommStats, key) -> Tensor:
+        """Flat fp32 ``c = β1·m + (1-β1)·g`` of a bucket's params (missing grads as zeros),
+        written into the scratch buffer ``key`` (valid until that key is used again)."""
         params = [p for _, p in entries]
         grads = self._grads(params)
         exp_avgs = [self._init_state(p) for p in params]
         t0 = time.perf_counter()
-        cs: list[Tensor] = [None] * len(params)  # type: ignore[list-item]
+        sizes = [p.numel() for p in params]
+        flat = self._buffer(key, sum(sizes), torch.float32, params[0].device if params else None)
+        views = flat.split(sizes)
         for g, ks in self._by_group(entries):
-            out = interpolate([exp_avgs[k] for k in ks], [grads[k] for k in ks], g["betas"][0],
-                              maximize=g["maximize"], foreach=True)
-            for k, c in zip(ks, out):
-                cs[k] = c
+            interpolate([exp_avgs[k] for k in ks], [grads[k] for k in ks], g["betas"][0],
+                        maximize=g["maximize"], out=[views[k] for k in ks])
         stats.t_apply += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        flat = torch.cat([c.reshape(-1).float() for c in cs])
-        stats.t_quantize_pack += time.perf_counter() - t0
         return flat
 
     def _vote_flat(self, flat: Tensor, step: int, stats: CommStats, group=None) -> Tensor:
-        """u = sign(Σ_i q(c_i)) for one bucket (collective; sign(c) alone on one rank).
-        ``group``: the same ranks on another process group (the overlap thread's own)."""
+        """u = sign(Σ_i q(c_i)) for one bucket, written over ``flat`` (collective; sign(c)
+        alone on one rank). ``group``: the same ranks on another process group (the overlap
+        thread's own)."""
         if self.world_size == 1:  # no one to vote with: this is Lion
             return flat.sign_()
         return majority_vote(flat, method=self.vote, bits=self.bits, quantizer=self.quantizer, step=step,
-                             group=self.group if group is None else group, stats=stats, generator=self.generator)
+                             group=self.group if group is None else group, stats=stats, generator=self.generator,
+                             out=flat)
 
     def _apply_bucket(self, entries: list[tuple[dict, Tensor]], u: Tensor, stats: CommStats) -> None:
         """θ ← θ(1-ηλ) - η·u and m ← β2·m + (1-β2)·g for a bucket, from its flat vote ``u``."""
@@ -393,7 +407,10 @@ class LionCub(torch.optim.Optimizer):
         """Baseline: average gradients in ``grad_dtype`` with one all-reduce, then plain Lion."""
         if self.world_size > 1:
             t0 = time.perf_counter()
-            flat = torch.cat([g.reshape(-1).to(GRAD_DTYPES[self.grad_dtype]) for g in grads])
+            sizes = [g.numel() for g in grads]
+            flat = self._buffer("grad", sum(sizes), GRAD_DTYPES[self.grad_dtype], grads[0].device)
+            for piece, g in zip(flat.split(sizes), grads):
+                piece.view(g.shape).copy_(g)  # one pass, casting to the wire dtype
             stats.t_quantize_pack += time.perf_counter() - t0
             comm.all_reduce(flat, self.group, stats)
             t0 = time.perf_counter()

@@ -143,17 +143,26 @@ def unpack_bytes(packed: Tensor, n: int, bits: int) -> Tensor:
     return words.view(torch.uint8)[:n]
 
 
-def unpack_pm1(packed: Tensor, n: int, dtype: torch.dtype = torch.int8) -> Tensor:
+def unpack_pm1(packed: Tensor, n: int, dtype: torch.dtype = torch.int8, out: Tensor | None = None) -> Tensor:
     """Sign bits as ±1 of ``dtype`` (bit 1 → +1, bit 0 → −1): the voted 1-bit result.
 
     int8 by word arithmetic; floating dtypes by one lookup of 8 values per packed
-    byte (no int8 temporary, no second conversion pass)."""
+    byte (no int8 temporary, no second conversion pass). ``out``: a flat tensor of
+    ``n`` elements of ``dtype`` to write into (no allocation of the result)."""
     flat = packed.reshape(-1)
     if dtype == torch.int8:
         idx = flat.to(torch.int32)
-        return torch.index_select(_table(1, "pm1", str(packed.device)), 0, idx).view(torch.int8)[:n]
+        u = torch.index_select(_table(1, "pm1", str(packed.device)), 0, idx).view(torch.int8)[:n]
+        return u if out is None else out.copy_(u)
     table = _float_table(dtype, str(packed.device))
-    return torch.nn.functional.embedding(flat.to(torch.int64), table).reshape(-1)[:n]
+    if out is None:
+        return torch.nn.functional.embedding(flat.to(torch.int64), table).reshape(-1)[:n]
+    whole = n // 8  # bytes whose 8 elements all fit in out
+    idx = flat[:-(-n // 8)].to(torch.int64)
+    torch.index_select(table, 0, idx[:whole], out=out[:whole * 8].view(whole, 8))
+    if n % 8:
+        out[whole * 8:] = table[idx[whole]][:n % 8]
+    return out
 
 
 # ----------------------------------------------------------------------------- word (SWAR) votes
@@ -229,23 +238,32 @@ def majority_bits(packed: Tensor, world: int, step: int) -> Tensor:
     return gt.view(torch.uint8)[:m]
 
 
-def spread_votes(pos: Tensor, neg: Tensor, n: int, dtype: torch.dtype = torch.int8) -> Tensor:
-    """``u = pos − neg`` per element from packed masks (never both set) as ``dtype``."""
-    u = _spread(neg.view(torch.uint8))
-    u *= 0xFF  # 0/1 → 0x00/0xFF (−1)
-    u |= _spread(pos.view(torch.uint8))
-    u8 = u.view(torch.int8)[:n]
+def _as_dtype(u8: Tensor, dtype: torch.dtype, out: Tensor | None) -> Tensor:
+    """int8 votes as ``dtype``, written into ``out`` when given."""
+    if out is not None:
+        return out.copy_(u8)
     return u8 if dtype == torch.int8 else u8.to(dtype)
 
 
+def spread_votes(pos: Tensor, neg: Tensor, n: int, dtype: torch.dtype = torch.int8,
+                 out: Tensor | None = None) -> Tensor:
+    """``u = pos − neg`` per element from packed masks (never both set) as ``dtype``
+    (into ``out``, ``n`` elements, when given)."""
+    u = _spread(neg.view(torch.uint8))
+    u *= 0xFF  # 0/1 → 0x00/0xFF (−1)
+    u |= _spread(pos.view(torch.uint8))
+    return _as_dtype(u.view(torch.int8)[:n], dtype, out)
+
+
 def vote_lanes(packed: Tensor, n: int, bits: int, above: int, below: int,
-               dtype: torch.dtype = torch.int8) -> Tensor:
-    """``u = (k > above) − (k < below)`` for the ``bits``-wide lane values ``k`` of ``packed``.
+               dtype: torch.dtype = torch.int8, out: Tensor | None = None) -> Tensor:
+    """``u = (k > above) − (k < below)`` for the ``bits``-wide lane values ``k`` of ``packed``
+    (into ``out``, ``n`` elements of ``dtype``, when given).
 
     Word arithmetic for 2- and 4-bit lanes (lane values ≤ 15); 8-bit lanes compare bytes."""
     if bits == 8:
         k = packed.reshape(-1)[:n]
-        return ((k > above).view(torch.int8) - (k < below).view(torch.int8)).to(dtype)
+        return _as_dtype((k > above).view(torch.int8) - (k < below).view(torch.int8), dtype, out)
     flat = packed.reshape(-1)
     x = torch.zeros(-(-flat.numel() // (bits * 2)) * bits * 2, dtype=_WORD[bits], device=packed.device)
     x[:flat.numel()] = flat  # one word per packed byte (8/bits bytes), whole int64 words in all
@@ -269,8 +287,7 @@ def vote_lanes(packed: Tensor, n: int, bits: int, above: int, below: int,
     words ^= _ONES  # k < below
     words *= 0xFF
     words |= pos
-    u8 = words.view(torch.int8)[:n]
-    return u8 if dtype == torch.int8 else u8.to(dtype)
+    return _as_dtype(words.view(torch.int8)[:n], dtype, out)
 
 
 def count_bits(packed: Tensor, n: int) -> Tensor:

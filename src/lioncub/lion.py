@@ -62,13 +62,28 @@ def interpolate(
     *,
     maximize: bool = False,
     foreach: bool = False,
+    out: Optional[list[Tensor]] = None,
 ) -> list[Tensor]:
     """Return ``c = beta1*m + (1-beta1)*g`` per tensor (``g`` negated if ``maximize``).
 
-    The results are new tensors; ``exp_avgs`` and ``grads`` are left untouched.
+    The results are new tensors, or ``out`` (contiguous tensors of the same numel,
+    e.g. views of one flat buffer) written in place and returned: computed in ``m``'s
+    dtype, so the values are the same either way. ``exp_avgs`` and ``grads`` are left
+    untouched.
     """
     _check_lengths(exp_avgs=exp_avgs, grads=grads)
     alpha = -(1.0 - beta1) if maximize else 1.0 - beta1  # -(a)·g == a·(-g) exactly
+    if out is not None:
+        _check_lengths(exp_avgs=exp_avgs, out=out)
+        for m, g, o in zip(exp_avgs, grads, out):
+            if o.numel() != m.numel() or not o.is_contiguous():
+                raise ValueError(f"out tensors must be contiguous with the momenta's numel, got {tuple(o.shape)} "
+                                 f"for a momentum of shape {tuple(m.shape)}")
+            if o.dtype == m.dtype:
+                torch.mul(m, beta1, out=o.view(m.shape)).add_(g, alpha=alpha)
+            else:  # same arithmetic as without out, then cast
+                o.view(m.shape).copy_(torch.mul(m, beta1).add_(g, alpha=alpha))
+        return out
     if not foreach:
         return [torch.mul(m, beta1).add_(g, alpha=alpha) for m, g in zip(exp_avgs, grads)]
     out: list[Optional[Tensor]] = [None] * len(exp_avgs)

@@ -124,7 +124,7 @@ class VoteDriver:
         entries = [self._entries[i] for i in idx]
         stats = CommStats()
         with torch.no_grad():
-            flat = opt._bucket_c(entries, stats)
+            flat = opt._bucket_c(entries, stats, key=("launch", len(self._pending)))  # one buffer per in-flight vote
         step = opt.steps
 
         def vote():
@@ -183,6 +183,7 @@ class VoteDriver:
             self.discard()
         if self.opt._driver is self:
             self.opt._driver = None
+            self.opt._scratch.clear()  # the per-launch buffers; step() makes its own again
         self._thread.close()
 
     @property

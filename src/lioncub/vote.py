@@ -101,18 +101,20 @@ def _encode_pbit(c: Tensor, world: int, step: int, levels: int | None, quantizer
 
 
 # ----------------------------------------------------------------------------- methods
-def _sign_allreduce(c, world, step, group, stats):
+def _sign_allreduce(c, world, step, group, stats, out):
     t0 = time.perf_counter()
     s = torch.sign(c).to(torch.int8)
     stats.t_quantize_pack += time.perf_counter() - t0
     comm.all_reduce(s, group, stats)
     t0 = time.perf_counter()
-    u = torch.sign(s)
+    u = s.sign_()
+    if out is not None:
+        u = out.copy_(u)
     stats.t_unpack_vote += time.perf_counter() - t0
     return u
 
 
-def _gather(c, world, step, group, stats):
+def _gather(c, world, step, group, stats, out):
     n = c.numel()
     t0 = time.perf_counter()
     packed = kernels.pack_bytes(kernels.sign_bits(c, step), n, 1)
@@ -122,12 +124,12 @@ def _gather(c, world, step, group, stats):
     gt, eq = kernels.vote_bits(everyone, world)  # packed masks 2k > P, 2k = P
     lt = gt | eq
     lt.bitwise_not_()  # 2k < P
-    u = kernels.spread_votes(gt, lt, n, c.dtype)
+    u = kernels.spread_votes(gt, lt, n, c.dtype, out=out)
     stats.t_unpack_vote += time.perf_counter() - t0
     return u
 
 
-def _onebit(c, world, step, group, stats):
+def _onebit(c, world, step, group, stats, out):
     n = c.numel()
     chunk = -(-n // (8 * world)) * 8  # elements per rank's chunk, a multiple of 8
     t0 = time.perf_counter()
@@ -140,12 +142,12 @@ def _onebit(c, world, step, group, stats):
     stats.t_unpack_vote += time.perf_counter() - t0
     everyone = comm.all_gather(voted, group, stats)  # (P, chunk/8)
     t0 = time.perf_counter()
-    u = kernels.unpack_pm1(everyone, n, c.dtype)  # straight into c's dtype
+    u = kernels.unpack_pm1(everyone, n, c.dtype, out=out)  # straight into c's dtype
     stats.t_unpack_vote += time.perf_counter() - t0
     return u
 
 
-def _pbit(c, world, step, group, stats, bits, quantizer, generator):
+def _pbit(c, world, step, group, stats, out, bits, quantizer, generator):
     n = c.numel()
     w, levels = pbit_levels(world, bits, quantizer)
     t0 = time.perf_counter()
@@ -157,7 +159,7 @@ def _pbit(c, world, step, group, stats, bits, quantizer, generator):
     # lane sums k (no lane exceeds 2**w - 1): binary u = (2k > P) - (2k < P);
     # quantized u = sign(k - P·s), P·s <= 127
     above, below = (world // 2, (world + 1) // 2) if levels is None else (world * levels,) * 2
-    u = kernels.vote_lanes(packed, n, w, above, below, c.dtype)
+    u = kernels.vote_lanes(packed, n, w, above, below, c.dtype, out=out)
     stats.t_unpack_vote += time.perf_counter() - t0
     return u
 
@@ -172,6 +174,7 @@ def majority_vote(
     group=None,
     stats: CommStats | None = None,
     generator: torch.Generator | None = None,
+    out: Tensor | None = None,
 ) -> Tensor:
     """Agree on ``u = sign(Σ_i q(c_i))`` across the ranks of ``group``.
 
@@ -179,7 +182,9 @@ def majority_vote(
     and dtype as ``c``, values in {-1, 0, +1}). ``step`` sets the tie/zero parity of
     the 1-bit paths; ``bits``/``quantizer`` configure ``pbit`` (see
     :func:`pbit_levels`); ``generator`` seeds stochastic quantizers (``linf``);
-    ``stats`` accumulates bytes and time. Collective: all ranks must call it.
+    ``stats`` accumulates bytes and time; ``out`` (a contiguous tensor of ``c``'s
+    shape and dtype, ``c`` itself allowed) receives ``u`` instead of a new tensor.
+    Collective: all ranks must call it.
 
     Example (under ``torchrun --nproc-per-node 4``)::
 
@@ -191,24 +196,28 @@ def majority_vote(
         raise TypeError(f"c must be a floating-point tensor, got {c.dtype}")
     if quantizer is not None and method != "pbit":
         raise ValueError(f"quantizer is only used by method='pbit', got method={method!r}")
+    if out is not None and (out.shape != c.shape or out.dtype != c.dtype or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous tensor of c's shape {tuple(c.shape)} and dtype {c.dtype}, "
+                         f"got shape {tuple(out.shape)}, dtype {out.dtype}, contiguous={out.is_contiguous()}")
     world = dist.get_world_size(group)
     if method == "sign_allreduce" and world > 127:
         raise ValueError(f"method='sign_allreduce' sums int8 signs and needs world size <= 127, got {world}")
     stats = CommStats() if stats is None else stats
     flat = c.detach().reshape(-1)
+    out_flat = None if out is None else out.view(-1)
     if method == "pbit":
         pbit_levels(world, bits, quantizer)  # validate before the empty short-cut
     if flat.numel() == 0:
-        return torch.zeros_like(c)
+        return torch.zeros_like(c) if out is None else out
     if method == "sign_allreduce":
-        u = _sign_allreduce(flat, world, step, group, stats)
+        u = _sign_allreduce(flat, world, step, group, stats, out_flat)
     elif method == "gather":
-        u = _gather(flat, world, step, group, stats)
+        u = _gather(flat, world, step, group, stats, out_flat)
     elif method == "onebit":
-        u = _onebit(flat, world, step, group, stats)
+        u = _onebit(flat, world, step, group, stats, out_flat)
     else:
-        u = _pbit(flat, world, step, group, stats, bits, quantizer, generator)
-    return u.view(c.shape).to(c.dtype)
+        u = _pbit(flat, world, step, group, stats, out_flat, bits, quantizer, generator)
+    return out if out is not None else u.view(c.shape).to(c.dtype)
 
 
 def reference_vote(
