@@ -89,8 +89,9 @@ def worker(args, out_dir: str) -> None:
                 dist.broadcast(p.data, 0)
             opt, sizes = torch.optim.AdamW(params, lr=1e-4), [sum(p.numel() for p in params)]
         else:
-            opt = LionCub(params, lr=1e-4, **kw)
-            sizes = [sum(params[i].numel() for i in idx) for idx in opt._buckets]
+            opt = LionCub(params, lr=1e-4, bucket_mb=args.bucket_mb, **kw)
+            sizes = ([sum(params[i].numel() for i in idx) for idx in opt._buckets] if kw["vote"] == "grad"
+                     else opt.message_elements())  # votes: buckets travel together, in messages
         steps = []
         for i in range(args.warmup + args.steps):
             dist.barrier()
@@ -230,7 +231,8 @@ def plot(results: list[dict], path: str) -> None:
 
 def _pass_through(args) -> list[str]:
     return ["--steps", str(args.steps), "--warmup", str(args.warmup), "--layers", str(args.layers),
-            "--embd", str(args.embd), "--vocab", str(args.vocab), "--tokens", str(args.tokens)]
+            "--embd", str(args.embd), "--vocab", str(args.vocab), "--tokens", str(args.tokens),
+            "--bucket-mb", str(args.bucket_mb)]
 
 
 def main(argv=None) -> int:
@@ -243,6 +245,7 @@ def main(argv=None) -> int:
     ap.add_argument("--embd", type=int, default=576)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--tokens", type=int, default=16, help="tokens per worker per step (batch 1)")
+    ap.add_argument("--bucket-mb", type=float, default=25.0, help="LionCub bucket_mb")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "step_time.json"))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out-dir", help=argparse.SUPPRESS)

@@ -78,10 +78,9 @@ def _votes_and_replicas(rank, world):
                 for other in _all(p.detach()):
                     assert torch.equal(other, p.detach()), cfg
         n = sum(p.numel() for p in params)
-        expect = sum(predicted_bytes(cfg["vote"], sum(params_[i].numel() for i in b), world,
-                                     bits=cfg.get("bits"), quantizer=cfg.get("quantizer"))["bytes_sent"]
-                     for params_ in [[p for g in opt.param_groups for p in g["params"]]]
-                     for b in opt._buckets)
+        assert len(opt.messages()) == 1  # several buckets, one exchange
+        expect = sum(predicted_bytes(cfg["vote"], n, world, bits=cfg.get("bits"),
+                                     quantizer=cfg.get("quantizer"))["bytes_sent"] for n in opt.message_elements())
         mask_bytes = 2 * (world - 1) / world * (len(params) + 1)  # has-grad mask + nonfinite flag
         assert stats.bytes_sent == pytest.approx(expect + mask_bytes), cfg
         report[cfg["vote"] + str(cfg.get("quantizer"))] = (n, stats.bytes_sent, stats.n_collectives)
@@ -92,6 +91,35 @@ def _votes_and_replicas(rank, world):
 def test_votes_match_reference_and_replicas_stay_identical(world):
     reports = run_workers(_votes_and_replicas, world)
     assert all(r == reports[0] for r in reports)
+
+
+def _message_sizes(rank, world):
+    """The same run with every bucket in one message, one message per bucket, and a
+    per-element vote without messages (overlap: each bucket voted alone)."""
+    out = {}
+    for cfg in VOTES:
+        finals, counts = [], []
+        for kw in (dict(message_mb=25.0), dict(message_mb=1e-6), dict(overlap=True)):
+            model = _model(seed=0)
+            opt = LionCub(model.parameters(), lr=0.01, weight_decay=0.1, bucket_mb=60 * 4 / 2**20, **cfg, **kw)
+            for step in range(4):
+                _grads_for(model, rank, step)
+                opt.step()
+            finals.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+            counts.append(opt.last_step_stats.n_collectives)
+            if not kw.get("overlap"):
+                assert len(opt.messages()) == (1 if kw["message_mb"] > 1 else len(opt._buckets))
+            opt.remove_hooks()
+        out[str(cfg)] = (finals, counts)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_messages_of_several_buckets_change_nothing_but_collectives(world):
+    for cfg, (finals, counts) in run_workers(_message_sizes, world)[0].items():
+        # quantized pbit normalises per bucket (its part), wherever the part travels
+        assert torch.equal(finals[0], finals[1]) and torch.equal(finals[0], finals[2]), cfg
+        assert counts[0] < counts[1] == counts[2], (cfg, counts)
 
 
 def _grad_baseline(rank, world):
@@ -204,6 +232,7 @@ def test_world_size_one_is_lion(dtype):
     (dict(quantizer="l2"), "quantizer must be None or one of"),
     (dict(bits=3), "bits must be None or one of"),
     (dict(bucket_mb=0), "bucket_mb must be a number > 0"),
+    (dict(message_mb=-1.0), "message_mb must be a number > 0"),
     (dict(lr=-1.0), "lr must be >= 0"),
 ])
 def test_bad_arguments_are_named(kwargs, match):

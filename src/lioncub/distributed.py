@@ -47,7 +47,7 @@ from . import auto, comm, cost, guard, momentum, resume
 from .comm import CommStats
 from .lion import _validate_hyperparameters, apply_update_, interpolate, lion
 from .quantize import QUANTIZERS
-from .vote import VOTE_METHODS, majority_vote, pbit_levels
+from .vote import VOTE_METHODS, VoteCodec, majority_vote, pbit_levels
 
 __all__ = ["LionCub", "OPTIMIZER_VOTES", "GRAD_DTYPES"]
 
@@ -83,7 +83,11 @@ class LionCub(torch.optim.Optimizer):
             or one of ``'sign', 'l1', 'lp', 'l0', 'linf', 'log'``.
         grad_dtype: ``vote='grad'`` only: ``'fp32'`` or ``'bf16'`` all-reduce.
         process_group: the data-parallel group (default: the world).
-        bucket_mb: bucket size in MiB of fp32 elements.
+        bucket_mb: bucket size in MiB of fp32 elements (the scratch ``c`` is one bucket).
+        message_mb: without overlap, the buckets' votes travel together, in messages of
+            at most this many MiB on the wire (one exchange per message: 1-bit votes of a
+            100M-parameter model are one 12 MiB message); with overlap each bucket is its
+            own message, launched during backward.
         maximize: maximise the objective.
         seed: seeds the stochastic quantizer's generator (``seed + rank``).
         momentum_sync: which momenta to average across ranks every ``sync_every``
@@ -118,6 +122,7 @@ class LionCub(torch.optim.Optimizer):
         grad_dtype: str = "fp32",
         process_group=None,
         bucket_mb: float = 25.0,
+        message_mb: float = 25.0,
         overlap: bool = False,
         maximize: bool = False,
         seed: int = 0,
@@ -140,8 +145,9 @@ class LionCub(torch.optim.Optimizer):
             raise ValueError(f"quantizer must be None or one of {QUANTIZERS}, got {quantizer!r}")
         if vote != "pbit" and (bits is not None or quantizer is not None):
             raise ValueError(f"bits and quantizer apply to vote='pbit' only, got vote={vote!r}")
-        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
-            raise ValueError(f"bucket_mb must be a number > 0, got {bucket_mb!r}")
+        for name, mb in (("bucket_mb", bucket_mb), ("message_mb", message_mb)):
+            if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not mb > 0:
+                raise ValueError(f"{name} must be a number > 0, got {mb!r}")
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
         if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 0:
@@ -161,6 +167,7 @@ class LionCub(torch.optim.Optimizer):
             raise ValueError(f"vote='sign_allreduce' needs world size <= 127, got {self.world_size}")
         self.vote, self.bits, self.quantizer, self.grad_dtype = vote, bits, quantizer, grad_dtype
         self.group, self.bucket_mb, self.seed = process_group, float(bucket_mb), seed
+        self.message_mb = float(message_mb)
         self.nonfinite, self.check_every = nonfinite, check_every
         self.skipped_steps = 0  # steps skipped by nonfinite='skip_step' (all ranks agree)
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize)
@@ -314,10 +321,13 @@ class LionCub(torch.optim.Optimizer):
         if driver is not None:
             driver.apply(active, stats)
         else:
-            for idx in self._buckets:
-                idx = [i for i in idx if active[i]]
-                if idx:
-                    self._step_bucket([entries[i] for i in idx], stats)
+            parts = [[entries[i] for i in idx if active[i]] for idx in self._buckets]
+            parts = [part for part in parts if part]
+            if self.vote == "grad":
+                for part in parts:
+                    self._step_bucket(part, stats)
+            else:
+                self._step_messages(parts, stats)
         self.steps += 1
         self.momentum_sync.after_step(self, stats)
         if self.check_every and self.steps % self.check_every == 0:
@@ -356,12 +366,71 @@ class LionCub(torch.optim.Optimizer):
         return buf[:n]
 
     def _step_bucket(self, entries: list[tuple[dict, Tensor]], stats: CommStats) -> None:
-        if self.vote == "grad":
-            params = [p for _, p in entries]
-            return self._step_grad(params, self._grads(params), [self._init_state(p) for p in params],
-                                   self._by_group(entries), stats)
-        flat = self._bucket_c(entries, stats, key="c")
-        self._apply_bucket(entries, self._vote_flat(flat, self.steps, stats), stats)
+        params = [p for _, p in entries]
+        self._step_grad(params, self._grads(params), [self._init_state(p) for p in params],
+                        self._by_group(entries), stats)
+
+    def _codec(self) -> VoteCodec:
+        return VoteCodec(self.vote, self.world_size, self.bits, self.quantizer)
+
+    def messages(self, parts: Optional[list[list[int]]] = None) -> list[list[int]]:
+        """How the buckets travel without overlap: consecutive buckets (indices into
+        ``_buckets``, or into ``parts`` when given: lists of parameter indices) grouped
+        into messages of at most ``message_mb`` MiB on the wire, at least one bucket each."""
+        params = self._params()
+        sizes = [sum(params[i][1].numel() for i in idx) for idx in (self._buckets if parts is None else parts)]
+        codec, cap = self._codec(), self.message_mb * 2**20
+        out: list[list[int]] = []
+        total = 0
+        for b, n in enumerate(sizes):
+            nb = codec.part_nbytes(n)
+            if out and total + nb <= cap:
+                out[-1].append(b)
+                total += nb
+            else:
+                out.append([b])
+                total = nb
+        return out
+
+    def message_elements(self) -> list[int]:
+        """Per message (all parameters active), the element count whose single vote moves
+        the same bytes: what :func:`lioncub.cost.predicted_bytes` takes."""
+        params, codec = self._params(), self._codec()
+        nbytes = [sum(codec.part_nbytes(sum(params[i][1].numel() for i in self._buckets[b])) for b in msg)
+                  for msg in self.messages()]
+        return [codec.elements(m) for m in nbytes]
+
+    def _step_messages(self, parts: list[list[tuple[dict, Tensor]]], stats: CommStats) -> None:
+        """Vote and apply every part (bucket), several buckets per exchange."""
+        if self.world_size == 1:  # no one to vote with: this is Lion
+            for part in parts:
+                self._apply_bucket(part, self._bucket_c(part, stats, key="c").sign_(), stats)
+            return
+        codec = self._codec()
+        params = self._params()
+        index = {id(p): i for i, (_, p) in enumerate(params)}
+        for msg in self.messages([[index[id(p)] for _, p in part] for part in parts]):
+            sizes = [sum(p.numel() for _, p in parts[b]) for b in msg]
+            nbs = [codec.part_nbytes(n) for n in sizes]
+            m = sum(nbs)
+            device = parts[msg[0]][0][1].device
+            buf = self._buffer("msg", codec.message_nbytes(m), torch.uint8, device)
+            buf[m:].zero_()
+            offset = 0
+            for b, nb in zip(msg, nbs):
+                c = self._bucket_c(parts[b], stats, key="c")
+                t0 = time.perf_counter()
+                codec.encode(c, buf[offset:offset + nb], self.steps, self.generator)
+                stats.t_quantize_pack += time.perf_counter() - t0
+                offset += nb
+            voted = codec.exchange(buf, m, self.steps, self.group, stats)
+            offset = 0
+            for b, n, nb in zip(msg, sizes, nbs):
+                t0 = time.perf_counter()
+                u = codec.decode(voted, offset, n, self._buffer("c", n, torch.float32, device))
+                stats.t_unpack_vote += time.perf_counter() - t0
+                self._apply_bucket(parts[b], u, stats)
+                offset += nb
 
     # The three pieces of a voted bucket; lioncub.overlap drives them from backward hooks.
     def _bucket_c(self, entries: list[tuple[dict, Tensor]], stats: CommStats, key) -> Tensor:

@@ -35,7 +35,7 @@ from . import comm, kernels, packing
 from .comm import CommStats
 from .quantize import QUANTIZERS, quantize
 
-__all__ = ["VOTE_METHODS", "majority_vote", "reference_vote", "pbit_levels"]
+__all__ = ["VOTE_METHODS", "VoteCodec", "majority_vote", "reference_vote", "pbit_levels"]
 
 VOTE_METHODS = ("sign_allreduce", "gather", "onebit", "pbit")
 
@@ -100,68 +100,113 @@ def _encode_pbit(c: Tensor, world: int, step: int, levels: int | None, quantizer
     return q.view(torch.uint8) + levels  # q + s in [0, 2s]: exact modulo 256
 
 
-# ----------------------------------------------------------------------------- methods
-def _sign_allreduce(c, world, step, group, stats, out):
-    t0 = time.perf_counter()
-    s = torch.sign(c).to(torch.int8)
-    stats.t_quantize_pack += time.perf_counter() - t0
-    comm.all_reduce(s, group, stats)
-    t0 = time.perf_counter()
-    u = s.sign_()
-    if out is not None:
-        u = out.copy_(u)
-    stats.t_unpack_vote += time.perf_counter() - t0
-    return u
+# ----------------------------------------------------------------------------- messages
+class VoteCodec:
+    """One vote method for one world size, split into the three stages a message needs.
 
+    A *message* is the bytes one exchange moves: the concatenated *parts* of several
+    tensors (:class:`~lioncub.LionCub` packs all the buckets of a step into as few
+    messages as its ``message_mb`` allows, so the ranks meet once per message rather
+    than once per bucket)::
 
-def _gather(c, world, step, group, stats, out):
-    n = c.numel()
-    t0 = time.perf_counter()
-    packed = kernels.pack_bytes(kernels.sign_bits(c, step), n, 1)
-    stats.t_quantize_pack += time.perf_counter() - t0
-    everyone = comm.all_gather(packed, group, stats)  # (P, ceil(n/8))
-    t0 = time.perf_counter()
-    gt, eq = kernels.vote_bits(everyone, world)  # packed masks 2k > P, 2k = P
-    lt = gt | eq
-    lt.bitwise_not_()  # 2k < P
-    u = kernels.spread_votes(gt, lt, n, c.dtype, out=out)
-    stats.t_unpack_vote += time.perf_counter() - t0
-    return u
+        encode(c_1 → part 1) … encode(c_k → part k)    local, per part
+        exchange(message)                               the collective(s), once
+        decode(part i → u_i)                            local, per part
 
+    A part takes :meth:`part_nbytes` bytes: ``n`` int8 signs, ``⌈n/8⌉`` bytes of sign
+    bits, or ``⌈n·w/8⌉`` bytes of ``w``-bit lanes. Votes are per element, so where a
+    part sits in the message does not change it: one part alone is
+    :func:`majority_vote`, element for element.
+    """
 
-def _onebit(c, world, step, group, stats, out):
-    n = c.numel()
-    chunk = -(-n // (8 * world)) * 8  # elements per rank's chunk, a multiple of 8
-    t0 = time.perf_counter()
-    # (P * chunk/8,): rank j's chunk at [j*chunk/8 : ...]
-    packed = kernels.pack_bytes(kernels.sign_bits(c, step, length=chunk * world), chunk * world, 1)
-    stats.t_quantize_pack += time.perf_counter() - t0
-    mine = comm.all_to_all(packed, group, stats)  # (P * chunk/8,): every rank's bits of my chunk
-    t0 = time.perf_counter()
-    voted = kernels.majority_bits(mine.view(world, -1), world, step)  # on packed words
-    stats.t_unpack_vote += time.perf_counter() - t0
-    everyone = comm.all_gather(voted, group, stats)  # (P, chunk/8)
-    t0 = time.perf_counter()
-    u = kernels.unpack_pm1(everyone, n, c.dtype, out=out)  # straight into c's dtype
-    stats.t_unpack_vote += time.perf_counter() - t0
-    return u
+    def __init__(self, method: str, world: int, bits: int | None = None, quantizer: str | None = None):
+        if method not in VOTE_METHODS:
+            raise ValueError(f"method must be one of {VOTE_METHODS}, got {method!r}")
+        if quantizer is not None and method != "pbit":
+            raise ValueError(f"quantizer is only used by method='pbit', got method={method!r}")
+        if method == "sign_allreduce" and world > 127:
+            raise ValueError(f"method='sign_allreduce' sums int8 signs and needs world size <= 127, got {world}")
+        self.method, self.world, self.quantizer = method, world, quantizer
+        self.levels = None
+        if method == "pbit":
+            self.bits, self.levels = pbit_levels(world, bits, quantizer)
+        else:
+            self.bits = 8 if method == "sign_allreduce" else 1  # wire bits per element
 
+    def part_nbytes(self, n: int) -> int:
+        return -(-n * self.bits // 8)
 
-def _pbit(c, world, step, group, stats, out, bits, quantizer, generator):
-    n = c.numel()
-    w, levels = pbit_levels(world, bits, quantizer)
-    t0 = time.perf_counter()
-    values = _encode_pbit(c, world, step, levels, quantizer, generator)
-    packed = values[:n] if w == 8 else kernels.pack_bytes(values, n, w)
-    stats.t_quantize_pack += time.perf_counter() - t0
-    comm.all_reduce(packed, group, stats)
-    t0 = time.perf_counter()
-    # lane sums k (no lane exceeds 2**w - 1): binary u = (2k > P) - (2k < P);
-    # quantized u = sign(k - P·s), P·s <= 127
-    above, below = (world // 2, (world + 1) // 2) if levels is None else (world * levels,) * 2
-    u = kernels.vote_lanes(packed, n, w, above, below, c.dtype, out=out)
-    stats.t_unpack_vote += time.perf_counter() - t0
-    return u
+    def message_nbytes(self, m: int) -> int:
+        """Bytes to allocate for a message of ``m`` bytes (onebit: P equal chunks; the
+        padding must be zero)."""
+        return -(-m // self.world) * self.world if self.method == "onebit" else m
+
+    def elements(self, m: int) -> int:
+        """The element count :func:`lioncub.cost.predicted_bytes` prices like an ``m``-byte message."""
+        return m * 8 // self.bits
+
+    def encode(self, c: Tensor, dst: Tensor, step: int, generator=None) -> None:
+        """Write this rank's part for the flat ``c`` into ``dst`` (uint8, ``part_nbytes``)."""
+        n = c.numel()
+        if self.method == "sign_allreduce":
+            dst.view(torch.int8).copy_(torch.sign(c))
+        elif self.method in ("gather", "onebit"):
+            dst.copy_(kernels.pack_bytes(kernels.sign_bits(c, step), n, 1))
+        else:
+            values = _encode_pbit(c, self.world, step, self.levels, self.quantizer, generator)
+            dst.copy_(values[:n] if self.bits == 8 else kernels.pack_bytes(values, n, self.bits))
+
+    def exchange(self, msg: Tensor, m: int, step: int, group, stats: CommStats):
+        """The collective(s) on the first ``m`` bytes of ``msg`` (``message_nbytes(m)``
+        long); returns what :meth:`decode` reads. Collective: all ranks, same ``m``."""
+        if self.method in ("sign_allreduce", "pbit"):
+            comm.all_reduce(msg[:m], group, stats)  # int8 sums / lane sums, no carries
+            return msg
+        if self.method == "gather":
+            everyone = comm.all_gather(msg[:m], group, stats)  # (P, m)
+            t0 = time.perf_counter()
+            gt, eq = kernels.vote_bits(everyone, self.world)  # packed masks 2k > P, 2k = P
+            lt = gt | eq
+            lt.bitwise_not_()  # 2k < P
+            stats.t_unpack_vote += time.perf_counter() - t0
+            return gt.view(torch.uint8), lt.view(torch.uint8)
+        # onebit: rank j votes chunk j of everyone's bits, then everyone gathers the chunks
+        mine = comm.all_to_all(msg[:self.message_nbytes(m)], group, stats)
+        t0 = time.perf_counter()
+        voted = kernels.majority_bits(mine.view(self.world, -1), self.world, step)  # on packed words
+        stats.t_unpack_vote += time.perf_counter() - t0
+        return comm.all_gather(voted, group, stats).reshape(-1)
+
+    def decode(self, voted, offset: int, n: int, out: Tensor) -> Tensor:
+        """u of the part at byte ``offset`` (``n`` elements) into the flat ``out``."""
+        nb = self.part_nbytes(n)
+        if self.method == "sign_allreduce":
+            return out.copy_(voted[offset:offset + nb].view(torch.int8).sign())
+        if self.method == "gather":
+            gt, lt = voted
+            return kernels.spread_votes(gt[offset:offset + nb], lt[offset:offset + nb], n, out.dtype, out=out)
+        if self.method == "onebit":
+            return kernels.unpack_pm1(voted[offset:offset + nb], n, out.dtype, out=out)  # straight into out
+        # lane sums k (no lane exceeds 2**w - 1): binary u = (2k > P) - (2k < P);
+        # quantized u = sign(k - P·s), P·s <= 127
+        w = self.world
+        above, below = (w // 2, (w + 1) // 2) if self.levels is None else (w * self.levels,) * 2
+        return kernels.vote_lanes(voted[offset:offset + nb], n, self.bits, above, below, out.dtype, out=out)
+
+    def vote(self, c: Tensor, out: Tensor, step: int, group, stats: CommStats, generator=None) -> Tensor:
+        """One part alone: encode, exchange, decode (``out`` may be ``c``)."""
+        n = c.numel()
+        t0 = time.perf_counter()
+        nb = self.part_nbytes(n)
+        msg = torch.empty(self.message_nbytes(nb), dtype=torch.uint8, device=c.device)
+        msg[nb:].zero_()
+        self.encode(c, msg[:nb], step, generator)
+        stats.t_quantize_pack += time.perf_counter() - t0
+        voted = self.exchange(msg, nb, step, group, stats)
+        t0 = time.perf_counter()
+        u = self.decode(voted, 0, n, out)
+        stats.t_unpack_vote += time.perf_counter() - t0
+        return u
 
 
 def majority_vote(
@@ -209,15 +254,9 @@ def majority_vote(
         pbit_levels(world, bits, quantizer)  # validate before the empty short-cut
     if flat.numel() == 0:
         return torch.zeros_like(c) if out is None else out
-    if method == "sign_allreduce":
-        u = _sign_allreduce(flat, world, step, group, stats, out_flat)
-    elif method == "gather":
-        u = _gather(flat, world, step, group, stats, out_flat)
-    elif method == "onebit":
-        u = _onebit(flat, world, step, group, stats, out_flat)
-    else:
-        u = _pbit(flat, world, step, group, stats, out_flat, bits, quantizer, generator)
-    return out if out is not None else u.view(c.shape).to(c.dtype)
+    u = torch.empty_like(flat) if out_flat is None else out_flat
+    VoteCodec(method, world, bits, quantizer).vote(flat, u, step, group, stats, generator)
+    return out if out is not None else u.view(c.shape)
 
 
 def reference_vote(

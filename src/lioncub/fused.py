@@ -1,0 +1,249 @@
+r"""Fused CPU loops for the two per-parameter passes of a voted step (fp32 only).
+
+With plain torch ops a Lion Cub step walks every parameter's memory about seven
+times: ``c = β1·m + (1-β1)·g`` (two ops), ``c ≥ 0`` and the packing (two), then
+``p ← p - η·u`` and ``m ← β2·m + (1-β2)·g`` (three). This module does the same
+arithmetic in two loops:
+
+* :func:`encode` — ``c`` → this rank's part of the message (sign bits in 1/2/4/8-bit
+  lanes with the step's zero parity, or int8 signs), ``c`` never stored;
+* :func:`apply` — the voted int8 ``u`` → ``p`` and ``m`` updated in one pass.
+
+The results are those of the torch ops bit for bit: the loops repeat torch's CPU
+arithmetic operation by operation (``mul`` by a float32 scalar, then ``add`` with
+``alpha`` as one fused multiply-add, ``fmaf``), compiled with contraction off so the
+compiler adds no FMA of its own. ``tests/test_fused.py`` checks equality against the
+torch path on random data.
+
+The loops are C, compiled on first use with the system C compiler (``cc``) into a
+per-machine cache (``$LIONCUB_CACHE`` or ``~/.cache/lioncub``) and called through
+ctypes with raw pointers. No compiler, a failed build, or ``LIONCUB_FUSED=0``: the
+torch path runs instead (same results, slower); :func:`available` says which.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["available", "encode", "apply", "usable"]
+
+_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+
+/* Whole output bytes from element i on; bits and even are constants at every call
+   (inlined), so each byte's 8/bits elements unroll and vectorize. Returns the next i. */
+static inline __attribute__((always_inline)) int64_t
+blocks(const float *m, const float *g, int64_t i, int64_t n, float beta1, float alpha,
+       const int bits, const int even, uint8_t **out)
+{
+    const int per = 8 / bits;
+    uint8_t *o = *out;
+    for (; i + per <= n; i += per) {
+        uint32_t b = 0;
+        for (int k = 0; k < per; k++) {
+            float c = fmaf(alpha, g[i + k], m[i + k] * beta1);
+            b |= (uint32_t)(even ? c >= 0.0f : c > 0.0f) << (k * bits);
+        }
+        *o++ = (uint8_t)b;
+    }
+    *out = o;
+    return i;
+}
+
+/* c = fmaf(alpha, g, m * beta1): torch's mul(m, beta1).add_(g, alpha=alpha) on CPU.
+   mode 0: lanes of `bits` bits holding 1 when c >= 0 (even step) / c > 0 (odd step);
+   mode 1: int8 sign(c). The tensors are streamed as one concatenation. */
+void lc_encode(int64_t ntensors, const float *const *ms, const float *const *gs, const int64_t *sizes,
+               const float *beta1s, const float *alphas, int64_t mode, int64_t bits, int64_t even, uint8_t *out)
+{
+    if (mode == 1) {
+        int8_t *o = (int8_t *)out;
+        for (int64_t t = 0; t < ntensors; t++) {
+            const float *m = ms[t], *g = gs[t];
+            const float beta1 = beta1s[t], alpha = alphas[t];
+            int64_t n = sizes[t];
+            for (int64_t i = 0; i < n; i++) {
+                float c = fmaf(alpha, g[i], m[i] * beta1);
+                o[i] = (int8_t)((c > 0.0f) - (c < 0.0f));
+            }
+            o += n;
+        }
+        return;
+    }
+    uint32_t acc = 0;
+    int64_t shift = 0;
+    for (int64_t t = 0; t < ntensors; t++) {
+        const float *m = ms[t], *g = gs[t];
+        const float beta1 = beta1s[t], alpha = alphas[t];
+        int64_t n = sizes[t], i = 0;
+        while (i < n && shift != 0) {  /* finish the byte the previous tensor started */
+            float c = fmaf(alpha, g[i], m[i] * beta1);
+            acc |= (uint32_t)(even ? c >= 0.0f : c > 0.0f) << shift;
+            i++;
+            shift += bits;
+            if (shift == 8) { *out++ = (uint8_t)acc; acc = 0; shift = 0; }
+        }
+        if (bits == 1 && even) i = blocks(m, g, i, n, beta1, alpha, 1, 1, &out);
+        else if (bits == 1) i = blocks(m, g, i, n, beta1, alpha, 1, 0, &out);
+        else if (bits == 2 && even) i = blocks(m, g, i, n, beta1, alpha, 2, 1, &out);
+        else if (bits == 2) i = blocks(m, g, i, n, beta1, alpha, 2, 0, &out);
+        else if (bits == 4 && even) i = blocks(m, g, i, n, beta1, alpha, 4, 1, &out);
+        else if (bits == 4) i = blocks(m, g, i, n, beta1, alpha, 4, 0, &out);
+        else if (even) i = blocks(m, g, i, n, beta1, alpha, 8, 1, &out);
+        else i = blocks(m, g, i, n, beta1, alpha, 8, 0, &out);
+        for (; i < n; i++) {  /* a partial byte, continued by the next tensor */
+            float c = fmaf(alpha, g[i], m[i] * beta1);
+            acc |= (uint32_t)(even ? c >= 0.0f : c > 0.0f) << shift;
+            shift += bits;
+            if (shift == 8) { *out++ = (uint8_t)acc; acc = 0; shift = 0; }
+        }
+    }
+    if (shift != 0) *out = (uint8_t)acc;
+}
+
+/* p <- p*decay (if has_decay); p <- fmaf(neg_lr, u, p); m <- fmaf(alpha2, g, m*beta2):
+   torch's mul_(decay); add_(u, alpha=-lr); mul_(beta2); add_(g, alpha=alpha2). */
+void lc_apply(int64_t ntensors, float *const *ps, float *const *ms, const float *const *gs,
+              const int64_t *sizes, const int8_t *u, const int64_t *has_decays, const float *decays,
+              const float *neg_lrs, const float *beta2s, const float *alpha2s)
+{
+    for (int64_t t = 0; t < ntensors; t++) {
+        float *p = ps[t], *m = ms[t];
+        const float *g = gs[t];
+        const float decay = decays[t], neg_lr = neg_lrs[t], beta2 = beta2s[t], alpha2 = alpha2s[t];
+        int64_t n = sizes[t];
+        if (has_decays[t]) {
+            for (int64_t i = 0; i < n; i++) {
+                p[i] = fmaf(neg_lr, (float)u[i], p[i] * decay);
+                m[i] = fmaf(alpha2, g[i], m[i] * beta2);
+            }
+        } else {
+            for (int64_t i = 0; i < n; i++) {
+                p[i] = fmaf(neg_lr, (float)u[i], p[i]);
+                m[i] = fmaf(alpha2, g[i], m[i] * beta2);
+            }
+        }
+        u += n;
+    }
+}
+"""
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared"]
+
+
+def _cache_dir() -> str:
+    return os.environ.get("LIONCUB_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lioncub")
+
+
+def _cpu_key() -> str:
+    """The build is -march=native: key the cache by the CPU it was built for."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = []
+    return "".join(lines) + sys.platform
+
+
+@functools.lru_cache(maxsize=None)
+def _lib() -> Optional[ctypes.CDLL]:
+    if os.environ.get("LIONCUB_FUSED", "1") == "0":
+        return None
+    cc = shutil.which(os.environ.get("CC", "cc"))
+    if cc is None:
+        return None
+    key = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + cc + _cpu_key()).encode()).hexdigest()[:16]
+    path = os.path.join(_cache_dir(), f"lioncub_fused_{key}.so")
+    if not os.path.exists(path):
+        try:
+            os.makedirs(_cache_dir(), exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=_cache_dir()) as d:  # ranks may build at once:
+                src, tmp = os.path.join(d, "fused.c"), os.path.join(d, "fused.so")  # build apart,
+                with open(src, "w") as f:
+                    f.write(_SOURCE)
+                subprocess.run([cc, *_FLAGS, "-o", tmp, src, "-lm"], check=True, capture_output=True, timeout=120)
+                os.replace(tmp, path)  # then move in atomically
+        except (OSError, subprocess.SubprocessError):
+            return None
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError:
+        return None
+    i64, f32, vp = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+    lib.lc_encode.argtypes = [i64, vp, vp, vp, vp, vp, i64, i64, i64, vp]
+    lib.lc_encode.restype = None
+    lib.lc_apply.argtypes = [i64, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp]
+    lib.lc_apply.restype = None
+    return lib
+
+
+def available() -> bool:
+    """True when the compiled loops are in use (else the torch path runs)."""
+    return _lib() is not None
+
+
+def usable(*tensor_lists: list[Tensor]) -> bool:
+    """The loops take contiguous fp32 CPU tensors only (anything else: the torch path)."""
+    return available() and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+                               for ts in tensor_lists for t in ts)
+
+
+def _ptrs(ts: list[Tensor]) -> ctypes.Array:
+    return (ctypes.c_void_p * len(ts))(*[t.data_ptr() for t in ts])
+
+
+def _sizes(ts: list[Tensor]) -> ctypes.Array:
+    return (ctypes.c_int64 * len(ts))(*[t.numel() for t in ts])
+
+
+def _per_tensor(value, k: int, ctype=ctypes.c_float) -> ctypes.Array:
+    """A scalar for every tensor, or one value per tensor (param groups differ)."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * k
+    if len(values) != k:
+        raise ValueError(f"expected one value per tensor ({k}), got {len(values)}")
+    return (ctype * k)(*values)
+
+
+def encode(exp_avgs: list[Tensor], grads: list[Tensor], beta1, maximize, out: Tensor, *,
+           bits: int, step: int, signs: bool = False) -> None:
+    """This rank's part of the message for ``c = β1·m + (1-β1)·g`` of the tensors in
+    order, written into the uint8 ``out``: ``bits``-wide lanes (1, 2, 4, 8) of ``c ≥ 0``
+    (even ``step``) / ``c > 0`` (odd), as :func:`lioncub.kernels.sign_bits` +
+    :func:`~lioncub.kernels.pack_bytes`; or, with ``signs``, one int8 ``sign(c)`` per element.
+    ``beta1``, ``maximize``: one value, or one per tensor. Call only when :func:`usable`."""
+    k, n = len(exp_avgs), sum(t.numel() for t in exp_avgs)
+    need = n if signs else -(-n * bits // 8)
+    if out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() != need:
+        raise ValueError(f"out must be a contiguous uint8 tensor of {need} bytes, got {out.dtype} {tuple(out.shape)}")
+    b1 = list(_per_tensor(beta1, k, ctypes.c_double))
+    mx = list(_per_tensor(maximize, k, ctypes.c_bool))
+    alphas = [-(1.0 - b) if x else 1.0 - b for b, x in zip(b1, mx)]  # as lion.interpolate
+    _lib().lc_encode(k, _ptrs(exp_avgs), _ptrs(grads), _sizes(exp_avgs), _per_tensor(b1, k), _per_tensor(alphas, k),
+                     1 if signs else 0, bits, 1 if step % 2 == 0 else 0, out.data_ptr())
+
+
+def apply(params: list[Tensor], exp_avgs: list[Tensor], grads: list[Tensor], u: Tensor, *, lr,
+          beta2, weight_decay, maximize=False) -> None:
+    """In place, from the int8 votes ``u`` (the tensors' elements in order): the same
+    as :func:`lioncub.lion.apply_update_` with ``u`` as float. Hyper-parameters: one
+    value, or one per tensor. Call only when :func:`usable`."""
+    k, n = len(params), sum(t.numel() for t in params)
+    if u.dtype != torch.int8 or not u.is_contiguous() or u.numel() != n:
+        raise ValueError(f"u must be a contiguous int8 tensor of {n} elements, got {u.dtype} {tuple(u.shape)}")
+    lrs, wds = list(_per_tensor(lr, k, ctypes.c_double)), list(_per_tensor(weight_decay, k, ctypes.c_double))
+    b2 = list(_per_tensor(beta2, k, ctypes.c_double))
+    mx = list(_per_tensor(maximize, k, ctypes.c_bool))
+    _lib().lc_apply(k, _ptrs(params), _ptrs(exp_avgs), _ptrs(grads), _sizes(params), u.data_ptr(),
+                    _per_tensor([int(w != 0) for w in wds], k, ctypes.c_int64),
+                    _per_tensor([1.0 - a * w for a, w in zip(lrs, wds)], k), _per_tensor([-a for a in lrs], k),
+                    _per_tensor(b2, k), _per_tensor([-(1.0 - b) if x else 1.0 - b for b, x in zip(b2, mx)], k))

@@ -1,0 +1,89 @@
+"""The compiled fused loops equal the torch ops they replace, bit for bit."""
+import pytest
+import torch
+
+from lioncub import fused, kernels
+from lioncub.lion import apply_update_, interpolate
+
+pytestmark = pytest.mark.skipif(not fused.available(), reason="no C compiler: the fused loops are not built")
+
+SIZES = [[0], [1], [7, 9], [8, 16, 3], [1001, 5, 0, 64], [4099]]
+
+
+def _tensors(sizes, seed):
+    g = torch.Generator().manual_seed(seed)
+    ms = [torch.randn(n, generator=g) for n in sizes]
+    gs = [torch.randn(n, generator=g) * 1e-2 for n in sizes]
+    for m, gr in zip(ms, gs):  # exact zeros of c (m = g = 0) and -0.0 (β1·(-0) + α·(-0))
+        m[::5] = 0.0
+        gr[::5] = 0.0
+        m[1::7] = -0.0
+        gr[1::7] = -0.0
+    return ms, gs
+
+
+@pytest.mark.parametrize("sizes", SIZES)
+def test_encode_equals_interpolate_then_pack(sizes):
+    ms, gs = _tensors(sizes, seed=len(sizes))
+    n = sum(sizes)
+    for beta1, maximize in [(0.9, False), (0.95, True), (0.0, False), (1 - 1e-4, False), (0.3, True)]:
+        c = torch.cat([x.reshape(-1) for x in interpolate(ms, gs, beta1, maximize=maximize)] + [torch.zeros(0)])
+        for step in (0, 1):
+            for bits in (1, 2, 4, 8):
+                want = kernels.pack_bytes(kernels.sign_bits(c, step), n, bits) if n else torch.zeros(0, dtype=torch.uint8)
+                got = torch.full((-(-n * bits // 8),), 0xAA, dtype=torch.uint8)
+                fused.encode(ms, gs, beta1, maximize, got, bits=bits, step=step)
+                assert torch.equal(got, want), (beta1, maximize, step, bits)
+        got = torch.full((n,), 7, dtype=torch.uint8)
+        fused.encode(ms, gs, beta1, maximize, got, bits=8, step=0, signs=True)
+        assert torch.equal(got.view(torch.int8), torch.sign(c).to(torch.int8))
+
+
+@pytest.mark.parametrize("sizes", SIZES)
+def test_apply_equals_apply_update(sizes):
+    for lr, wd, beta2, maximize in [(1e-3, 0.0, 0.99, False), (3e-4, 0.1, 0.98, True), (0.7, 1.3, 0.5, False)]:
+        ms, gs = _tensors(sizes, seed=7)
+        g = torch.Generator().manual_seed(11)
+        ps = [torch.randn(n, generator=g) for n in sizes]
+        u = torch.randint(-1, 2, (sum(sizes),), generator=g, dtype=torch.int8)
+        ps_ref, ms_ref = [p.clone() for p in ps], [m.clone() for m in ms]
+        us = list(u.float().split(sizes))
+        apply_update_(ps_ref, us, ms_ref, gs, lr=lr, beta2=beta2, weight_decay=wd, maximize=maximize, foreach=True)
+        fused.apply(ps, ms, gs, u, lr=lr, beta2=beta2, weight_decay=wd, maximize=maximize)
+        for a, b in zip(ps + ms, ps_ref + ms_ref):
+            assert torch.equal(a, b), (lr, wd, beta2, maximize)
+
+
+def test_per_tensor_hyperparameters_equal_one_call_per_tensor():
+    """Param groups: one call with per-tensor β1/lr/... equals the torch ops per tensor."""
+    sizes = [13, 8, 21]
+    ms, gs = _tensors(sizes, seed=5)
+    betas, maxi = [0.9, 0.5, 0.99], [False, True, False]
+    c = torch.cat([interpolate([m], [g], b, maximize=x)[0] for m, g, b, x in zip(ms, gs, betas, maxi)])
+    got = torch.empty(-(-sum(sizes) // 8), dtype=torch.uint8)
+    fused.encode(ms, gs, betas, maxi, got, bits=1, step=1)
+    assert torch.equal(got, kernels.pack_bytes(kernels.sign_bits(c, 1), sum(sizes), 1))
+    g = torch.Generator().manual_seed(2)
+    ps = [torch.randn(n, generator=g) for n in sizes]
+    u = torch.randint(-1, 2, (sum(sizes),), generator=g, dtype=torch.int8)
+    ps_ref, ms_ref = [p.clone() for p in ps], [m.clone() for m in ms]
+    hp = [(1e-2, 0.0, 0.9, False), (3e-3, 0.2, 0.95, True), (0.5, 1.0, 0.99, False)]
+    for p, m, gr, uu, (lr, wd, b2, x) in zip(ps_ref, ms_ref, gs, u.float().split(sizes), hp):
+        apply_update_([p], [uu], [m], [gr], lr=lr, beta2=b2, weight_decay=wd, maximize=x)
+    fused.apply(ps, ms, gs, u, lr=[h[0] for h in hp], weight_decay=[h[1] for h in hp],
+                beta2=[h[2] for h in hp], maximize=[h[3] for h in hp])
+    assert all(torch.equal(a, b) for a, b in zip(ps + ms, ps_ref + ms_ref))
+
+
+def test_usable_only_for_contiguous_fp32_cpu():
+    x = torch.zeros(4, 4)
+    assert fused.usable([x], [x[0]])
+    assert not fused.usable([x.t()]) and not fused.usable([x.double()]) and not fused.usable([x.bfloat16()])
+
+
+def test_wrong_buffers_are_named():
+    ms, gs = _tensors([10], 0)
+    with pytest.raises(ValueError, match="out must be a contiguous uint8 tensor of 2 bytes"):
+        fused.encode(ms, gs, 0.9, False, torch.zeros(3, dtype=torch.uint8), bits=1, step=0)
+    with pytest.raises(ValueError, match="u must be a contiguous int8 tensor of 10 elements"):
+        fused.apply(ms, ms, gs, torch.zeros(10), lr=0.1, beta2=0.9, weight_decay=0.0)
