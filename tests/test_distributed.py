@@ -122,6 +122,37 @@ def test_messages_of_several_buckets_change_nothing_but_collectives(world):
         assert counts[0] < counts[1] == counts[2], (cfg, counts)
 
 
+def _fused_vs_torch(rank, world):
+    from lioncub import fused
+
+    finals = {}
+    for use in (True, False):
+        real = fused.usable
+        fused.usable = real if use else (lambda *ts: False)  # force the torch path
+        try:
+            for cfg in VOTES + [dict(vote="grad")]:
+                model = _model(seed=0)
+                opt = LionCub([{"params": model[0].parameters(), "lr": 0.02, "betas": (0.8, 0.95)},
+                               {"params": list(model[2].parameters()) + list(model[4].parameters()),
+                                "weight_decay": 0.1, "maximize": True}],
+                              lr=0.01, bucket_mb=60 * 4 / 2**20, **cfg)
+                for step in range(5):
+                    _grads_for(model, rank, step)
+                    opt.step()
+                finals.setdefault(str(cfg), []).append(
+                    torch.cat([t.reshape(-1) for p in model.parameters() for t in (p.detach(), opt.state[p]["exp_avg"])]))
+        finally:
+            fused.usable = real
+    return {k: torch.equal(a, b) for k, (a, b) in finals.items()}
+
+
+@pytest.mark.skipif(not __import__("lioncub").fused.available(), reason="no C compiler: no fused loops")
+def test_fused_loops_and_torch_path_train_identically():
+    """Parameters and momenta after 5 steps, param groups with other betas and maximize."""
+    for report in run_workers(_fused_vs_torch, 2):
+        assert all(report.values()), report
+
+
 def _grad_baseline(rank, world):
     out = {}
     for dtype in ("fp32", "bf16"):

@@ -43,7 +43,8 @@ def _make(cfg, overlap, bucket_mb=300 * 4 / 2**20):
     opt = LionCub([{"params": [model.emb.weight], "lr": 0.02},
                    {"params": [p for n, p in model.named_parameters() if n != "emb.weight"],
                     "weight_decay": 0.1}],
-                  lr=0.01, bucket_mb=bucket_mb, overlap=overlap, **cfg)
+                  lr=0.01, bucket_mb=bucket_mb, overlap=overlap, **cfg,
+                  message_mb=1e-6)  # without overlap too, one message per bucket: same collectives
     return model, opt
 
 

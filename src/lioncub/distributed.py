@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import auto, comm, cost, guard, momentum, resume
+from . import auto, comm, cost, fused, guard, momentum, resume
 from .comm import CommStats
 from .lion import _validate_hyperparameters, apply_update_, interpolate, lion
 from .quantize import QUANTIZERS
@@ -356,10 +356,9 @@ class LionCub(torch.optim.Optimizer):
         """A flat tensor of ``n`` elements under ``key``, kept between steps.
 
         Buckets are tens of MB: a fresh allocation per step costs page faults that took
-        longer than the arithmetic on CPU. Without a driver all buckets share one buffer
-        (votes run one after another); with overlap / the DDP hook each bucket has its own
-        (several are in flight at once). Memory: one fp32 copy of the largest bucket, or
-        of all buckets with a driver — what DDP keeps for its own buckets."""
+        longer than the arithmetic on CPU. Kept: one fp32 bucket (``c``, or ``u`` off the
+        fused path), one int8 bucket (``u`` on it), and the message bytes (per launched
+        bucket with overlap / the DDP hook, where several are in flight at once)."""
         buf = self._scratch.get(key)
         if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != device:
             buf = self._scratch[key] = torch.empty(n, dtype=dtype, device=device)
@@ -418,19 +417,62 @@ class LionCub(torch.optim.Optimizer):
             buf[m:].zero_()
             offset = 0
             for b, nb in zip(msg, nbs):
-                c = self._bucket_c(parts[b], stats, key="c")
-                t0 = time.perf_counter()
-                codec.encode(c, buf[offset:offset + nb], self.steps, self.generator)
-                stats.t_quantize_pack += time.perf_counter() - t0
+                self._encode_part(parts[b], codec, buf[offset:offset + nb], self.steps, stats)
                 offset += nb
             voted = codec.exchange(buf, m, self.steps, self.group, stats)
             offset = 0
-            for b, n, nb in zip(msg, sizes, nbs):
-                t0 = time.perf_counter()
-                u = codec.decode(voted, offset, n, self._buffer("c", n, torch.float32, device))
-                stats.t_unpack_vote += time.perf_counter() - t0
-                self._apply_bucket(parts[b], u, stats)
-                offset += nb
+            for b, n in zip(msg, sizes):
+                self._decode_apply(parts[b], codec, voted, offset, n, stats)
+                offset += codec.part_nbytes(n)
+
+    def _fusable(self, entries) -> bool:
+        """All fp32, contiguous, on CPU: the fused loops of :mod:`lioncub.fused` apply."""
+        params = [p for _, p in entries]
+        return fused.usable(params, [self._init_state(p) for p in params],
+                            [p.grad for p in params if p.grad is not None])
+
+    def _encode_part(self, entries, codec: VoteCodec, dst: Tensor, step: int, stats: CommStats,
+                     key="c") -> None:
+        """This rank's part of a message for ``entries`` (one bucket) into ``dst``."""
+        if codec.quantizer is None and self._fusable(entries):  # c never stored: one pass
+            t0 = time.perf_counter()
+            params = [p for _, p in entries]
+            fused.encode([self._init_state(p) for p in params], self._grads(params),
+                         [g["betas"][0] for g, _ in entries], [g["maximize"] for g, _ in entries], dst,
+                         bits=codec.bits, step=step, signs=codec.method == "sign_allreduce")
+            stats.t_quantize_pack += time.perf_counter() - t0
+            return
+        c = self._bucket_c(entries, stats, key=key)
+        t0 = time.perf_counter()
+        codec.encode(c, dst, step, self.generator)
+        stats.t_quantize_pack += time.perf_counter() - t0
+
+    def _decode_apply(self, entries, codec: VoteCodec, voted, offset: int, n: int, stats: CommStats,
+                      keep: Optional[list[int]] = None) -> None:
+        """u of the part at ``offset`` (``n`` elements) applied to ``entries``, or to
+        ``entries[k] for k in keep`` only (params without a gradient on any rank)."""
+        device = entries[0][1].device
+        fast = self._fusable(entries)
+        t0 = time.perf_counter()
+        u = codec.decode(voted, offset, n, self._buffer("u8", n, torch.int8, device) if fast
+                         else self._buffer("c", n, torch.float32, device))
+        stats.t_unpack_vote += time.perf_counter() - t0
+        if keep is not None and len(keep) < len(entries):
+            pieces = u.split([p.numel() for _, p in entries])
+            entries = [entries[k] for k in keep]
+            u = torch.cat([pieces[k] for k in keep]) if keep else u[:0]
+        if not entries:
+            return
+        if fast:
+            t0 = time.perf_counter()
+            params = [p for _, p in entries]
+            fused.apply(params, [self._init_state(p) for p in params], self._grads(params), u,
+                        lr=[g["lr"] for g, _ in entries], beta2=[g["betas"][1] for g, _ in entries],
+                        weight_decay=[g["weight_decay"] for g, _ in entries],
+                        maximize=[g["maximize"] for g, _ in entries])
+            stats.t_apply += time.perf_counter() - t0
+        else:
+            self._apply_bucket(entries, u, stats)
 
     # The three pieces of a voted bucket; lioncub.overlap drives them from backward hooks.
     def _bucket_c(self, entries: list[tuple[dict, Tensor]], stats: CommStats, key) -> Tensor:
@@ -487,10 +529,21 @@ class LionCub(torch.optim.Optimizer):
             grads = [piece.view_as(p).to(p.dtype) for piece, p in zip(flat.split([p.numel() for p in params]), params)]
             stats.t_unpack_vote += time.perf_counter() - t0
         t0 = time.perf_counter()
-        for g, ks in runs:
-            lion([params[k] for k in ks], [grads[k] for k in ks], [exp_avgs[k] for k in ks],
-                 lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1],
-                 weight_decay=g["weight_decay"], maximize=g["maximize"], foreach=True)
+        if fused.usable(params, exp_avgs, grads):  # the same Lion, two fused passes (as the votes get)
+            hp = [None] * len(params)
+            for g, ks in runs:
+                for k in ks:
+                    hp[k] = g
+            u = self._buffer("u8", sum(p.numel() for p in params), torch.int8, params[0].device)
+            fused.encode(exp_avgs, grads, [g["betas"][0] for g in hp], [g["maximize"] for g in hp],
+                         u.view(torch.uint8), bits=8, step=0, signs=True)  # u = sign(c)
+            fused.apply(params, exp_avgs, grads, u, lr=[g["lr"] for g in hp], beta2=[g["betas"][1] for g in hp],
+                        weight_decay=[g["weight_decay"] for g in hp], maximize=[g["maximize"] for g in hp])
+        else:
+            for g, ks in runs:
+                lion([params[k] for k in ks], [grads[k] for k in ks], [exp_avgs[k] for k in ks],
+                     lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1],
+                     weight_decay=g["weight_decay"], maximize=g["maximize"], foreach=True)
         stats.t_apply += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ state

@@ -119,17 +119,28 @@ class VoteDriver:
 
     # ---------------------------------------------------------------- launching
     def launch(self, idx: list[int]) -> None:
-        """Compute ``c`` for params ``idx`` now and queue their vote."""
+        """Encode params ``idx`` now (this rank's part: one message per bucket) and queue
+        the exchange. World size 1: c's sign, no message."""
         opt = self.opt
         entries = [self._entries[i] for i in idx]
         stats = CommStats()
+        step, k = opt.steps, len(self._pending)  # one buffer per in-flight vote
+        if opt.world_size == 1:
+            with torch.no_grad():
+                flat = opt._bucket_c(entries, stats, key=("launch", k)).sign_()
+            self._pending.append((idx, self._thread.submit(lambda: flat), stats))
+            return
+        codec = opt._codec()
+        n = sum(p.numel() for _, p in entries)
+        m = codec.part_nbytes(n)
+        buf = opt._buffer(("launch", k), codec.message_nbytes(m), torch.uint8, entries[0][1].device)
+        buf[m:].zero_()
         with torch.no_grad():
-            flat = opt._bucket_c(entries, stats, key=("launch", len(self._pending)))  # one buffer per in-flight vote
-        step = opt.steps
+            opt._encode_part(entries, codec, buf[:m], step, stats)  # done here: "c" is free again
 
         def vote():
             with comm.step_context(step), torch.no_grad():
-                return opt._vote_flat(flat, step, stats, group=self.group)
+                return codec.exchange(buf, m, step, self.group, stats)
 
         self._pending.append((idx, self._thread.submit(vote), stats))
 
@@ -148,15 +159,16 @@ class VoteDriver:
 
     def apply(self, active: list[bool], stats: CommStats) -> None:
         opt = self.opt
+        codec = opt._codec() if opt.world_size > 1 else None
         for idx, fut, _ in self._pending:
-            u = fut.result()
-            keep = [k for k, i in enumerate(idx) if active[i]]
-            if len(keep) < len(idx):  # no gradient on any rank: skipped, as without overlap
-                sizes = [self._entries[i][1].numel() for i in idx]
-                pieces = u.split(sizes)
-                u = torch.cat([pieces[k] for k in keep]) if keep else u[:0]
-            if keep:
-                opt._apply_bucket([self._entries[idx[k]] for k in keep], u, stats)
+            voted = fut.result()
+            entries = [self._entries[i] for i in idx]
+            keep = [k for k, i in enumerate(idx) if active[i]]  # no gradient on any rank: skipped
+            if codec is not None:
+                opt._decode_apply(entries, codec, voted, 0, sum(p.numel() for _, p in entries), stats, keep)
+            elif keep:
+                pieces = voted.split([p.numel() for _, p in entries])
+                opt._apply_bucket([entries[k] for k in keep], torch.cat([pieces[k] for k in keep]), stats)
         self._pending = []
         self.reset()
 
