@@ -54,6 +54,24 @@ def test_apply_equals_apply_update(sizes):
             assert torch.equal(a, b), (lr, wd, beta2, maximize)
 
 
+@pytest.mark.parametrize("sizes", SIZES + [[3, 5, 17, 8, 1]])
+def test_apply_bits_equals_apply_of_unpacked_votes(sizes):
+    """u from packed bits (1-bit vote: ±1; gather: pos − neg) at odd tensor boundaries."""
+    n = sum(sizes)
+    g = torch.Generator().manual_seed(n)
+    bits = torch.randint(0, 2, (2, n), generator=g, dtype=torch.uint8)
+    pos_b, neg_b = bits[0], bits[1] * (1 - bits[0])  # never both set
+    pack = (lambda b: kernels.pack_bytes(b.clone(), n, 1)) if n else (lambda b: torch.zeros(0, dtype=torch.uint8))
+    for neg, u in [(None, 2 * pos_b.to(torch.int8) - 1), (pack(neg_b), pos_b.to(torch.int8) - neg_b.to(torch.int8))]:
+        for lr, wd, beta2, maximize in [(1e-3, 0.0, 0.99, False), (3e-4, 0.1, 0.98, True)]:
+            ms, gs = _tensors(sizes, seed=3)
+            ps = [torch.randn(k, generator=g) for k in sizes]
+            ps_ref, ms_ref = [p.clone() for p in ps], [m.clone() for m in ms]
+            fused.apply(ps_ref, ms_ref, gs, u, lr=lr, beta2=beta2, weight_decay=wd, maximize=maximize)
+            fused.apply_bits(ps, ms, gs, pack(pos_b), neg, lr=lr, beta2=beta2, weight_decay=wd, maximize=maximize)
+            assert all(torch.equal(a, b) for a, b in zip(ps + ms, ps_ref + ms_ref)), (neg is None, lr)
+
+
 def test_per_tensor_hyperparameters_equal_one_call_per_tensor():
     """Param groups: one call with per-tensor β1/lr/... equals the torch ops per tensor."""
     sizes = [13, 8, 21]

@@ -447,12 +447,29 @@ class LionCub(torch.optim.Optimizer):
         codec.encode(c, dst, step, self.generator)
         stats.t_quantize_pack += time.perf_counter() - t0
 
+    @staticmethod
+    def _hyper(entries) -> dict:
+        """Per-parameter update hyper-parameters for :func:`lioncub.fused.apply`."""
+        return dict(lr=[g["lr"] for g, _ in entries], beta2=[g["betas"][1] for g, _ in entries],
+                    weight_decay=[g["weight_decay"] for g, _ in entries], maximize=[g["maximize"] for g, _ in entries])
+
     def _decode_apply(self, entries, codec: VoteCodec, voted, offset: int, n: int, stats: CommStats,
                       keep: Optional[list[int]] = None) -> None:
         """u of the part at ``offset`` (``n`` elements) applied to ``entries``, or to
         ``entries[k] for k in keep`` only (params without a gradient on any rank)."""
         device = entries[0][1].device
         fast = self._fusable(entries)
+        whole = keep is None or len(keep) == len(entries)
+        if fast and whole and codec.method in ("onebit", "gather"):  # u straight from the voted bits
+            t0 = time.perf_counter()
+            nb = codec.part_nbytes(n)
+            pos, neg = (voted, None) if codec.method == "onebit" else voted
+            params = [p for _, p in entries]
+            fused.apply_bits(params, [self._init_state(p) for p in params], self._grads(params),
+                             pos[offset:offset + nb], None if neg is None else neg[offset:offset + nb],
+                             **self._hyper(entries))
+            stats.t_apply += time.perf_counter() - t0
+            return
         t0 = time.perf_counter()
         u = codec.decode(voted, offset, n, self._buffer("u8", n, torch.int8, device) if fast
                          else self._buffer("c", n, torch.float32, device))
@@ -467,9 +484,7 @@ class LionCub(torch.optim.Optimizer):
             t0 = time.perf_counter()
             params = [p for _, p in entries]
             fused.apply(params, [self._init_state(p) for p in params], self._grads(params), u,
-                        lr=[g["lr"] for g, _ in entries], beta2=[g["betas"][1] for g, _ in entries],
-                        weight_decay=[g["weight_decay"] for g, _ in entries],
-                        maximize=[g["maximize"] for g, _ in entries])
+                        **self._hyper(entries))
             stats.t_apply += time.perf_counter() - t0
         else:
             self._apply_bucket(entries, u, stats)

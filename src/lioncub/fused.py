@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["available", "encode", "apply", "usable"]
+__all__ = ["available", "encode", "apply", "apply_bits", "usable"]
 
 _SOURCE = r"""
 #include <math.h>
@@ -60,6 +60,24 @@ blocks(const float *m, const float *g, int64_t i, int64_t n, float beta1, float 
     *out = o;
     return i;
 }
+
+#ifdef __AVX2__
+#include <immintrin.h>
+/* 1-bit lanes, 8 elements per byte by one compare + movemask (same values as blocks()). */
+static int64_t blocks1_avx2(const float *m, const float *g, int64_t i, int64_t n, float beta1, float alpha,
+                            int even, uint8_t **out)
+{
+    const __m256 b1 = _mm256_set1_ps(beta1), a = _mm256_set1_ps(alpha), z = _mm256_setzero_ps();
+    uint8_t *o = *out;
+    for (; i + 8 <= n; i += 8) {
+        __m256 c = _mm256_fmadd_ps(a, _mm256_loadu_ps(g + i), _mm256_mul_ps(_mm256_loadu_ps(m + i), b1));
+        __m256 s = even ? _mm256_cmp_ps(c, z, _CMP_GE_OQ) : _mm256_cmp_ps(c, z, _CMP_GT_OQ);
+        *o++ = (uint8_t)_mm256_movemask_ps(s);
+    }
+    *out = o;
+    return i;
+}
+#endif
 
 /* c = fmaf(alpha, g, m * beta1): torch's mul(m, beta1).add_(g, alpha=alpha) on CPU.
    mode 0: lanes of `bits` bits holding 1 when c >= 0 (even step) / c > 0 (odd step);
@@ -94,6 +112,9 @@ void lc_encode(int64_t ntensors, const float *const *ms, const float *const *gs,
             shift += bits;
             if (shift == 8) { *out++ = (uint8_t)acc; acc = 0; shift = 0; }
         }
+#ifdef __AVX2__
+        if (bits == 1) i = blocks1_avx2(m, g, i, n, beta1, alpha, (int)even, &out);
+#endif
         if (bits == 1 && even) i = blocks(m, g, i, n, beta1, alpha, 1, 1, &out);
         else if (bits == 1) i = blocks(m, g, i, n, beta1, alpha, 1, 0, &out);
         else if (bits == 2 && even) i = blocks(m, g, i, n, beta1, alpha, 2, 1, &out);
@@ -135,6 +156,56 @@ void lc_apply(int64_t ntensors, float *const *ps, float *const *ms, const float 
             }
         }
         u += n;
+    }
+}
+
+/* lc_apply with u read from packed bits (element j = bit j of the stream): u = pos - neg,
+   or, without neg, u = 2*pos - 1 (the 1-bit vote: every element is +1 or -1). */
+void lc_apply_bits(int64_t ntensors, float *const *ps, float *const *ms, const float *const *gs,
+                   const int64_t *sizes, const uint8_t *pos, const uint8_t *neg, const int64_t *has_decays,
+                   const float *decays, const float *neg_lrs, const float *beta2s, const float *alpha2s)
+{
+    int64_t j = 0;  /* element index in the bit stream */
+    for (int64_t t = 0; t < ntensors; t++) {
+        float *p = ps[t], *m = ms[t];
+        const float *g = gs[t];
+        const float decay = decays[t], neg_lr = neg_lrs[t], beta2 = beta2s[t], alpha2 = alpha2s[t];
+        const int64_t has_decay = has_decays[t], n = sizes[t];
+        int64_t i = 0;
+#ifdef __AVX2__
+        const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+        const __m256 one = _mm256_set1_ps(1.0f), vd = _mm256_set1_ps(decay), vl = _mm256_set1_ps(neg_lr);
+        const __m256 vb = _mm256_set1_ps(beta2), va = _mm256_set1_ps(alpha2);
+#endif
+        while (i < n) {
+#ifdef __AVX2__
+            if ((j & 7) == 0 && i + 8 <= n) {  /* whole bytes: 8 elements at once */
+                for (; i + 8 <= n; i += 8, j += 8) {
+                    __m256i pb = _mm256_and_si256(_mm256_set1_epi32(pos[j >> 3]), sel);
+                    __m256 u = _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(pb, sel)), one);
+                    if (neg) {
+                        __m256i nb = _mm256_and_si256(_mm256_set1_epi32(neg[j >> 3]), sel);
+                        u = _mm256_sub_ps(u, _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(nb, sel)), one));
+                    } else {
+                        u = _mm256_sub_ps(_mm256_add_ps(u, u), one);
+                    }
+                    __m256 pv = _mm256_loadu_ps(p + i);
+                    if (has_decay) pv = _mm256_mul_ps(pv, vd);
+                    _mm256_storeu_ps(p + i, _mm256_fmadd_ps(vl, u, pv));
+                    __m256 mv = _mm256_mul_ps(_mm256_loadu_ps(m + i), vb);
+                    _mm256_storeu_ps(m + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(g + i), mv));
+                }
+                continue;
+            }
+#endif
+            int pb = (pos[j >> 3] >> (j & 7)) & 1;
+            float u = neg ? (float)(pb - ((neg[j >> 3] >> (j & 7)) & 1)) : (float)(2 * pb - 1);
+            float pv = has_decay ? p[i] * decay : p[i];
+            p[i] = fmaf(neg_lr, u, pv);
+            m[i] = fmaf(alpha2, g[i], m[i] * beta2);
+            i++;
+            j++;
+        }
     }
 }
 """
@@ -184,6 +255,8 @@ def _lib() -> Optional[ctypes.CDLL]:
     lib.lc_encode.restype = None
     lib.lc_apply.argtypes = [i64, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp]
     lib.lc_apply.restype = None
+    lib.lc_apply_bits.argtypes = [i64, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp]
+    lib.lc_apply_bits.restype = None
     return lib
 
 
@@ -237,13 +310,33 @@ def apply(params: list[Tensor], exp_avgs: list[Tensor], grads: list[Tensor], u: 
     """In place, from the int8 votes ``u`` (the tensors' elements in order): the same
     as :func:`lioncub.lion.apply_update_` with ``u`` as float. Hyper-parameters: one
     value, or one per tensor. Call only when :func:`usable`."""
-    k, n = len(params), sum(t.numel() for t in params)
+    n = sum(t.numel() for t in params)
     if u.dtype != torch.int8 or not u.is_contiguous() or u.numel() != n:
         raise ValueError(f"u must be a contiguous int8 tensor of {n} elements, got {u.dtype} {tuple(u.shape)}")
+    _lib().lc_apply(len(params), _ptrs(params), _ptrs(exp_avgs), _ptrs(grads), _sizes(params), u.data_ptr(),
+                    *_update_args(len(params), lr, beta2, weight_decay, maximize))
+
+
+def apply_bits(params: list[Tensor], exp_avgs: list[Tensor], grads: list[Tensor], pos: Tensor,
+               neg: Optional[Tensor] = None, *, lr, beta2, weight_decay, maximize=False) -> None:
+    """:func:`apply` with ``u`` read from packed bits (element ``j`` = bit ``j % 8`` of
+    byte ``j // 8``): ``u = pos − neg``, or ``u = 2·pos − 1`` without ``neg`` (the 1-bit
+    vote). Saves the int8 ``u`` pass. Call only when :func:`usable`."""
+    nbytes = -(-sum(t.numel() for t in params) // 8)
+    for name, bits in (("pos", pos), ("neg", neg)):
+        if bits is not None and (bits.dtype != torch.uint8 or not bits.is_contiguous() or bits.numel() < nbytes):
+            raise ValueError(f"{name} must be a contiguous uint8 tensor of >= {nbytes} bytes, "
+                             f"got {bits.dtype} {tuple(bits.shape)}")
+    _lib().lc_apply_bits(len(params), _ptrs(params), _ptrs(exp_avgs), _ptrs(grads), _sizes(params), pos.data_ptr(),
+                         None if neg is None else neg.data_ptr(),
+                         *_update_args(len(params), lr, beta2, weight_decay, maximize))
+
+
+def _update_args(k: int, lr, beta2, weight_decay, maximize) -> list:
+    """Per-tensor has-decay flag, decay, -lr, β2 and momentum alpha, as lion.apply_update_ forms them."""
     lrs, wds = list(_per_tensor(lr, k, ctypes.c_double)), list(_per_tensor(weight_decay, k, ctypes.c_double))
     b2 = list(_per_tensor(beta2, k, ctypes.c_double))
     mx = list(_per_tensor(maximize, k, ctypes.c_bool))
-    _lib().lc_apply(k, _ptrs(params), _ptrs(exp_avgs), _ptrs(grads), _sizes(params), u.data_ptr(),
-                    _per_tensor([int(w != 0) for w in wds], k, ctypes.c_int64),
-                    _per_tensor([1.0 - a * w for a, w in zip(lrs, wds)], k), _per_tensor([-a for a in lrs], k),
-                    _per_tensor(b2, k), _per_tensor([-(1.0 - b) if x else 1.0 - b for b, x in zip(b2, mx)], k))
+    return [_per_tensor([int(w != 0) for w in wds], k, ctypes.c_int64),
+            _per_tensor([1.0 - a * w for a, w in zip(lrs, wds)], k), _per_tensor([-a for a in lrs], k),
+            _per_tensor(b2, k), _per_tensor([-(1.0 - b) if x else 1.0 - b for b, x in zip(b2, mx)], k)]
