@@ -5,8 +5,8 @@
 that interleave the four measurements (so host load drifts hit all of them alike):
 
     compute   forward + backward alone (no vote)
-    comm      the votes alone: ``LionCub._vote_flat`` on random c, bucket by bucket
-              (pack + collective + unpack/vote, the same sizes as the model's buckets)
+    comm      the votes alone: ``LionCub._vote_flat`` on random c, message by message
+              (pack + collective + unpack/vote, the sizes of the step's messages)
     no ovl    LionCub(overlap=False): forward + backward + step
     overlap   LionCub(overlap=True):  votes launched from backward hooks, step waits
 
@@ -60,7 +60,8 @@ def worker(args, out_dir: str) -> None:
             plain, ovl = LionCub(params, **kw), LionCub(params, overlap=True, **kw)
             sizes = [sum(params[i].numel() for i in idx) for idx in plain._buckets]
             gen = torch.Generator().manual_seed(rank)
-            cs = [torch.randn(s, generator=gen) for s in sizes]
+            # what the step without overlap sends: its messages (several buckets each)
+            cs = [torch.randn(s, generator=gen) for s in plain.message_elements()]
             times = {k: [] for k in KINDS}
 
             def timed(kind, fn):

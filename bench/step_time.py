@@ -108,7 +108,7 @@ def worker(args, out_dir: str) -> None:
                          apply=s.t_apply)
             t["step"] = time.perf_counter() - t0
             t["other"] = t["step"] - sum(t[k] for k in PARTS[:-1])
-            opt.zero_grad(set_to_none=False)
+            opt.zero_grad()  # PyTorch's default (set_to_none=True), for every method
             dist.barrier()  # my last bytes may still sit in my tbf queue when my step ends
             b1 = iface_bytes(dev)
             b2 = iface_bytes(dev)
