@@ -8,6 +8,11 @@ Stages (n elements, P ranks, one thread):
     onebit vote      P x n/(8P) B -> voted bits n/(8P) B (rank's chunk)      [onebit]
     onebit unpack    n/8 B voted bits -> u (int8 n B | fp32 4n B)            [onebit]
     vote 4-bit       n/2 B lane sums -> u (int8 n B | fp32 4n B)             [pbit]
+    fused encode     m, g (2 x 4n B) -> packed signs of c, c never stored    [lioncub.fused]
+    fused apply      voted bits or int8 u -> p, m updated (4 x 4n B moved)   [lioncub.fused]
+
+(for the fused rows "old" is the torch ops they replace: interpolate + sign_bits + pack;
+unpack to fp32 + apply_update_.)
 
 GB/s is counted on the largest buffer a stage reads or writes; "copy" copies that
 many bytes (``dst.copy_(src)``, preallocated; the same size, not a smaller cache-resident
@@ -29,7 +34,8 @@ import time
 
 import torch
 
-from lioncub import kernels
+from lioncub import fused, kernels
+from lioncub.lion import apply_update_, interpolate
 from lioncub.vote import binary_signs, decide
 
 
@@ -102,6 +108,27 @@ def main():
         "vote 4-bit -> fp32": (4 * n, lambda: kernels.vote_lanes(lanes, n, 4, P // 2, (P + 1) // 2, f32),
                                lambda: old_lanes().to(f32)),
     }
+    if fused.available():  # the fused loops against the torch ops they replace (same results)
+        m, g, prm, cbuf = torch.randn(n), torch.randn(n), torch.randn(n), torch.empty(n)
+        bits1, bits4 = torch.empty(-(-n // 8), dtype=torch.uint8), torch.empty(-(-n // 2), dtype=torch.uint8)
+        u8 = torch.randint(-1, 2, (n,), dtype=torch.int8)
+        upd = dict(lr=1e-12, beta2=0.99, weight_decay=0.0)
+
+        def torch_encode(bits):
+            interpolate([m], [g], 0.9, out=[cbuf])
+            return kernels.pack_bytes(kernels.sign_bits(cbuf, 0), n, bits)
+
+        stages.update({
+            "fused encode m,g -> 1-bit": (4 * n, lambda: fused.encode([m], [g], 0.9, False, bits1, bits=1, step=0),
+                                          lambda: torch_encode(1)),
+            "fused encode m,g -> 4-bit": (4 * n, lambda: fused.encode([m], [g], 0.9, False, bits4, bits=4, step=0),
+                                          lambda: torch_encode(4)),
+            "fused apply from bits": (4 * n, lambda: fused.apply_bits([prm], [m], [g], voted, **upd),
+                                      lambda: apply_update_([prm], [kernels.unpack_pm1(voted, n, f32, out=cbuf)], [m],
+                                                            [g], foreach=True, **upd)),
+            "fused apply from int8 u": (4 * n, lambda: fused.apply([prm], [m], [g], u8, **upd),
+                                        lambda: apply_update_([prm], [cbuf.copy_(u8)], [m], [g], foreach=True, **upd)),
+        })
     copies = {}
     for nbytes, _, _ in stages.values():  # copy yardstick of each stage's largest buffer
         if nbytes not in copies:
