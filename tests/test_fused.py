@@ -72,6 +72,24 @@ def test_apply_bits_equals_apply_of_unpacked_votes(sizes):
             assert all(torch.equal(a, b) for a, b in zip(ps + ms, ps_ref + ms_ref)), (neg is None, lr)
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("sizes", SIZES + [[3, 5, 17, 8, 1]])
+def test_apply_lanes_equals_apply_of_vote_lanes(sizes, bits):
+    """u from w-bit lane sums (the pbit vote) at odd tensor boundaries, every threshold pair."""
+    n, top = sum(sizes), (1 << bits) - 1
+    g = torch.Generator().manual_seed(n + bits)
+    k = torch.randint(0, top + 1, (n,), generator=g, dtype=torch.uint8)
+    lanes = kernels.pack_bytes(k.clone(), n, bits) if n else torch.zeros(0, dtype=torch.uint8)
+    for above, below in [(2, 2), (1, 2), (top // 2, (top + 1) // 2), (0, 0), (top, top)]:
+        u = kernels.vote_lanes(lanes, n, bits, above, below) if n else torch.zeros(0, dtype=torch.int8)
+        ms, gs = _tensors(sizes, seed=4)
+        ps = [torch.randn(j, generator=g) for j in sizes]
+        ps_ref, ms_ref = [p.clone() for p in ps], [m.clone() for m in ms]
+        fused.apply(ps_ref, ms_ref, gs, u, lr=1e-3, beta2=0.99, weight_decay=0.1)
+        fused.apply_lanes(ps, ms, gs, lanes, bits, above, below, lr=1e-3, beta2=0.99, weight_decay=0.1)
+        assert all(torch.equal(a, b) for a, b in zip(ps + ms, ps_ref + ms_ref)), (above, below)
+
+
 def test_per_tensor_hyperparameters_equal_one_call_per_tensor():
     """Param groups: one call with per-tensor β1/lr/... equals the torch ops per tensor."""
     sizes = [13, 8, 21]

@@ -460,14 +460,18 @@ class LionCub(torch.optim.Optimizer):
         device = entries[0][1].device
         fast = self._fusable(entries)
         whole = keep is None or len(keep) == len(entries)
-        if fast and whole and codec.method in ("onebit", "gather"):  # u straight from the voted bits
+        if fast and whole and codec.method in ("onebit", "gather", "pbit"):  # u straight from the vote
             t0 = time.perf_counter()
             nb = codec.part_nbytes(n)
-            pos, neg = (voted, None) if codec.method == "onebit" else voted
             params = [p for _, p in entries]
-            fused.apply_bits(params, [self._init_state(p) for p in params], self._grads(params),
-                             pos[offset:offset + nb], None if neg is None else neg[offset:offset + nb],
-                             **self._hyper(entries))
+            state = (params, [self._init_state(p) for p in params], self._grads(params))
+            if codec.method == "pbit":
+                fused.apply_lanes(*state, voted[offset:offset + nb], codec.bits, *codec.thresholds(),
+                                  **self._hyper(entries))
+            else:
+                pos, neg = (voted, None) if codec.method == "onebit" else voted
+                fused.apply_bits(*state, pos[offset:offset + nb], None if neg is None else neg[offset:offset + nb],
+                                 **self._hyper(entries))
             stats.t_apply += time.perf_counter() - t0
             return
         t0 = time.perf_counter()

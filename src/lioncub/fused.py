@@ -35,11 +35,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["available", "encode", "apply", "apply_bits", "usable"]
+__all__ = ["available", "encode", "apply", "apply_bits", "apply_lanes", "usable"]
 
 _SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 /* Whole output bytes from element i on; bits and even are constants at every call
    (inlined), so each byte's 8/bits elements unroll and vectorize. Returns the next i. */
@@ -208,6 +209,64 @@ void lc_apply_bits(int64_t ntensors, float *const *ps, float *const *ms, const f
         }
     }
 }
+/* lc_apply with u from w-bit lane sums k (element j = lane j of the stream, w = 2, 4, 8):
+   u = (k > above) - (k < below), as lioncub.kernels.vote_lanes decides. */
+void lc_apply_lanes(int64_t ntensors, float *const *ps, float *const *ms, const float *const *gs,
+                    const int64_t *sizes, const uint8_t *lanes, int64_t bits, int64_t above, int64_t below,
+                    const int64_t *has_decays, const float *decays, const float *neg_lrs, const float *beta2s,
+                    const float *alpha2s)
+{
+    const int64_t per = 8 / bits, mask = (1 << bits) - 1;
+    int64_t j = 0;  /* element index in the lane stream */
+    for (int64_t t = 0; t < ntensors; t++) {
+        float *p = ps[t], *m = ms[t];
+        const float *g = gs[t];
+        const float decay = decays[t], neg_lr = neg_lrs[t], beta2 = beta2s[t], alpha2 = alpha2s[t];
+        const int64_t has_decay = has_decays[t], n = sizes[t];
+        int64_t i = 0;
+#ifdef __AVX2__
+        const __m256i shifts = bits == 2 ? _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)
+                                         : _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+        const __m256i vmask = _mm256_set1_epi32((int)mask), va_ = _mm256_set1_epi32((int)above);
+        const __m256i vb_ = _mm256_set1_epi32((int)below);
+        const __m256 one = _mm256_set1_ps(1.0f), vd = _mm256_set1_ps(decay), vl = _mm256_set1_ps(neg_lr);
+        const __m256 vb = _mm256_set1_ps(beta2), va = _mm256_set1_ps(alpha2);
+#endif
+        while (i < n) {
+#ifdef __AVX2__
+            if ((j & 7) == 0 && i + 8 <= n) {  /* 8 elements = `bits` whole bytes */
+                for (; i + 8 <= n; i += 8, j += 8) {
+                    const uint8_t *src = lanes + j * bits / 8;
+                    __m256i k;
+                    if (bits == 8) {
+                        k = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)src));
+                    } else {
+                        uint32_t word = 0;
+                        memcpy(&word, src, (size_t)bits);
+                        k = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)word), shifts), vmask);
+                    }
+                    __m256 gt = _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(k, va_)), one);
+                    __m256 lt = _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(vb_, k)), one);
+                    __m256 u = _mm256_sub_ps(gt, lt);
+                    __m256 pv = _mm256_loadu_ps(p + i);
+                    if (has_decay) pv = _mm256_mul_ps(pv, vd);
+                    _mm256_storeu_ps(p + i, _mm256_fmadd_ps(vl, u, pv));
+                    __m256 mv = _mm256_mul_ps(_mm256_loadu_ps(m + i), vb);
+                    _mm256_storeu_ps(m + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(g + i), mv));
+                }
+                continue;
+            }
+#endif
+            int64_t k = (lanes[j / per] >> ((j % per) * bits)) & mask;
+            float u = (float)((k > above) - (k < below));
+            float pv = has_decay ? p[i] * decay : p[i];
+            p[i] = fmaf(neg_lr, u, pv);
+            m[i] = fmaf(alpha2, g[i], m[i] * beta2);
+            i++;
+            j++;
+        }
+    }
+}
 """
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared"]
 
@@ -257,6 +316,8 @@ def _lib() -> Optional[ctypes.CDLL]:
     lib.lc_apply.restype = None
     lib.lc_apply_bits.argtypes = [i64, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp]
     lib.lc_apply_bits.restype = None
+    lib.lc_apply_lanes.argtypes = [i64, vp, vp, vp, vp, vp, i64, i64, i64, vp, vp, vp, vp, vp]
+    lib.lc_apply_lanes.restype = None
     return lib
 
 
@@ -330,6 +391,22 @@ def apply_bits(params: list[Tensor], exp_avgs: list[Tensor], grads: list[Tensor]
     _lib().lc_apply_bits(len(params), _ptrs(params), _ptrs(exp_avgs), _ptrs(grads), _sizes(params), pos.data_ptr(),
                          None if neg is None else neg.data_ptr(),
                          *_update_args(len(params), lr, beta2, weight_decay, maximize))
+
+
+def apply_lanes(params: list[Tensor], exp_avgs: list[Tensor], grads: list[Tensor], lanes: Tensor, bits: int,
+                above: int, below: int, *, lr, beta2, weight_decay, maximize=False) -> None:
+    """:func:`apply` with ``u = (k > above) − (k < below)`` read from the ``bits``-wide lane
+    sums ``k`` of ``lanes`` (2, 4 or 8 bits; element ``j`` = lane ``j``), the ``pbit`` vote
+    of :func:`lioncub.kernels.vote_lanes` without its int8 pass. Call only when :func:`usable`."""
+    if bits not in (2, 4, 8):
+        raise ValueError(f"bits must be 2, 4 or 8, got {bits!r}")
+    nbytes = -(-sum(t.numel() for t in params) * bits // 8)
+    if lanes.dtype != torch.uint8 or not lanes.is_contiguous() or lanes.numel() < nbytes:
+        raise ValueError(f"lanes must be a contiguous uint8 tensor of >= {nbytes} bytes, "
+                         f"got {lanes.dtype} {tuple(lanes.shape)}")
+    _lib().lc_apply_lanes(len(params), _ptrs(params), _ptrs(exp_avgs), _ptrs(grads), _sizes(params),
+                          lanes.data_ptr(), bits, above, below,
+                          *_update_args(len(params), lr, beta2, weight_decay, maximize))
 
 
 def _update_args(k: int, lr, beta2, weight_decay, maximize) -> list:

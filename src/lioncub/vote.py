@@ -187,11 +187,13 @@ class VoteCodec:
             return kernels.spread_votes(gt[offset:offset + nb], lt[offset:offset + nb], n, out.dtype, out=out)
         if self.method == "onebit":
             return kernels.unpack_pm1(voted[offset:offset + nb], n, out.dtype, out=out)  # straight into out
-        # lane sums k (no lane exceeds 2**w - 1): binary u = (2k > P) - (2k < P);
-        # quantized u = sign(k - P·s), P·s <= 127
+        return kernels.vote_lanes(voted[offset:offset + nb], n, self.bits, *self.thresholds(), out.dtype, out=out)
+
+    def thresholds(self) -> tuple[int, int]:
+        """``pbit``: u = (k > above) − (k < below) of the lane sums k (no lane exceeds
+        2**w − 1): binary signs u = (2k > P) − (2k < P); quantized u = sign(k − P·s), P·s ≤ 127."""
         w = self.world
-        above, below = (w // 2, (w + 1) // 2) if self.levels is None else (w * self.levels,) * 2
-        return kernels.vote_lanes(voted[offset:offset + nb], n, self.bits, above, below, out.dtype, out=out)
+        return (w // 2, (w + 1) // 2) if self.levels is None else (w * self.levels,) * 2
 
     def vote(self, c: Tensor, out: Tensor, step: int, group, stats: CommStats, generator=None) -> Tensor:
         """One part alone: encode, exchange, decode (``out`` may be ``c``)."""
