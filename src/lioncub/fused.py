@@ -80,6 +80,41 @@ static int64_t blocks1_avx2(const float *m, const float *g, int64_t i, int64_t n
 }
 #endif
 
+/* One tensor's update, as torch's mul_(decay); add_(u, alpha=-lr); mul_(beta2); add_(g, alpha=alpha2). */
+typedef struct {
+    float *p, *m;
+    const float *g;
+    float decay, neg_lr, beta2, alpha2;
+    int64_t has_decay, n;
+} lc_tensor;
+
+static inline lc_tensor tensor_at(int64_t t, float *const *ps, float *const *ms, const float *const *gs,
+                                  const int64_t *sizes, const int64_t *has_decays, const float *decays,
+                                  const float *neg_lrs, const float *beta2s, const float *alpha2s)
+{
+    lc_tensor x = {ps[t], ms[t], gs[t], decays[t], neg_lrs[t], beta2s[t], alpha2s[t], has_decays[t], sizes[t]};
+    return x;
+}
+
+static inline void update1(const lc_tensor *x, int64_t i, float u)
+{
+    float pv = x->has_decay ? x->p[i] * x->decay : x->p[i];
+    x->p[i] = fmaf(x->neg_lr, u, pv);
+    x->m[i] = fmaf(x->alpha2, x->g[i], x->m[i] * x->beta2);
+}
+
+#ifdef __AVX2__
+static inline void update8(const lc_tensor *x, int64_t i, __m256 u)  /* elements i .. i+7 */
+{
+    __m256 pv = _mm256_loadu_ps(x->p + i);
+    if (x->has_decay) pv = _mm256_mul_ps(pv, _mm256_set1_ps(x->decay));
+    _mm256_storeu_ps(x->p + i, _mm256_fmadd_ps(_mm256_set1_ps(x->neg_lr), u, pv));
+    __m256 mv = _mm256_mul_ps(_mm256_loadu_ps(x->m + i), _mm256_set1_ps(x->beta2));
+    _mm256_storeu_ps(x->m + i, _mm256_fmadd_ps(_mm256_set1_ps(x->alpha2), _mm256_loadu_ps(x->g + i), mv));
+}
+#endif
+#define LC_TENSOR(t) tensor_at(t, ps, ms, gs, sizes, has_decays, decays, neg_lrs, beta2s, alpha2s)
+
 /* c = fmaf(alpha, g, m * beta1): torch's mul(m, beta1).add_(g, alpha=alpha) on CPU.
    mode 0: lanes of `bits` bits holding 1 when c >= 0 (even step) / c > 0 (odd step);
    mode 1: int8 sign(c). The tensors are streamed as one concatenation. */
@@ -141,22 +176,9 @@ void lc_apply(int64_t ntensors, float *const *ps, float *const *ms, const float 
               const float *neg_lrs, const float *beta2s, const float *alpha2s)
 {
     for (int64_t t = 0; t < ntensors; t++) {
-        float *p = ps[t], *m = ms[t];
-        const float *g = gs[t];
-        const float decay = decays[t], neg_lr = neg_lrs[t], beta2 = beta2s[t], alpha2 = alpha2s[t];
-        int64_t n = sizes[t];
-        if (has_decays[t]) {
-            for (int64_t i = 0; i < n; i++) {
-                p[i] = fmaf(neg_lr, (float)u[i], p[i] * decay);
-                m[i] = fmaf(alpha2, g[i], m[i] * beta2);
-            }
-        } else {
-            for (int64_t i = 0; i < n; i++) {
-                p[i] = fmaf(neg_lr, (float)u[i], p[i]);
-                m[i] = fmaf(alpha2, g[i], m[i] * beta2);
-            }
-        }
-        u += n;
+        const lc_tensor x = LC_TENSOR(t);
+        for (int64_t i = 0; i < x.n; i++) update1(&x, i, (float)u[i]);
+        u += x.n;
     }
 }
 
@@ -168,20 +190,14 @@ void lc_apply_bits(int64_t ntensors, float *const *ps, float *const *ms, const f
 {
     int64_t j = 0;  /* element index in the bit stream */
     for (int64_t t = 0; t < ntensors; t++) {
-        float *p = ps[t], *m = ms[t];
-        const float *g = gs[t];
-        const float decay = decays[t], neg_lr = neg_lrs[t], beta2 = beta2s[t], alpha2 = alpha2s[t];
-        const int64_t has_decay = has_decays[t], n = sizes[t];
+        const lc_tensor x = LC_TENSOR(t);
         int64_t i = 0;
+        while (i < x.n) {
 #ifdef __AVX2__
-        const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-        const __m256 one = _mm256_set1_ps(1.0f), vd = _mm256_set1_ps(decay), vl = _mm256_set1_ps(neg_lr);
-        const __m256 vb = _mm256_set1_ps(beta2), va = _mm256_set1_ps(alpha2);
-#endif
-        while (i < n) {
-#ifdef __AVX2__
-            if ((j & 7) == 0 && i + 8 <= n) {  /* whole bytes: 8 elements at once */
-                for (; i + 8 <= n; i += 8, j += 8) {
+            if ((j & 7) == 0 && i + 8 <= x.n) {  /* whole bytes: 8 elements at once */
+                const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+                const __m256 one = _mm256_set1_ps(1.0f);
+                for (; i + 8 <= x.n; i += 8, j += 8) {
                     __m256i pb = _mm256_and_si256(_mm256_set1_epi32(pos[j >> 3]), sel);
                     __m256 u = _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(pb, sel)), one);
                     if (neg) {
@@ -190,25 +206,19 @@ void lc_apply_bits(int64_t ntensors, float *const *ps, float *const *ms, const f
                     } else {
                         u = _mm256_sub_ps(_mm256_add_ps(u, u), one);
                     }
-                    __m256 pv = _mm256_loadu_ps(p + i);
-                    if (has_decay) pv = _mm256_mul_ps(pv, vd);
-                    _mm256_storeu_ps(p + i, _mm256_fmadd_ps(vl, u, pv));
-                    __m256 mv = _mm256_mul_ps(_mm256_loadu_ps(m + i), vb);
-                    _mm256_storeu_ps(m + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(g + i), mv));
+                    update8(&x, i, u);
                 }
                 continue;
             }
 #endif
             int pb = (pos[j >> 3] >> (j & 7)) & 1;
-            float u = neg ? (float)(pb - ((neg[j >> 3] >> (j & 7)) & 1)) : (float)(2 * pb - 1);
-            float pv = has_decay ? p[i] * decay : p[i];
-            p[i] = fmaf(neg_lr, u, pv);
-            m[i] = fmaf(alpha2, g[i], m[i] * beta2);
+            update1(&x, i, neg ? (float)(pb - ((neg[j >> 3] >> (j & 7)) & 1)) : (float)(2 * pb - 1));
             i++;
             j++;
         }
     }
 }
+
 /* lc_apply with u from w-bit lane sums k (element j = lane j of the stream, w = 2, 4, 8):
    u = (k > above) - (k < below), as lioncub.kernels.vote_lanes decides. */
 void lc_apply_lanes(int64_t ntensors, float *const *ps, float *const *ms, const float *const *gs,
@@ -219,23 +229,17 @@ void lc_apply_lanes(int64_t ntensors, float *const *ps, float *const *ms, const 
     const int64_t per = 8 / bits, mask = (1 << bits) - 1;
     int64_t j = 0;  /* element index in the lane stream */
     for (int64_t t = 0; t < ntensors; t++) {
-        float *p = ps[t], *m = ms[t];
-        const float *g = gs[t];
-        const float decay = decays[t], neg_lr = neg_lrs[t], beta2 = beta2s[t], alpha2 = alpha2s[t];
-        const int64_t has_decay = has_decays[t], n = sizes[t];
+        const lc_tensor x = LC_TENSOR(t);
         int64_t i = 0;
+        while (i < x.n) {
 #ifdef __AVX2__
-        const __m256i shifts = bits == 2 ? _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)
-                                         : _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-        const __m256i vmask = _mm256_set1_epi32((int)mask), va_ = _mm256_set1_epi32((int)above);
-        const __m256i vb_ = _mm256_set1_epi32((int)below);
-        const __m256 one = _mm256_set1_ps(1.0f), vd = _mm256_set1_ps(decay), vl = _mm256_set1_ps(neg_lr);
-        const __m256 vb = _mm256_set1_ps(beta2), va = _mm256_set1_ps(alpha2);
-#endif
-        while (i < n) {
-#ifdef __AVX2__
-            if ((j & 7) == 0 && i + 8 <= n) {  /* 8 elements = `bits` whole bytes */
-                for (; i + 8 <= n; i += 8, j += 8) {
+            if ((j & 7) == 0 && i + 8 <= x.n) {  /* 8 elements = `bits` whole bytes */
+                const __m256i shifts = bits == 2 ? _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)
+                                                 : _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+                const __m256i vmask = _mm256_set1_epi32((int)mask), hi = _mm256_set1_epi32((int)above);
+                const __m256i lo = _mm256_set1_epi32((int)below);
+                const __m256 one = _mm256_set1_ps(1.0f);
+                for (; i + 8 <= x.n; i += 8, j += 8) {
                     const uint8_t *src = lanes + j * bits / 8;
                     __m256i k;
                     if (bits == 8) {
@@ -245,23 +249,15 @@ void lc_apply_lanes(int64_t ntensors, float *const *ps, float *const *ms, const 
                         memcpy(&word, src, (size_t)bits);
                         k = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)word), shifts), vmask);
                     }
-                    __m256 gt = _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(k, va_)), one);
-                    __m256 lt = _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(vb_, k)), one);
-                    __m256 u = _mm256_sub_ps(gt, lt);
-                    __m256 pv = _mm256_loadu_ps(p + i);
-                    if (has_decay) pv = _mm256_mul_ps(pv, vd);
-                    _mm256_storeu_ps(p + i, _mm256_fmadd_ps(vl, u, pv));
-                    __m256 mv = _mm256_mul_ps(_mm256_loadu_ps(m + i), vb);
-                    _mm256_storeu_ps(m + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(g + i), mv));
+                    __m256 gt = _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(k, hi)), one);
+                    __m256 lt = _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(lo, k)), one);
+                    update8(&x, i, _mm256_sub_ps(gt, lt));
                 }
                 continue;
             }
 #endif
             int64_t k = (lanes[j / per] >> ((j % per) * bits)) & mask;
-            float u = (float)((k > above) - (k < below));
-            float pv = has_decay ? p[i] * decay : p[i];
-            p[i] = fmaf(neg_lr, u, pv);
-            m[i] = fmaf(alpha2, g[i], m[i] * beta2);
+            update1(&x, i, (float)((k > above) - (k < below)));
             i++;
             j++;
         }
