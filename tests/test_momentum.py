@@ -8,6 +8,7 @@ import torch.distributed as dist
 from lioncub import CommStats, LionCub
 from lioncub.harness.models.gpt import build_gpt
 from lioncub.harness.models.resnet import resnet18
+from lioncub.harness.models.vit import vit_tiny
 from lioncub.momentum import Adaptive, MomentumSync, divergence_sketch, io_parameters, param_names, sync_bytes
 from tests.dist import run_workers
 
@@ -27,8 +28,13 @@ def test_io_picks_embeddings_and_head():
     tied = _gpt(tied=True)
     assert _io_names(tied) == ["wte.weight", "wpe.weight"]  # head.weight *is* wte.weight: once
     assert tied.head.weight is io_parameters(tied)[0]
-    net = resnet18(num_classes=10, in_channels=1)
-    assert _io_names(net) == ["stem.0.weight", "head.weight", "head.bias"]
+    net = resnet18(num_classes=10, in_channels=1)  # its param_roles: the whole stem is input
+    assert _io_names(net) == ["stem.0.weight", "stem.1.weight", "stem.1.bias", "head.weight", "head.bias"]
+    vit = vit_tiny(num_classes=10, image_size=8, in_channels=1)  # patches, classes and positions
+    assert _io_names(vit) == ["cls_token", "pos_embed", "patch_embed.weight", "patch_embed.bias",
+                              "head.weight", "head.bias"]
+    plain = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    assert _io_names(plain) == ["0.weight", "2.weight", "2.bias"]  # no roles: first embedding, last Linear
 
 
 def test_selection_by_names_tensors_and_errors():

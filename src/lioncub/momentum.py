@@ -96,10 +96,18 @@ def io_parameters(model: nn.Module) -> list[Tensor]:
     the first module with parameters (a ResNet stem conv, a ViT patch embedding).
     Output: the last ``nn.Linear`` in registration order (else the last module with
     parameters). A head tied to the token embedding is the same tensor: listed once.
-    Models with Hugging Face's ``get_input_embeddings``/``get_output_embeddings`` use those.
+    A model that says which parameters are which — ``param_roles()`` returning
+    ``{name: 'embed' | 'head' | ...}``, as the harness's GPT, ResNet and ViT do (a ViT's patch
+    projection, position table and class token are all its input) — gets exactly its
+    ``embed`` and ``head`` parameters. Models with Hugging Face's
+    ``get_input_embeddings``/``get_output_embeddings`` use those.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    roles = model.param_roles() if callable(getattr(model, "param_roles", None)) else {}
+    declared = [p for n, p in model.named_parameters() if roles.get(n) in ("embed", "head")]
+    if declared:
+        return declared  # named_parameters lists a tied tensor once
     if hasattr(model, "get_input_embeddings") and hasattr(model, "get_output_embeddings"):
         modules = [model.get_input_embeddings(), model.get_output_embeddings()]
     else:
