@@ -107,6 +107,7 @@ class _Two(torch.nn.Module):
         super().__init__()
         self.a = torch.nn.Parameter(torch.zeros(16))
         self.b = torch.nn.Parameter(torch.zeros(5))
+        self.z = torch.nn.Parameter(torch.zeros(3))  # c = 0 on every rank: tied, but all zero
 
 
 def _live(rank, world):
@@ -117,6 +118,7 @@ def _live(rank, world):
     model.a.grad = torch.where((j >> rank) & 1 == 1, 1.0, -1.0)
     opt.state[model.b]["exp_avg"] = rank * torch.arange(5.0)  # std across ranks: j * sqrt(1.25)
     model.b.grad = torch.full((5,), 10.0)  # c_b > 0 everywhere: no ties
+    model.z.grad = torch.zeros(3)
     cs = ins.update_vectors(opt)
     gathered = []
     for c in cs:
@@ -139,14 +141,15 @@ def live():
 def test_live_instruments_match_hand_and_pure_values(live):
     for r in live:
         rec = r["record"]
-        assert rec["tie_rate"]["layers"] == {"a": 6 / 16, "b": 0.0}
-        assert rec["tie_rate"]["all"] == 6 / 21 == r["pure_ties"]
+        assert rec["tie_rate"]["layers"] == {"a": 6 / 16, "b": 0.0, "z": 1.0}
+        assert rec["tie_rate"]["all"] == 9 / 24 == r["pure_ties"]
+        assert rec["tie_rate"]["all_zero"] == 3 / 24 and rec["tie_rate"]["ties_nonzero"] == 6 / 21
         std = rec["momentum_std"]
         assert std["a"]["max_std"] == 0.0
         assert std["b"]["max_std"] == pytest.approx(4 * math.sqrt(1.25), rel=1e-12)
         assert std["b"]["rms_mean"] == pytest.approx(1.5 * math.sqrt(sum(k * k for k in range(5)) / 5), rel=1e-12)
-        assert rec["sign_match"] == r["pure_rows"]  # all 21 coordinates: the same computation
-        assert rec["distribution"]["all"]["n"] == 21 and set(rec["distribution"]["layers"]) == {"a", "b"}
+        assert rec["sign_match"] == r["pure_rows"]  # all 24 coordinates: the same computation
+        assert rec["distribution"]["all"]["n"] == 24 and set(rec["distribution"]["layers"]) == {"a", "b", "z"}
         assert r["c_a"] == [0.5 * (1.0 if (k >> live.index(r)) & 1 else -1.0) for k in range(16)]
     assert all(r["sampled"] == live[0]["sampled"] for r in live)  # sampled alike on every rank
     assert all(r["record"]["sign_match"] == live[0]["record"]["sign_match"] for r in live)

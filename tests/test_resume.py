@@ -147,6 +147,46 @@ def test_resume_from_four_ranks_on_two_trains_on():
         assert end < 0.5 * start, (start, end)
 
 
+# ----------------------------------------------------------------------------- 2 ranks -> 4 ranks, pbit lanes widen
+def _train_pbit_on_two(rank, world):
+    model = _model()
+    opt = LionCub(model.parameters(), lr=0.02, vote="pbit", model=model)  # bits=None: the narrowest lane
+    for step in range(4):
+        _backward(model, rank, step)
+        opt.step()
+    return model.state_dict(), copy.deepcopy(opt.state_dict()), opt._codec().bits, opt.last_step_stats.bytes_sent
+
+
+def _resume_pbit_on_four(rank, world, model_state, new_states):
+    from lioncub.cost import predicted_bytes
+
+    model = _model(seed=9 + rank)
+    opt = LionCub(model.parameters(), lr=0.02, vote="pbit", model=model)
+    model.load_state_dict(model_state)
+    opt.load_state_dict(new_states[rank])
+    for step in range(4, 8):
+        _backward(model, rank, step)
+        opt.step()
+    n_tensors = len(list(model.parameters()))
+    want = sum(predicted_bytes("pbit", n, world)["bytes_sent"] for n in opt.message_elements())
+    want += predicted_bytes("sign_allreduce", n_tensors + 1, world)["bytes_sent"]  # has-grad mask + flag
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    everyone = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(everyone, flat)
+    return (opt._codec().bits, opt.steps, opt.last_step_stats.bytes_sent == pytest.approx(want),
+            all(torch.equal(e, flat) for e in everyone))
+
+
+def test_pbit_lanes_are_chosen_again_when_resuming_on_more_ranks():
+    """2-bit lanes hold a 2-rank vote but overflow with 4 ranks: the resumed run picks 4-bit
+    lanes (bits=None is what the checkpoint stores), sends their bytes, and stays in sync."""
+    old = run_workers(_train_pbit_on_two, 2)
+    assert [o[2] for o in old] == [2, 2]
+    new = reshard_states([o[1] for o in old], 4)
+    for bits, steps, bytes_ok, replicas_same in run_workers(_resume_pbit_on_four, 4, old[0][0], new):
+        assert bits == 4 and steps == 8 and bytes_ok and replicas_same
+
+
 # ----------------------------------------------------------------------------- the pure function
 def _fake_world(n_ranks, vote="onebit", dtype=torch.float32):
     """Per-rank states as LionCub would save them on ``n_ranks`` ranks (distinct momenta)."""

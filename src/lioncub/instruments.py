@@ -176,16 +176,23 @@ def live_distribution(optimizer, model=None, *, bins: int = 81) -> dict:
 
 
 def live_tie_rate(optimizer, model=None) -> dict:
-    """Exact tie rate of the vote, whole model and per layer: one int8 SUM all-reduce of signs."""
+    """Exact tie rate of the vote, whole model and per layer: one int8 SUM all-reduce of the
+    signs and their absolute values. ``all_zero``: the share of coordinates where every rank's
+    c is exactly 0 (e.g. embedding rows no batch used) — ties too, but not disagreements;
+    ``ties_nonzero``: the tie rate among the other coordinates."""
     if _world(optimizer) > 127:
         raise ValueError("live_tie_rate sums int8 signs and needs world size <= 127")
     cs = update_vectors(optimizer)
     signs = torch.cat([torch.sign(c.reshape(-1)).to(torch.int8) for c in cs])
+    both = torch.cat([signs, signs.abs()])
     if _world(optimizer) > 1:
-        comm.all_reduce(signs, getattr(optimizer, "group", None))
-    tied = signs == 0
+        comm.all_reduce(both, getattr(optimizer, "group", None))
+    n = signs.numel()
+    tied, silent = both[:n] == 0, both[n:] == 0
+    voiced = int((~silent).sum())
     layers = {n: float(t.double().mean()) for n, t in zip(_names(optimizer, model), tied.split([c.numel() for c in cs]))}
-    return {"all": float(tied.double().mean()), "layers": layers}
+    return {"all": float(tied.double().mean()), "all_zero": float(silent.double().mean()),
+            "ties_nonzero": float((tied & ~silent).sum()) / voiced if voiced else 0.0, "layers": layers}
 
 
 def live_sign_match(optimizer, *, max_elements: int = 65536, seed: int = 0, step: int | None = None, **kw) -> list[dict]:
