@@ -1,0 +1,54 @@
+"""Time ``LionCub.step()`` alone (gradients fixed, no forward/backward) on the 28.7M-parameter
+GPT of bench/step_time.py: 2 gloo workers on loopback, 5 timed steps per method (median).
+Isolates the optimizer's local work (c, pack, vote, apply) from the network.
+
+    OMP_NUM_THREADS=1 PYTHONPATH=src python3 bench/opt_step.py [bench/results/opt_step.json]
+"""
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def worker(rank, world, methods, steps, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29537")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from lioncub import LionCub
+    from lioncub.harness.models.gpt import GPT, GPTConfig
+    res = {}
+    for label, kw in methods:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=6, n_head=6, n_embd=576, vocab_size=8192, block_size=64))
+        gen = torch.Generator().manual_seed(rank)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt = LionCub(model.parameters(), lr=1e-4, weight_decay=0.1, **kw)
+        rows = []
+        for s in range(steps + 1):
+            dist.barrier()
+            t0 = time.perf_counter(); opt.step(); dt = time.perf_counter() - t0
+            st = opt.last_step_stats
+            if s:
+                rows.append(dict(step=dt, pack=st.t_quantize_pack, coll=st.t_collective, unpack=st.t_unpack_vote, apply=st.t_apply))
+        res[label] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    if rank == 0:
+        json.dump(res, open(out, "w"))
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    methods = [("grad fp32", dict(vote="grad")), ("onebit", dict(vote="onebit")), ("gather", dict(vote="gather")),
+               ("pbit4", dict(vote="pbit", bits=4)), ("pbit8 l1", dict(vote="pbit", bits=8, quantizer="l1")),
+               ("sign int8", dict(vote="sign_allreduce"))]
+    out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                             "results", "opt_step.json")
+    mp.spawn(worker, args=(2, methods, 5, out), nprocs=2)
+    r = json.load(open(out))
+    for k, v in r.items():
+        other = v["step"] - v["pack"] - v["coll"] - v["unpack"] - v["apply"]
+        print(f"{k:10s} step {v['step']*1e3:7.1f}  pack {v['pack']*1e3:6.1f}  coll {v['coll']*1e3:6.1f}  unpack {v['unpack']*1e3:6.1f}  apply {v['apply']*1e3:6.1f}  other {other*1e3:6.1f}")
