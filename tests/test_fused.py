@@ -39,6 +39,27 @@ def test_encode_equals_interpolate_then_pack(sizes):
         assert torch.equal(got.view(torch.int8), torch.sign(c).to(torch.int8))
 
 
+
+def test_encode_reports_nonfinite_gradients_at_every_position():
+    """encode's return is guard.grads_finite of the same gradients: False for one NaN/±Inf
+    anywhere (AVX2 blocks, scalar blocks, the partial bytes between tensors, int8 signs),
+    True for finite values however large; the packed bytes are unchanged by the check."""
+    sizes = [3, 21, 5]  # byte edges inside tensors: scalar heads/tails and 8-wide blocks
+    ms, gs = _tensors(sizes, seed=3)
+    gs[1][4] = torch.finfo(torch.float32).max  # huge but finite: not flagged
+    gs[2][0] = -torch.finfo(torch.float32).max
+    n = sum(sizes)
+    for bits, signs in ((1, False), (2, False), (4, False), (8, False), (8, True)):
+        out = torch.empty(n if signs else -(-n * bits // 8), dtype=torch.uint8)
+        assert fused.encode(ms, gs, 0.9, False, out, bits=bits, step=0, signs=signs) is True
+        for t, size in enumerate(sizes):
+            for i in range(size):
+                for bad in (float("nan"), float("inf"), float("-inf")):
+                    g2 = [x.clone() for x in gs]
+                    g2[t][i] = bad
+                    assert fused.encode(ms, g2, 0.9, False, out, bits=bits, step=1, signs=signs) is False, \
+                        (bits, signs, t, i, bad)
+
 @pytest.mark.parametrize("sizes", SIZES)
 def test_apply_equals_apply_update(sizes):
     for lr, wd, beta2, maximize in [(1e-3, 0.0, 0.99, False), (3e-4, 0.1, 0.98, True), (0.7, 1.3, 0.5, False)]:

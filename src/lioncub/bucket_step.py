@@ -4,7 +4,10 @@ machinery, kept apart from the optimizer's set-up, checks and state).
 * voted methods: :meth:`BucketStep._step_messages` groups the buckets into messages of at
   most ``message_mb`` on the wire; per bucket :meth:`~BucketStep._encode_part` writes this
   rank's part (the fused loop of :mod:`lioncub.fused`, or ``c`` + :class:`~lioncub.vote.VoteCodec`),
-  one exchange per message, then :meth:`~BucketStep._decode_apply` updates ``p`` and ``m``;
+  one exchange per message, then :meth:`~BucketStep._decode_apply` updates ``p`` and ``m``.
+  When the fused loop writes every part, LionCub encodes all messages first (the loop
+  also checks the gradients are finite, saving a read), agrees on has-grad / finite, and
+  only then exchanges; each message then keeps its own buffer;
 * ``vote='grad'``: :meth:`~BucketStep._step_grad`, the gradient all-reduce baseline;
 * :meth:`~BucketStep._bucket_c`, :meth:`~BucketStep._vote_flat`, :meth:`~BucketStep._apply_bucket`:
   the torch path, also used by :mod:`lioncub.overlap` and the benchmarks.
@@ -86,21 +89,40 @@ class BucketStep:
             for part in parts:
                 self._apply_bucket(part, self._bucket_c(part, stats, key="c").sign_(), stats)
             return
+        self._exchange_messages(parts, self._encode_messages(parts, stats)[0], stats)
+
+    def _encodes_fused(self, parts: list[list[tuple[dict, Tensor]]]) -> bool:
+        """Every part's message written by the fused loop (which also checks the gradients)."""
+        return self.world_size > 1 and self.quantizer is None and all(self._fusable(part) for part in parts)
+
+    def _encode_messages(self, parts: list[list[tuple[dict, Tensor]]],
+                         stats: CommStats) -> tuple[list[tuple[list[int], Tensor]], Optional[bool]]:
+        """This rank's bytes of every message: ``[(bucket indices into parts, buffer)]``,
+        and whether every gradient read was finite (None unless all went the fused way)."""
         codec = self._codec()
         params = self._params()
         index = {id(p): i for i, (_, p) in enumerate(params)}
-        for msg in self.messages([[index[id(p)] for _, p in part] for part in parts]):
-            sizes = [sum(p.numel() for _, p in parts[b]) for b in msg]
-            nbs = [codec.part_nbytes(n) for n in sizes]
+        encoded, finite = [], True
+        for k, msg in enumerate(self.messages([[index[id(p)] for _, p in part] for part in parts])):
+            nbs = [codec.part_nbytes(sum(p.numel() for _, p in parts[b])) for b in msg]
             m = sum(nbs)
             device = parts[msg[0]][0][1].device
-            buf = self._buffer("msg", codec.message_nbytes(m), torch.uint8, device)
+            buf = self._buffer(("msg", k), codec.message_nbytes(m), torch.uint8, device)
             buf[m:].zero_()
             offset = 0
             for b, nb in zip(msg, nbs):
-                self._encode_part(parts[b], codec, buf[offset:offset + nb], self.steps, stats)
+                ok = self._encode_part(parts[b], codec, buf[offset:offset + nb], self.steps, stats)
+                finite = None if ok is None or finite is None else finite and ok
                 offset += nb
-            voted = codec.exchange(buf, m, self.steps, self.group, stats)
+            encoded.append((msg, buf))
+        return encoded, finite
+
+    def _exchange_messages(self, parts, encoded: list[tuple[list[int], Tensor]], stats: CommStats) -> None:
+        """One exchange per encoded message, then each of its parts decoded and applied."""
+        codec = self._codec()
+        for msg, buf in encoded:
+            sizes = [sum(p.numel() for _, p in parts[b]) for b in msg]
+            voted = codec.exchange(buf, sum(codec.part_nbytes(n) for n in sizes), self.steps, self.group, stats)
             offset = 0
             for b, n in zip(msg, sizes):
                 self._decode_apply(parts[b], codec, voted, offset, n, stats)
@@ -113,20 +135,23 @@ class BucketStep:
                             [p.grad for p in params if p.grad is not None])
 
     def _encode_part(self, entries, codec: VoteCodec, dst: Tensor, step: int, stats: CommStats,
-                     key="c") -> None:
-        """This rank's part of a message for ``entries`` (one bucket) into ``dst``."""
+                     key="c") -> Optional[bool]:
+        """This rank's part of a message for ``entries`` (one bucket) into ``dst``. Returns
+        whether the bucket's gradients are all finite when the fused loop wrote it (it
+        reads them anyway), None when the torch path did."""
         if codec.quantizer is None and self._fusable(entries):  # c never stored: one pass
             t0 = time.perf_counter()
             params = [p for _, p in entries]
-            fused.encode([self._init_state(p) for p in params], self._grads(params),
+            finite = fused.encode([self._init_state(p) for p in params], self._grads(params),
                          [g["betas"][0] for g, _ in entries], [g["maximize"] for g, _ in entries], dst,
                          bits=codec.bits, step=step, signs=codec.method == "sign_allreduce")
             stats.t_quantize_pack += time.perf_counter() - t0
-            return
+            return finite
         c = self._bucket_c(entries, stats, key=key)
         t0 = time.perf_counter()
         codec.encode(c, dst, step, self.generator)
         stats.t_quantize_pack += time.perf_counter() - t0
+        return None
 
     @staticmethod
     def _hyper(entries) -> dict:

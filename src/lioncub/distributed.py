@@ -272,11 +272,13 @@ class LionCub(BucketStep, torch.optim.Optimizer):
                 t.copy_(piece.view_as(t))
 
     # ------------------------------------------------------------------ step
-    def _agree_active(self, params: list[Tensor], stats: CommStats) -> tuple[list[bool], int]:
+    def _agree_active(self, params: list[Tensor], stats: CommStats,
+                      finite: Optional[bool] = None) -> tuple[list[bool], int]:
         """One tiny all-reduce agrees on (a) which params have a gradient on at least one
-        rank and (b) how many ranks hold a non-finite gradient (0 = all finite)."""
+        rank and (b) how many ranks hold a non-finite gradient (0 = all finite).
+        ``finite``: this rank's answer when already known (the fused encode checks)."""
         has = torch.tensor([p.grad is not None for p in params] + [0], dtype=torch.uint8)
-        has[-1] = int(not guard.grads_finite(params))
+        has[-1] = int(not (guard.grads_finite(params) if finite is None else finite))
         if self.world_size > 1:
             comm.all_reduce(has, self.group, stats)
         return (has[:-1] > 0).tolist(), int(has[-1])
@@ -309,7 +311,11 @@ class LionCub(BucketStep, torch.optim.Optimizer):
         driver = self._driver  # overlap / DDP hook: votes already launched during backward
         if driver is not None:
             driver.finish_votes(stats)  # nothing in flight before the next collective
-        active, bad_ranks = self._agree_active(params, stats)
+        early = None  # fused encode first: it checks every gradient in the same read
+        whole = [[entries[i] for i in idx] for idx in self._buckets]
+        if driver is None and self.vote != "grad" and self._encodes_fused(whole):
+            early = self._encode_messages(whole, stats)
+        active, bad_ranks = self._agree_active(params, stats, finite=None if early is None else early[1])
         if bad_ranks:
             if driver is not None:
                 driver.discard()
@@ -319,7 +325,9 @@ class LionCub(BucketStep, torch.optim.Optimizer):
             return loss
         if driver is not None:
             driver.apply(active, stats)
-        else:
+        elif early is not None and all(active):
+            self._exchange_messages(whole, early[0], stats)
+        else:  # (and when no rank has a gradient for some param: encoded again without it)
             parts = [[entries[i] for i in idx if active[i]] for idx in self._buckets]
             parts = [part for part in parts if part]
             if self.vote == "grad":

@@ -42,23 +42,35 @@ _SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 
+/* 1 when x is NaN or +-Inf (all exponent bits set), read from its bits. */
+static inline uint32_t nonfinite(float x)
+{
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return (u & 0x7f800000u) == 0x7f800000u;
+}
+
 /* Whole output bytes from element i on; bits and even are constants at every call
-   (inlined), so each byte's 8/bits elements unroll and vectorize. Returns the next i. */
+   (inlined), so each byte's 8/bits elements unroll and vectorize. Returns the next i;
+   sets *bad when a gradient read is not finite. */
 static inline __attribute__((always_inline)) int64_t
 blocks(const float *m, const float *g, int64_t i, int64_t n, float beta1, float alpha,
-       const int bits, const int even, uint8_t **out)
+       const int bits, const int even, uint8_t **out, uint32_t *bad)
 {
     const int per = 8 / bits;
     uint8_t *o = *out;
+    uint32_t nf = 0;
     for (; i + per <= n; i += per) {
         uint32_t b = 0;
         for (int k = 0; k < per; k++) {
             float c = fmaf(alpha, g[i + k], m[i + k] * beta1);
             b |= (uint32_t)(even ? c >= 0.0f : c > 0.0f) << (k * bits);
+            nf |= nonfinite(g[i + k]);
         }
         *o++ = (uint8_t)b;
     }
     *out = o;
+    *bad |= nf;
     return i;
 }
 
@@ -66,16 +78,20 @@ blocks(const float *m, const float *g, int64_t i, int64_t n, float beta1, float 
 #include <immintrin.h>
 /* 1-bit lanes, 8 elements per byte by one compare + movemask (same values as blocks()). */
 static int64_t blocks1_avx2(const float *m, const float *g, int64_t i, int64_t n, float beta1, float alpha,
-                            int even, uint8_t **out)
+                            int even, uint8_t **out, uint32_t *bad)
 {
     const __m256 b1 = _mm256_set1_ps(beta1), a = _mm256_set1_ps(alpha), z = _mm256_setzero_ps();
+    __m256 nf = z;  /* g - g is +0 for finite g, NaN for NaN/Inf: OR-ed bits stay 0 iff all finite */
     uint8_t *o = *out;
     for (; i + 8 <= n; i += 8) {
-        __m256 c = _mm256_fmadd_ps(a, _mm256_loadu_ps(g + i), _mm256_mul_ps(_mm256_loadu_ps(m + i), b1));
+        __m256 gv = _mm256_loadu_ps(g + i);
+        __m256 c = _mm256_fmadd_ps(a, gv, _mm256_mul_ps(_mm256_loadu_ps(m + i), b1));
         __m256 s = even ? _mm256_cmp_ps(c, z, _CMP_GE_OQ) : _mm256_cmp_ps(c, z, _CMP_GT_OQ);
         *o++ = (uint8_t)_mm256_movemask_ps(s);
+        nf = _mm256_or_ps(nf, _mm256_sub_ps(gv, gv));
     }
     *out = o;
+    *bad |= !_mm256_testz_si256(_mm256_castps_si256(nf), _mm256_castps_si256(nf));
     return i;
 }
 #endif
@@ -117,10 +133,12 @@ static inline void update8(const lc_tensor *x, int64_t i, __m256 u)  /* elements
 
 /* c = fmaf(alpha, g, m * beta1): torch's mul(m, beta1).add_(g, alpha=alpha) on CPU.
    mode 0: lanes of `bits` bits holding 1 when c >= 0 (even step) / c > 0 (odd step);
-   mode 1: int8 sign(c). The tensors are streamed as one concatenation. */
-void lc_encode(int64_t ntensors, const float *const *ms, const float *const *gs, const int64_t *sizes,
+   mode 1: int8 sign(c). The tensors are streamed as one concatenation. Returns 1 when
+   any gradient element is NaN or +-Inf (the finite check, folded into this read), else 0. */
+int64_t lc_encode(int64_t ntensors, const float *const *ms, const float *const *gs, const int64_t *sizes,
                const float *beta1s, const float *alphas, int64_t mode, int64_t bits, int64_t even, uint8_t *out)
 {
+    uint32_t bad = 0;
     if (mode == 1) {
         int8_t *o = (int8_t *)out;
         for (int64_t t = 0; t < ntensors; t++) {
@@ -130,10 +148,11 @@ void lc_encode(int64_t ntensors, const float *const *ms, const float *const *gs,
             for (int64_t i = 0; i < n; i++) {
                 float c = fmaf(alpha, g[i], m[i] * beta1);
                 o[i] = (int8_t)((c > 0.0f) - (c < 0.0f));
+                bad |= nonfinite(g[i]);
             }
             o += n;
         }
-        return;
+        return bad;
     }
     uint32_t acc = 0;
     int64_t shift = 0;
@@ -144,29 +163,32 @@ void lc_encode(int64_t ntensors, const float *const *ms, const float *const *gs,
         while (i < n && shift != 0) {  /* finish the byte the previous tensor started */
             float c = fmaf(alpha, g[i], m[i] * beta1);
             acc |= (uint32_t)(even ? c >= 0.0f : c > 0.0f) << shift;
+            bad |= nonfinite(g[i]);
             i++;
             shift += bits;
             if (shift == 8) { *out++ = (uint8_t)acc; acc = 0; shift = 0; }
         }
 #ifdef __AVX2__
-        if (bits == 1) i = blocks1_avx2(m, g, i, n, beta1, alpha, (int)even, &out);
+        if (bits == 1) i = blocks1_avx2(m, g, i, n, beta1, alpha, (int)even, &out, &bad);
 #endif
-        if (bits == 1 && even) i = blocks(m, g, i, n, beta1, alpha, 1, 1, &out);
-        else if (bits == 1) i = blocks(m, g, i, n, beta1, alpha, 1, 0, &out);
-        else if (bits == 2 && even) i = blocks(m, g, i, n, beta1, alpha, 2, 1, &out);
-        else if (bits == 2) i = blocks(m, g, i, n, beta1, alpha, 2, 0, &out);
-        else if (bits == 4 && even) i = blocks(m, g, i, n, beta1, alpha, 4, 1, &out);
-        else if (bits == 4) i = blocks(m, g, i, n, beta1, alpha, 4, 0, &out);
-        else if (even) i = blocks(m, g, i, n, beta1, alpha, 8, 1, &out);
-        else i = blocks(m, g, i, n, beta1, alpha, 8, 0, &out);
+        if (bits == 1 && even) i = blocks(m, g, i, n, beta1, alpha, 1, 1, &out, &bad);
+        else if (bits == 1) i = blocks(m, g, i, n, beta1, alpha, 1, 0, &out, &bad);
+        else if (bits == 2 && even) i = blocks(m, g, i, n, beta1, alpha, 2, 1, &out, &bad);
+        else if (bits == 2) i = blocks(m, g, i, n, beta1, alpha, 2, 0, &out, &bad);
+        else if (bits == 4 && even) i = blocks(m, g, i, n, beta1, alpha, 4, 1, &out, &bad);
+        else if (bits == 4) i = blocks(m, g, i, n, beta1, alpha, 4, 0, &out, &bad);
+        else if (even) i = blocks(m, g, i, n, beta1, alpha, 8, 1, &out, &bad);
+        else i = blocks(m, g, i, n, beta1, alpha, 8, 0, &out, &bad);
         for (; i < n; i++) {  /* a partial byte, continued by the next tensor */
             float c = fmaf(alpha, g[i], m[i] * beta1);
             acc |= (uint32_t)(even ? c >= 0.0f : c > 0.0f) << shift;
+            bad |= nonfinite(g[i]);
             shift += bits;
             if (shift == 8) { *out++ = (uint8_t)acc; acc = 0; shift = 0; }
         }
     }
     if (shift != 0) *out = (uint8_t)acc;
+    return bad;
 }
 
 /* p <- p*decay (if has_decay); p <- fmaf(neg_lr, u, p); m <- fmaf(alpha2, g, m*beta2):
@@ -307,7 +329,7 @@ def _lib() -> Optional[ctypes.CDLL]:
         return None
     i64, f32, vp = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
     lib.lc_encode.argtypes = [i64, vp, vp, vp, vp, vp, i64, i64, i64, vp]
-    lib.lc_encode.restype = None
+    lib.lc_encode.restype = i64
     lib.lc_apply.argtypes = [i64, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp]
     lib.lc_apply.restype = None
     lib.lc_apply_bits.argtypes = [i64, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp]
@@ -345,12 +367,15 @@ def _per_tensor(value, k: int, ctype=ctypes.c_float) -> ctypes.Array:
 
 
 def encode(exp_avgs: list[Tensor], grads: list[Tensor], beta1, maximize, out: Tensor, *,
-           bits: int, step: int, signs: bool = False) -> None:
+           bits: int, step: int, signs: bool = False) -> bool:
     """This rank's part of the message for ``c = β1·m + (1-β1)·g`` of the tensors in
     order, written into the uint8 ``out``: ``bits``-wide lanes (1, 2, 4, 8) of ``c ≥ 0``
     (even ``step``) / ``c > 0`` (odd), as :func:`lioncub.kernels.sign_bits` +
     :func:`~lioncub.kernels.pack_bytes`; or, with ``signs``, one int8 ``sign(c)`` per element.
-    ``beta1``, ``maximize``: one value, or one per tensor. Call only when :func:`usable`."""
+    ``beta1``, ``maximize``: one value, or one per tensor. Call only when :func:`usable`.
+
+    Returns whether every gradient element is finite (no NaN, no ±Inf): the check of
+    :func:`lioncub.guard.grads_finite`, made during the same read of ``g``."""
     k, n = len(exp_avgs), sum(t.numel() for t in exp_avgs)
     need = n if signs else -(-n * bits // 8)
     if out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() != need:
@@ -358,7 +383,7 @@ def encode(exp_avgs: list[Tensor], grads: list[Tensor], beta1, maximize, out: Te
     b1 = list(_per_tensor(beta1, k, ctypes.c_double))
     mx = list(_per_tensor(maximize, k, ctypes.c_bool))
     alphas = [-(1.0 - b) if x else 1.0 - b for b, x in zip(b1, mx)]  # as lion.interpolate
-    _lib().lc_encode(k, _ptrs(exp_avgs), _ptrs(grads), _sizes(exp_avgs), _per_tensor(b1, k), _per_tensor(alphas, k),
+    return not _lib().lc_encode(k, _ptrs(exp_avgs), _ptrs(grads), _sizes(exp_avgs), _per_tensor(b1, k), _per_tensor(alphas, k),
                      1 if signs else 0, bits, 1 if step % 2 == 0 else 0, out.data_ptr())
 
 
