@@ -13,8 +13,12 @@ unshaped (the CPU floor), once per method:
 Per method: the median step (each step timed on its slowest rank), split into compute
 (forward+backward) / quantize+pack / collective / unpack+vote / apply; wire bytes
 per step and rank (the veth tx counter); speedups over Lion fp32 and Lion bf16; the
-α-β model (compute + apply + Σ_buckets predicted comm, β = line rate, α from
-``calibrate``) and the ideal (compute + apply + measured wire bytes at line rate).
+α-β model (compute + apply + Σ_messages predicted comm, β = line rate, α from
+``calibrate``) and the ideal (compute + apply + measured wire bytes at line rate). In the
+model and the ideal, compute is the slowest rank's forward+backward in that step
+(``compute_max``): no synchronous step ends before it. ``ideal_own_compute_s`` keeps the
+stricter figure with the compute of the rank whose step was slowest (often a rank that
+finished backward early and then waited in the collective).
 
     sudo OMP_NUM_THREADS=1 PYTHONPATH=src python3 bench/step_time.py          # ~6 min
     ... bench/step_time.py --rates 1gbit --steps 3 --layers 2   # quicker, smaller
@@ -161,12 +165,17 @@ def run_testbed(args, rate) -> dict:
         # a step lasts as long as its slowest rank: take that rank's split of the median step,
         # so the parts add up to the step time
         slow = [max((r["steps"][i] for r in per), key=lambda s: s["step"]) for i in range(k)]
-        median = sorted(slow, key=lambda s: s["step"])[(k - 1) // 2]
+        i_med = sorted(range(k), key=lambda i: slow[i]["step"])[(k - 1) // 2]
+        median = slow[i_med]
         row = {"method": label, **{p: median[p] for p in PARTS + ("step",)}}
+        # the step cannot end before the last rank's backward: its compute (4 workers share
+        # 2 cores here, so ranks finish backward up to ~0.1 s apart; the wait shows as collective)
+        row["compute_max"] = max(r["steps"][i_med]["compute"] for r in per)
         row["wire_bytes"] = statistics.median(statistics.fmean(r["steps"][i]["tx"] for r in per) for i in range(k))
         row["model_bytes"], comm = _model(label, kw, per[0]["sizes"], per[0]["n_params_tensors"], P, alpha, beta)
-        row["model_s"] = row["compute"] + row["apply"] + comm
-        row["ideal_s"] = row["compute"] + row["apply"] + row["wire_bytes"] * 8 * beta
+        row["model_s"] = row["compute_max"] + row["apply"] + comm
+        row["ideal_s"] = row["compute_max"] + row["apply"] + row["wire_bytes"] * 8 * beta
+        row["ideal_own_compute_s"] = row["compute"] + row["apply"] + row["wire_bytes"] * 8 * beta
         row["n"] = sum(per[0]["sizes"])
         rows.append(row)
     by = {r["method"]: r for r in rows}
@@ -187,14 +196,15 @@ def run_testbed(args, rate) -> dict:
 
 def table(res: dict) -> str:
     head = (f"{'method':13s} {'step s':>7s} {'comp':>6s} {'pack':>6s} {'coll':>6s} {'unpk':>6s} {'apply':>6s} "
-            f"{'wire MB':>8s} {'modelMB':>8s} {'x fp32':>6s} {'x bf16':>6s} {'model s':>7s} {'ideal s':>7s}")
+            f"{'wire MB':>8s} {'modelMB':>8s} {'x fp32':>6s} {'x bf16':>6s} {'model s':>7s} {'ideal s':>7s} "
+            f"{'/ideal':>6s} {'cmpmax':>6s}")
     lines = [f"{res['rate']}, {res['workers']} workers, alpha={res['alpha'] * 1e3:.2f} ms, "
              f"beta -> {1e-9 / res['beta']:.2f} Gbit/s, n={res['rows'][0]['n'] / 1e6:.1f}M params", head]
     for r in res["rows"]:
         lines.append(f"{r['method']:13s} {r['step']:7.3f} {r['compute']:6.3f} {r['pack']:6.3f} "
                      f"{r['collective']:6.3f} {r['unpack']:6.3f} {r['apply']:6.3f} {r['wire_bytes'] / 1e6:8.2f} "
                      f"{r['model_bytes'] / 1e6:8.2f} {r['speedup_fp32']:6.2f} {r['speedup_bf16']:6.2f} "
-                     f"{r['model_s']:7.3f} {r['ideal_s']:7.3f}")
+                     f"{r['model_s']:7.3f} {r['ideal_s']:7.3f} {r['step'] / r['ideal_s']:6.2f} {r['compute_max']:6.3f}")
     a = res["auto"]
     lines.append(f"auto picks {a['default_gamma']} (default gamma), {a['measured_gamma']} (this run's gamma)")
     return "\n".join(lines)
