@@ -12,11 +12,13 @@ rank: quantize + pack before the collective, unpack + count + decide after it. T
 
 The default constants (:data:`DEFAULT_GAMMA`) were measured with
 ``bench/step_time.py`` (4 gloo workers, 1 thread each, on a 2-core host, 28.7M
-parameters, fp32, with the fused loops of :mod:`lioncub.fused`, 1 Gbit/s run of
-bench/results/step_time.json): the per-step ``t_quantize_pack + t_unpack_vote`` of each
-method divided by the elements voted, all methods in one run so their ratios are
-comparable (2 workers share each core: a dedicated core is ~2x faster; without a C
-compiler the torch path is 3-10x slower). They are host-specific; pass
+parameters, fp32, with the fused loops of :mod:`lioncub.fused`; the 1 Gbit/s runs of
+bench/results/step_time.json, step_time_rerun1.json and step_time_rerun2.json): the
+per-step ``t_quantize_pack + t_unpack_vote`` of each method divided by the elements
+voted, the median of the three runs (each run has all methods, so their ratios are
+comparable; run to run one method's figure moves by up to ±40%). 2 workers share each
+core: a dedicated core is ~2x faster; without a C compiler the torch path is 3-10x slower.
+They are host-specific; pass
 ``gamma={...}`` (same keys) to use your own, e.g. from your own run of the bench.
 Only binary-sign votes are candidates: multi-level quantizers change the algorithm,
 not only its cost, so ``auto`` never picks one.
@@ -41,10 +43,10 @@ AUTO_CANDIDATES = ("sign_allreduce", "onebit", "pbit", "gather")
 
 DEFAULT_GAMMA: dict[str, tuple[float, float]] = {
     # method: (a, b) -> gamma = a + b·P seconds per element on one rank
-    "sign_allreduce": (2.4e-9, 0.0),  # fused sign(c) -> int8; sign of the sum
-    "onebit": (1.5e-9, 0.0),  # fused pack; count own chunk of P ranks on words; apply from bits
-    "pbit": (6.4e-9, 0.0),  # fused 4-bit lanes; lane sums -> int8 u
-    "gather": (1.5e-9, 0.5e-9),  # fused pack; bit-sliced count of all P ranks' bits
+    "sign_allreduce": (2.3e-9, 0.0),  # fused sign(c) -> int8; sign of the sum
+    "onebit": (1.8e-9, 0.0),  # fused pack; count own chunk of P ranks on words; apply from bits
+    "pbit": (1.6e-9, 0.0),  # fused 4-bit lanes; p, m updated straight from the lane sums
+    "gather": (1.9e-9, 0.5e-9),  # fused pack; bit-sliced count of all P ranks' bits (3.9 ns at P = 4)
 }
 
 
