@@ -2,8 +2,12 @@
 GPT of bench/step_time.py: 2 gloo workers on loopback, 5 timed steps per method (median).
 Isolates the optimizer's local work (c, pack, vote, apply) from the network.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=src python3 bench/opt_step.py [bench/results/opt_step.json]
+    OMP_NUM_THREADS=1 PYTHONPATH=src python3 bench/opt_step.py [--steps 5] [--out FILE]
+
+Prints a table (ms per step and per part; ``other`` = what no part's timer covers: the
+has-grad/finite agreement, Python) and writes JSON (default bench/results/opt_step.json).
 """
+import argparse
 import json
 import os
 import statistics
@@ -32,23 +36,42 @@ def worker(rank, world, methods, steps, out):
         rows = []
         for s in range(steps + 1):
             dist.barrier()
-            t0 = time.perf_counter(); opt.step(); dt = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            opt.step()
+            dt = time.perf_counter() - t0
             st = opt.last_step_stats
             if s:
                 rows.append(dict(step=dt, pack=st.t_quantize_pack, coll=st.t_collective, unpack=st.t_unpack_vote, apply=st.t_apply))
         res[label] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     if rank == 0:
-        json.dump(res, open(out, "w"))
+        with open(out, "w") as f:
+            json.dump(res, f)
     dist.destroy_process_group()
 
-if __name__ == "__main__":
-    methods = [("grad fp32", dict(vote="grad")), ("onebit", dict(vote="onebit")), ("gather", dict(vote="gather")),
-               ("pbit4", dict(vote="pbit", bits=4)), ("pbit8 l1", dict(vote="pbit", bits=8, quantizer="l1")),
-               ("sign int8", dict(vote="sign_allreduce"))]
-    out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                             "results", "opt_step.json")
-    mp.spawn(worker, args=(2, methods, 5, out), nprocs=2)
-    r = json.load(open(out))
+METHODS = [("grad fp32", dict(vote="grad")), ("onebit", dict(vote="onebit")), ("gather", dict(vote="gather")),
+           ("pbit4", dict(vote="pbit", bits=4)), ("pbit8 l1", dict(vote="pbit", bits=8, quantizer="l1")),
+           ("sign int8", dict(vote="sign_allreduce"))]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per method (after one warm-up)")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                  "opt_step.json"))
+    args = ap.parse_args(argv)
+    if args.steps < 1:
+        ap.error(f"--steps must be >= 1, got {args.steps}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    mp.spawn(worker, args=(2, METHODS, args.steps, args.out), nprocs=2)
+    with open(args.out) as f:
+        r = json.load(f)
     for k, v in r.items():
         other = v["step"] - v["pack"] - v["coll"] - v["unpack"] - v["apply"]
-        print(f"{k:10s} step {v['step']*1e3:7.1f}  pack {v['pack']*1e3:6.1f}  coll {v['coll']*1e3:6.1f}  unpack {v['unpack']*1e3:6.1f}  apply {v['apply']*1e3:6.1f}  other {other*1e3:6.1f}")
+        print(f"{k:10s} step {v['step'] * 1e3:7.1f}  pack {v['pack'] * 1e3:6.1f}  coll {v['coll'] * 1e3:6.1f}  "
+              f"unpack {v['unpack'] * 1e3:6.1f}  apply {v['apply'] * 1e3:6.1f}  other {other * 1e3:6.1f}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
