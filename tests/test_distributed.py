@@ -154,28 +154,32 @@ def test_fused_loops_and_torch_path_train_identically():
 
 
 def _encode_first_vs_agree_first(rank, world):
-    """On the fused path every message is encoded before the has-grad / finite agreement;
-    on the torch path after it. Same bytes, collectives and results at every step, also
-    when one rank's gradient is not finite (skipped) and when some param has no gradient
-    on any rank (encoded again without it) or on some ranks only."""
+    """On the fused path the first ``encode_ahead`` messages are encoded before the
+    has-grad / finite agreement (the rest after it, checked apart); on the torch path all
+    after it. Same bytes, collectives and results at every step, also when one rank's
+    gradient is not finite (skipped) and when some param has no gradient on any rank
+    (encoded again without it) or on some ranks only."""
     from lioncub import fused
 
     out = {}
     for cfg in (dict(vote="onebit"), dict(vote="sign_allreduce"), dict(vote="gather"), dict(vote="pbit")):
         runs = []
-        for use in (True, False):
+        for use, ahead in ((True, 3), (True, 2), (False, 3)):  # all ahead, 2 of 3 ahead, torch path
             real = fused.usable
             fused.usable = real if use else (lambda *ts: False)
             try:
                 model = _model(seed=0)
                 opt = LionCub(model.parameters(), lr=0.01, weight_decay=0.1, bucket_mb=60 * 4 / 2**20,
                               message_mb=1e-6, nonfinite="skip_step", **cfg)  # a message per bucket
+                opt.encode_ahead = ahead
                 whole = [[opt._params()[i] for i in idx] for idx in opt._buckets]
                 log = [len(opt.messages()), opt._encodes_fused(whole)]
                 for step in range(6):
                     _grads_for(model, rank, step)
                     if step == 1 and rank == world - 1:
-                        model[2].weight.grad[0, 0] = float("inf")
+                        model[2].weight.grad[0, 0] = float("inf")  # message 1: encoded ahead
+                    if step == 2 and rank == 0:
+                        model[0].weight.grad[3, 1] = float("nan")  # message 2: after, with ahead=2
                     if step in (3, 4):
                         model[4].weight.grad = None  # no rank has it
                     if step == 4 and rank != 0:
@@ -193,12 +197,13 @@ def _encode_first_vs_agree_first(rank, world):
 
 @pytest.mark.skipif(not __import__("lioncub").fused.available(), reason="no C compiler: no fused loops")
 def test_encoding_before_the_agreement_changes_no_byte_and_no_result():
-    for cfg, ((log_f, state_f), (log_t, state_t)) in run_workers(_encode_first_vs_agree_first, 3)[0].items():
-        assert log_f[0] > 2 and log_f[1] is True and log_t[1] is False, (cfg, log_f[:2], log_t[:2])
-        assert log_f[2:] == log_t[2:], cfg  # bytes and collectives per step, skipped steps
-        assert log_f[-1] == 1 and log_f[3][1] == 1, cfg  # the Inf step: the agreement only
+    for cfg, runs in run_workers(_encode_first_vs_agree_first, 3)[0].items():
+        (log_f, state_f), (log_h, state_h), (log_t, state_t) = runs
+        assert log_f[0] == 3 and log_f[1] is True and log_t[1] is False, (cfg, log_f[:2], log_t[:2])
+        assert log_f[2:] == log_h[2:] == log_t[2:], cfg  # bytes and collectives per step, skipped steps
+        assert log_f[-1] == 2 and log_f[3][1] == log_f[4][1] == 1, cfg  # non-finite steps: the agreement only
         assert log_f[5][0] < log_f[7][0], cfg  # a param no rank has sends nothing
-        assert torch.equal(state_f, state_t), cfg
+        assert torch.equal(state_f, state_t) and torch.equal(state_h, state_t), cfg
 
 
 def _grad_baseline(rank, world):

@@ -5,9 +5,11 @@ machinery, kept apart from the optimizer's set-up, checks and state).
   most ``message_mb`` on the wire; per bucket :meth:`~BucketStep._encode_part` writes this
   rank's part (the fused loop of :mod:`lioncub.fused`, or ``c`` + :class:`~lioncub.vote.VoteCodec`),
   one exchange per message, then :meth:`~BucketStep._decode_apply` updates ``p`` and ``m``.
-  When the fused loop writes every part, LionCub encodes all messages first (the loop
-  also checks the gradients are finite, saving a read), agrees on has-grad / finite, and
-  only then exchanges; each message then keeps its own buffer;
+  When the fused loop writes every part, LionCub encodes the first ``encode_ahead``
+  messages (each in its own kept buffer) before it agrees on has-grad / finite, and only
+  then exchanges: the loop checks the gradients it reads, saving a separate read. Further
+  messages (big models) are checked by :func:`lioncub.guard.grads_finite` and encoded
+  just before their exchange, into one shared buffer, so the kept bytes stay bounded;
 * ``vote='grad'``: :meth:`~BucketStep._step_grad`, the gradient all-reduce baseline;
 * :meth:`~BucketStep._bucket_c`, :meth:`~BucketStep._vote_flat`, :meth:`~BucketStep._apply_bucket`:
   the torch path, also used by :mod:`lioncub.overlap` and the benchmarks.
@@ -35,6 +37,10 @@ GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 class BucketStep:
     """Mixin of :class:`~lioncub.LionCub`: one step's buckets, voted (or all-reduced) and applied."""
+
+    encode_ahead = 4
+    """Messages encoded before the has-grad / finite agreement (at most this many times
+    ``message_mb`` of kept buffers; 1-bit votes of a 800M-parameter model are 4 messages)."""
 
     def _buffer(self, key, n: int, dtype: torch.dtype, device) -> Tensor:
         """A flat tensor of ``n`` elements under ``key``, kept between steps.
@@ -89,38 +95,52 @@ class BucketStep:
             for part in parts:
                 self._apply_bucket(part, self._bucket_c(part, stats, key="c").sign_(), stats)
             return
-        self._exchange_messages(parts, self._encode_messages(parts, stats)[0], stats)
+        self._exchange_messages(parts, self._encode_messages(parts, stats, ahead=0)[0], stats)
 
     def _encodes_fused(self, parts: list[list[tuple[dict, Tensor]]]) -> bool:
         """Every part's message written by the fused loop (which also checks the gradients)."""
         return self.world_size > 1 and self.quantizer is None and all(self._fusable(part) for part in parts)
 
-    def _encode_messages(self, parts: list[list[tuple[dict, Tensor]]],
-                         stats: CommStats) -> tuple[list[tuple[list[int], Tensor]], Optional[bool]]:
-        """This rank's bytes of every message: ``[(bucket indices into parts, buffer)]``,
-        and whether every gradient read was finite (None unless all went the fused way)."""
+    def _encode_messages(self, parts: list[list[tuple[dict, Tensor]]], stats: CommStats, ahead: int
+                         ) -> tuple[list[tuple[list[int], Optional[Tensor]]], Optional[bool]]:
+        """This rank's bytes of the first ``ahead`` messages, each in its own kept buffer:
+        ``[(bucket indices into parts, buffer or None: not encoded yet)]`` for every message,
+        and whether the gradients read were finite (None if one part went the torch path)."""
         codec = self._codec()
         params = self._params()
         index = {id(p): i for i, (_, p) in enumerate(params)}
         encoded, finite = [], True
         for k, msg in enumerate(self.messages([[index[id(p)] for _, p in part] for part in parts])):
-            nbs = [codec.part_nbytes(sum(p.numel() for _, p in parts[b])) for b in msg]
-            m = sum(nbs)
-            device = parts[msg[0]][0][1].device
-            buf = self._buffer(("msg", k), codec.message_nbytes(m), torch.uint8, device)
-            buf[m:].zero_()
-            offset = 0
-            for b, nb in zip(msg, nbs):
-                ok = self._encode_part(parts[b], codec, buf[offset:offset + nb], self.steps, stats)
-                finite = None if ok is None or finite is None else finite and ok
-                offset += nb
+            if k >= ahead:
+                encoded.append((msg, None))
+                continue
+            buf, ok = self._encode_message(parts, msg, codec, ("msg", k), stats)
+            finite = None if ok is None or finite is None else finite and ok
             encoded.append((msg, buf))
         return encoded, finite
 
-    def _exchange_messages(self, parts, encoded: list[tuple[list[int], Tensor]], stats: CommStats) -> None:
-        """One exchange per encoded message, then each of its parts decoded and applied."""
+    def _encode_message(self, parts, msg: list[int], codec: VoteCodec, key,
+                        stats: CommStats) -> tuple[Tensor, Optional[bool]]:
+        """Message ``msg`` (bucket indices into ``parts``) into the kept buffer ``key``."""
+        nbs = [codec.part_nbytes(sum(p.numel() for _, p in parts[b])) for b in msg]
+        m = sum(nbs)
+        buf = self._buffer(key, codec.message_nbytes(m), torch.uint8, parts[msg[0]][0][1].device)
+        buf[m:].zero_()
+        offset, finite = 0, True
+        for b, nb in zip(msg, nbs):
+            ok = self._encode_part(parts[b], codec, buf[offset:offset + nb], self.steps, stats)
+            finite = None if ok is None or finite is None else finite and ok
+            offset += nb
+        return buf, finite
+
+    def _exchange_messages(self, parts, encoded: list[tuple[list[int], Optional[Tensor]]],
+                           stats: CommStats) -> None:
+        """One exchange per message (encoded now when it was not ahead), then each of its
+        parts decoded and applied."""
         codec = self._codec()
         for msg, buf in encoded:
+            if buf is None:
+                buf = self._encode_message(parts, msg, codec, "msg", stats)[0]
             sizes = [sum(p.numel() for _, p in parts[b]) for b in msg]
             voted = codec.exchange(buf, sum(codec.part_nbytes(n) for n in sizes), self.steps, self.group, stats)
             offset = 0

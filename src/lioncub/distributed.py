@@ -313,9 +313,12 @@ class LionCub(BucketStep, torch.optim.Optimizer):
             driver.finish_votes(stats)  # nothing in flight before the next collective
         early = None  # fused encode first: it checks every gradient in the same read
         whole = [[entries[i] for i in idx] for idx in self._buckets]
+        finite = None
         if driver is None and self.vote != "grad" and self._encodes_fused(whole):
-            early = self._encode_messages(whole, stats)
-        active, bad_ranks = self._agree_active(params, stats, finite=None if early is None else early[1])
+            early, finite = self._encode_messages(whole, stats, ahead=self.encode_ahead)
+            rest = [p for msg, buf in early if buf is None for b in msg for _, p in whole[b]]
+            finite = finite and guard.grads_finite(rest)  # messages beyond the ones ahead
+        active, bad_ranks = self._agree_active(params, stats, finite=finite)
         if bad_ranks:
             if driver is not None:
                 driver.discard()
@@ -326,7 +329,7 @@ class LionCub(BucketStep, torch.optim.Optimizer):
         if driver is not None:
             driver.apply(active, stats)
         elif early is not None and all(active):
-            self._exchange_messages(whole, early[0], stats)
+            self._exchange_messages(whole, early, stats)
         else:  # (and when no rank has a gradient for some param: encoded again without it)
             parts = [[entries[i] for i in idx if active[i]] for idx in self._buckets]
             parts = [part for part in parts if part]

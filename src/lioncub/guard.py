@@ -11,8 +11,8 @@ with the same message.
   parameter.
 * :func:`grads_finite` + :func:`handle_nonfinite` (every step): the count of ranks
   with a NaN/Inf gradient rides on LionCub's has-grad all-reduce (on the fused path the
-  encode loop answers this rank's check in its read of the gradients, and every message
-  is written before that all-reduce but sent only after it). The vote input
+  encode loop answers this rank's check in its read of the gradients: the first messages
+  are written before that all-reduce, and nothing is sent before it). The vote input
   ``c = β1·m + (1-β1)·g`` is a convex combination of ``m`` and ``g``, and ``m`` only
   ever absorbs gradients that passed this check (loaded momenta are checked by
   :func:`lioncub.resume.check_loadable`), so finite gradients mean a finite ``c``:
