@@ -162,7 +162,8 @@ def _encode_first_vs_agree_first(rank, world):
     from lioncub import fused
 
     out = {}
-    for cfg in (dict(vote="onebit"), dict(vote="sign_allreduce"), dict(vote="gather"), dict(vote="pbit")):
+    for cfg in (dict(vote="onebit"), dict(vote="sign_allreduce"), dict(vote="gather"), dict(vote="pbit"),
+                dict(vote="pbit", quantizer="l1"), dict(vote="pbit", bits=8, quantizer="l0")):
         runs = []
         for use, ahead in ((True, 3), (True, 2), (False, 3)):  # all ahead, 2 of 3 ahead, torch path
             real = fused.usable

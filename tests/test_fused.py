@@ -37,6 +37,9 @@ def test_encode_equals_interpolate_then_pack(sizes):
         got = torch.full((n,), 7, dtype=torch.uint8)
         fused.encode(ms, gs, beta1, maximize, got, bits=8, step=0, signs=True)
         assert torch.equal(got.view(torch.int8), torch.sign(c).to(torch.int8))
+        values = torch.full((n,), float("nan"))
+        assert fused.interpolate(ms, gs, beta1, maximize, values) is True
+        assert torch.equal(values.view(torch.int32), c.view(torch.int32))  # bit for bit, -0.0 too
 
 
 
@@ -49,6 +52,13 @@ def test_encode_reports_nonfinite_gradients_at_every_position():
     gs[1][4] = torch.finfo(torch.float32).max  # huge but finite: not flagged
     gs[2][0] = -torch.finfo(torch.float32).max
     n = sum(sizes)
+    values = torch.empty(n)
+    assert fused.interpolate(ms, gs, 0.9, False, values) is True
+    for t, size in enumerate(sizes):
+        for i in range(size):
+            g2 = [x.clone() for x in gs]
+            g2[t][i] = float("nan") if i % 2 else float("-inf")
+            assert fused.interpolate(ms, g2, 0.9, False, values) is False, (t, i)
     for bits, signs in ((1, False), (2, False), (4, False), (8, False), (8, True)):
         out = torch.empty(n if signs else -(-n * bits // 8), dtype=torch.uint8)
         assert fused.encode(ms, gs, 0.9, False, out, bits=bits, step=0, signs=signs) is True
@@ -59,6 +69,26 @@ def test_encode_reports_nonfinite_gradients_at_every_position():
                     g2[t][i] = bad
                     assert fused.encode(ms, g2, 0.9, False, out, bits=bits, step=1, signs=signs) is False, \
                         (bits, signs, t, i, bad)
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 8, 13, 1001, 4099])
+def test_quantize_lanes_equals_round_clamp_then_pack(n):
+    """Lanes of q + s, q = round(c·mult) (half to even) clamped to ±s, as quantize._scaled
+    + kernels.pack_bytes: exact halves, values past ±s, ±0.0, and mult = 0."""
+    g = torch.Generator().manual_seed(n)
+    c = torch.randn(n, generator=g) * 3
+    c[::4] = (torch.arange(len(c[::4]), dtype=torch.float32) - 6) + 0.5  # k + 0.5: ties, both signs
+    if n > 2:
+        c[1], c[2] = -0.0, 0.0
+    for bits, levels in ((2, 1), (4, 3), (4, 7), (8, 31), (8, 127)):
+        for mult in (1.0, 0.7316, 127 / 2.3, 0.0):
+            want = torch.round(c * mult).clamp_(-levels, levels).to(torch.int8).view(torch.uint8) + levels
+            want = kernels.pack_bytes(want, n, bits) if n else torch.zeros(0, dtype=torch.uint8)
+            got = torch.full((-(-n * bits // 8),), 0xAA, dtype=torch.uint8)
+            fused.quantize_lanes(c, mult, levels, bits, got)
+            assert torch.equal(got, want), (bits, levels, mult)
+    with pytest.raises(ValueError, match="levels must be in \\[1, 7\\] for 4-bit lanes"):
+        fused.quantize_lanes(c, 1.0, 8, 4, torch.zeros(-(-n * 4 // 8), dtype=torch.uint8))
 
 @pytest.mark.parametrize("sizes", SIZES)
 def test_apply_equals_apply_update(sizes):

@@ -5,7 +5,8 @@ machinery, kept apart from the optimizer's set-up, checks and state).
   most ``message_mb`` on the wire; per bucket :meth:`~BucketStep._encode_part` writes this
   rank's part (the fused loop of :mod:`lioncub.fused`, or ``c`` + :class:`~lioncub.vote.VoteCodec`),
   one exchange per message, then :meth:`~BucketStep._decode_apply` updates ``p`` and ``m``.
-  When the fused loop writes every part, LionCub encodes the first ``encode_ahead``
+  When fused loops read every part's gradients (fp32 on CPU; no quantizer or a rounding
+  one, ``l1``/``l0``/``lp``), LionCub encodes the first ``encode_ahead``
   messages (each in its own kept buffer) before it agrees on has-grad / finite, and only
   then exchanges: the loop checks the gradients it reads, saving a separate read. Further
   messages (big models) are checked by :func:`lioncub.guard.grads_finite` and encoded
@@ -28,6 +29,7 @@ from torch import Tensor
 from . import comm, fused
 from .comm import CommStats
 from .lion import apply_update_, interpolate, lion
+from .quantize import ROUNDED
 from .vote import VoteCodec, majority_vote
 
 __all__ = ["BucketStep", "GRAD_DTYPES"]
@@ -98,8 +100,10 @@ class BucketStep:
         self._exchange_messages(parts, self._encode_messages(parts, stats, ahead=0)[0], stats)
 
     def _encodes_fused(self, parts: list[list[tuple[dict, Tensor]]]) -> bool:
-        """Every part's message written by the fused loop (which also checks the gradients)."""
-        return self.world_size > 1 and self.quantizer is None and all(self._fusable(part) for part in parts)
+        """Every part's gradients read by a fused loop (which also checks them), and no
+        random draws in the encode (a part may be encoded twice: see LionCub.step)."""
+        return (self.world_size > 1 and (self.quantizer is None or self.quantizer in ROUNDED)
+                and all(self._fusable(part) for part in parts))
 
     def _encode_messages(self, parts: list[list[tuple[dict, Tensor]]], stats: CommStats, ahead: int
                          ) -> tuple[list[tuple[list[int], Optional[Tensor]]], Optional[bool]]:
@@ -157,8 +161,8 @@ class BucketStep:
     def _encode_part(self, entries, codec: VoteCodec, dst: Tensor, step: int, stats: CommStats,
                      key="c") -> Optional[bool]:
         """This rank's part of a message for ``entries`` (one bucket) into ``dst``. Returns
-        whether the bucket's gradients are all finite when the fused loop wrote it (it
-        reads them anyway), None when the torch path did."""
+        whether the bucket's gradients are all finite when a fused loop read them (it reads
+        them anyway), None when the torch ops did."""
         if codec.quantizer is None and self._fusable(entries):  # c never stored: one pass
             t0 = time.perf_counter()
             params = [p for _, p in entries]
@@ -167,11 +171,12 @@ class BucketStep:
                          bits=codec.bits, step=step, signs=codec.method == "sign_allreduce")
             stats.t_quantize_pack += time.perf_counter() - t0
             return finite
-        c = self._bucket_c(entries, stats, key=key)
+        c, finite = self._c_checked(entries, stats, key, "t_quantize_pack")  # quantizers: c first
         t0 = time.perf_counter()
-        codec.encode(c, dst, step, self.generator)
+        work = self._buffer("abs", c.numel(), torch.float32, c.device) if codec.quantizer in ROUNDED else None
+        codec.encode(c, dst, step, self.generator, work=work)
         stats.t_quantize_pack += time.perf_counter() - t0
-        return None
+        return finite
 
     @staticmethod
     def _hyper(entries) -> dict:
@@ -223,18 +228,28 @@ class BucketStep:
     def _bucket_c(self, entries: list[tuple[dict, Tensor]], stats: CommStats, key) -> Tensor:
         """Flat fp32 ``c = β1·m + (1-β1)·g`` of a bucket's params (missing grads as zeros),
         written into the scratch buffer ``key`` (valid until that key is used again)."""
+        return self._c_checked(entries, stats, key, "t_apply")[0]
+
+    def _c_checked(self, entries, stats: CommStats, key, account: str) -> tuple[Tensor, Optional[bool]]:
+        """:meth:`_bucket_c`, and whether the gradients read are all finite (None when the
+        torch ops computed ``c``); the time goes to ``stats.<account>``."""
         params = [p for _, p in entries]
         grads = self._grads(params)
         exp_avgs = [self._init_state(p) for p in params]
         t0 = time.perf_counter()
         sizes = [p.numel() for p in params]
         flat = self._buffer(key, sum(sizes), torch.float32, params[0].device if params else None)
-        views = flat.split(sizes)
-        for g, ks in self._by_group(entries):
-            interpolate([exp_avgs[k] for k in ks], [grads[k] for k in ks], g["betas"][0],
-                        maximize=g["maximize"], out=[views[k] for k in ks])
-        stats.t_apply += time.perf_counter() - t0
-        return flat
+        finite = None
+        if params and self._fusable(entries):  # one pass, the same values
+            finite = fused.interpolate(exp_avgs, grads, [g["betas"][0] for g, _ in entries],
+                                       [g["maximize"] for g, _ in entries], flat)
+        else:
+            views = flat.split(sizes)
+            for g, ks in self._by_group(entries):
+                interpolate([exp_avgs[k] for k in ks], [grads[k] for k in ks], g["betas"][0],
+                            maximize=g["maximize"], out=[views[k] for k in ks])
+        setattr(stats, account, getattr(stats, account) + time.perf_counter() - t0)
+        return flat, finite
 
     def _vote_flat(self, flat: Tensor, step: int, stats: CommStats, group=None) -> Tensor:
         """u = sign(Σ_i q(c_i)) for one bucket, written over ``flat`` (collective; sign(c)

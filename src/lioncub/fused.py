@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["available", "encode", "apply", "apply_bits", "apply_lanes", "usable"]
+__all__ = ["available", "encode", "interpolate", "quantize_lanes", "apply", "apply_bits", "apply_lanes", "usable"]
 
 _SOURCE = r"""
 #include <math.h>
@@ -133,12 +133,28 @@ static inline void update8(const lc_tensor *x, int64_t i, __m256 u)  /* elements
 
 /* c = fmaf(alpha, g, m * beta1): torch's mul(m, beta1).add_(g, alpha=alpha) on CPU.
    mode 0: lanes of `bits` bits holding 1 when c >= 0 (even step) / c > 0 (odd step);
-   mode 1: int8 sign(c). The tensors are streamed as one concatenation. Returns 1 when
+   mode 1: int8 sign(c); mode 2: c itself (fp32). The tensors are streamed as one concatenation. Returns 1 when
    any gradient element is NaN or +-Inf (the finite check, folded into this read), else 0. */
 int64_t lc_encode(int64_t ntensors, const float *const *ms, const float *const *gs, const int64_t *sizes,
                const float *beta1s, const float *alphas, int64_t mode, int64_t bits, int64_t even, uint8_t *out)
 {
     uint32_t bad = 0;
+    if (mode == 2) {
+        float *o = (float *)out;
+        for (int64_t t = 0; t < ntensors; t++) {
+            const float *m = ms[t], *g = gs[t];
+            const float beta1 = beta1s[t], alpha = alphas[t];
+            int64_t n = sizes[t];
+            uint32_t nf = 0;
+            for (int64_t i = 0; i < n; i++) {
+                o[i] = fmaf(alpha, g[i], m[i] * beta1);
+                nf |= nonfinite(g[i]);
+            }
+            bad |= nf;
+            o += n;
+        }
+        return bad;
+    }
     if (mode == 1) {
         int8_t *o = (int8_t *)out;
         for (int64_t t = 0; t < ntensors; t++) {
@@ -189,6 +205,46 @@ int64_t lc_encode(int64_t ntensors, const float *const *ms, const float *const *
     }
     if (shift != 0) *out = (uint8_t)acc;
     return bad;
+}
+
+/* q + s for one element: y = c * mult clamped to [-s, s], then rounded half to even by
+   the 1.5 * 2^23 trick (exact for |y| < 2^22; plain adds, so it vectorizes). Clamping
+   first changes nothing: s is an integer and rounding is monotone. */
+static inline uint32_t lane_value(float c, float mult, float s)
+{
+    const float magic = 12582912.0f;
+    float y = c * mult;
+    y = y < -s ? -s : (y > s ? s : y);
+    y = (y + magic) - magic;
+    return (uint32_t)(int32_t)(y + s);
+}
+
+static inline __attribute__((always_inline)) void
+quantize_lanes(const float *c, int64_t n, float mult, float s, const int bits, uint8_t *out)
+{
+    const int per = 8 / bits;
+    int64_t i = 0;
+    for (; i + per <= n; i += per) {
+        uint32_t b = 0;
+        for (int k = 0; k < per; k++) b |= lane_value(c[i + k], mult, s) << (k * bits);
+        *out++ = (uint8_t)b;
+    }
+    if (i < n) {
+        uint32_t b = 0;
+        for (int k = 0; i + k < n; k++) b |= lane_value(c[i + k], mult, s) << (k * bits);
+        *out = (uint8_t)b;
+    }
+}
+
+/* Lanes of `bits` bits (2, 4, 8) holding q + levels, q = clamp(round_half_even(c * mult),
+   -levels, levels): torch.round(c * mult).clamp_(-s, s) + s of lioncub.quantize, element by
+   element (mult is the float32 torch makes of the Python scalar). mult 0: q = 0 (c finite). */
+void lc_quantize_lanes(const float *c, int64_t n, float mult, int64_t levels, int64_t bits, uint8_t *out)
+{
+    const float s = (float)levels;
+    if (bits == 8) quantize_lanes(c, n, mult, s, 8, out);
+    else if (bits == 4) quantize_lanes(c, n, mult, s, 4, out);
+    else quantize_lanes(c, n, mult, s, 2, out);
 }
 
 /* p <- p*decay (if has_decay); p <- fmaf(neg_lr, u, p); m <- fmaf(alpha2, g, m*beta2):
@@ -330,6 +386,8 @@ def _lib() -> Optional[ctypes.CDLL]:
     i64, f32, vp = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
     lib.lc_encode.argtypes = [i64, vp, vp, vp, vp, vp, i64, i64, i64, vp]
     lib.lc_encode.restype = i64
+    lib.lc_quantize_lanes.argtypes = [vp, i64, f32, i64, i64, vp]
+    lib.lc_quantize_lanes.restype = None
     lib.lc_apply.argtypes = [i64, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp]
     lib.lc_apply.restype = None
     lib.lc_apply_bits.argtypes = [i64, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp]
@@ -380,11 +438,44 @@ def encode(exp_avgs: list[Tensor], grads: list[Tensor], beta1, maximize, out: Te
     need = n if signs else -(-n * bits // 8)
     if out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() != need:
         raise ValueError(f"out must be a contiguous uint8 tensor of {need} bytes, got {out.dtype} {tuple(out.shape)}")
+    return _encode(exp_avgs, grads, beta1, maximize, out, mode=1 if signs else 0, bits=bits, step=step)
+
+
+def _encode(exp_avgs, grads, beta1, maximize, out: Tensor, *, mode: int, bits: int, step: int) -> bool:
+    k = len(exp_avgs)
     b1 = list(_per_tensor(beta1, k, ctypes.c_double))
     mx = list(_per_tensor(maximize, k, ctypes.c_bool))
     alphas = [-(1.0 - b) if x else 1.0 - b for b, x in zip(b1, mx)]  # as lion.interpolate
-    return not _lib().lc_encode(k, _ptrs(exp_avgs), _ptrs(grads), _sizes(exp_avgs), _per_tensor(b1, k), _per_tensor(alphas, k),
-                     1 if signs else 0, bits, 1 if step % 2 == 0 else 0, out.data_ptr())
+    return not _lib().lc_encode(k, _ptrs(exp_avgs), _ptrs(grads), _sizes(exp_avgs), _per_tensor(b1, k),
+                                _per_tensor(alphas, k), mode, bits, 1 if step % 2 == 0 else 0, out.data_ptr())
+
+
+def interpolate(exp_avgs: list[Tensor], grads: list[Tensor], beta1, maximize, out: Tensor) -> bool:
+    """``c = β1·m + (1-β1)·g`` of the tensors in order into the flat fp32 ``out``, as
+    :func:`lioncub.lion.interpolate` computes it (bit for bit), in one pass; returns whether
+    every gradient element is finite. Call only when :func:`usable`."""
+    k, n = len(exp_avgs), sum(t.numel() for t in exp_avgs)
+    if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != n:
+        raise ValueError(f"out must be a contiguous fp32 tensor of {n} elements, got {out.dtype} {tuple(out.shape)}")
+    return _encode(exp_avgs, grads, beta1, maximize, out, mode=2, bits=32, step=0)
+
+
+def quantize_lanes(c: Tensor, mult: float, levels: int, bits: int, out: Tensor) -> None:
+    """``bits``-wide lanes (2, 4, 8) of ``q + levels``, ``q = round(c·mult)`` clamped to
+    ``[-levels, levels]`` (half to even), into the uint8 ``out``: what
+    ``quantize._scaled`` + :func:`lioncub.kernels.pack_bytes` make of the flat fp32 ``c``,
+    in one pass. ``mult``: ``levels / norm``, or 0 for an all-zero code."""
+    if bits not in (2, 4, 8):
+        raise ValueError(f"bits must be 2, 4 or 8, got {bits!r}")
+    if not isinstance(levels, int) or not 1 <= levels or 2 * levels >= 1 << bits:  # q + levels fits a lane
+        raise ValueError(f"levels must be in [1, {((1 << bits) - 1) // 2}] for {bits}-bit lanes, got {levels!r}")
+    n = c.numel()
+    need = -(-n * bits // 8)
+    if c.dtype != torch.float32 or not c.is_contiguous() or c.device.type != "cpu":
+        raise ValueError(f"c must be a contiguous fp32 CPU tensor, got {c.dtype} on {c.device}")
+    if out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() != need:
+        raise ValueError(f"out must be a contiguous uint8 tensor of {need} bytes, got {out.dtype} {tuple(out.shape)}")
+    _lib().lc_quantize_lanes(c.data_ptr(), n, mult, levels, bits, out.data_ptr())
 
 
 def apply(params: list[Tensor], exp_avgs: list[Tensor], grads: list[Tensor], u: Tensor, *, lr,

@@ -35,9 +35,16 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["QUANTIZERS", "Quantized", "levels_for_bits", "lp_norm", "quantize"]
+__all__ = ["QUANTIZERS", "NORM_P", "ROUNDED", "Quantized", "levels_for_bits", "lp_norm", "multiplier", "quantize"]
 
 QUANTIZERS = ("sign", "l1", "lp", "l0", "linf", "log")
+
+
+NORM_P = {"l1": 1.0, "l0": 0.0, "linf": math.inf}
+"""The normaliser's exponent per scaled quantizer (``lp``: its ``p``)."""
+
+ROUNDED = ("l1", "l0", "lp")
+"""Scaled quantizers that round to nearest by default (``linf`` rounds stochastically)."""
 
 
 class Quantized(NamedTuple):
@@ -52,9 +59,16 @@ def levels_for_bits(bits: int) -> int:
     return (1 << (bits - 1)) - 1
 
 
-def lp_norm(x: Tensor, p: float) -> float:
-    """The normaliser :math:`M_p(x)`: p=inf is max|x|, p=0 the geometric mean of non-zero |x|."""
-    a = x.detach().abs().float().reshape(-1)
+def lp_norm(x: Tensor, p: float, work: Tensor | None = None) -> float:
+    """The normaliser :math:`M_p(x)`: p=inf is max|x|, p=0 the geometric mean of non-zero |x|.
+
+    ``work``: a kept fp32 tensor of ``x``'s numel to hold ``|x|`` (for an fp32 ``x``; saves
+    allocating it: the same values, so the same result)."""
+    x = x.detach().reshape(-1)
+    if work is not None and x.dtype == torch.float32 and work.dtype == torch.float32 and work.numel() == x.numel():
+        a = torch.abs(x, out=work.reshape(-1))
+    else:
+        a = x.abs().float()
     if a.numel() == 0:
         return 0.0
     if p == math.inf:
@@ -74,10 +88,16 @@ def _round(y: Tensor, stochastic: bool, generator: torch.Generator | None) -> Te
     return torch.floor(y + noise)
 
 
+def multiplier(levels: int, norm: float) -> float:
+    """What a scaled quantizer multiplies ``x`` by before rounding: ``levels / norm``, or
+    0.0 when ``norm`` is 0 or not finite (every code 0)."""
+    return 0.0 if norm == 0.0 or not math.isfinite(norm) else levels / norm
+
+
 def _scaled(x: Tensor, levels: int, norm: float, stochastic: bool, generator) -> Quantized:
-    if norm == 0.0 or not math.isfinite(norm):
+    if multiplier(levels, norm) == 0.0:
         return Quantized(torch.zeros(x.shape, dtype=torch.int8, device=x.device), 0.0)
-    y = x.float() * (levels / norm)
+    y = x.float() * multiplier(levels, norm)
     q = _round(y, stochastic, generator).clamp_(-levels, levels)
     return Quantized(q.to(torch.int8), norm / levels)
 
@@ -122,7 +142,7 @@ def quantize(
         raise ValueError(f"levels must be an int in [1, 127], got {levels!r}")
     if method == "log":
         return _log(x, levels)
-    norm_p = {"l1": 1.0, "l0": 0.0, "linf": math.inf, "lp": p}[method]
+    norm_p = NORM_P.get(method, p)
     if method == "lp" and not (p >= 0):
         raise ValueError(f"p must be >= 0 for quantizer 'lp', got {p!r}")
     if stochastic is None:

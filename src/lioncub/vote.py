@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import comm, kernels, packing
+from . import comm, fused, kernels, packing
 from .comm import CommStats
-from .quantize import QUANTIZERS, quantize
+from .quantize import NORM_P, QUANTIZERS, ROUNDED, lp_norm, multiplier, quantize
 
 __all__ = ["VOTE_METHODS", "VoteCodec", "majority_vote", "reference_vote", "pbit_levels"]
 
@@ -145,13 +145,17 @@ class VoteCodec:
         """The element count :func:`lioncub.cost.predicted_bytes` prices like an ``m``-byte message."""
         return m * 8 // self.bits
 
-    def encode(self, c: Tensor, dst: Tensor, step: int, generator=None) -> None:
-        """Write this rank's part for the flat ``c`` into ``dst`` (uint8, ``part_nbytes``)."""
+    def encode(self, c: Tensor, dst: Tensor, step: int, generator=None, work: Tensor | None = None) -> None:
+        """Write this rank's part for the flat ``c`` into ``dst`` (uint8, ``part_nbytes``).
+        ``work``: kept scratch of ``c``'s numel (fp32) for a quantizer's ``|c|``."""
         n = c.numel()
         if self.method == "sign_allreduce":
             dst.view(torch.int8).copy_(torch.sign(c))
         elif self.method in ("gather", "onebit"):
             dst.copy_(kernels.pack_bytes(kernels.sign_bits(c, step), n, 1))
+        elif self.quantizer in ROUNDED and fused.usable([c]):  # round, clamp and lanes in one pass
+            mult = multiplier(self.levels, lp_norm(c, NORM_P.get(self.quantizer, 1.0), work))  # as quantize()
+            fused.quantize_lanes(c, mult, self.levels, self.bits, dst)
         else:
             values = _encode_pbit(c, self.world, step, self.levels, self.quantizer, generator)
             dst.copy_(values[:n] if self.bits == 8 else kernels.pack_bytes(values, n, self.bits))
