@@ -10,9 +10,12 @@ Stages (n elements, P ranks, one thread):
     vote 4-bit       n/2 B lane sums -> u (int8 n B | fp32 4n B)             [pbit]
     fused encode     m, g (2 x 4n B) -> packed signs of c, c never stored    [lioncub.fused]
     fused apply      voted bits or int8 u -> p, m updated (4 x 4n B moved)   [lioncub.fused]
+    fused c          m, g -> c (fp32, 4n B), gradients checked finite        [lioncub.fused]
+    fused L1 lanes   c -> 8-bit lanes of round(c·s/‖c‖₁·n) + s (n B)         [lioncub.fused]
 
 (for the fused rows "old" is the torch ops they replace: interpolate + sign_bits + pack;
-unpack to fp32 + apply_update_.)
+unpack to fp32 + apply_update_; interpolate; quantize(c, 'l1') + q + s + pack. The L1 lanes
+rows include the norm, |c| into a kept buffer and its mean, in both columns.)
 
 GB/s is counted on the largest buffer a stage reads or writes; "copy" copies that
 many bytes (``dst.copy_(src)``, preallocated; the same size, not a smaller cache-resident
@@ -36,7 +39,7 @@ import torch
 
 from lioncub import fused, kernels
 from lioncub.lion import apply_update_, interpolate
-from lioncub.vote import binary_signs, decide
+from lioncub.vote import VoteCodec, binary_signs, decide
 
 
 def _old_pack(values, bits):
@@ -114,6 +117,18 @@ def main():
         u8 = torch.randint(-1, 2, (n,), dtype=torch.int8)
         upd = dict(lr=1e-12, beta2=0.99, weight_decay=0.0)
 
+        codec8 = VoteCodec("pbit", P, 8, "l1")
+        lanes8, work = torch.empty(codec8.part_nbytes(n), dtype=torch.uint8), torch.empty(n)
+        cq = torch.randn(n)
+
+        def l1_lanes(use_fused):
+            real = fused.usable
+            fused.usable = real if use_fused else (lambda *ts: False)
+            try:
+                codec8.encode(cq, lanes8, 0, work=work)
+            finally:
+                fused.usable = real
+
         def torch_encode(bits):
             interpolate([m], [g], 0.9, out=[cbuf])
             return kernels.pack_bytes(kernels.sign_bits(cbuf, 0), n, bits)
@@ -128,6 +143,9 @@ def main():
                                                             [g], foreach=True, **upd)),
             "fused apply from int8 u": (4 * n, lambda: fused.apply([prm], [m], [g], u8, **upd),
                                         lambda: apply_update_([prm], [cbuf.copy_(u8)], [m], [g], foreach=True, **upd)),
+            "fused c m,g -> fp32": (4 * n, lambda: fused.interpolate([m], [g], 0.9, False, cbuf),
+                                    lambda: interpolate([m], [g], 0.9, out=[cbuf])),
+            "fused L1 lanes c -> 8-bit": (4 * n, lambda: l1_lanes(True), lambda: l1_lanes(False)),
         })
     copies = {}
     for nbytes, _, _ in stages.values():  # copy yardstick of each stage's largest buffer
