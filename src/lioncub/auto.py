@@ -13,7 +13,7 @@ rank: quantize + pack before the collective, unpack + count + decide after it. T
 The default constants (:data:`DEFAULT_GAMMA`) were measured with
 ``bench/step_time.py`` (4 gloo workers, 1 thread each, on a 2-core host, 28.7M
 parameters, fp32, with the fused loops of :mod:`lioncub.fused`; the 1 Gbit/s runs of
-bench/results/step_time.json, step_time_rerun1.json and step_time_rerun2.json): the
+bench/results/step_time_rerun1.json, step_time_rerun2.json and step_time_rerun3.json): the
 per-step ``t_quantize_pack + t_unpack_vote`` of each method divided by the elements
 voted, the median of the three runs (each run has all methods, so their ratios are
 comparable; run to run one method's figure moves by up to ±40%). 2 workers share each
