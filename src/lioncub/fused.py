@@ -7,7 +7,13 @@ arithmetic in two loops:
 
 * :func:`encode` — ``c`` → this rank's part of the message (sign bits in 1/2/4/8-bit
   lanes with the step's zero parity, or int8 signs), ``c`` never stored;
-* :func:`apply` — the voted int8 ``u`` → ``p`` and ``m`` updated in one pass.
+* :func:`apply` — the voted int8 ``u`` → ``p`` and ``m`` updated in one pass (and
+  :func:`apply_bits` / :func:`apply_lanes` straight from the voted bits or lane sums).
+
+Quantized ``pbit`` votes need the whole ``c`` for their scale: :func:`interpolate` writes it
+in one pass, :func:`quantize_lanes` rounds, clamps and packs it into lanes in another.
+The loops that read ``g`` also report whether it is finite (NaN/±Inf), so a step needs no
+separate read for :func:`lioncub.guard.grads_finite`.
 
 The results are those of the torch ops bit for bit: the loops repeat torch's CPU
 arithmetic operation by operation (``mul`` by a float32 scalar, then ``add`` with
