@@ -86,7 +86,8 @@ class LionCub(BucketStep, torch.optim.Optimizer):
         message_mb: without overlap, the buckets' votes travel together, in messages of
             at most this many MiB on the wire (one exchange per message: 1-bit votes of a
             100M-parameter model are one 12 MiB message); with overlap each bucket is its
-            own message, launched during backward.
+            own message, launched during backward. Up to ``encode_ahead`` (4) messages are
+            written before the step's has-grad/finite agreement and kept between steps.
         maximize: maximise the objective.
         seed: seeds the stochastic quantizer's generator (``seed + rank``).
         momentum_sync: which momenta to average across ranks every ``sync_every``
