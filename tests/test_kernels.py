@@ -184,3 +184,16 @@ def test_cuda_kernels_match_cpu_reference():
         v = torch.randint(0, 1 << w, (n,), dtype=torch.uint8)
         assert torch.equal(kernels.pack_bytes(v.to(dev), n, w).cpu(), ref_pack(v, w))
         assert torch.equal(kernels.unpack_bytes(ref_pack(v, w).to(dev), n, w).cpu().long(), v.long())
+
+
+def test_the_fused_loops_ship_and_build_where_a_compiler_exists():
+    """tests/test_fused.py skips without the loops; this makes sure a missing C file or a
+    broken build cannot hide behind that skip on a machine that has a compiler."""
+    import os
+    import shutil
+
+    from lioncub import fused
+
+    assert os.path.isfile(fused._SOURCE_PATH), "lioncub/fused.c is not installed with the package"
+    if shutil.which(os.environ.get("CC", "cc")) and os.environ.get("LIONCUB_FUSED", "1") != "0":
+        assert fused.available()
