@@ -103,34 +103,23 @@ int64_t lc_encode(int64_t ntensors, const float *const *ms, const float *const *
                const float *beta1s, const float *alphas, int64_t mode, int64_t bits, int64_t even, uint8_t *out)
 {
     uint32_t bad = 0;
-    if (mode == 2) {
-        float *o = (float *)out;
+    if (mode != 0) {  /* one output element per element: int8 sign(c) (mode 1), c (mode 2) */
+        int8_t *signs = (int8_t *)out;
+        float *values = (float *)out;
         for (int64_t t = 0; t < ntensors; t++) {
             const float *m = ms[t], *g = gs[t];
             const float beta1 = beta1s[t], alpha = alphas[t];
             int64_t n = sizes[t];
             uint32_t nf = 0;
-            for (int64_t i = 0; i < n; i++) {
-                o[i] = fmaf(alpha, g[i], m[i] * beta1);
+            for (int64_t i = 0; i < n; i++) {  /* the mode test is hoisted (loop unswitching) */
+                float c = fmaf(alpha, g[i], m[i] * beta1);
+                if (mode == 2) values[i] = c;
+                else signs[i] = (int8_t)((c > 0.0f) - (c < 0.0f));
                 nf |= nonfinite(g[i]);
             }
             bad |= nf;
-            o += n;
-        }
-        return bad;
-    }
-    if (mode == 1) {
-        int8_t *o = (int8_t *)out;
-        for (int64_t t = 0; t < ntensors; t++) {
-            const float *m = ms[t], *g = gs[t];
-            const float beta1 = beta1s[t], alpha = alphas[t];
-            int64_t n = sizes[t];
-            for (int64_t i = 0; i < n; i++) {
-                float c = fmaf(alpha, g[i], m[i] * beta1);
-                o[i] = (int8_t)((c > 0.0f) - (c < 0.0f));
-                bad |= nonfinite(g[i]);
-            }
-            o += n;
+            signs += n;
+            values += n;
         }
         return bad;
     }
