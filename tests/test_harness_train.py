@@ -169,3 +169,18 @@ def test_cli_rejects_bad_arguments(capsys):
         with pytest.raises(SystemExit) as exc:
             main(argv)
         assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_cli_env_reports_versions_backends_and_the_fused_loops(capsys):
+    import torch
+    import torch.distributed as dist
+
+    from lioncub import __version__, fused
+    from lioncub.cli import main
+
+    assert main(["env"]) == 0
+    lines = dict(line.split(None, 1) if not line.startswith(("fused", "torch threads", "slow-link"))
+                 else (line[:17].strip(), line[17:].strip()) for line in capsys.readouterr().out.splitlines())
+    assert lines["lioncub"] == __version__ and lines["torch"] == torch.__version__
+    assert lines["gloo"] == ("yes" if dist.is_gloo_available() else "no")
+    assert lines["fused CPU loops"] == fused.status()

@@ -197,3 +197,35 @@ def test_the_fused_loops_ship_and_build_where_a_compiler_exists():
     assert os.path.isfile(fused._SOURCE_PATH), "lioncub/fused.c is not installed with the package"
     if shutil.which(os.environ.get("CC", "cc")) and os.environ.get("LIONCUB_FUSED", "1") != "0":
         assert fused.available()
+
+
+def test_fused_status_says_why_and_lioncub_warns_once_about_the_slow_path(monkeypatch, tmp_path):
+    """No compiler / a failed build: status names the cause, and LionCub on fp32 CPU params
+    warns (RuntimeWarning) that the torch path runs; LIONCUB_FUSED=0 chooses it silently."""
+    import re
+    import warnings
+
+    from lioncub import LionCub, fused
+
+    broken = tmp_path / "cc"
+    broken.write_text('#!/bin/sh\necho "fused.c:1: error: broken on purpose" >&2\nexit 1\n')
+    broken.chmod(0o755)
+    monkeypatch.setenv("LIONCUB_CACHE", str(tmp_path / "cache"))
+    try:
+        for cc, want in (("no-such-cc", re.escape("unavailable: no C compiler ('no-such-cc' not on PATH)")),
+                         (str(broken), re.escape(f"unavailable: {broken} failed to build ") + ".*broken on purpose")):
+            monkeypatch.setenv("CC", cc)
+            fused._build.cache_clear()
+            assert not fused.available()
+            assert re.fullmatch(want, fused.status()), fused.status()
+            with pytest.warns(RuntimeWarning, match="fused CPU loops are unavailable.*torch path runs instead"):
+                LionCub(torch.nn.Linear(3, 2).parameters())
+        monkeypatch.setenv("LIONCUB_FUSED", "0")
+        fused._build.cache_clear()
+        assert fused.status() == "off: LIONCUB_FUSED=0"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            LionCub(torch.nn.Linear(3, 2).parameters())
+    finally:
+        monkeypatch.undo()
+        fused._build.cache_clear()  # the real build again (from its cache) for later tests

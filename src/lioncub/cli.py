@@ -5,6 +5,7 @@
     lioncub plot RUN_DIR...    overlay runs' loss curves into one PNG
     lioncub analyze [flags]    the paper's instruments (c, sign match, momentum spread, ties) on a small GPT
     lioncub bench net|probe|votes [ARGS]  step-time table / net probe / vote costs (bench/)
+    lioncub env                what this machine offers: versions, backends, fused loops, testbed
 
 To add a subcommand: write ``_add_NAME(subparsers)`` (which sets ``func``) and
 ``cmd_NAME(args) -> int``, and list ``_add_NAME`` in ``_SUBCOMMANDS``. Heavy
@@ -230,7 +231,48 @@ def cmd_bench(args) -> int:
     return subprocess.run([sys.executable, script] + extra, env=env).returncode
 
 
-_SUBCOMMANDS = [_add_train, _add_prepare, _add_plot, _add_analyze, _add_bench]
+def _add_env(sub) -> None:
+    p = sub.add_parser("env", help="what this machine offers Lion Cub: versions, backends, fused loops, testbed",
+                       description="Prints one line per item; include it when reporting a problem. The fused "
+                       "CPU loops line says why the (slower) torch path runs when it does.")
+    p.set_defaults(func=cmd_env, parser=p)
+
+
+def env_report() -> list[tuple[str, str]]:
+    """(item, value) rows of ``lioncub env``."""
+    import platform
+
+    import torch
+    import torch.distributed as dist
+
+    from . import __version__, fused, netem
+
+    cuda = "no"
+    if torch.cuda.is_available():
+        cuda = f"{torch.cuda.device_count()} device(s), {torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}"
+    return [
+        ("lioncub", __version__),
+        ("python", platform.python_version()),
+        ("torch", torch.__version__),
+        ("platform", platform.platform()),
+        ("torch threads", f"{torch.get_num_threads()} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')})"),
+        ("gloo", "yes" if dist.is_gloo_available() else "no"),
+        ("nccl", "yes" if dist.is_nccl_available() else "no"),
+        ("cuda", cuda),
+        ("fused CPU loops", fused.status()),
+        ("slow-link testbed", netem.check_available() or "ready (root, ip, tc): lioncub train --link RATE"),
+    ]
+
+
+def cmd_env(args) -> int:
+    rows = env_report()
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:{width}s}  {v}")
+    return 0
+
+
+_SUBCOMMANDS = [_add_train, _add_prepare, _add_plot, _add_analyze, _add_bench, _add_env]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -36,13 +36,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import auto, comm, cost, guard, momentum, resume
+from . import auto, comm, cost, fused, guard, momentum, resume
 from .bucket_step import GRAD_DTYPES, BucketStep
 from .comm import CommStats
 from .lion import _validate_hyperparameters
@@ -173,6 +174,7 @@ class LionCub(BucketStep, torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults)
         self._check_params()
+        self._warn_if_slow_path()
         self.generator = torch.Generator().manual_seed(seed + self.rank)
         self.steps = 0  # completed steps: sets the tie/zero parity of the 1-bit votes
         self.last_step_stats = CommStats()
@@ -216,6 +218,15 @@ class LionCub(BucketStep, torch.optim.Optimizer):
         """Stop overlapping: remove the backward hooks; step() votes after backward again."""
         if self._driver is not None:
             self._driver.remove_hooks()
+
+    def _warn_if_slow_path(self) -> None:
+        """fp32 CPU params but the fused loops failed to build: say so once, with why."""
+        why = fused.status()
+        if why.startswith("unavailable") and any(p.device.type == "cpu" and p.dtype == torch.float32
+                                                 for _, p in self._params()):
+            warnings.warn(f"LionCub: the fused CPU loops are {why}. The torch path runs instead (same results, "
+                          "3-10x slower local work per step). Set LIONCUB_FUSED=0 to choose it and silence this.",
+                          RuntimeWarning, stacklevel=3)
 
     def _params(self) -> list[tuple[dict, Tensor]]:
         return [(g, p) for g in self.param_groups for p in g["params"]]

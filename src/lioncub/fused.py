@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["available", "encode", "interpolate", "quantize_lanes", "apply", "apply_bits", "apply_lanes", "usable"]
+__all__ = ["available", "status", "encode", "interpolate", "quantize_lanes", "apply", "apply_bits", "apply_lanes", "usable"]
 
 _SOURCE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fused.c")
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared"]
@@ -62,17 +62,18 @@ def _cpu_key() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _lib() -> Optional[ctypes.CDLL]:
+def _build() -> tuple[Optional[ctypes.CDLL], str]:
+    """(the loaded library or None, a line saying which and why)."""
     if os.environ.get("LIONCUB_FUSED", "1") == "0":
-        return None
+        return None, "off: LIONCUB_FUSED=0"
     cc = shutil.which(os.environ.get("CC", "cc"))
     if cc is None:
-        return None
+        return None, f"unavailable: no C compiler ({os.environ.get('CC', 'cc')!r} not on PATH)"
     try:
         with open(_SOURCE_PATH) as f:
             source = f.read()
-    except OSError:  # an install without the C file: the torch path
-        return None
+    except OSError as exc:  # an install without the C file
+        return None, f"unavailable: cannot read {_SOURCE_PATH} ({exc.strerror})"
     key = hashlib.sha256((source + " ".join(_FLAGS) + cc + _cpu_key()).encode()).hexdigest()[:16]
     path = os.path.join(_cache_dir(), f"lioncub_fused_{key}.so")
     if not os.path.exists(path):
@@ -84,12 +85,15 @@ def _lib() -> Optional[ctypes.CDLL]:
                     f.write(source)
                 subprocess.run([cc, *_FLAGS, "-o", tmp, src, "-lm"], check=True, capture_output=True, timeout=120)
                 os.replace(tmp, path)  # then move in atomically
-        except (OSError, subprocess.SubprocessError):
-            return None
+        except subprocess.CalledProcessError as exc:
+            tail = exc.stderr.decode(errors="replace").strip().splitlines()[-1:] if exc.stderr else []
+            return None, f"unavailable: {cc} failed to build {_SOURCE_PATH}: {' '.join(tail)}"
+        except (OSError, subprocess.SubprocessError) as exc:
+            return None, f"unavailable: building into {_cache_dir()} failed ({exc})"
     try:
         lib = ctypes.CDLL(path)
-    except OSError:
-        return None
+    except OSError as exc:
+        return None, f"unavailable: cannot load {path} ({exc})"
     i64, f32, vp = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
     lib.lc_encode.argtypes = [i64, vp, vp, vp, vp, vp, i64, i64, i64, vp]
     lib.lc_encode.restype = i64
@@ -101,7 +105,17 @@ def _lib() -> Optional[ctypes.CDLL]:
     lib.lc_apply_bits.restype = None
     lib.lc_apply_lanes.argtypes = [i64, vp, vp, vp, vp, vp, i64, i64, i64, vp, vp, vp, vp, vp]
     lib.lc_apply_lanes.restype = None
-    return lib
+    return lib, f"in use: {path}"
+
+
+def _lib() -> Optional[ctypes.CDLL]:
+    return _build()[0]
+
+
+def status() -> str:
+    """One line: ``in use: <library>``, or why the torch path runs (``off: ...`` when
+    disabled with ``LIONCUB_FUSED=0``, ``unavailable: ...`` otherwise)."""
+    return _build()[1]
 
 
 def available() -> bool:
