@@ -176,11 +176,14 @@ def test_cli_env_reports_versions_backends_and_the_fused_loops(capsys):
     import torch.distributed as dist
 
     from lioncub import __version__, fused
-    from lioncub.cli import main
+    from lioncub.cli import env_report, main
 
     assert main(["env"]) == 0
-    lines = dict(line.split(None, 1) if not line.startswith(("fused", "torch threads", "slow-link"))
-                 else (line[:17].strip(), line[17:].strip()) for line in capsys.readouterr().out.splitlines())
-    assert lines["lioncub"] == __version__ and lines["torch"] == torch.__version__
-    assert lines["gloo"] == ("yes" if dist.is_gloo_available() else "no")
-    assert lines["fused CPU loops"] == fused.status()
+    lines = capsys.readouterr().out.splitlines()
+    rows = dict(env_report())
+    assert len(lines) == len(rows)
+    for (key, value), line in zip(rows.items(), lines):  # one aligned line per row, in order
+        assert line.startswith(key) and line.endswith(value) and line[len(key):-len(value)].strip() == ""
+    assert rows["lioncub"] == __version__ and rows["torch"] == torch.__version__
+    assert rows["gloo"] == ("yes" if dist.is_gloo_available() else "no")
+    assert rows["fused CPU loops"] == fused.status()

@@ -173,7 +173,8 @@ class BucketStep:
             return finite
         c, finite = self._c_checked(entries, stats, key, "t_quantize_pack")  # quantizers: c first
         t0 = time.perf_counter()
-        work = self._buffer("abs", c.numel(), torch.float32, c.device) if codec.quantizer in ROUNDED else None
+        fast_q = finite is not None and codec.quantizer in ROUNDED  # fp32 c: the codec's fused lanes
+        work = self._buffer("abs", c.numel(), torch.float32, c.device) if fast_q else None
         codec.encode(c, dst, step, self.generator, work=work)
         stats.t_quantize_pack += time.perf_counter() - t0
         return finite

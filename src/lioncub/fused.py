@@ -175,7 +175,7 @@ def interpolate(exp_avgs: list[Tensor], grads: list[Tensor], beta1, maximize, ou
     """``c = β1·m + (1-β1)·g`` of the tensors in order into the flat fp32 ``out``, as
     :func:`lioncub.lion.interpolate` computes it (bit for bit), in one pass; returns whether
     every gradient element is finite. Call only when :func:`usable`."""
-    k, n = len(exp_avgs), sum(t.numel() for t in exp_avgs)
+    n = sum(t.numel() for t in exp_avgs)
     if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != n:
         raise ValueError(f"out must be a contiguous fp32 tensor of {n} elements, got {out.dtype} {tuple(out.shape)}")
     return _encode(exp_avgs, grads, beta1, maximize, out, mode=2, bits=32, step=0)

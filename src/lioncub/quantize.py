@@ -35,7 +35,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["QUANTIZERS", "NORM_P", "ROUNDED", "Quantized", "levels_for_bits", "lp_norm", "multiplier", "quantize"]
+__all__ = ["QUANTIZERS", "NORM_P", "ROUNDED", "Quantized", "levels_for_bits", "lp_norm", "multiplier", "quantize",
+           "scale_norm"]
 
 QUANTIZERS = ("sign", "l1", "lp", "l0", "linf", "log")
 
@@ -94,10 +95,17 @@ def multiplier(levels: int, norm: float) -> float:
     return 0.0 if norm == 0.0 or not math.isfinite(norm) else levels / norm
 
 
+def scale_norm(x: Tensor, method: str, p: float = 1.0, work: Tensor | None = None) -> float:
+    """The normaliser a scaled quantizer (``l1``, ``l0``, ``lp`` with ``p``, ``linf``)
+    divides ``x`` by: what :func:`quantize` uses, and the fused encode of :mod:`lioncub.vote`."""
+    return lp_norm(x, NORM_P.get(method, p), work)
+
+
 def _scaled(x: Tensor, levels: int, norm: float, stochastic: bool, generator) -> Quantized:
-    if multiplier(levels, norm) == 0.0:
+    mult = multiplier(levels, norm)
+    if mult == 0.0:
         return Quantized(torch.zeros(x.shape, dtype=torch.int8, device=x.device), 0.0)
-    y = x.float() * multiplier(levels, norm)
+    y = x.float() * mult
     q = _round(y, stochastic, generator).clamp_(-levels, levels)
     return Quantized(q.to(torch.int8), norm / levels)
 
@@ -142,9 +150,8 @@ def quantize(
         raise ValueError(f"levels must be an int in [1, 127], got {levels!r}")
     if method == "log":
         return _log(x, levels)
-    norm_p = NORM_P.get(method, p)
     if method == "lp" and not (p >= 0):
         raise ValueError(f"p must be >= 0 for quantizer 'lp', got {p!r}")
     if stochastic is None:
         stochastic = method == "linf"
-    return _scaled(x, levels, lp_norm(x, norm_p), stochastic, generator)
+    return _scaled(x, levels, scale_norm(x, method, p), stochastic, generator)

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from . import comm, fused, kernels, packing
 from .comm import CommStats
-from .quantize import NORM_P, QUANTIZERS, ROUNDED, lp_norm, multiplier, quantize
+from .quantize import QUANTIZERS, ROUNDED, multiplier, quantize, scale_norm
 
 __all__ = ["VOTE_METHODS", "VoteCodec", "majority_vote", "reference_vote", "pbit_levels"]
 
@@ -154,7 +154,7 @@ class VoteCodec:
         elif self.method in ("gather", "onebit"):
             dst.copy_(kernels.pack_bytes(kernels.sign_bits(c, step), n, 1))
         elif self.quantizer in ROUNDED and fused.usable([c]):  # round, clamp and lanes in one pass
-            mult = multiplier(self.levels, lp_norm(c, NORM_P.get(self.quantizer, 1.0), work))  # as quantize()
+            mult = multiplier(self.levels, scale_norm(c, self.quantizer, work=work))  # as quantize() does
             fused.quantize_lanes(c, mult, self.levels, self.bits, dst)
         else:
             values = _encode_pbit(c, self.world, step, self.levels, self.quantizer, generator)
