@@ -25,6 +25,10 @@ The loops are C (``fused.c`` beside this file), compiled on first use with the s
 compiler (``cc``) into a per-machine cache (``$LIONCUB_CACHE`` or ``~/.cache/lioncub``)
 and called through ctypes with raw pointers. No compiler, a failed build, or ``LIONCUB_FUSED=0``: the
 torch path runs instead (same results, slower); :func:`available` says which.
+
+Contiguous fp32 CUDA tensors take the same functions through :mod:`lioncub.triton_kernels`
+(Triton kernels, same layouts and arithmetic; :func:`usable` and ``_gpu`` are the switch);
+without Triton, or with ``LIONCUB_FUSED=0``, they take the torch path.
 """
 from __future__ import annotations
 
@@ -124,9 +128,22 @@ def available() -> bool:
 
 
 def usable(*tensor_lists: list[Tensor]) -> bool:
-    """The loops take contiguous fp32 CPU tensors only (anything else: the torch path)."""
+    """The loops take contiguous fp32 CPU tensors; contiguous fp32 CUDA tensors get the Triton
+    kernels of :mod:`lioncub.triton_kernels` when Triton is installed (anything else: the torch path)."""
+    ts = [t for group in tensor_lists for t in group]
+    if ts and all(t.device.type == "cuda" for t in ts):
+        from . import triton_kernels
+        return triton_kernels.handles(ts)
     return available() and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
-                               for ts in tensor_lists for t in ts)
+                               for t in ts)
+
+
+def _gpu(t: Tensor):
+    """The Triton kernels when ``t`` is a CUDA tensor (the backend switch), else None: the C loops."""
+    if t.device.type != "cuda":
+        return None
+    from . import triton_kernels
+    return triton_kernels
 
 
 def _ptrs(ts: list[Tensor]) -> ctypes.Array:
@@ -163,6 +180,8 @@ def encode(exp_avgs: list[Tensor], grads: list[Tensor], beta1, maximize, out: Te
 
 
 def _encode(exp_avgs, grads, beta1, maximize, out: Tensor, *, mode: int, bits: int, step: int) -> bool:
+    if _gpu(out) is not None:
+        return _gpu(out)._encode(exp_avgs, grads, beta1, maximize, out, mode=mode, bits=bits, step=step)
     k = len(exp_avgs)
     b1 = list(_per_tensor(beta1, k, ctypes.c_double))
     mx = list(_per_tensor(maximize, k, ctypes.c_bool))
@@ -192,10 +211,12 @@ def quantize_lanes(c: Tensor, mult: float, levels: int, bits: int, out: Tensor) 
         raise ValueError(f"levels must be in [1, {((1 << bits) - 1) // 2}] for {bits}-bit lanes, got {levels!r}")
     n = c.numel()
     need = -(-n * bits // 8)
-    if c.dtype != torch.float32 or not c.is_contiguous() or c.device.type != "cpu":
-        raise ValueError(f"c must be a contiguous fp32 CPU tensor, got {c.dtype} on {c.device}")
+    if c.dtype != torch.float32 or not c.is_contiguous() or c.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"c must be a contiguous fp32 CPU or CUDA tensor, got {c.dtype} on {c.device}")
     if out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() != need:
         raise ValueError(f"out must be a contiguous uint8 tensor of {need} bytes, got {out.dtype} {tuple(out.shape)}")
+    if _gpu(c) is not None:
+        return _gpu(c).quantize_lanes(c, mult, levels, bits, out)
     _lib().lc_quantize_lanes(c.data_ptr(), n, mult, levels, bits, out.data_ptr())
 
 
@@ -207,6 +228,9 @@ def apply(params: list[Tensor], exp_avgs: list[Tensor], grads: list[Tensor], u: 
     n = sum(t.numel() for t in params)
     if u.dtype != torch.int8 or not u.is_contiguous() or u.numel() != n:
         raise ValueError(f"u must be a contiguous int8 tensor of {n} elements, got {u.dtype} {tuple(u.shape)}")
+    if _gpu(u) is not None:
+        return _gpu(u).apply(params, exp_avgs, grads, u, lr=lr, beta2=beta2, weight_decay=weight_decay,
+                             maximize=maximize)
     _lib().lc_apply(len(params), _ptrs(params), _ptrs(exp_avgs), _ptrs(grads), _sizes(params), u.data_ptr(),
                     *_update_args(len(params), lr, beta2, weight_decay, maximize))
 
@@ -221,6 +245,9 @@ def apply_bits(params: list[Tensor], exp_avgs: list[Tensor], grads: list[Tensor]
         if bits is not None and (bits.dtype != torch.uint8 or not bits.is_contiguous() or bits.numel() < nbytes):
             raise ValueError(f"{name} must be a contiguous uint8 tensor of >= {nbytes} bytes, "
                              f"got {bits.dtype} {tuple(bits.shape)}")
+    if _gpu(pos) is not None:
+        return _gpu(pos).apply_bits(params, exp_avgs, grads, pos, neg, lr=lr, beta2=beta2,
+                                    weight_decay=weight_decay, maximize=maximize)
     _lib().lc_apply_bits(len(params), _ptrs(params), _ptrs(exp_avgs), _ptrs(grads), _sizes(params), pos.data_ptr(),
                          None if neg is None else neg.data_ptr(),
                          *_update_args(len(params), lr, beta2, weight_decay, maximize))
@@ -237,6 +264,9 @@ def apply_lanes(params: list[Tensor], exp_avgs: list[Tensor], grads: list[Tensor
     if lanes.dtype != torch.uint8 or not lanes.is_contiguous() or lanes.numel() < nbytes:
         raise ValueError(f"lanes must be a contiguous uint8 tensor of >= {nbytes} bytes, "
                          f"got {lanes.dtype} {tuple(lanes.shape)}")
+    if _gpu(lanes) is not None:
+        return _gpu(lanes).apply_lanes(params, exp_avgs, grads, lanes, bits, above, below, lr=lr, beta2=beta2,
+                                       weight_decay=weight_decay, maximize=maximize)
     _lib().lc_apply_lanes(len(params), _ptrs(params), _ptrs(exp_avgs), _ptrs(grads), _sizes(params),
                           lanes.data_ptr(), bits, above, below,
                           *_update_args(len(params), lr, beta2, weight_decay, maximize))

@@ -1,0 +1,257 @@
+r"""Triton kernels for the per-parameter passes on CUDA: the GPU counterpart of ``fused.c``.
+
+Same functions, arguments, layouts and arithmetic as :mod:`lioncub.fused` (which calls
+these for CUDA tensors, the C loops for CPU tensors, the torch path otherwise):
+
+* :func:`encode` — ``c = β1·m + (1-β1)·g`` → this rank's packed sign lanes (1/2/4/8 bits,
+  ``c ≥ 0`` on even steps, ``c > 0`` on odd) or int8 ``sign(c)``; :func:`interpolate` — ``c``
+  itself. Both report whether every gradient element is finite (read from its exponent bits).
+* :func:`quantize_lanes` — ``round(c·mult)`` (half to even) clamped to ``±levels``, plus
+  ``levels``, in 2/4/8-bit lanes.
+* :func:`apply` / :func:`apply_bits` / :func:`apply_lanes` — ``p ← p·decay − lr·u``,
+  ``m ← β2·m + (1-β2)·g`` with ``u`` from int8 votes, packed bits or lane sums.
+
+Arithmetic, operation by operation as torch's CPU kernels and the C loops do it: fp32
+scalars (Python floats rounded to fp32 once), ``m·β1`` rounded, then **one fused
+multiply-add** ``fma(α, g, m·β1)`` (``tl.fma``: rounded once, never left to the compiler's
+contraction); the same for ``m``. The p update ``fma(-lr, u, p·decay)`` is exact whatever
+the contraction, since ``u ∈ {-1, 0, 1}``. So the results equal the torch CPU path bit for
+bit (``tests/test_triton.py`` runs every kernel in Triton's CPU interpreter,
+``TRITON_INTERPRET=1``). torch's own CUDA kernels compute ``a + α·b`` as nvcc compiles it
+(contracted to an FMA by default): ``bench/gpu_check.py`` measures whether that is exact
+on the GPU too and allows at most 1 ulp there.
+
+Tensors of one call form one stream (element ``j`` of the concatenation): one launch per
+tensor, in order on one CUDA stream. A packed byte shared by two tensors is stored whole
+by the first tensor's launch (its missing lanes zero) and OR-ed into by the next one.
+The finite report is one int32 flag on the device, read back once per call (a sync).
+
+Import-time note: ``TRITON_INTERPRET=1`` must be set before this module is imported for
+the kernels to run on CPU tensors.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the torch path (or the C loops) run instead
+    triton = None
+    tl = None
+
+__all__ = ["available", "status", "handles", "encode", "interpolate", "quantize_lanes", "apply",
+           "apply_bits", "apply_lanes"]
+
+_BLOCK = 1024  # elements (apply, signs, c) or output bytes (lanes) per program
+_MAGIC = 12582912.0  # 1.5·2^23: (y + M) - M rounds y half to even for |y| < 2^22
+
+
+@functools.lru_cache(maxsize=None)
+def status() -> str:
+    """One line: ``in use: triton X`` when CUDA tensors get these kernels, or why not."""
+    if os.environ.get("LIONCUB_FUSED", "1") == "0":
+        return "off: LIONCUB_FUSED=0"
+    if triton is None:
+        return "unavailable: triton is not installed"
+    if not torch.cuda.is_available():
+        return f"unavailable: no CUDA device (triton {triton.__version__} installed)"
+    return f"in use: triton {triton.__version__} for fp32 CUDA tensors"
+
+
+def available() -> bool:
+    """True when fp32 CUDA tensors get these kernels."""
+    return status().startswith("in use")
+
+
+def handles(tensors) -> bool:
+    """All contiguous fp32 CUDA tensors and :func:`available`."""
+    return available() and all(t.dtype == torch.float32 and t.device.type == "cuda" and t.is_contiguous()
+                               for t in tensors)
+
+
+if triton is not None:
+    @triton.jit
+    def _nonfinite_any(g):
+        """1 when an element of g has all exponent bits set (NaN, ±Inf), else 0."""
+        bits = g.to(tl.int32, bitcast=True)
+        return tl.max(((bits & 0x7F800000) == 0x7F800000).to(tl.int32))
+
+    @triton.jit
+    def _encode_lanes_kernel(m_ptr, g_ptr, out_ptr, bad_ptr, n, start, beta1, alpha,
+                             EVEN: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
+        # One program: BLOCK output bytes of the stream, from the byte holding element `start`.
+        PER: tl.constexpr = 8 // BITS
+        first = start // PER
+        byte = first + tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        lane = tl.arange(0, PER)
+        i = byte[:, None] * PER + lane[None, :] - start  # element index in this tensor
+        inside = (i >= 0) & (i < n)
+        m = tl.load(m_ptr + i, mask=inside, other=0.0)
+        g = tl.load(g_ptr + i, mask=inside, other=0.0)
+        c = tl.fma(alpha, g, m * beta1)
+        if EVEN:
+            on = c >= 0.0
+        else:
+            on = c > 0.0
+        v = tl.where(inside & on, 1, 0) << (lane * BITS)[None, :]
+        b = tl.sum(v, axis=1)
+        valid = byte <= (start + n - 1) // PER
+        shared = (byte == first) & (byte * PER != start)  # the previous tensor stored its lanes here
+        b = b | tl.load(out_ptr + byte, mask=valid & shared, other=0).to(tl.int32)
+        tl.store(out_ptr + byte, b.to(tl.uint8), mask=valid)
+        tl.atomic_or(bad_ptr, _nonfinite_any(g))
+
+    @triton.jit
+    def _encode_values_kernel(m_ptr, g_ptr, out_ptr, bad_ptr, n, beta1, alpha,
+                              SIGNS: tl.constexpr, BLOCK: tl.constexpr):
+        # out_ptr: this tensor's first element of the output (int8 signs or fp32 c).
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = i < n
+        m = tl.load(m_ptr + i, mask=mask, other=0.0)
+        g = tl.load(g_ptr + i, mask=mask, other=0.0)
+        c = tl.fma(alpha, g, m * beta1)
+        if SIGNS:
+            tl.store(out_ptr + i, ((c > 0.0).to(tl.int8) - (c < 0.0).to(tl.int8)), mask=mask)
+        else:
+            tl.store(out_ptr + i, c, mask=mask)
+        tl.atomic_or(bad_ptr, _nonfinite_any(g))
+
+    @triton.jit
+    def _quantize_lanes_kernel(c_ptr, out_ptr, n, nbytes, mult, s, BITS: tl.constexpr, BLOCK: tl.constexpr):
+        PER: tl.constexpr = 8 // BITS
+        byte = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        lane = tl.arange(0, PER)
+        i = byte[:, None] * PER + lane[None, :]
+        inside = i < n
+        c = tl.load(c_ptr + i, mask=inside, other=0.0)
+        sf = s
+        y = c * mult
+        y = tl.where(y < -sf, -sf, tl.where(y > sf, sf, y))  # clamp first: rounding is monotone
+        y = (y + _MAGIC) - _MAGIC  # half to even (|y| <= 127 here)
+        q = (y + sf).to(tl.int32)
+        v = tl.where(inside, q, 0) << (lane * BITS)[None, :]
+        tl.store(out_ptr + byte, tl.sum(v, axis=1).to(tl.uint8), mask=byte < nbytes)
+
+    @triton.jit
+    def _apply_kernel(p_ptr, m_ptr, g_ptr, u_ptr, neg_ptr, n, start, decay, neg_lr, beta2, alpha2, above, below,
+                      HAS_DECAY: tl.constexpr, SOURCE: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
+        # SOURCE 0: int8 u; 1: u = 2·bit − 1; 2: u = pos bit − neg bit; 3: u from BITS-wide lane sums.
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = i < n
+        j = start + i  # element index in the vote stream
+        if SOURCE == 0:
+            u = tl.load(u_ptr + j, mask=mask, other=0).to(tl.float32)
+        elif SOURCE == 3:
+            PER: tl.constexpr = 8 // BITS
+            k = (tl.load(u_ptr + j // PER, mask=mask, other=0).to(tl.int32) >> ((j % PER) * BITS)) & ((1 << BITS) - 1)
+            u = (k > above).to(tl.float32) - (k < below).to(tl.float32)
+        else:
+            pb = (tl.load(u_ptr + j // 8, mask=mask, other=0).to(tl.int32) >> (j % 8)) & 1
+            if SOURCE == 1:
+                u = (2 * pb - 1).to(tl.float32)
+            else:
+                nb = (tl.load(neg_ptr + j // 8, mask=mask, other=0).to(tl.int32) >> (j % 8)) & 1
+                u = (pb - nb).to(tl.float32)
+        p = tl.load(p_ptr + i, mask=mask, other=0.0)
+        m = tl.load(m_ptr + i, mask=mask, other=0.0)
+        g = tl.load(g_ptr + i, mask=mask, other=0.0)
+        if HAS_DECAY:
+            p = p * decay
+        tl.store(p_ptr + i, tl.fma(neg_lr, u, p), mask=mask)
+        tl.store(m_ptr + i, tl.fma(alpha2, g, m * beta2), mask=mask)
+
+
+def _per_tensor(value, k: int) -> list:
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * k
+    if len(values) != k:
+        raise ValueError(f"expected one value per tensor ({k}), got {len(values)}")
+    return values
+
+
+def _grid(count: int) -> tuple[int]:
+    return (triton.cdiv(count, _BLOCK),)
+
+
+def _encode(exp_avgs, grads, beta1, maximize, out: Tensor, *, mode: int, bits: int, step: int) -> bool:
+    k = len(exp_avgs)
+    b1s, mxs = _per_tensor(beta1, k), _per_tensor(maximize, k)
+    bad = torch.zeros(1, dtype=torch.int32, device=out.device)
+    start = 0
+    for m, g, b1, mx in zip(exp_avgs, grads, b1s, mxs):
+        n = m.numel()
+        b1 = float(b1)
+        alpha = -(1.0 - b1) if mx else 1.0 - b1  # as lion.interpolate
+        if n == 0:
+            continue
+        if mode == 0:
+            per = 8 // bits
+            nbytes = (start + n - 1) // per - start // per + 1
+            _encode_lanes_kernel[_grid(nbytes)](m, g, out, bad, n, start, b1, alpha,
+                                                EVEN=step % 2 == 0, BITS=bits, BLOCK=_BLOCK)
+        else:
+            dst = out.view(torch.int8)[start:start + n] if mode == 1 else out[start:start + n]
+            _encode_values_kernel[_grid(n)](m, g, dst, bad, n, b1, alpha, SIGNS=mode == 1, BLOCK=_BLOCK)
+        start += n
+    return bad.item() == 0
+
+
+def encode(exp_avgs: list[Tensor], grads: list[Tensor], beta1, maximize, out: Tensor, *,
+           bits: int, step: int, signs: bool = False) -> bool:
+    """:func:`lioncub.fused.encode` on CUDA: lanes of ``c ≥ 0`` / ``c > 0`` or int8 signs into
+    the uint8 ``out``; returns whether every gradient element is finite."""
+    return _encode(exp_avgs, grads, beta1, maximize, out, mode=1 if signs else 0, bits=bits, step=step)
+
+
+def interpolate(exp_avgs: list[Tensor], grads: list[Tensor], beta1, maximize, out: Tensor) -> bool:
+    """:func:`lioncub.fused.interpolate` on CUDA: ``c`` into the flat fp32 ``out``."""
+    return _encode(exp_avgs, grads, beta1, maximize, out, mode=2, bits=32, step=0)
+
+
+def quantize_lanes(c: Tensor, mult: float, levels: int, bits: int, out: Tensor) -> None:
+    """:func:`lioncub.fused.quantize_lanes` on CUDA (arguments checked there)."""
+    n = c.numel()
+    if n:
+        _quantize_lanes_kernel[_grid(out.numel())](c, out, n, out.numel(), float(mult), float(levels),
+                                                   BITS=bits, BLOCK=_BLOCK)
+
+
+def _apply(params, exp_avgs, grads, source: int, u: Tensor, neg: Optional[Tensor], bits: int, above: int,
+           below: int, *, lr, beta2, weight_decay, maximize) -> None:
+    k = len(params)
+    hyper = zip(_per_tensor(lr, k), _per_tensor(beta2, k), _per_tensor(weight_decay, k), _per_tensor(maximize, k))
+    start = 0
+    for p, m, g, (a, b2, wd, mx) in zip(params, exp_avgs, grads, hyper):
+        n = p.numel()
+        a, b2, wd = float(a), float(b2), float(wd)
+        alpha2 = -(1.0 - b2) if mx else 1.0 - b2  # as lion.apply_update_
+        if n:
+            _apply_kernel[_grid(n)](p, m, g, u, u if neg is None else neg, n, start, 1.0 - a * wd, -a, b2, alpha2,
+                                    above, below, HAS_DECAY=wd != 0, SOURCE=source, BITS=bits, BLOCK=_BLOCK)
+        start += n
+
+
+def apply(params: list[Tensor], exp_avgs: list[Tensor], grads: list[Tensor], u: Tensor, *, lr,
+          beta2, weight_decay, maximize=False) -> None:
+    """:func:`lioncub.fused.apply` on CUDA: p and m in place from the int8 votes ``u``."""
+    _apply(params, exp_avgs, grads, 0, u, None, 8, 0, 0, lr=lr, beta2=beta2, weight_decay=weight_decay,
+           maximize=maximize)
+
+
+def apply_bits(params: list[Tensor], exp_avgs: list[Tensor], grads: list[Tensor], pos: Tensor,
+               neg: Optional[Tensor] = None, *, lr, beta2, weight_decay, maximize=False) -> None:
+    """:func:`lioncub.fused.apply_bits` on CUDA: ``u = 2·pos − 1``, or ``pos − neg``."""
+    _apply(params, exp_avgs, grads, 1 if neg is None else 2, pos, neg, 1, 0, 0, lr=lr, beta2=beta2,
+           weight_decay=weight_decay, maximize=maximize)
+
+
+def apply_lanes(params: list[Tensor], exp_avgs: list[Tensor], grads: list[Tensor], lanes: Tensor, bits: int,
+                above: int, below: int, *, lr, beta2, weight_decay, maximize=False) -> None:
+    """:func:`lioncub.fused.apply_lanes` on CUDA: ``u = (k > above) − (k < below)``."""
+    _apply(params, exp_avgs, grads, 3, lanes, None, bits, int(above), int(below), lr=lr, beta2=beta2,
+           weight_decay=weight_decay, maximize=maximize)

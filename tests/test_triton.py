@@ -1,0 +1,198 @@
+"""The Triton kernels (lioncub.triton_kernels) equal the torch path bit for bit, run on CPU
+tensors by Triton's interpreter (TRITON_INTERPRET=1). The same kernels compiled for a GPU
+are checked by bench/gpu_check.py (make gpu-check). Small tensors: the interpreter is slow."""
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined (at the module's import)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from lioncub import fused, kernels  # noqa: E402
+from lioncub.lion import apply_update_, interpolate  # noqa: E402
+from tests.test_fused import _tensors  # noqa: E402  (m, g with exact zeros and -0.0 of c: ties)
+
+if "lioncub.triton_kernels" in sys.modules:  # defined earlier without the interpreter: define again
+    tk = importlib.reload(sys.modules["lioncub.triton_kernels"])
+else:
+    from lioncub import triton_kernels as tk  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+# odd sizes; bytes shared by two tensors at every lane width; an empty tensor; > one program (1024)
+SIZES = [[1], [3, 21, 0, 5, 17], [1001, 2, 1030]]
+
+
+def _flat_c(ms, gs, beta1, maximize):
+    return torch.cat([x.reshape(-1) for x in interpolate(ms, gs, beta1, maximize=maximize)] + [torch.zeros(0)])
+
+
+@pytest.mark.parametrize("sizes", SIZES)
+def test_encode_equals_interpolate_sign_bits_pack(sizes):
+    """Lanes of every width at both step parities, int8 signs and c itself, per-tensor β1 / maximize."""
+    ms, gs = _tensors(sizes, seed=len(sizes))
+    n = sum(sizes)
+    for beta1, maximize in [(0.9, False), (0.3, True)]:
+        c = _flat_c(ms, gs, beta1, maximize)
+        for step in (0, 1):
+            for bits in (1, 2, 4, 8):
+                want = kernels.pack_bytes(kernels.sign_bits(c, step), n, bits)
+                got = torch.full((-(-n * bits // 8),), 0xAA, dtype=torch.uint8)
+                assert tk.encode(ms, gs, beta1, maximize, got, bits=bits, step=step) is True
+                assert torch.equal(got, want), (beta1, maximize, step, bits)
+        got = torch.full((n,), 7, dtype=torch.uint8)
+        assert tk.encode(ms, gs, beta1, maximize, got, bits=8, step=0, signs=True) is True
+        assert torch.equal(got.view(torch.int8), torch.sign(c).to(torch.int8))
+        values = torch.full((n,), float("nan"))
+        assert tk.interpolate(ms, gs, [beta1] * len(sizes), [maximize] * len(sizes), values) is True
+        assert torch.equal(values.view(torch.int32), c.view(torch.int32))  # bit for bit, -0.0 too
+    betas, maxi = [0.9, 0.5, 0.99, 0.0, 0.7][:len(sizes)], [False, True, False, True, True][:len(sizes)]
+    c = torch.cat([interpolate([m], [g], b, maximize=x)[0] for m, g, b, x in zip(ms, gs, betas, maxi)])
+    got = torch.empty(-(-n * 2 // 8), dtype=torch.uint8)
+    tk.encode(ms, gs, betas, maxi, got, bits=2, step=1)
+    assert torch.equal(got, kernels.pack_bytes(kernels.sign_bits(c, 1), n, 2))
+
+
+def test_encode_reports_nonfinite_gradients():
+    """False for one NaN/±Inf in any tensor (also in a byte shared by two tensors), True for
+    huge finite values; the packed bytes are those of the torch path either way."""
+    sizes = [3, 21, 5]
+    ms, gs = _tensors(sizes, seed=3)
+    gs[1][4] = torch.finfo(torch.float32).max
+    gs[2][0] = -torch.finfo(torch.float32).max
+    n = sum(sizes)
+    for (t, i), bad in zip([(0, 2), (1, 0), (1, 20), (2, 4)], [float("nan"), float("inf"), float("-inf"), float("nan")]):
+        g2 = [x.clone() for x in gs]
+        g2[t][i] = bad
+        c = _flat_c(ms, g2, 0.9, False)
+        for bits, signs in ((1, False), (4, False), (8, True)):
+            out = torch.empty(n if signs else -(-n * bits // 8), dtype=torch.uint8)
+            assert tk.encode(ms, gs, 0.9, False, out, bits=bits, step=0, signs=signs) is True
+            assert tk.encode(ms, g2, 0.9, False, out, bits=bits, step=1, signs=signs) is False, (t, i, bits)
+            want = torch.sign(c).to(torch.int8).view(torch.uint8) if signs else \
+                kernels.pack_bytes(kernels.sign_bits(c, 1), n, bits)
+            assert torch.equal(out, want)
+        assert tk.interpolate(ms, g2, 0.9, False, torch.empty(n)) is False
+
+
+@pytest.mark.parametrize("n", [1, 13, 1031])
+def test_quantize_lanes_equals_round_clamp_then_pack(n):
+    """q = round(c·mult) half to even, clamped to ±levels, + levels, in lanes: exact halves of
+    both signs, values past ±levels, ±0.0, mult = 0."""
+    g = torch.Generator().manual_seed(n)
+    c = torch.randn(n, generator=g) * 3
+    c[::4] = (torch.arange(len(c[::4]), dtype=torch.float32) % 13 - 6) + 0.5
+    if n > 2:
+        c[1], c[2] = -0.0, 0.0
+    for bits, levels in ((2, 1), (4, 7), (8, 31), (8, 127)):
+        for mult in (1.0, 0.7316, 127 / 2.3, 0.0):
+            want = torch.round(c * mult).clamp_(-levels, levels).to(torch.int8).view(torch.uint8) + levels
+            want = kernels.pack_bytes(want, n, bits)
+            got = torch.full((-(-n * bits // 8),), 0xAA, dtype=torch.uint8)
+            tk.quantize_lanes(c, mult, levels, bits, got)
+            assert torch.equal(got, want), (bits, levels, mult)
+
+
+HYPER = [(1e-3, 0.0, 0.99, False), (0.7, 1.3, 0.5, True)]
+
+
+def _apply_case(sizes, seed):
+    ms, gs = _tensors(sizes, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    ps = [torch.randn(n, generator=g) for n in sizes]
+    return ps, ms, gs
+
+
+def _reference(ps, ms, gs, u, lr, wd, beta2, maximize):
+    ps_ref, ms_ref = [p.clone() for p in ps], [m.clone() for m in ms]
+    apply_update_(ps_ref, list(u.float().split([p.numel() for p in ps])), ms_ref, gs, lr=lr, beta2=beta2,
+                  weight_decay=wd, maximize=maximize, foreach=True)
+    return ps_ref + ms_ref
+
+
+@pytest.mark.parametrize("sizes", SIZES)
+def test_apply_and_apply_bits_equal_apply_update(sizes):
+    """From int8 u, from packed ±1 bits (1-bit vote) and from pos − neg bits (gather)."""
+    n = sum(sizes)
+    g = torch.Generator().manual_seed(n)
+    u = torch.randint(-1, 2, (n,), generator=g, dtype=torch.int8)
+    bits = torch.randint(0, 2, (2, n), generator=g, dtype=torch.uint8)
+    pos_b, neg_b = bits[0], bits[1] * (1 - bits[0])
+    pack = lambda b: kernels.pack_bytes(b.clone(), n, 1)  # noqa: E731
+    for lr, wd, beta2, maximize in HYPER:
+        for how, votes in [("u", u), ("pm1", 2 * pos_b.to(torch.int8) - 1),
+                           ("posneg", pos_b.to(torch.int8) - neg_b.to(torch.int8))]:
+            ps, ms, gs = _apply_case(sizes, seed=5)
+            want = _reference(ps, ms, gs, votes, lr, wd, beta2, maximize)
+            hp = dict(lr=lr, beta2=beta2, weight_decay=wd, maximize=maximize)
+            if how == "u":
+                tk.apply(ps, ms, gs, votes, **hp)
+            else:
+                tk.apply_bits(ps, ms, gs, pack(pos_b), None if how == "pm1" else pack(neg_b), **hp)
+            assert all(torch.equal(a, b) for a, b in zip(ps + ms, want)), (how, lr)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_apply_lanes_equals_vote_lanes_then_apply_update(bits):
+    sizes = [3, 5, 17, 0, 1030]
+    n, top = sum(sizes), (1 << bits) - 1
+    g = torch.Generator().manual_seed(bits)
+    k = torch.randint(0, top + 1, (n,), generator=g, dtype=torch.uint8)
+    lanes = kernels.pack_bytes(k.clone(), n, bits)
+    for above, below in [(1, 2), (top // 2, (top + 1) // 2), (0, 0), (top, top)]:
+        u = kernels.vote_lanes(lanes, n, bits, above, below)
+        ps, ms, gs = _apply_case(sizes, seed=6)
+        want = _reference(ps, ms, gs, u, 1e-3, 0.1, 0.99, False)
+        tk.apply_lanes(ps, ms, gs, lanes, bits, above, below, lr=1e-3, beta2=0.99, weight_decay=0.1)
+        assert all(torch.equal(a, b) for a, b in zip(ps + ms, want)), (above, below)
+
+
+def test_per_tensor_hyperparameters():
+    sizes = [13, 8, 21]
+    ps, ms, gs = _apply_case(sizes, seed=9)
+    u = torch.randint(-1, 2, (sum(sizes),), generator=torch.Generator().manual_seed(2), dtype=torch.int8)
+    hp = [(1e-2, 0.0, 0.9, False), (3e-3, 0.2, 0.95, True), (0.5, 1.0, 0.99, False)]
+    want = []
+    for p, m, gr, uu, (lr, wd, b2, x) in zip(ps, ms, gs, u.split(sizes), hp):
+        want.append(_reference([p], [m], [gr], uu, lr, wd, b2, x))
+    tk.apply(ps, ms, gs, u, lr=[h[0] for h in hp], weight_decay=[h[1] for h in hp],
+             beta2=[h[2] for h in hp], maximize=[h[3] for h in hp])
+    assert all(torch.equal(a, b) for a, b in zip(ps + ms, [w[0] for w in want] + [w[1] for w in want]))
+
+
+def test_fused_switch_sends_cuda_tensors_to_the_kernels(monkeypatch):
+    """fused's functions hand tensors for which ``fused._gpu`` answers to the Triton kernels
+    (here CPU tensors, as if on CUDA): same bytes and updates as the torch path."""
+    calls = []
+    monkeypatch.setattr(fused, "_gpu", lambda t: calls.append(t.device.type) or tk)
+    sizes = [7, 9]
+    n = sum(sizes)
+    ms, gs = _tensors(sizes, seed=1)
+    c = _flat_c(ms, gs, 0.9, False)
+    out = torch.empty(-(-n * 4 // 8), dtype=torch.uint8)
+    assert fused.encode(ms, gs, [0.9, 0.9], [False, False], out, bits=4, step=1) is True
+    assert torch.equal(out, kernels.pack_bytes(kernels.sign_bits(c, 1), n, 4))
+    values = torch.empty(n)
+    assert fused.interpolate(ms, gs, 0.9, False, values) and torch.equal(values, c)
+    fused.quantize_lanes(c, 10.0, 7, 4, out)
+    assert torch.equal(out, kernels.pack_bytes(torch.round(c * 10.0).clamp_(-7, 7).to(torch.uint8) + 7, n, 4))
+    ps, ms, gs = _apply_case(sizes, seed=2)
+    u = kernels.vote_lanes(out, n, 4, 7, 7)
+    want = _reference(ps, ms, gs, u, 1e-3, 0.1, 0.99, True)
+    fused.apply_lanes(ps, ms, gs, out, 4, 7, 7, lr=[1e-3] * 2, beta2=0.99, weight_decay=0.1, maximize=True)
+    assert all(torch.equal(a, b) for a, b in zip(ps + ms, want))
+    assert len(calls) >= 4
+
+
+def test_status_without_cuda_and_cpu_tensors_keep_the_c_loops():
+    if not torch.cuda.is_available():
+        assert not tk.available() and "no CUDA device" in tk.status()
+    assert not tk.handles([torch.zeros(3)])
+    assert fused._gpu(torch.zeros(3)) is None
+
