@@ -129,6 +129,13 @@ def cmd_train(args) -> int:
         config = TrainConfig(**fields)
     except ValueError as exc:
         args.parser.error(str(exc))
+    if config.resume:  # a missing, incomplete or corrupt checkpoint is the user's to fix: say which file
+        from .harness.checkpoint import find_checkpoint, verify_checkpoint
+
+        try:
+            verify_checkpoint(find_checkpoint(config.resume))
+        except ValueError as exc:
+            args.parser.error(f"--resume: {exc}")
     if compare:
         from .harness.compare import run_compare
 

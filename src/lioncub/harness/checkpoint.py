@@ -2,7 +2,9 @@
 
 Layout of ``RUN/ckpt/step_0000040/``::
 
-    meta.json       step, world size, config, label
+    meta.json       step, world size, config, label, ``files``: the size and SHA-256 of
+                    every other file, and ``meta_sha256``: the SHA-256 of the rest of
+                    meta.json (written last, once every rank's file is on disk)
     model.pt        rank 0's parameters and buffers (parameters are identical on all ranks)
     rank{r}.pt      per rank: optimizer state (local momenta, step parity, quantizer RNG),
                     model buffers (e.g. BatchNorm statistics), data position, RNG states
@@ -11,6 +13,14 @@ Layout of ``RUN/ckpt/step_0000040/``::
 written under a temporary name and renamed once every rank has written, so a
 crash never leaves a half checkpoint as ``latest``. Multi-node runs need ``RUN``
 on a shared file system.
+
+Trust: every file is read with ``torch.load(weights_only=True)`` (tensors and plain
+Python values only; RNG and loader states are stored as such), so a checkpoint from
+someone else cannot run code; a file holding anything else is refused with
+:class:`CheckpointError`. Each file is checked against ``meta.json``'s size and
+checksum before it is unpickled. :func:`latest_checkpoint` (``--auto-resume``)
+skips an incomplete or corrupt newest checkpoint with a warning naming it and
+returns the newest valid one.
 
 Resuming on another world size (:func:`load_checkpoint` reads every old
 ``rank{r}.pt``; same size: bit for bit, as above). The rules:
@@ -32,18 +42,33 @@ Resuming on another world size (:func:`load_checkpoint` reads every old
 """
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
+import pickle
 import random
+import re
 import shutil
+import warnings
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that is incomplete, corrupt, or holds more than tensors and plain values."""
+
+
 def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """Every RNG's state as tensors and plain Python values (loadable with ``weights_only=True``)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    version, internal, gauss_next = random.getstate()
+    state = {"torch": torch.get_rng_state(),
+             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "gauss": float(gauss)},
+             "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next}}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -51,8 +76,9 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    n, py = state["numpy"], state["python"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
@@ -67,12 +93,20 @@ def save_checkpoint(run_dir: str, step: int, *, model, optimizer, loader, meta: 
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    torch.save({"optimizer": optimizer.state_dict(), "buffers": dict(model.named_buffers()),
-                "loader": loader.state_dict(), "rng": rng_state()}, os.path.join(tmp, f"rank{rank}.pt"))
+    files = _write(tmp, f"rank{rank}.pt", {"optimizer": optimizer.state_dict(), "buffers": dict(model.named_buffers()),
+                                           "loader": loader.state_dict(), "rng": rng_state()})
     if rank == 0:
-        torch.save(model.state_dict(), os.path.join(tmp, "model.pt"))
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump({"step": step, "world_size": dist.get_world_size(), **meta}, f, indent=1)
+        files.update(_write(tmp, "model.pt", model.state_dict()))
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, files)  # after this every rank's file is on disk
+    if rank == 0:
+        listing = {name: entry for part in gathered for name, entry in sorted(part.items())}
+        record = {"step": step, "world_size": dist.get_world_size(), **meta, "files": listing}
+        record["meta_sha256"] = _meta_digest(record)
+        with open(os.path.join(tmp, "meta.json"), "w") as f:  # last: its presence means complete
+            json.dump(record, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
     dist.barrier()
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -86,28 +120,122 @@ def save_checkpoint(run_dir: str, step: int, *, model, optimizer, loader, meta: 
     return final
 
 
+def _write(directory: str, name: str, obj) -> dict:
+    """Save ``obj`` as ``directory/name``; returns ``{name: {"bytes", "sha256"}}`` for meta.json."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getvalue()
+    with open(os.path.join(directory, name), "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return {name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
+
+
 def find_checkpoint(path: str) -> str:
     """A checkpoint directory from ``path``: itself, or a run directory's latest checkpoint."""
-    if os.path.exists(os.path.join(path, "meta.json")):
-        return path
+    if any(os.path.exists(os.path.join(path, f)) for f in ("meta.json", "model.pt")):
+        return path  # a checkpoint directory (complete or not: verify_checkpoint / read_meta say)
     latest = os.path.join(path, "ckpt", "latest")
     if os.path.exists(latest):
         with open(latest) as f:
             return os.path.join(path, "ckpt", f.read().strip())
-    raise ValueError(f"resume: {path!r} is neither a checkpoint directory nor a run directory with ckpt/latest")
+    raise ValueError(f"{path!r} is neither a checkpoint directory nor a run directory with ckpt/latest")
 
 
-def _read_meta(ckpt_dir: str) -> dict:
-    with open(os.path.join(ckpt_dir, "meta.json")) as f:
-        return json.load(f)
+def read_meta(ckpt_dir: str) -> dict:
+    """``meta.json``, checked to list every file with its size and checksum (else CheckpointError)."""
+    path = os.path.join(ckpt_dir, "meta.json")
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing: the checkpoint is incomplete") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path} is unreadable ({exc}): the checkpoint is corrupt") from None
+    if not isinstance(meta, dict) or "meta_sha256" not in meta or not isinstance(meta.get("files"), dict):
+        raise CheckpointError(f"{path} lists no file checksums: the checkpoint is corrupt or was written by "
+                              "a lioncub before checksums")
+    if meta["meta_sha256"] != _meta_digest(meta):
+        raise CheckpointError(f"{path} is corrupt: its content does not match its own SHA-256 (meta_sha256)")
+    return meta
+
+
+def _meta_digest(meta: dict) -> str:
+    """SHA-256 of meta.json's content without its own ``meta_sha256`` field (canonical JSON)."""
+    body = {k: v for k, v in meta.items() if k != "meta_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _check(path: str, entry: dict, size: int, sha256: str) -> None:
+    if size != entry["bytes"]:
+        raise CheckpointError(f"{path} is truncated or corrupt: {size} bytes, meta.json says {entry['bytes']}")
+    if sha256 != entry["sha256"]:
+        raise CheckpointError(f"{path} is corrupt: its SHA-256 differs from meta.json's")
+
+
+def read_file(ckpt_dir: str, name: str, meta: dict, map_location=None):
+    """One checkpoint file: its size and SHA-256 checked against ``meta``, then unpickled with
+    ``weights_only=True`` (tensors and plain Python values only). Raises CheckpointError naming the file."""
+    path = os.path.join(ckpt_dir, name)
+    entry = meta["files"].get(name)
+    if entry is None:
+        raise CheckpointError(f"{path}: not listed in meta.json")
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise CheckpointError(f"{path} is missing or unreadable ({exc.strerror})") from None
+    _check(path, entry, len(data), hashlib.sha256(data).hexdigest())
+    return _unpickle(path, io.BytesIO(data), map_location=map_location)
+
+
+def _unpickle(path: str, source, **kwargs):
+    """``torch.load(source, weights_only=True)``; a file holding anything else is refused, naming ``path``."""
+    try:
+        return torch.load(source, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"Unsupported[^.]*", str(exc))  # e.g. "Unsupported global: GLOBAL builtins.exec ..."
+        reason = found.group(0) if found else (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CheckpointError(f"{path} was refused: it holds more than tensors and plain Python values, so "
+                              f"loading it could run code (torch.load weights_only=True: {reason})") from None
+    except (RuntimeError, EOFError) as exc:  # a valid checksum over a file torch cannot read
+        raise CheckpointError(f"{path} is not a torch checkpoint file ({str(exc).splitlines()[0]})") from None
+
+
+def verify_checkpoint(ckpt_dir: str) -> dict:
+    """Check every file of a checkpoint against meta.json (size and SHA-256) and that it unpickles
+    with ``weights_only=True`` (memory-mapped: the tensors are not read); returns meta."""
+    meta = read_meta(ckpt_dir)
+    for name, entry in meta["files"].items():
+        path = os.path.join(ckpt_dir, name)
+        digest, size = hashlib.sha256(), 0
+        try:
+            with open(path, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(chunk)
+                    size += len(chunk)
+        except OSError as exc:
+            raise CheckpointError(f"{path} is missing or unreadable ({exc.strerror})") from None
+        _check(path, entry, size, digest.hexdigest())
+        _unpickle(path, path, mmap=True, map_location="cpu")
+    return meta
 
 
 def latest_checkpoint(run_dir: str) -> str | None:
-    """``run_dir``'s newest complete checkpoint, or None when it has none (``--auto-resume``)."""
-    try:
-        return find_checkpoint(run_dir)
-    except ValueError:
-        return None
+    """``run_dir``'s newest valid checkpoint, or None when it has none (``--auto-resume``).
+
+    A newer checkpoint that is incomplete or corrupt (a node died while writing it, a full
+    disk) is skipped with a warning naming it."""
+    root = os.path.join(run_dir, "ckpt")
+    names = sorted((d for d in os.listdir(root) if d.startswith("step_")), reverse=True) if os.path.isdir(root) else []
+    for name in names:
+        try:
+            verify_checkpoint(os.path.join(root, name))
+            return os.path.join(root, name)
+        except CheckpointError as exc:
+            warnings.warn(f"auto-resume: skipping checkpoint {os.path.join(root, name)}: {exc}", stacklevel=2)
+    return None
 
 
 def load_checkpoint(ckpt_dir: str, *, model, optimizer, loader, device, seed: int = 0) -> dict:
@@ -115,11 +243,11 @@ def load_checkpoint(ckpt_dir: str, *, model, optimizer, loader, device, seed: in
 
     A checkpoint from another world size is re-sharded (rules in the module docstring);
     ``meta['resharded_from']`` then holds the saved world size."""
-    meta = _read_meta(ckpt_dir)
+    meta = read_meta(ckpt_dir)
     rank, world, old_world = dist.get_rank(), dist.get_world_size(), meta["world_size"]
-    model.load_state_dict(torch.load(os.path.join(ckpt_dir, "model.pt"), map_location=device))
+    model.load_state_dict(read_file(ckpt_dir, "model.pt", meta, device))
     if old_world == world:
-        rank_state = torch.load(os.path.join(ckpt_dir, f"rank{rank}.pt"), map_location=device, weights_only=False)
+        rank_state = read_file(ckpt_dir, f"rank{rank}.pt", meta, device)
         with torch.no_grad():
             for name, buf in model.named_buffers():
                 buf.copy_(rank_state["buffers"][name])
@@ -127,8 +255,7 @@ def load_checkpoint(ckpt_dir: str, *, model, optimizer, loader, device, seed: in
         loader.load_state_dict(rank_state["loader"])
         set_rng_state(rank_state["rng"])
         return meta
-    old = [torch.load(os.path.join(ckpt_dir, f"rank{r}.pt"), map_location=device, weights_only=False)
-           for r in range(old_world)]
+    old = [read_file(ckpt_dir, f"rank{r}.pt", meta, device) for r in range(old_world)]
     with torch.no_grad():
         for name, buf in model.named_buffers():
             saved = [s["buffers"][name] for s in old]

@@ -225,10 +225,15 @@ def train_worker(config: TrainConfig) -> dict:
 
 
 def _resume_path(config: TrainConfig) -> str | None:
-    """The checkpoint to continue from: ``resume``, else with ``auto_resume`` ``out``'s latest (if any)."""
+    """The checkpoint to continue from: ``resume``, else with ``auto_resume`` ``out``'s newest valid one
+    (if any). Rank 0 decides (and warns about a corrupt newer checkpoint it skips); every rank gets its pick."""
     if config.resume:
         return checkpoint.find_checkpoint(config.resume)
-    return checkpoint.latest_checkpoint(config.out) if config.auto_resume else None
+    if not config.auto_resume:
+        return None
+    pick = [checkpoint.latest_checkpoint(config.out) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(pick, src=0)
+    return pick[0]
 
 
 def summarize(config: TrainConfig, steps: list[dict], evals: list[dict], *, world: int, n_params: int,
