@@ -1,6 +1,9 @@
-"""The Triton kernels (lioncub.triton_kernels) equal the torch path bit for bit, run on CPU
-tensors by Triton's interpreter (TRITON_INTERPRET=1). The same kernels compiled for a GPU
-are checked by bench/gpu_check.py (make gpu-check). Small tensors: the interpreter is slow."""
+"""The Triton kernels (lioncub.triton_kernels) equal the torch CPU path bit for bit.
+
+By default on CPU tensors, run by Triton's interpreter (TRITON_INTERPRET=1; small tensors:
+the interpreter is slow). With ``LIONCUB_TEST_DEVICE=cuda`` (what ``make gpu-check`` does)
+the same tests run the compiled kernels on CUDA copies of the inputs against the same CPU
+references: the GPU must give the CPU path's bits."""
 import importlib
 import json
 import os
@@ -8,7 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined (at the module's import)
+DEVICE = os.environ.get("LIONCUB_TEST_DEVICE", "cpu")
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined (at the module's import)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -23,6 +28,23 @@ if "lioncub.triton_kernels" in sys.modules:  # defined earlier without the inter
     tk = importlib.reload(sys.modules["lioncub.triton_kernels"])
 else:
     from lioncub import triton_kernels as tk  # noqa: E402
+if DEVICE != "cpu" and not tk.available():  # asked for the GPU: never skip silently
+    raise RuntimeError(f"LIONCUB_TEST_DEVICE={DEVICE} but the Triton kernels are {tk.status()}")
+
+
+def _d(x):
+    """The kernels' copy of a tensor (or list) on DEVICE; the references stay on CPU."""
+    return [t.to(DEVICE) for t in x] if isinstance(x, (list, tuple)) else x.to(DEVICE)
+
+
+def _same(got, want) -> bool:
+    """Bit for bit (fp32 compared as int32: -0.0 and NaN payloads too)."""
+    got = [got] if isinstance(got, torch.Tensor) else got
+    want = [want] if isinstance(want, torch.Tensor) else want
+    return len(got) == len(want) and all(
+        a.dtype == b.dtype and torch.equal(a.cpu().view(torch.int32) if a.dtype == torch.float32 else a.cpu(),
+                                           b.view(torch.int32) if b.dtype == torch.float32 else b)
+        for a, b in zip(got, want))
 
 ROOT = Path(__file__).resolve().parents[1]
 # odd sizes; bytes shared by two tensors at every lane width; an empty tensor; > one program (1024)
@@ -43,20 +65,20 @@ def test_encode_equals_interpolate_sign_bits_pack(sizes):
         for step in (0, 1):
             for bits in (1, 2, 4, 8):
                 want = kernels.pack_bytes(kernels.sign_bits(c, step), n, bits)
-                got = torch.full((-(-n * bits // 8),), 0xAA, dtype=torch.uint8)
-                assert tk.encode(ms, gs, beta1, maximize, got, bits=bits, step=step) is True
-                assert torch.equal(got, want), (beta1, maximize, step, bits)
-        got = torch.full((n,), 7, dtype=torch.uint8)
-        assert tk.encode(ms, gs, beta1, maximize, got, bits=8, step=0, signs=True) is True
-        assert torch.equal(got.view(torch.int8), torch.sign(c).to(torch.int8))
-        values = torch.full((n,), float("nan"))
-        assert tk.interpolate(ms, gs, [beta1] * len(sizes), [maximize] * len(sizes), values) is True
-        assert torch.equal(values.view(torch.int32), c.view(torch.int32))  # bit for bit, -0.0 too
+                got = _d(torch.full((-(-n * bits // 8),), 0xAA, dtype=torch.uint8))
+                assert tk.encode(_d(ms), _d(gs), beta1, maximize, got, bits=bits, step=step) is True
+                assert _same(got, want), (beta1, maximize, step, bits)
+        got = _d(torch.full((n,), 7, dtype=torch.uint8))
+        assert tk.encode(_d(ms), _d(gs), beta1, maximize, got, bits=8, step=0, signs=True) is True
+        assert _same(got.view(torch.int8), torch.sign(c).to(torch.int8))
+        values = _d(torch.full((n,), float("nan")))
+        assert tk.interpolate(_d(ms), _d(gs), [beta1] * len(sizes), [maximize] * len(sizes), values) is True
+        assert _same(values, c)  # bit for bit, -0.0 too
     betas, maxi = [0.9, 0.5, 0.99, 0.0, 0.7][:len(sizes)], [False, True, False, True, True][:len(sizes)]
     c = torch.cat([interpolate([m], [g], b, maximize=x)[0] for m, g, b, x in zip(ms, gs, betas, maxi)])
-    got = torch.empty(-(-n * 2 // 8), dtype=torch.uint8)
-    tk.encode(ms, gs, betas, maxi, got, bits=2, step=1)
-    assert torch.equal(got, kernels.pack_bytes(kernels.sign_bits(c, 1), n, 2))
+    got = _d(torch.empty(-(-n * 2 // 8), dtype=torch.uint8))
+    tk.encode(_d(ms), _d(gs), betas, maxi, got, bits=2, step=1)
+    assert _same(got, kernels.pack_bytes(kernels.sign_bits(c, 1), n, 2))
 
 
 def test_encode_reports_nonfinite_gradients():
@@ -72,13 +94,13 @@ def test_encode_reports_nonfinite_gradients():
         g2[t][i] = bad
         c = _flat_c(ms, g2, 0.9, False)
         for bits, signs in ((1, False), (4, False), (8, True)):
-            out = torch.empty(n if signs else -(-n * bits // 8), dtype=torch.uint8)
-            assert tk.encode(ms, gs, 0.9, False, out, bits=bits, step=0, signs=signs) is True
-            assert tk.encode(ms, g2, 0.9, False, out, bits=bits, step=1, signs=signs) is False, (t, i, bits)
+            out = _d(torch.empty(n if signs else -(-n * bits // 8), dtype=torch.uint8))
+            assert tk.encode(_d(ms), _d(gs), 0.9, False, out, bits=bits, step=0, signs=signs) is True
+            assert tk.encode(_d(ms), _d(g2), 0.9, False, out, bits=bits, step=1, signs=signs) is False, (t, i, bits)
             want = torch.sign(c).to(torch.int8).view(torch.uint8) if signs else \
                 kernels.pack_bytes(kernels.sign_bits(c, 1), n, bits)
-            assert torch.equal(out, want)
-        assert tk.interpolate(ms, g2, 0.9, False, torch.empty(n)) is False
+            assert _same(out, want)
+        assert tk.interpolate(_d(ms), _d(g2), 0.9, False, _d(torch.empty(n))) is False
 
 
 @pytest.mark.parametrize("n", [1, 13, 1031])
@@ -94,9 +116,9 @@ def test_quantize_lanes_equals_round_clamp_then_pack(n):
         for mult in (1.0, 0.7316, 127 / 2.3, 0.0):
             want = torch.round(c * mult).clamp_(-levels, levels).to(torch.int8).view(torch.uint8) + levels
             want = kernels.pack_bytes(want, n, bits)
-            got = torch.full((-(-n * bits // 8),), 0xAA, dtype=torch.uint8)
-            tk.quantize_lanes(c, mult, levels, bits, got)
-            assert torch.equal(got, want), (bits, levels, mult)
+            got = _d(torch.full((-(-n * bits // 8),), 0xAA, dtype=torch.uint8))
+            tk.quantize_lanes(_d(c), mult, levels, bits, got)
+            assert _same(got, want), (bits, levels, mult)
 
 
 HYPER = [(1e-3, 0.0, 0.99, False), (0.7, 1.3, 0.5, True)]
@@ -131,11 +153,12 @@ def test_apply_and_apply_bits_equal_apply_update(sizes):
             ps, ms, gs = _apply_case(sizes, seed=5)
             want = _reference(ps, ms, gs, votes, lr, wd, beta2, maximize)
             hp = dict(lr=lr, beta2=beta2, weight_decay=wd, maximize=maximize)
+            ps, ms, gs = _d(ps), _d(ms), _d(gs)
             if how == "u":
-                tk.apply(ps, ms, gs, votes, **hp)
+                tk.apply(ps, ms, gs, _d(votes), **hp)
             else:
-                tk.apply_bits(ps, ms, gs, pack(pos_b), None if how == "pm1" else pack(neg_b), **hp)
-            assert all(torch.equal(a, b) for a, b in zip(ps + ms, want)), (how, lr)
+                tk.apply_bits(ps, ms, gs, _d(pack(pos_b)), None if how == "pm1" else _d(pack(neg_b)), **hp)
+            assert _same(ps + ms, want), (how, lr)
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
@@ -149,8 +172,9 @@ def test_apply_lanes_equals_vote_lanes_then_apply_update(bits):
         u = kernels.vote_lanes(lanes, n, bits, above, below)
         ps, ms, gs = _apply_case(sizes, seed=6)
         want = _reference(ps, ms, gs, u, 1e-3, 0.1, 0.99, False)
-        tk.apply_lanes(ps, ms, gs, lanes, bits, above, below, lr=1e-3, beta2=0.99, weight_decay=0.1)
-        assert all(torch.equal(a, b) for a, b in zip(ps + ms, want)), (above, below)
+        ps, ms, gs = _d(ps), _d(ms), _d(gs)
+        tk.apply_lanes(ps, ms, gs, _d(lanes), bits, above, below, lr=1e-3, beta2=0.99, weight_decay=0.1)
+        assert _same(ps + ms, want), (above, below)
 
 
 def test_per_tensor_hyperparameters():
@@ -161,38 +185,45 @@ def test_per_tensor_hyperparameters():
     want = []
     for p, m, gr, uu, (lr, wd, b2, x) in zip(ps, ms, gs, u.split(sizes), hp):
         want.append(_reference([p], [m], [gr], uu, lr, wd, b2, x))
-    tk.apply(ps, ms, gs, u, lr=[h[0] for h in hp], weight_decay=[h[1] for h in hp],
+    ps, ms, gs = _d(ps), _d(ms), _d(gs)
+    tk.apply(ps, ms, gs, _d(u), lr=[h[0] for h in hp], weight_decay=[h[1] for h in hp],
              beta2=[h[2] for h in hp], maximize=[h[3] for h in hp])
-    assert all(torch.equal(a, b) for a, b in zip(ps + ms, [w[0] for w in want] + [w[1] for w in want]))
+    assert _same(ps + ms, [w[0] for w in want] + [w[1] for w in want])
 
 
 def test_fused_switch_sends_cuda_tensors_to_the_kernels(monkeypatch):
-    """fused's functions hand tensors for which ``fused._gpu`` answers to the Triton kernels
-    (here CPU tensors, as if on CUDA): same bytes and updates as the torch path."""
+    """fused's functions hand the tensors for which ``fused._gpu`` answers (CUDA tensors; on
+    CPU, CPU tensors as if they were) to the Triton kernels: the torch path's bytes and updates."""
     calls = []
-    monkeypatch.setattr(fused, "_gpu", lambda t: calls.append(t.device.type) or tk)
+    real = fused._gpu
+    monkeypatch.setattr(fused, "_gpu", lambda t: calls.append(t.device.type) or (tk if DEVICE == "cpu" else real(t)))
     sizes = [7, 9]
     n = sum(sizes)
     ms, gs = _tensors(sizes, seed=1)
     c = _flat_c(ms, gs, 0.9, False)
-    out = torch.empty(-(-n * 4 // 8), dtype=torch.uint8)
-    assert fused.encode(ms, gs, [0.9, 0.9], [False, False], out, bits=4, step=1) is True
-    assert torch.equal(out, kernels.pack_bytes(kernels.sign_bits(c, 1), n, 4))
-    values = torch.empty(n)
-    assert fused.interpolate(ms, gs, 0.9, False, values) and torch.equal(values, c)
-    fused.quantize_lanes(c, 10.0, 7, 4, out)
-    assert torch.equal(out, kernels.pack_bytes(torch.round(c * 10.0).clamp_(-7, 7).to(torch.uint8) + 7, n, 4))
+    if DEVICE != "cpu":
+        assert fused.usable(_d(ms), _d(gs)) and not fused.usable(_d(ms), gs)
+    out = _d(torch.empty(-(-n * 4 // 8), dtype=torch.uint8))
+    assert fused.encode(_d(ms), _d(gs), [0.9, 0.9], [False, False], out, bits=4, step=1) is True
+    assert _same(out, kernels.pack_bytes(kernels.sign_bits(c, 1), n, 4))
+    values = _d(torch.empty(n))
+    assert fused.interpolate(_d(ms), _d(gs), 0.9, False, values) and _same(values, c)
+    fused.quantize_lanes(values, 10.0, 7, 4, out)
+    lanes = kernels.pack_bytes(torch.round(c * 10.0).clamp_(-7, 7).to(torch.uint8) + 7, n, 4)
+    assert _same(out, lanes)
     ps, ms, gs = _apply_case(sizes, seed=2)
-    u = kernels.vote_lanes(out, n, 4, 7, 7)
-    want = _reference(ps, ms, gs, u, 1e-3, 0.1, 0.99, True)
+    want = _reference(ps, ms, gs, kernels.vote_lanes(lanes, n, 4, 7, 7), 1e-3, 0.1, 0.99, True)
+    ps, ms, gs = _d(ps), _d(ms), _d(gs)
     fused.apply_lanes(ps, ms, gs, out, 4, 7, 7, lr=[1e-3] * 2, beta2=0.99, weight_decay=0.1, maximize=True)
-    assert all(torch.equal(a, b) for a, b in zip(ps + ms, want))
-    assert len(calls) >= 4
+    assert _same(ps + ms, want)
+    assert len(calls) >= 4 and set(calls) == {DEVICE}
 
 
-def test_status_without_cuda_and_cpu_tensors_keep_the_c_loops():
+def test_status_and_cpu_tensors_keep_the_c_loops():
     if not torch.cuda.is_available():
         assert not tk.available() and "no CUDA device" in tk.status()
+    else:
+        assert tk.handles([torch.zeros(3, device="cuda")]) == tk.available()
     assert not tk.handles([torch.zeros(3)])
     assert fused._gpu(torch.zeros(3)) is None
 
