@@ -4,12 +4,14 @@ Public API::
 
     lioncub.Lion            single-process Lion (torch.optim.Optimizer)
     lioncub.LionCub         distributed Lion by majority vote, 1-8 bits per element
+    lioncub.LocalCub        local steps under the vote: H inner steps, then one agreed outer step
     lioncub.majority_vote   the vote collective; lioncub.reference_vote its exact reference
     lioncub.quantize        the quantizers (sign, l1, lp, l0, linf, log)
 """
 from .comm import CommStats
 from .distributed import GRAD_DTYPES, OPTIMIZER_VOTES, LionCub
 from .lion import Lion
+from .local_steps import LocalCub
 from .quantize import QUANTIZERS, Quantized, quantize
 from .vote import VOTE_METHODS, majority_vote, reference_vote
 
@@ -20,6 +22,7 @@ __all__ = [
     "GRAD_DTYPES",
     "Lion",
     "LionCub",
+    "LocalCub",
     "OPTIMIZER_VOTES",
     "QUANTIZERS",
     "Quantized",

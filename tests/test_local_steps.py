@@ -1,0 +1,252 @@
+"""LocalCub: local steps under the vote, on real gloo groups (2-3 workers)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lioncub import Lion, LionCub, LocalCub, quantize
+from lioncub.local_steps import sent_value
+from lioncub.vote import pbit_levels
+from tests.dist import run_workers
+
+SHAPES = [(7, 5), (13,), (3, 3, 3)]  # odd sizes: bits do not fill whole bytes
+
+
+def _params(seed: int = 0) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(*s, generator=g)) for s in SHAPES]
+
+
+def _set_grads(params, rank: int, step: int) -> None:
+    """Each rank its own gradients; Gaussian, so no exact zeros."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+
+
+# ------------------------------------------------------------------ H = 1 is LionCub
+VOTES_H1 = [("onebit", {}), ("gather", {}), ("sign_allreduce", {}), ("pbit", {})]
+
+
+def _h1_equals_lioncub(rank, world):
+    out = {}
+    for vote, kw in VOTES_H1:
+        for wd in (0.0, 0.5):
+            a, b = _params(), _params()
+            cub = LionCub(a, lr=1e-2, weight_decay=wd, vote=vote, **kw)
+            loc = LocalCub(b, lr=1e-2, weight_decay=wd, local_steps=1, vote=vote, outer="sgd", outer_lr=1.0, **kw)
+            for step in range(5):
+                _set_grads(a, rank, step)
+                _set_grads(b, rank, step)
+                cub.step()
+                loc.step()
+                assert loc.synced
+            same_p = all(torch.equal(x, y) for x, y in zip(a, b))
+            same_m = all(torch.equal(cub.state[x]["exp_avg"], loc.inner.state[y]["exp_avg"]) for x, y in zip(a, b))
+            moved = not all(torch.equal(x, y) for x, y in zip(a, _params()))
+            out[(vote, wd)] = (same_p, same_m, moved)
+    return out
+
+
+def test_one_local_step_with_a_sign_outer_step_is_lioncub_bit_for_bit():
+    # H=1: Δ_i = θ − (θ − η·sign(c_i)) has the sign of c_i (η·1 is far above half an ulp of θ
+    # here), so every binary vote sees the same signs, zeros (none: Gaussian gradients) and
+    # step parity as LionCub's; outer_lr=1 applies u with LionCub's own p.add_(u, alpha=-lr).
+    for res in run_workers(_h1_equals_lioncub, 3):
+        for key, (same_p, same_m, moved) in res.items():
+            assert moved, key
+            assert same_p, f"params differ from LionCub for {key}"
+            assert same_m, f"momenta differ from LionCub for {key}"
+
+
+# ------------------------------------------------------------------ vote='grad' averages Δ
+def _grad_vote_is_the_mean(rank, world):
+    H, lr = 3, 1e-2
+    params = _params()
+    ref = [p.detach().clone().requires_grad_(True) for p in params]
+    start = [p.detach().clone() for p in params]
+    opt = LocalCub(params, lr=lr, local_steps=H, vote="grad", outer="sgd", outer_lr=0.7)
+    inner_ref = Lion(ref, lr=lr)  # what each rank's inner loop does, run beside it
+    for step in range(H):
+        _set_grads(params, rank, step)
+        _set_grads(ref, rank, step)
+        opt.step()
+        inner_ref.step()
+    delta = torch.cat([(s.double() - r.detach().double()).reshape(-1) for s, r in zip(start, ref)])
+    everyone = [torch.empty_like(delta) for _ in range(world)]
+    dist.all_gather(everyone, delta)
+    mean = torch.stack(everyone).mean(0)  # float64
+    expected = torch.cat([s.double().reshape(-1) for s in start]) - 0.7 * mean
+    got = torch.cat([p.detach().double().reshape(-1) for p in params])
+    return float((got - expected).abs().max()), float(mean.abs().max())
+
+
+def test_grad_vote_applies_the_float64_mean_of_the_pseudo_gradients():
+    for err, scale in run_workers(_grad_vote_is_the_mean, 3):
+        assert scale > 1e-3  # the round moved the parameters
+        # fp32: Δ formed and summed in fp32 (3 ranks), θ ~ N(0,1): a few ulps of 1 at most
+        assert err < 1e-6, err
+
+
+# ------------------------------------------------------------------ error feedback
+def _ef_hand_case(rank, world):
+    # params start at 0 and the inner step is SGD with lr 1, so Δ = 0 − (0 − g) = g exactly
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = LocalCub([p], lr=1.0, local_steps=1, inner=lambda groups: torch.optim.SGD(groups), vote="onebit",
+                   error_feedback=True, outer="sgd", outer_lr=1.0)
+    p.grad = torch.tensor([0.25, -0.125, 0.5, -0.125]) if rank == 0 else torch.tensor([-0.5, 0.25, 0.25, 0.5])
+    opt.step()
+    first = opt.state[p]["residual"].clone()
+    # second round: v = Δ + e, its residual again v − mean|v|·sign(v)
+    p.grad = torch.tensor([0.5, 0.5, -0.25, 0.0]) if rank == 0 else torch.tensor([0.0, 0.0, 0.0, 0.0])
+    start = opt.state[p]["start"].clone()
+    opt.step()
+    return first, start, opt.state[p]["residual"].clone()
+
+
+def test_error_feedback_residual_is_what_was_meant_minus_what_was_sent():
+    r0, r1 = run_workers(_ef_hand_case, 2)
+    # rank 0: v = [.25, -.125, .5, -.125], mean|v| = 0.25, sent = [.25, -.25, .25, -.25]
+    assert torch.equal(r0[0], torch.tensor([0.0, 0.125, 0.25, 0.125]))
+    # rank 1: v = [-.5, .25, .25, .5], mean|v| = 0.375, sent = ±0.375
+    assert torch.equal(r1[0], torch.tensor([-0.125, -0.125, -0.125, 0.125]))
+    # round 2, rank 1: Δ = 0 exactly, v = e = [-.125, -.125, -.125, .125], mean|v| = .125 -> e = 0
+    assert torch.equal(r1[2], torch.zeros(4))
+    # round 2, rank 0: v = [.5, .625, .0, .125], mean|v| = 0.3125; sign(0) = 0 sends nothing
+    assert torch.equal(r0[2], torch.tensor([0.1875, 0.3125, 0.0, -0.1875]))
+
+
+def test_sent_value_of_a_quantized_vote_is_the_dequantized_message():
+    v = torch.tensor([0.3, -0.1, 0.0, 2.0, -1.5])
+    sent = sent_value(v, [5], vote="pbit", world=3, bits=8, quantizer="l1")
+    _, levels = pbit_levels(3, 8, "l1")
+    q = quantize(v, "l1", levels=levels)
+    assert torch.equal(sent, q.values.float() * q.scale)
+    assert not torch.equal(sent, torch.sign(v))  # more than signs: magnitudes survive
+
+
+# ------------------------------------------------------------------ replicas and resume
+CONFIGS = [
+    dict(vote="onebit", outer="sgd", outer_lr=3.0),
+    dict(vote="onebit", outer="nesterov", outer_lr=2.0, error_feedback=True),
+    dict(vote="gather", outer="lion", outer_lr=4.0, error_feedback=True),
+    dict(vote="sign_allreduce", outer="nesterov", outer_lr=2.0),
+    dict(vote="pbit", outer="sgd", outer_lr=3.0, error_feedback=True),
+    dict(vote="pbit", quantizer="l1", bits=8, outer="nesterov", outer_lr=2.0, error_feedback=True),
+    dict(vote="grad", outer="nesterov", outer_lr=0.7, inner="adamw"),
+]
+
+
+def _checksums(params):
+    return torch.stack([p.detach().double().sum() for p in params] + [p.detach().double().abs().sum() for p in params])
+
+
+def _replicas_and_resume(rank, world):
+    out = []
+    for cfg in CONFIGS:
+        params = _params(seed=rank)  # different starts: the broadcast must align them
+        opt = LocalCub(params, lr=1e-2, weight_decay=0.1, local_steps=3, check_every=1, **cfg)
+        agree, saved = [], None
+        for step in range(11):
+            _set_grads(params, rank, step)
+            opt.step()
+            if step == 4:  # mid-round: local_step == 2
+                saved = (copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in params])  # as on disk
+            if opt.synced:
+                sums = _checksums(params)
+                everyone = [torch.empty_like(sums) for _ in range(world)]
+                dist.all_gather(everyone, sums)
+                agree.append(all(torch.equal(e, everyone[0]) for e in everyone))
+        final = [p.detach().clone() for p in params]
+        # resume from the mid-round checkpoint in a fresh optimizer and continue
+        sd, values = saved
+        params2 = _params(seed=rank)
+        opt2 = LocalCub(params2, lr=1e-2, weight_decay=0.1, local_steps=3, check_every=1, **cfg)
+        with torch.no_grad():
+            for p, v in zip(params2, values):
+                p.copy_(v)
+        opt2.load_state_dict(sd)
+        for step in range(5, 11):
+            _set_grads(params2, rank, step)
+            opt2.step()
+        resumed = all(torch.equal(a, b) for a, b in zip(final, params2))
+        drifted = not all(torch.equal(a, b) for a, b in zip(final, saved[1]))
+        out.append((cfg, agree, resumed, drifted, opt.rounds))
+    return out
+
+
+def test_replicas_identical_after_every_outer_step_and_resume_is_bit_exact():
+    for res in run_workers(_replicas_and_resume, 3):
+        for cfg, agree, resumed, drifted, rounds in res:
+            assert rounds == 3 and agree == [True] * 3, cfg
+            assert drifted, cfg
+            assert resumed, f"resumed run differs for {cfg}"
+
+
+def _nonfinite_round(rank, world):
+    params = _params()
+    opt = LocalCub(params, lr=1e-2, local_steps=2, vote="onebit", nonfinite="skip_round")
+    _set_grads(params, rank, 0)
+    opt.step()
+    _set_grads(params, rank, 1)
+    if rank == 1:
+        params[0].grad[0, 0] = float("nan")
+    opt.step()
+    start_equal = all(torch.equal(p, opt.state[p]["start"]) for p in params)
+    raised = None
+    opt2 = LocalCub(_params(), lr=1e-2, local_steps=1, vote="onebit")
+    for p in opt2.params:
+        p.grad = torch.full_like(p, float("nan")) if rank == 0 else torch.ones_like(p)
+    try:
+        opt2.step()
+    except FloatingPointError as e:
+        raised = str(e)
+    return opt.skipped_rounds, opt.rounds, start_equal, raised
+
+
+def test_a_nonfinite_round_is_skipped_or_raised_on_every_rank():
+    for skipped, rounds, start_equal, raised in run_workers(_nonfinite_round, 2):
+        assert (skipped, rounds, start_equal) == (1, 0, True)
+        assert raised is not None and "1 rank(s)" in raised
+
+
+# ------------------------------------------------------------------ one process, bad input
+def test_world_of_one_runs_without_a_process_group_and_matches_lion():
+    a, b = _params(), _params()
+    lion = Lion(a, lr=1e-2)
+    loc = LocalCub(b, lr=1e-2, local_steps=1, vote="onebit", outer="sgd", outer_lr=1.0)
+    for step in range(4):
+        _set_grads(a, 0, step)
+        _set_grads(b, 0, step)
+        lion.step()
+        loc.step()
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(local_steps=0), "local_steps must be an int >= 1"),
+    (dict(local_steps=2.5), "local_steps must be an int >= 1"),
+    (dict(outer="adam"), "outer must be one of"),
+    (dict(outer_lr=0.0), "outer_lr must be a number > 0"),
+    (dict(outer_momentum=1.0), "outer_momentum must be in"),
+    (dict(vote="auto"), "vote must be one of"),
+    (dict(vote="onebit", bits=4), "bits and quantizer apply to vote='pbit' only"),
+    (dict(vote="grad", error_feedback=True), "error_feedback needs a compressed vote"),
+    (dict(vote="pbit", quantizer="linf", error_feedback=True), "stochastic quantizer"),
+    (dict(inner="sgd"), "inner must be one of"),
+    (dict(nonfinite="ignore"), "nonfinite must be one of"),
+    (dict(lr=-1.0), "lr"),
+])
+def test_bad_arguments_are_named(kw, match):
+    with pytest.raises(ValueError, match=match):
+        LocalCub(_params(), **kw)
+
+
+def test_a_checkpoint_of_another_configuration_is_refused():
+    a = LocalCub(_params(), local_steps=2, vote="onebit")
+    b = LocalCub(_params(), local_steps=3, vote="onebit")
+    with pytest.raises(ValueError, match="local_steps=2"):
+        b.load_state_dict(a.state_dict())
