@@ -14,7 +14,8 @@ these for CUDA tensors, the C loops for CPU tensors, the torch path otherwise):
 Arithmetic, operation by operation as torch's CPU kernels and the C loops do it: fp32
 scalars (Python floats rounded to fp32 once), ``m·β1`` rounded, then **one fused
 multiply-add** ``fma(α, g, m·β1)`` (``tl.fma``: rounded once, never left to the compiler's
-contraction); the same for ``m``. The p update ``fma(-lr, u, p·decay)`` is exact whatever
+contraction, which every launch turns off: ``enable_fp_fusion=False``, PTX ``.rn`` ops); the
+same for ``m``. The p update ``fma(-lr, u, p·decay)`` is exact whatever
 the contraction, since ``u ∈ {-1, 0, 1}``. So the results equal the torch CPU path bit for
 bit (``tests/test_triton.py`` runs every kernel in Triton's CPU interpreter,
 ``TRITON_INTERPRET=1``). torch's own CUDA kernels compute ``a + α·b`` as nvcc compiles it
@@ -49,7 +50,7 @@ __all__ = ["available", "status", "handles", "encode", "interpolate", "quantize_
            "apply_bits", "apply_lanes"]
 
 _BLOCK = 1024  # elements (apply, signs, c) or output bytes (lanes) per program
-_MAGIC = 12582912.0  # 1.5·2^23: (y + M) - M rounds y half to even for |y| < 2^22
+_NO_CONTRACTION = dict(enable_fp_fusion=False)  # launch option: no FMA but the explicit tl.fma
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,13 +77,15 @@ def handles(tensors) -> bool:
 
 
 if triton is not None:
+    _MAGIC = tl.constexpr(12582912.0)  # 1.5·2^23: (y + M) - M rounds y half to even for |y| < 2^22
+
     @triton.jit
     def _nonfinite_any(g):
         """1 when an element of g has all exponent bits set (NaN, ±Inf), else 0."""
         bits = g.to(tl.int32, bitcast=True)
         return tl.max(((bits & 0x7F800000) == 0x7F800000).to(tl.int32))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n", "start"])  # sizes: one compile per kind
     def _encode_lanes_kernel(m_ptr, g_ptr, out_ptr, bad_ptr, n, start, beta1, alpha,
                              EVEN: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
         # One program: BLOCK output bytes of the stream, from the byte holding element `start`.
@@ -107,7 +110,7 @@ if triton is not None:
         tl.store(out_ptr + byte, b.to(tl.uint8), mask=valid)
         tl.atomic_or(bad_ptr, _nonfinite_any(g))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n"])
     def _encode_values_kernel(m_ptr, g_ptr, out_ptr, bad_ptr, n, beta1, alpha,
                               SIGNS: tl.constexpr, BLOCK: tl.constexpr):
         # out_ptr: this tensor's first element of the output (int8 signs or fp32 c).
@@ -122,7 +125,7 @@ if triton is not None:
             tl.store(out_ptr + i, c, mask=mask)
         tl.atomic_or(bad_ptr, _nonfinite_any(g))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n", "nbytes"])
     def _quantize_lanes_kernel(c_ptr, out_ptr, n, nbytes, mult, s, BITS: tl.constexpr, BLOCK: tl.constexpr):
         PER: tl.constexpr = 8 // BITS
         byte = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -138,7 +141,7 @@ if triton is not None:
         v = tl.where(inside, q, 0) << (lane * BITS)[None, :]
         tl.store(out_ptr + byte, tl.sum(v, axis=1).to(tl.uint8), mask=byte < nbytes)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n", "start", "above", "below"])
     def _apply_kernel(p_ptr, m_ptr, g_ptr, u_ptr, neg_ptr, n, start, decay, neg_lr, beta2, alpha2, above, below,
                       HAS_DECAY: tl.constexpr, SOURCE: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
         # SOURCE 0: int8 u; 1: u = 2·bit − 1; 2: u = pos bit − neg bit; 3: u from BITS-wide lane sums.
@@ -193,10 +196,11 @@ def _encode(exp_avgs, grads, beta1, maximize, out: Tensor, *, mode: int, bits: i
             per = 8 // bits
             nbytes = (start + n - 1) // per - start // per + 1
             _encode_lanes_kernel[_grid(nbytes)](m, g, out, bad, n, start, b1, alpha,
-                                                EVEN=step % 2 == 0, BITS=bits, BLOCK=_BLOCK)
+                                                EVEN=step % 2 == 0, BITS=bits, BLOCK=_BLOCK, **_NO_CONTRACTION)
         else:
             dst = out.view(torch.int8)[start:start + n] if mode == 1 else out[start:start + n]
-            _encode_values_kernel[_grid(n)](m, g, dst, bad, n, b1, alpha, SIGNS=mode == 1, BLOCK=_BLOCK)
+            _encode_values_kernel[_grid(n)](m, g, dst, bad, n, b1, alpha, SIGNS=mode == 1, BLOCK=_BLOCK,
+                                            **_NO_CONTRACTION)
         start += n
     return bad.item() == 0
 
@@ -218,7 +222,7 @@ def quantize_lanes(c: Tensor, mult: float, levels: int, bits: int, out: Tensor) 
     n = c.numel()
     if n:
         _quantize_lanes_kernel[_grid(out.numel())](c, out, n, out.numel(), float(mult), float(levels),
-                                                   BITS=bits, BLOCK=_BLOCK)
+                                                   BITS=bits, BLOCK=_BLOCK, **_NO_CONTRACTION)
 
 
 def _apply(params, exp_avgs, grads, source: int, u: Tensor, neg: Optional[Tensor], bits: int, above: int,
@@ -232,7 +236,8 @@ def _apply(params, exp_avgs, grads, source: int, u: Tensor, neg: Optional[Tensor
         alpha2 = -(1.0 - b2) if mx else 1.0 - b2  # as lion.apply_update_
         if n:
             _apply_kernel[_grid(n)](p, m, g, u, u if neg is None else neg, n, start, 1.0 - a * wd, -a, b2, alpha2,
-                                    above, below, HAS_DECAY=wd != 0, SOURCE=source, BITS=bits, BLOCK=_BLOCK)
+                                    above, below, HAS_DECAY=wd != 0, SOURCE=source, BITS=bits, BLOCK=_BLOCK,
+                                    **_NO_CONTRACTION)
         start += n
 
 
