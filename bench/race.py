@@ -96,7 +96,8 @@ def train_one(args, name: str, lr: float, data_dir: str) -> dict:
         elapsed = torch.tensor([clock + time.perf_counter() - t_last], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # every rank stops/evaluates at the same step
         clock = float(elapsed)  # the slowest rank's time: the others waited for it inside the all-reduce
-        if clock < next_eval and clock < args.budget:
+        done = clock >= args.budget or (args.steps is not None and step >= args.steps)
+        if clock < next_eval and not done:
             t_last = time.perf_counter()
             continue
         tx = iface_bytes(dev)["tx"] - tx0
@@ -108,7 +109,7 @@ def train_one(args, name: str, lr: float, data_dir: str) -> dict:
         if not math.isfinite(v) or v > evals[0]["val"] + 1.0:  # agreed: val is all-reduced
             status = "diverged"
             break
-        if clock >= args.budget:
+        if done:
             break
         dist.barrier()
         t_last = time.perf_counter()
@@ -247,6 +248,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lr-adamw", default="1e-3,3e-3", help="AdamW-family learning rates (DDP, local, DiLoCo inner)")
     ap.add_argument("--lr-lion", default="3e-4,1e-3", help="Lion-family learning rates (Lion DDP, Lion Cub)")
     ap.add_argument("--budget", type=float, default=50.0, help="training seconds per run")
+    ap.add_argument("--steps", type=int, help="end each run at its first sync point at or after this many steps "
+                    "instead of after --budget seconds (a step-matched grid; wall time does not decide it)")
     ap.add_argument("--eval-every", type=float, default=5.0, help="training seconds between evaluations")
     ap.add_argument("--eval-batches", type=int, default=2, help="validation batches (16 sequences) per worker")
     ap.add_argument("--warmup", type=int, default=10, help="linear warm-up steps")
@@ -266,6 +269,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out-dir", help=argparse.SUPPRESS)
     ap.add_argument("--data-dir", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.steps is not None:
+        if args.steps < 1:
+            ap.error(f"--steps must be >= 1, got {args.steps}")
+        args.budget = float("inf")
     if args.worker:
         worker(args)
         return 0
@@ -284,8 +291,9 @@ def main(argv=None) -> int:
         passed = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--worker"]
         argv_w = [sys.executable, os.path.abspath(__file__), *passed, "--worker", "--out-dir", d,
                   "--data-dir", data_dir]
+        per_run = args.budget * 3 if args.steps is None else args.steps * 2.0  # seconds before giving up
         t0 = time.perf_counter()
-        done = tb.run_workers([argv_w] * args.workers, timeout=len(_runs(args)) * (args.budget * 3 + 120),
+        done = tb.run_workers([argv_w] * args.workers, timeout=len(_runs(args)) * (per_run + 120),
                               check=False)
         wall = time.perf_counter() - t0
         per_rank = [[json.loads(line) for line in open(os.path.join(d, f"{r}.jsonl"))]
@@ -318,6 +326,13 @@ def report(path: str) -> int:
     with open(path) as f:
         res = json.load(f)
     a = res["args"]
+    if a.get("steps") is not None:  # a step-matched grid: loss at the same step count, no time targets
+        print(f"| method | lr | steps | val @ end | s/step |\n|---|---|---|---|---|")
+        for r in sorted(res["runs"], key=lambda r: r["evals"][-1]["val"]):
+            last = r["evals"][-1]
+            print(f"| {r['method']} | {r['lr']:g} | {last['step']} | {last['val']:.3f} | "
+                  f"{last['t'] / max(1, last['step']):.3f} |")
+        return 0
     res["summary"] = summarize(res["runs"], a["budget"])
     print(table(res["summary"]))
     with open(path, "w") as f:

@@ -17,7 +17,9 @@ from lioncub import baselines
 from tests.dist import run_workers
 
 STEPS = {"local-adamw-h10": 11, "diloco-h10": 11}  # one sync point each; others (diloco-h50 too): 3
-PERIOD = {"local-adamw-h10": 10, "diloco-h10": 10, "diloco-h50": 50}
+PERIOD = {"local-adamw-h10": 10, "diloco-h10": 10, "diloco-h50": 50,
+          "lcub-onebit-h2-nest2-ef": 2, "lcub-pbit8l1-h3-lion2-adamw": 3}
+NAMES = list(baselines.METHODS) + ["lcub-onebit-h2-nest2-ef", "lcub-pbit8l1-h3-lion2-adamw"]  # LocalCub by name
 
 
 def _digest(module) -> str:
@@ -37,7 +39,7 @@ def _tiny_gpt(seed: int):
 def _train_all(rank, world):
     gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
     out = {}
-    for name in baselines.METHODS:
+    for name in NAMES:
         model = _tiny_gpt(seed=rank)
         lr = 1e-3 if baselines.family(name) == "adamw" else 1e-4
         init = _digest(model)
@@ -81,7 +83,7 @@ def runs():
     return run_workers(_train_all, 2, timeout_s=60)  # one group for every check: spawning is slow
 
 
-@pytest.mark.parametrize("name", list(baselines.METHODS))
+@pytest.mark.parametrize("name", NAMES)
 def test_replicas_agree_where_promised(runs, name):
     (init0, start0, log0), (init1, start1, log1) = runs[0][0][name], runs[1][0][name]
     assert init0 != init1, "ranks were built from different seeds"
@@ -101,7 +103,7 @@ def test_replicas_agree_where_promised(runs, name):
 
 
 def test_every_step_methods_sync_every_step(runs):
-    for name in baselines.METHODS:
+    for name in NAMES:
         every = all(s for s, _, _ in runs[0][0][name][2])
         assert every == (name not in PERIOD), name
 
@@ -112,10 +114,24 @@ def test_diloco_outer_step_matches_definition(runs):
     assert err0 < 1e-6 and err1 < 1e-6
 
 
+def test_local_cub_names_build_the_configuration_they_spell():
+    opt = baselines.build("lcub-pbit8l1-h3-lion2.5-ef-adamw", _tiny_gpt(0), lr=1e-3).opt
+    assert (opt.H, opt.vote, opt.bits, opt.quantizer, opt.outer, opt.outer_lr, opt.error_feedback) == \
+        (3, "pbit", 8, "l1", "lion", 2.5, True)
+    assert isinstance(opt.inner, torch.optim.AdamW) and baselines.family("lcub-onebit-h3-sgd1-adamw") == "adamw"
+    opt = baselines.build("lcub-onebit-h10-nest3", _tiny_gpt(0), lr=1e-4).opt
+    assert (opt.H, opt.vote, opt.outer, opt.outer_lr, opt.error_feedback) == (10, "onebit", "nesterov", 3.0, False)
+    assert type(opt.inner).__name__ == "Lion" and baselines.family("lcub-onebit-h10-nest3") == "lion"
+
+
 def test_build_rejects_bad_input():
     model = _tiny_gpt(0)
     with pytest.raises(ValueError, match="method must be one of"):
         baselines.build("sgd", model, lr=1e-3)
+    with pytest.raises(ValueError, match="method must be one of"):
+        baselines.build("lcub-onebit-h10-adam3", model, lr=1e-3)
+    with pytest.raises(ValueError, match="local_steps must be an int >= 1"):
+        baselines.build("lcub-onebit-h0-sgd1", model, lr=1e-3)
     with pytest.raises(ValueError, match="lr must be > 0"):
         baselines.build("adamw-ddp", model, lr=0.0)
     with pytest.raises(ValueError, match="H .* must be an int >= 1"):

@@ -14,6 +14,12 @@ our own few lines. ``build(name, module, lr=...)`` makes one; see :class:`Adapte
     lioncub-pbit4           4-bit lanes of signs (LionCub)           every step
     lioncub-onebit          1-bit all_to_all + all_gather            every step
     ...-overlap             the same vote launched during backward   every step
+    lcub-<vote>-h<H>-<outer><lr>[-ef][-adamw]
+                            LocalCub: H inner steps (Lion; AdamW      after each outer step
+                            with -adamw), then one vote on Δ (+e with
+                            -ef); vote: onebit, gather, pbit4, pbit8l1,
+                            grad; outer: sgd, nest(erov), lion with
+                            outer_lr <lr>, e.g. lcub-onebit-h10-nest2-ef
 
 Example (every rank, inside an initialised gloo group)::
 
@@ -25,6 +31,7 @@ Example (every rank, inside an initialised gloo group)::
 """
 from __future__ import annotations
 
+import re
 from functools import partial
 
 from torch import nn
@@ -51,9 +58,27 @@ METHODS = {
 }
 
 
+# lcub-<vote>-h<H>-<outer><outer_lr>[-ef][-adamw]: a LocalCub configuration by name
+_LOCAL = re.compile(r"lcub-(onebit|gather|pbit4|pbit8l1|grad)-h(\d+)-(sgd|nest|lion)(\d+(?:\.\d+)?)(-ef)?(-adamw)?")
+_LOCAL_VOTES = {"onebit": dict(vote="onebit"), "gather": dict(vote="gather"), "pbit4": dict(vote="pbit", bits=4),
+                "pbit8l1": dict(vote="pbit", bits=8, quantizer="l1"), "grad": dict(vote="grad")}
+
+
+def _local_builder(name: str):
+    m = _LOCAL.fullmatch(name)
+    if m is None:
+        return None
+    vote, H, outer, outer_lr, ef, adamw = m.groups()
+    return partial(cub.LocalCubMethod, H=int(H), outer={"nest": "nesterov"}.get(outer, outer),
+                   outer_lr=float(outer_lr), error_feedback=ef is not None, inner="adamw" if adamw else "lion",
+                   **_LOCAL_VOTES[vote])
+
+
 def family(name: str) -> str:
     """'adamw' or 'lion': the learning-rate grid a method is swept over."""
     _check(name)
+    if name.startswith("lcub-"):
+        return "adamw" if name.endswith("-adamw") else "lion"
     return "lion" if name.startswith(("lion-", "lioncub-")) else "adamw"
 
 
@@ -62,11 +87,12 @@ def build(name: str, module: nn.Module, *, lr: float, group=None, weight_decay: 
     _check(name)
     if not lr > 0:
         raise ValueError(f"lr must be > 0, got {lr!r}")
-    method = METHODS[name](module, lr=lr, group=group, weight_decay=weight_decay)
+    method = (METHODS.get(name) or _local_builder(name))(module, lr=lr, group=group, weight_decay=weight_decay)
     method.name, method.family = name, family(name)
     return method
 
 
 def _check(name: str) -> None:
-    if name not in METHODS:
-        raise ValueError(f"method must be one of {', '.join(METHODS)}; got {name!r}")
+    if name not in METHODS and _local_builder(name) is None:
+        raise ValueError(f"method must be one of {', '.join(METHODS)} or lcub-<vote>-h<H>-<outer><lr>[-ef][-adamw]; "
+                         f"got {name!r}")

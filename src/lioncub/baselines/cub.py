@@ -11,10 +11,11 @@ from __future__ import annotations
 from torch import nn
 
 from ..distributed import LionCub
-from .base import Adapter
+from ..local_steps import LocalCub
+from .base import Adapter, set_lr
 from .ddp import BETAS
 
-__all__ = ["CubMethod"]
+__all__ = ["CubMethod", "LocalCubMethod"]
 
 
 class CubMethod(Adapter):
@@ -27,3 +28,23 @@ class CubMethod(Adapter):
         self.opt = LionCub(module.parameters(), lr=lr, betas=BETAS, weight_decay=weight_decay, vote=vote,
                            overlap=overlap, bucket_mb=bucket_mb, process_group=group, model=module, **kw)
         self.name = f"lioncub-{vote}{bits if vote == 'pbit' else ''}" + ("-overlap" if overlap else "")
+
+
+class LocalCubMethod(Adapter):
+    """:class:`lioncub.LocalCub`: ``H`` inner steps alone, then one voted outer step.
+    ``synced`` only at the end of a round (replicas identical there)."""
+
+    def __init__(self, module: nn.Module, *, lr: float, H: int, vote: str = "onebit", bits: int | None = None,
+                 quantizer: str | None = None, outer: str = "nesterov", outer_lr: float = 1.0,
+                 error_feedback: bool = False, inner: str = "lion", group=None, weight_decay: float = 0.0):
+        super().__init__(module, group=group)
+        self.opt = LocalCub(module.parameters(), lr=lr, betas=BETAS, weight_decay=weight_decay, local_steps=H,
+                            inner=inner, vote=vote, bits=bits, quantizer=quantizer, outer=outer, outer_lr=outer_lr,
+                            error_feedback=error_feedback, process_group=group, model=module)
+
+    def step(self, lr: float) -> bool:
+        set_lr(self.opt, lr)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.steps += 1
+        return self.opt.synced
