@@ -1,9 +1,10 @@
 """Convergence study at CPU scale (issue 8): the paper's ablations on tiny models.
 
-Parts (DESIGN.md §2, §4, §5; the paper's Table 2 / Figs. 4, 5, 9, 10, 14):
+Parts (docs/design.md §2, §4, §5; the paper's Table 2 / Figs. 4, 5, 9, 10, 14):
 
 1. ``quant``  — the vote through sign / Linf / L1 / L0 in 4- and 8-bit p-bit lanes vs Lion.
-2. ``ties``   — a 1-bit vote whose ties (and zeros) go to +1, to -1, or alternate by step.
+2. ``ties``   — the 1-bit vote (``onebit``) whose ties and zeros go to +1, to -1, or alternate
+   by step: ``LionCub(vote='onebit', tie=...)``.
 3. ``msync``  — β2 ∈ {0.95, 0.99} × momentum sync none / all / io every 10 / adaptive.
 4. ``vision`` — a small ResNet and a small ViT on digits: Lion, 1-bit, 4-bit, 8-bit L1.
 5. ``tied``   — untied vs tied GPT embeddings (byte vocabulary, 256): does io sync still match?
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lioncub import LionCub, comm
+from lioncub import LionCub
 from lioncub.harness.data import (ImageLoader, TokenLoader, ensure_prepared, eval_batches,
                                   image_eval_batches, load_images)
 from lioncub.harness.data.text import read_meta
@@ -44,12 +45,12 @@ from lioncub.harness.models.vit import ViT
 
 PARTS = ("quant", "ties", "msync", "tied", "vision")
 BLOCK = 32  # GPT context; with width 32 and 2 layers the GPT has ~35k params (CPU is scarce)
-TIE_RULES = ("plus", "minus", "alternate")
+TIE_RULES = ("plus", "minus", "alternate")  # the library's lioncub.vote.TIE_RULES, in table order
 
 
 @dataclass(frozen=True)
 class Spec:
-    """One training run. ``vote='tie'`` is the study's own 1-bit vote with ``tie_rule``."""
+    """One training run. ``tie_rule`` (``vote='onebit'`` only) is LionCub's ``tie``."""
 
     part: str
     label: str
@@ -87,7 +88,7 @@ def plan(parts, seeds, gpt_steps: int, img_steps: int) -> list[Spec]:
                 out.append(Spec("quant", f"{q} 8b", vote="pbit", bits=8, quantizer=q, **g))
         if "ties" in parts:
             for rule in TIE_RULES:
-                out.append(Spec("ties", f"1-bit, ties {rule}", vote="tie", tie_rule=rule, **g))
+                out.append(Spec("ties", f"1-bit, ties {rule}", vote="onebit", tie_rule=rule, **g))
             out.append(Spec("ties", "ties -> 0 (4-bit pbit)", vote="pbit", bits=4, **g))
         if "msync" in parts or "tied" in parts:
             tied_opts = ([True] if "msync" in parts else []) + ([False] if "tied" in parts else [])
@@ -112,35 +113,13 @@ def plan(parts, seeds, gpt_steps: int, img_steps: int) -> list[Spec]:
     return out
 
 
-# ----------------------------------------------------------------------------- the tie ablation
-def fixed_tie_vote(c: torch.Tensor, rule: str, step: int, group=None, stats=None) -> torch.Tensor:
-    """A 1-bit majority vote with a given rule for zeros of ``c`` and for tied counts.
-
-    Each rank's bit is ``c > 0`` (zeros go where ``rule`` says); u = sign(Σ ±1) and a tied
-    sum becomes +1 (``plus``), -1 (``minus``) or +1/-1 on even/odd steps (``alternate``,
-    the library's ``onebit`` rule). The ±1 values travel as int8 in one SUM all-reduce:
-    the same result as a 1-bit wire, not its cost (only the convergence is studied here).
-    """
-    if rule not in TIE_RULES:
-        raise ValueError(f"rule must be one of {TIE_RULES}, got {rule!r}")
-    positive = rule == "plus" or (rule == "alternate" and step % 2 == 0)
-    bits = c >= 0 if positive else c > 0
-    votes = bits.to(torch.int8) * 2 - 1  # ±1
-    comm.all_reduce(votes, group, stats)
-    u = torch.sign(votes)
-    u[votes == 0] = 1 if positive else -1
-    return u.to(c.dtype)
-
-
-class TieRuleLionCub(LionCub):
-    """LionCub whose vote is :func:`fixed_tie_vote` (study only; the library keeps ``onebit``)."""
-
-    def __init__(self, params, *, tie_rule: str, **kwargs):
-        super().__init__(params, vote="onebit", **kwargs)
-        self.tie_rule = tie_rule
-
-    def _vote_flat(self, flat, step, stats):
-        return fixed_tie_vote(flat, self.tie_rule, step, self.group, stats)
+# ----------------------------------------------------------------------------- the optimizer of a run
+def make_optimizer(spec: Spec, params, **kw) -> LionCub:
+    """The run's optimizer: ``LionCub`` with the spec's vote, lane width, quantizer and tie rule."""
+    extra = dict(bits=spec.bits, quantizer=spec.quantizer) if spec.vote == "pbit" else {}
+    if spec.tie_rule is not None:
+        extra["tie"] = spec.tie_rule
+    return LionCub(params, vote=spec.vote, **extra, **kw)
 
 
 # ----------------------------------------------------------------------------- one run, per rank
@@ -227,11 +206,7 @@ def train_one(spec: Spec, cache_dir: str, eval_every: int) -> dict:
     base = [g["lr"] for g in groups]
     kw = dict(lr=spec.lr, betas=(0.9, spec.beta2), seed=spec.seed, model=model,
               momentum_sync=spec.sync, sync_every=10, nonfinite="skip_step")
-    if spec.vote == "tie":
-        opt = TieRuleLionCub(groups, tie_rule=spec.tie_rule, **kw)
-    else:
-        extra = dict(bits=spec.bits, quantizer=spec.quantizer) if spec.vote == "pbit" else {}
-        opt = LionCub(groups, vote=spec.vote, **extra, **kw)
+    opt = make_optimizer(spec, groups, **kw)
     curve, losses, t0 = [], [], time.perf_counter()
     for step in range(spec.steps):
         for g, b in zip(opt.param_groups, base):

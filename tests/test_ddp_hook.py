@@ -43,7 +43,7 @@ def _pair(cfg):
 
 
 def _ddp_worker(rank, world):
-    for cfg in (dict(vote="pbit"), dict(vote="onebit"), dict(vote="sign_allreduce")):
+    for cfg in (dict(vote="pbit"), dict(vote="onebit"), dict(vote="sign_allreduce"), dict(vote="onebit", tie="minus")):
         plain, opt, ddp, opt_ddp = _pair(cfg)
         state = register(ddp, opt_ddp)
         for step in range(4):

@@ -1,4 +1,4 @@
-"""bench/study.py: the study's own tie-rule vote against the library, and the study end to end.
+"""bench/study.py: its tie-rule runs apply their rule (element for element), and the study end to end.
 
 The end-to-end run is tiny (2 workers, one seed, 2 steps per run) and goes through the same
 code as the real study: spawned gloo group, records appended to JSONL, report tables and PNGs.
@@ -19,36 +19,45 @@ import study  # noqa: E402
 import study_report  # noqa: E402
 
 
-def _tie_votes(rank, world):
+def _tie_steps(rank, world):
+    """One step of every ``ties`` run's optimizer (as the study builds it) on a gradient with
+    exact zeros and ties; u element for element against reference_vote with the run's rule."""
     import torch.distributed as dist
 
-    from lioncub.vote import majority_vote
+    from lioncub.vote import reference_vote
 
-    g = torch.Generator().manual_seed(rank)
-    c = torch.randn(1001, generator=g)
-    c[::7] = 0.0  # exact zeros on every rank at the same places
-    c[3::11] = 0.0  # and on this rank only
-    cs = [torch.empty_like(c) for _ in range(world)]
-    dist.all_gather(cs, c)
+    specs = [s for s in study.plan(["ties"], [0], 2, 2) if s.tie_rule is not None]
     out = {}
-    for step in (0, 1):
-        alt = study.fixed_tie_vote(c, "alternate", step)
-        lib = majority_vote(c.clone(), method="onebit", step=step)
-        out[f"alt_eq_onebit_{step}"] = bool(torch.equal(alt, lib))
-        for rule, pos in (("plus", True), ("minus", False)):
-            # reference from all ranks' inputs: zeros and ties both follow the rule
-            votes = sum(torch.where(x > 0, 1, torch.where(x < 0, -1, 1 if pos else -1)) for x in cs)
-            want = torch.where(votes == 0, torch.tensor(1 if pos else -1), torch.sign(votes)).float()
-            got = study.fixed_tie_vote(c, rule, step)
-            out[f"{rule}_{step}"] = bool(torch.equal(got, want))
-            out[f"{rule}_ties_{step}"] = int((votes == 0).sum())
+    for spec in specs:
+        for step in range(2):
+            if step == 0:
+                p = torch.nn.Parameter(torch.zeros(1001))
+                opt = study.make_optimizer(spec, [p], lr=0.5, betas=(0.9, 0.99))
+            g = torch.randn(1001, generator=torch.Generator().manual_seed(10 * step + rank))
+            g[::7] = 0.0  # exact zeros on every rank at the same places
+            g[3 + rank::11] = 0.0  # and on this rank only
+            m = opt.state[p]["exp_avg"].clone() if opt.state[p] else torch.zeros(1001)
+            c = 0.9 * m + 0.1 * g
+            cs = [torch.empty_like(c) for _ in range(world)]
+            dist.all_gather(cs, c)
+            before = p.detach().clone()
+            p.grad = g
+            opt.step()
+            u = (before - p.detach()) / 0.5
+            out[(spec.tie_rule, step)] = (
+                bool(torch.equal(u, reference_vote(cs, method="onebit", step=step, tie=spec.tie_rule))),
+                int((sum(torch.sign(x) for x in cs) == 0).sum()))
     return out
 
 
-def test_fixed_tie_vote_matches_references():
-    for res in run_workers(_tie_votes, 2):
-        assert all(v for k, v in res.items() if "ties" not in k), res
-        assert res["plus_ties_0"] > 100  # two workers tie often: the rule is exercised
+def test_tie_runs_apply_their_rule():
+    """Fails if the study's optimizer ignores the rule: with zeros and ties in every step,
+    'plus' differs from the default on odd steps and 'minus' on even ones, and every run's u
+    must match the reference of its own rule."""
+    for res in run_workers(_tie_steps, 2):
+        assert set(res) == {(r, s) for r in study.TIE_RULES for s in (0, 1)}, res
+        assert all(ok for ok, _ in res.values()), res
+        assert min(ties for _, ties in res.values()) > 100  # two workers tie often: the rule is exercised
 
 
 def test_plan_and_errors():
@@ -57,10 +66,13 @@ def test_plan_and_errors():
     assert len(specs) > len(set(keys))  # shared runs (Lion at β2=0.99, 4-bit no sync) are planned twice
     assert {s.part for s in specs} == set(study.PARTS)
     assert all(s.steps == 3 for s in specs if s.model != "gpt")
+    ties = [s for s in specs if s.part == "ties" and s.tie_rule is not None]
+    assert {s.tie_rule for s in ties} == set(study.TIE_RULES) and all(s.vote == "onebit" for s in ties)
     try:
-        study.fixed_tie_vote(torch.ones(3), "random", 0)
+        study.make_optimizer(study.Spec("ties", "bad", vote="onebit", tie_rule="random"),
+                             [torch.nn.Parameter(torch.zeros(3))])
     except ValueError as e:
-        assert "rule" in str(e)
+        assert "tie must be one of" in str(e)
     else:
         raise AssertionError("bad tie rule accepted")
 

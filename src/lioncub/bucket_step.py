@@ -12,8 +12,14 @@ machinery, kept apart from the optimizer's set-up, checks and state).
   messages (big models) are checked by :func:`lioncub.guard.grads_finite` and encoded
   just before their exchange, into one shared buffer, so the kept bytes stay bounded;
 * ``vote='grad'``: :meth:`~BucketStep._step_grad`, the gradient all-reduce baseline;
-* :meth:`~BucketStep._bucket_c`, :meth:`~BucketStep._vote_flat`, :meth:`~BucketStep._apply_bucket`:
-  the torch path, also used by :mod:`lioncub.overlap` and the benchmarks.
+* :meth:`~BucketStep._bucket_c`, :meth:`~BucketStep._apply_bucket`: the torch path's ``c`` and
+  update (one worker; buckets off the fused path); :meth:`~BucketStep._vote_flat`, a bucket's
+  vote by :func:`~lioncub.vote.majority_vote`, which the step no longer calls: only
+  ``bench/overlap.py`` times it.
+
+The step's three functions — :meth:`~BucketStep._encode_part`, :meth:`VoteCodec.exchange
+<lioncub.vote.VoteCodec.exchange>` and :meth:`~BucketStep._decode_apply` — are also what
+:mod:`lioncub.overlap` and :mod:`lioncub.ddp_hook` call, so all three paths give the same bits.
 
 The mixin uses the optimizer's ``_params``, ``_grads``, ``_init_state``, ``_by_group`` and
 its attributes (``vote``, ``bits``, ``quantizer``, ``world_size``, ``group``, ``steps``, ...).
@@ -62,7 +68,7 @@ class BucketStep:
                         self._by_group(entries), stats)
 
     def _codec(self) -> VoteCodec:
-        return VoteCodec(self.vote, self.world_size, self.bits, self.quantizer)
+        return VoteCodec(self.vote, self.world_size, self.bits, self.quantizer, self.tie)
 
     def messages(self, parts: Optional[list[list[int]]] = None) -> list[list[int]]:
         """How the buckets travel without overlap: consecutive buckets (indices into
@@ -168,7 +174,7 @@ class BucketStep:
             params = [p for _, p in entries]
             finite = fused.encode([self._init_state(p) for p in params], self._grads(params),
                          [g["betas"][0] for g, _ in entries], [g["maximize"] for g, _ in entries], dst,
-                         bits=codec.bits, step=step, signs=codec.method == "sign_allreduce")
+                         bits=codec.bits, step=codec.parity(step), signs=codec.method == "sign_allreduce")
             stats.t_quantize_pack += time.perf_counter() - t0
             return finite
         c, finite = self._c_checked(entries, stats, key, "t_quantize_pack")  # quantizers: c first
@@ -225,7 +231,7 @@ class BucketStep:
         else:
             self._apply_bucket(entries, u, stats)
 
-    # The three pieces of a voted bucket; lioncub.overlap drives them from backward hooks.
+    # The torch path's c and update of a bucket (also the one-worker step).
     def _bucket_c(self, entries: list[tuple[dict, Tensor]], stats: CommStats, key) -> Tensor:
         """Flat fp32 ``c = β1·m + (1-β1)·g`` of a bucket's params (missing grads as zeros),
         written into the scratch buffer ``key`` (valid until that key is used again)."""
@@ -254,13 +260,15 @@ class BucketStep:
 
     def _vote_flat(self, flat: Tensor, step: int, stats: CommStats, group=None) -> Tensor:
         """u = sign(Σ_i q(c_i)) for one bucket, written over ``flat`` (collective; sign(c)
-        alone on one rank). ``group``: the same ranks on another process group (the overlap
-        thread's own)."""
+        alone on one rank), by :func:`~lioncub.vote.majority_vote` with this optimizer's
+        vote and tie rule. Not on the step's path (see the module docstring): it is the
+        vote alone that ``bench/overlap.py`` times. ``group``: the same ranks on another
+        process group."""
         if self.world_size == 1:  # no one to vote with: this is Lion
             return flat.sign_()
         return majority_vote(flat, method=self.vote, bits=self.bits, quantizer=self.quantizer, step=step,
-                             group=self.group if group is None else group, stats=stats, generator=self.generator,
-                             out=flat)
+                             tie=self.tie, group=self.group if group is None else group, stats=stats,
+                             generator=self.generator, out=flat)
 
     def _apply_bucket(self, entries: list[tuple[dict, Tensor]], u: Tensor, stats: CommStats) -> None:
         """θ ← θ(1-ηλ) - η·u and m ← β2·m + (1-β2)·g for a bucket, from its flat vote ``u``."""

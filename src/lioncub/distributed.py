@@ -1,4 +1,4 @@
-r"""Distributed Lion by majority vote: the :class:`LionCub` optimizer (DESIGN.md §2).
+r"""Distributed Lion by majority vote: the :class:`LionCub` optimizer (docs/design.md §2).
 
 On each of P ranks, for every parameter, with local gradient :math:`g_i` and local
 momentum :math:`m_i`::
@@ -48,7 +48,7 @@ from .bucket_step import GRAD_DTYPES, BucketStep
 from .comm import CommStats
 from .lion import _validate_hyperparameters
 from .quantize import QUANTIZERS
-from .vote import VOTE_METHODS, pbit_levels
+from .vote import VOTE_METHODS, check_tie, pbit_levels
 
 __all__ = ["LionCub", "OPTIMIZER_VOTES", "GRAD_DTYPES"]
 
@@ -81,6 +81,11 @@ class LionCub(BucketStep, torch.optim.Optimizer):
         bits: ``pbit`` lane width (2, 4 or 8); None picks the smallest valid one.
         quantizer: ``pbit`` only: None (binary signs, the paper's 4-bit Lion Cub),
             or one of ``'sign', 'l1', 'lp', 'l0', 'linf', 'log'``.
+        tie: where zeros of ``c`` and tied votes go on the 1-bit paths (:data:`lioncub.vote.TIE_RULES`):
+            ``'alternate'`` (the paper's: +1 on even steps, −1 on odd; the default), ``'plus'``
+            (always +1) or ``'minus'`` (always −1). ``onebit``: zeros and ties; ``gather`` and
+            ``pbit`` with ``quantizer=None``: zeros (ties vote 0). Other votes (and ``'auto'``,
+            which may pick ``sign_allreduce``) accept only ``'alternate'``.
         grad_dtype: ``vote='grad'`` only: ``'fp32'`` or ``'bf16'`` all-reduce.
         process_group: the data-parallel group (default: the world).
         bucket_mb: bucket size in MiB of fp32 elements (the scratch ``c`` is one bucket).
@@ -120,6 +125,7 @@ class LionCub(BucketStep, torch.optim.Optimizer):
         vote: str = "pbit",
         bits: Optional[int] = None,
         quantizer: Optional[str] = None,
+        tie: str = "alternate",
         grad_dtype: str = "fp32",
         process_group=None,
         bucket_mb: float = 25.0,
@@ -146,6 +152,7 @@ class LionCub(BucketStep, torch.optim.Optimizer):
             raise ValueError(f"quantizer must be None or one of {QUANTIZERS}, got {quantizer!r}")
         if vote != "pbit" and (bits is not None or quantizer is not None):
             raise ValueError(f"bits and quantizer apply to vote='pbit' only, got vote={vote!r}")
+        check_tie(tie, vote, quantizer)
         for name, mb in (("bucket_mb", bucket_mb), ("message_mb", message_mb)):
             if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not mb > 0:
                 raise ValueError(f"{name} must be a number > 0, got {mb!r}")
@@ -167,6 +174,7 @@ class LionCub(BucketStep, torch.optim.Optimizer):
         if vote == "sign_allreduce" and self.world_size > 127:
             raise ValueError(f"vote='sign_allreduce' needs world size <= 127, got {self.world_size}")
         self.vote, self.bits, self.quantizer, self.grad_dtype = vote, bits, quantizer, grad_dtype
+        self.tie = tie
         self.group, self.bucket_mb, self.seed = process_group, float(bucket_mb), seed
         self.message_mb = float(message_mb)
         self.nonfinite, self.check_every = nonfinite, check_every

@@ -1,7 +1,7 @@
 r"""The majority vote: every rank passes its update vector :math:`c_i`, every rank gets
-the same :math:`u = \mathrm{sign}(\sum_i q(c_i)) \in \{-1, 0, +1\}` (DESIGN.md §2–§3).
+the same :math:`u = \mathrm{sign}(\sum_i q(c_i)) \in \{-1, 0, +1\}` (docs/design.md §2–§3).
 
-Each method is a composition of separate stages (STYLE.md #3)::
+Each method is a composition of separate stages (docs/design.md §12)::
 
     encode (quantize → lane values / sign bits) → pack → collective → unpack → decide
 
@@ -19,7 +19,11 @@ method                    what travels                           zeros and ties
 ========================  =====================================  ===========================
 
 The alternating parity rule is the paper's: a fixed tie rule biases every tied
-coordinate one way and diverges (its Fig. 10). :func:`reference_vote` computes
+coordinate one way and diverges (its Fig. 10). ``tie=`` (:data:`TIE_RULES`) chooses the
+rule on the paths that have one (``gather``, ``onebit``, binary ``pbit``): ``'alternate'``
+(the default, the parity above), ``'plus'`` (always +1) or ``'minus'`` (always −1); on
+``onebit`` it decides zeros and ties, on ``gather`` and binary ``pbit`` the zeros of c
+(their ties stay 0). The other methods have no such choice and refuse a non-default rule. :func:`reference_vote` computes
 what every method must return from all ranks' inputs in full precision; the
 multi-process tests compare the two element for element.
 """
@@ -35,9 +39,27 @@ from . import comm, fused, kernels, packing
 from .comm import CommStats
 from .quantize import QUANTIZERS, ROUNDED, multiplier, quantize, scale_norm
 
-__all__ = ["VOTE_METHODS", "VoteCodec", "majority_vote", "reference_vote", "pbit_levels"]
+__all__ = ["VOTE_METHODS", "TIE_RULES", "VoteCodec", "majority_vote", "reference_vote", "pbit_levels"]
 
 VOTE_METHODS = ("sign_allreduce", "gather", "onebit", "pbit")
+TIE_RULES = ("alternate", "plus", "minus")
+"""Where a zero of c (and, for ``onebit``, a tied count) goes on the 1-bit paths."""
+
+
+def check_tie(tie: str, method: str, quantizer: str | None = None) -> None:
+    """Refuse an unknown rule, and a non-default rule where the method has no tie choice."""
+    if tie not in TIE_RULES:
+        raise ValueError(f"tie must be one of {TIE_RULES}, got {tie!r}")
+    if tie != "alternate" and (method not in ("gather", "onebit", "pbit") or quantizer is not None):
+        raise ValueError(f"tie={tie!r} applies to the 1-bit paths only (vote 'gather', 'onebit', 'pbit' "
+                         f"with quantizer=None), got vote={method!r}, quantizer={quantizer!r}")
+
+
+def parity_step(tie: str, step: int) -> int:
+    """The step whose parity decides zeros and ties under rule ``tie``: ``step`` itself
+    (``'alternate'``), 0 (``'plus'``: +1) or 1 (``'minus'``: −1). Every path that decides
+    a zero or a tie (torch, fused C loops, overlap, DDP hook) reads only ``step % 2``."""
+    return step if tie == "alternate" else 0 if tie == "plus" else 1
 
 
 # ----------------------------------------------------------------------------- encode / decide
@@ -119,11 +141,14 @@ class VoteCodec:
     :func:`majority_vote`, element for element.
     """
 
-    def __init__(self, method: str, world: int, bits: int | None = None, quantizer: str | None = None):
+    def __init__(self, method: str, world: int, bits: int | None = None, quantizer: str | None = None,
+                 tie: str = "alternate"):
         if method not in VOTE_METHODS:
             raise ValueError(f"method must be one of {VOTE_METHODS}, got {method!r}")
         if quantizer is not None and method != "pbit":
             raise ValueError(f"quantizer is only used by method='pbit', got method={method!r}")
+        check_tie(tie, method, quantizer)
+        self.tie = tie
         if method == "sign_allreduce" and world > 127:
             raise ValueError(f"method='sign_allreduce' sums int8 signs and needs world size <= 127, got {world}")
         self.method, self.world, self.quantizer = method, world, quantizer
@@ -132,6 +157,10 @@ class VoteCodec:
             self.bits, self.levels = pbit_levels(world, bits, quantizer)
         else:
             self.bits = 8 if method == "sign_allreduce" else 1  # wire bits per element
+
+    def parity(self, step: int) -> int:
+        """The step whose parity sets zeros and ties (:func:`parity_step` of ``tie``)."""
+        return parity_step(self.tie, step)
 
     def part_nbytes(self, n: int) -> int:
         return -(-n * self.bits // 8)
@@ -148,7 +177,7 @@ class VoteCodec:
     def encode(self, c: Tensor, dst: Tensor, step: int, generator=None, work: Tensor | None = None) -> None:
         """Write this rank's part for the flat ``c`` into ``dst`` (uint8, ``part_nbytes``).
         ``work``: kept scratch of ``c``'s numel (fp32) for a quantizer's ``|c|``."""
-        n = c.numel()
+        n, step = c.numel(), self.parity(step)
         if self.method == "sign_allreduce":
             dst.view(torch.int8).copy_(torch.sign(c))
         elif self.method in ("gather", "onebit"):
@@ -177,7 +206,7 @@ class VoteCodec:
         # onebit: rank j votes chunk j of everyone's bits, then everyone gathers the chunks
         mine = comm.all_to_all(msg[:self.message_nbytes(m)], group, stats)
         t0 = time.perf_counter()
-        voted = kernels.majority_bits(mine.view(self.world, -1), self.world, step)  # on packed words
+        voted = kernels.majority_bits(mine.view(self.world, -1), self.world, self.parity(step))  # packed words
         stats.t_unpack_vote += time.perf_counter() - t0
         return comm.all_gather(voted, group, stats).reshape(-1)
 
@@ -222,6 +251,7 @@ def majority_vote(
     bits: int | None = None,
     quantizer: str | None = None,
     step: int = 0,
+    tie: str = "alternate",
     group=None,
     stats: CommStats | None = None,
     generator: torch.Generator | None = None,
@@ -231,7 +261,8 @@ def majority_vote(
 
     Every rank passes ``c`` of the same shape and gets the same ``u`` (same shape
     and dtype as ``c``, values in {-1, 0, +1}). ``step`` sets the tie/zero parity of
-    the 1-bit paths; ``bits``/``quantizer`` configure ``pbit`` (see
+    the 1-bit paths, ``tie`` their rule (:data:`TIE_RULES`; ``'alternate'``: +1 on even
+    steps, −1 on odd; ``'plus'``/``'minus'``: always +1/−1); ``bits``/``quantizer`` configure ``pbit`` (see
     :func:`pbit_levels`); ``generator`` seeds stochastic quantizers (``linf``);
     ``stats`` accumulates bytes and time; ``out`` (a contiguous tensor of ``c``'s
     shape and dtype, ``c`` itself allowed) receives ``u`` instead of a new tensor.
@@ -247,6 +278,7 @@ def majority_vote(
         raise TypeError(f"c must be a floating-point tensor, got {c.dtype}")
     if quantizer is not None and method != "pbit":
         raise ValueError(f"quantizer is only used by method='pbit', got method={method!r}")
+    check_tie(tie, method, quantizer)
     if out is not None and (out.shape != c.shape or out.dtype != c.dtype or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous tensor of c's shape {tuple(c.shape)} and dtype {c.dtype}, "
                          f"got shape {tuple(out.shape)}, dtype {out.dtype}, contiguous={out.is_contiguous()}")
@@ -261,7 +293,7 @@ def majority_vote(
     if flat.numel() == 0:
         return torch.zeros_like(c) if out is None else out
     u = torch.empty_like(flat) if out_flat is None else out_flat
-    VoteCodec(method, world, bits, quantizer).vote(flat, u, step, group, stats, generator)
+    VoteCodec(method, world, bits, quantizer, tie).vote(flat, u, step, group, stats, generator)
     return out if out is not None else u.view(c.shape)
 
 
@@ -272,13 +304,18 @@ def reference_vote(
     bits: int | None = None,
     quantizer: str | None = None,
     step: int = 0,
+    tie: str = "alternate",
     generators: list[torch.Generator | None] | None = None,
 ) -> Tensor:
     """What :func:`majority_vote` must return, computed from every rank's ``c`` at once.
 
     Plain integer arithmetic, no packing and no collectives: the exact reference.
-    ``generators[i]`` must be in the state rank ``i``'s generator had.
+    ``generators[i]`` must be in the state rank ``i``'s generator had. ``tie``: as
+    :func:`majority_vote` (zeros of c and, for ``onebit``, tied counts).
     """
+    if method in VOTE_METHODS:
+        check_tie(tie, method, quantizer)
+    step = parity_step(tie, step)
     world = len(cs)
     flat = [c.detach().reshape(-1) for c in cs]
     if method == "sign_allreduce":
