@@ -2,7 +2,7 @@
 
 Builds a :class:`lioncub.netem.Testbed` (4 workers, tbf on both ends of every
 veth) for each rate, runs gloo fp32 SUM allreduces of 1, 16 and 64 MiB inside it,
-and compares with DESIGN.md §3:
+and compares with docs/design.md §3:
 
     time  = 2(P-1)·α + 2(P-1)/P · 8B · β      (model: α = 0, β = 1/rate)
     bytes = 2(P-1)/P · B sent per worker      (wire: the veth's tx counter)

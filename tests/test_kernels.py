@@ -1,4 +1,4 @@
-"""The fast kernels against plain reference loops (STYLE.md #2), element for element.
+"""The fast kernels against plain reference loops (docs/design.md §12), element for element.
 
 The references below are written independently of :mod:`lioncub.kernels`: one bit or
 lane at a time, with integer arithmetic in int64. ``packing`` and ``vote`` now run on

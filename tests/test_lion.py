@@ -1,4 +1,4 @@
-"""Tests for single-process Lion (src/lioncub/lion.py, DESIGN.md §1)."""
+"""Tests for single-process Lion (src/lioncub/lion.py, docs/design.md §1)."""
 from __future__ import annotations
 
 import copy
@@ -78,7 +78,7 @@ def test_foreach_none_picks_vectorised_path(monkeypatch):
 
 
 def _hand_lion(p, m, g, lr, beta1, beta2, wd):
-    """The update rule of DESIGN.md §1 written out with plain tensor arithmetic."""
+    """The update rule of docs/design.md §1 written out with plain tensor arithmetic."""
     c = beta1 * m + (1 - beta1) * g
     u = (c > 0).double() - (c < 0).double()
     p = p * (1 - lr * wd)

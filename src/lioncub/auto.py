@@ -1,4 +1,4 @@
-r"""``vote='auto'``: pick the cheapest exact vote for this world size and network (DESIGN.md §6).
+r"""``vote='auto'``: pick the cheapest exact vote for this world size and network (docs/design.md §6).
 
 For a step that votes on buckets of ``n_b`` elements, each candidate ``(method, bits)``
 costs::

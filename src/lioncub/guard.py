@@ -1,5 +1,5 @@
 """Reliability checks for LionCub: same model on every rank, finite gradients,
-identical replicas (DESIGN.md §2: replicas must stay bit-identical).
+identical replicas (docs/design.md §2: replicas must stay bit-identical).
 
 Every check that needs other ranks is a collective: all ranks call it at the same
 point, see the same gathered data, and so all of them raise (or skip) together,

@@ -3,7 +3,7 @@ r"""Single-process Lion: a functional core and a thin ``torch.optim.Optimizer`` 
 For every parameter :math:`\theta` with gradient :math:`g`, momentum :math:`m`,
 learning rate :math:`\eta`, betas :math:`(\beta_1, \beta_2)` and weight decay
 :math:`\lambda`, one Lion step (Chen et al., "Symbolic Discovery of Optimization
-Algorithms", arXiv 2302.06675; DESIGN.md §1) is::
+Algorithms", arXiv 2302.06675; docs/design.md §1) is::
 
     c = β1·m + (1-β1)·g          # interpolation (g ← -g when maximize)
     θ ← θ·(1 - η·λ)              # decoupled weight decay, applied first
@@ -175,7 +175,7 @@ def _validate_hyperparameters(lr, betas, weight_decay) -> None:
 
 
 class Lion(torch.optim.Optimizer):
-    r"""Lion optimizer (arXiv 2302.06675; DESIGN.md §1).
+    r"""Lion optimizer (arXiv 2302.06675; docs/design.md §1).
 
     For each parameter, with :math:`\eta` = ``lr``, :math:`\lambda` = ``weight_decay``::
 

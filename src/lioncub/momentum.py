@@ -1,4 +1,4 @@
-r"""Momentum synchronisation for LionCub (DESIGN.md §5; the paper's §5).
+r"""Momentum synchronisation for LionCub (docs/design.md §5; the paper's §5).
 
 In Lion Cub every rank keeps its own momentum :math:`m_i`, so momenta drift apart.
 Every ``every`` completed steps, a policy averages some of them across the P ranks::

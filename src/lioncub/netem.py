@@ -1,4 +1,4 @@
-"""An emulated cluster on one Linux host: one network namespace per worker (DESIGN.md §8).
+"""An emulated cluster on one Linux host: one network namespace per worker (docs/design.md §8).
 
 Topology, all inside namespaces this module creates (needs root, ``ip`` and ``tc``)::
 

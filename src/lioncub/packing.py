@@ -1,4 +1,4 @@
-"""Bit packing for the compressed votes (DESIGN.md §3). Pure functions on tensors.
+"""Bit packing for the compressed votes (docs/design.md §3). Pure functions on tensors.
 
 Two layouts:
 

@@ -1,4 +1,4 @@
-r"""Quantizers for Lion's update vector (DESIGN.md §4; the paper's §4). Pure functions.
+r"""Quantizers for Lion's update vector (docs/design.md §4; the paper's §4). Pure functions.
 
 Each quantizer maps a float tensor ``x`` to integers ``q`` in ``[-s, s]`` (``s`` =
 ``levels``) plus a scale, so that ``x ≈ q * scale``. Only the integers travel; the
