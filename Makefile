@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml requirements-dev.txt
 	$(PY) -m pip install -q -e .
 	touch $(STAMP)
 
-.PHONY: install train test bench
+.PHONY: install train test bench gpu-check
 install: $(STAMP)
 
 train: $(STAMP)
@@ -18,3 +18,8 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# One-shot check of the CUDA path on a GPU machine (< 5 min): JSON report into OUT. Installs
+# nothing (no $(STAMP)): it runs the machine's own python3, torch and triton. Exit 3 = no CUDA.
+gpu-check:
+	PY=$(PY) bench/gpu_check.sh $(or $(OUT),bench/results/gpu_check)

@@ -5,6 +5,7 @@ the interpreter is slow). With ``LIONCUB_TEST_DEVICE=cuda`` (what ``make gpu-che
 the same tests run the compiled kernels on CUDA copies of the inputs against the same CPU
 references: the GPU must give the CPU path's bits."""
 import importlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -227,3 +228,30 @@ def test_status_and_cpu_tensors_keep_the_c_loops():
     assert not tk.handles([torch.zeros(3)])
     assert fused._gpu(torch.zeros(3)) is None
 
+
+
+def test_gpu_check_says_when_cuda_is_absent(tmp_path, capsys):
+    """bench/gpu_check.py on a machine without CUDA: exit code 3, a report saying so, nothing passed."""
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: make gpu-check runs the real checks")
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    assert gpu_check.main(["--out", str(tmp_path)]) == 3
+    printed = capsys.readouterr().out
+    assert "CUDA is not available" in printed and "nothing was checked" in printed
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["cuda_available"] is False and report["result"] == "no-cuda" and report["checks"] == {}
+
+
+def test_kernels_compile_for_a_hopper_gpu_without_one(tmp_path):
+    """What the interpreter cannot see (Triton's GPU-only rules, types, the PTX without FMA
+    contraction): one specialization of each kernel compiled for sm_90 with the bundled ptxas."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--out", str(tmp_path),
+                        "--compile-only", "90", "--quick"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    compiled = json.loads((tmp_path / "gpu_check.json").read_text())["compiled"]
+    assert {c["kernel"] for c in compiled} == {"_encode_lanes_kernel", "_encode_values_kernel",
+                                               "_quantize_lanes_kernel", "_apply_kernel"}
+    assert all(c["cubin_bytes"] > 0 for c in compiled)

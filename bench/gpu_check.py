@@ -1,0 +1,451 @@
+#!/usr/bin/env python3
+"""One-shot GPU check of Lion Cub's CUDA path: ``make gpu-check OUT=dir`` (or bench/gpu_check.sh).
+
+Writes ``DIR/gpu_check.json`` (rewritten after every check, so a run cut short still leaves
+what it did) and prints one line per check. On one GPU it takes about 1-2 minutes:
+
+* ``kernels_vs_cpu_reference`` — ``tests/test_triton.py`` with ``LIONCUB_TEST_DEVICE=cuda``:
+  every Triton kernel on CUDA copies of the inputs against the torch CPU path, bit for bit
+  (odd sizes, every lane width, both tie parities, non-finite gradients);
+* ``kernels_vs_torch_cuda`` — the kernels against torch's own CUDA ops on the same tensors.
+  Exact when torch's CUDA ``add(alpha=)`` is one FMA as on CPU; allowed: 1 ulp on ``c``/``m``;
+* ``lion_cuda_vs_cpu`` — :class:`lioncub.Lion` (torch ops) for 5 steps on CUDA and on CPU;
+* ``lioncub_ws1_nccl`` — a world-size-1 NCCL group: LionCub on CUDA for every vote against Lion;
+* ``gloo_two_ranks_cuda`` — 2 processes, one gloo group, CUDA tensors: every vote method
+  (and pbit lane widths, L1 lanes, a NaN gradient skipped) against the same run on CPU
+  tensors, and each collective gloo is asked for on CUDA tensors (``gloo_cuda_collectives``:
+  ``ok`` or what gloo refused). NCCL refuses two ranks on one GPU, hence gloo;
+* ``bandwidth`` — each kernel's GB/s (bytes read + written / time) on 64M elements next to
+  a device-to-device copy moving the same bytes, and the torch path's time for the same pass.
+
+Cross-implementation tolerance (stated once, ``_compare``): exact is expected and recorded
+as ``exact``; else ``m`` may differ by at most 1 ulp per step and ``p`` in at most 0.1% of
+its elements (a sign of ``c`` flipped where ``c`` is within an ulp of 0). The L1-quantized
+vote takes its scale from a torch reduction whose order differs between CPU and CUDA, so it
+gets the same tolerance.
+
+Exit codes: 0 all checks passed; 1 a check failed (CUDA present: loud, never a skip);
+3 CUDA is not available: nothing was checked (the report says so).
+``--dry-run`` runs everything on CPU tensors with Triton's interpreter and tiny sizes (to
+check this script without a GPU); ``--compile-only`` compiles every kernel for a GPU
+architecture without one (Triton's bundled ptxas).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT)]  # lioncub without installing it; tests.dist's launcher
+
+STEPS = 4  # optimizer steps per compared run (both tie parities)
+VOTES = [("grad", None, None), ("sign_allreduce", None, None), ("gather", None, None), ("onebit", None, None),
+         ("pbit", 2, None), ("pbit", 4, None), ("pbit", 8, None), ("pbit", 4, "l1"), ("pbit", 8, "l1")]
+
+
+# ----------------------------------------------------------------------------- comparisons
+def _ulps(a, b) -> int:
+    """Largest distance in ulps between equal-shaped fp32 tensors (equal values: 0)."""
+    import torch
+    a, b = a.detach().cpu().reshape(-1), b.detach().cpu().reshape(-1)
+    d = (a.view(torch.int32).long() - b.view(torch.int32).long()).abs()
+    d[a == b] = 0
+    return int(d.max()) if d.numel() else 0
+
+
+def _compare(got: list, want: list, steps: int) -> dict:
+    """ps + ms of two runs (first half p, second half m): exact, or within the stated tolerance."""
+    import torch
+    half = len(got) // 2
+    exact = all(torch.equal(a.detach().cpu().view(torch.int32), b.detach().cpu().view(torch.int32))
+                for a, b in zip(got, want))
+    m_ulps = max([_ulps(a, b) for a, b in zip(got[half:], want[half:])] + [0])
+    p_diff = sum(int((a.detach().cpu() != b.detach().cpu()).sum()) for a, b in zip(got[:half], want[:half]))
+    p_total = sum(a.numel() for a in got[:half])
+    frac = p_diff / max(p_total, 1)
+    return dict(exact=exact, m_max_ulps=m_ulps, p_differ_fraction=frac,
+                ok=exact or (m_ulps <= steps and frac <= 1e-3))
+
+
+def _grads(shapes, step: int, rank: int, nan: bool = False):
+    """The gradients of one step on one rank (CPU, seeded): exact zeros every 5th element
+    (ties of c at step 0), a NaN in the first tensor when asked."""
+    import torch
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    out = []
+    for s in shapes:
+        t = torch.randn(s, generator=g)
+        t.view(-1)[::5] = 0.0
+        out.append(t)
+    if nan:
+        out[0].view(-1)[3] = float("nan")
+    return out
+
+
+SHAPES = [(37, 29), (29,), (11, 29), (11,), (1001,)]  # odd sizes: bytes shared between tensors
+
+
+def _run(make_opt, device: str, rank: int = 0, nan_step: int = -1, shapes=SHAPES, steps: int = STEPS):
+    """``steps`` steps of an optimizer over fresh parameters on ``device``; returns ps + ms (CPU)."""
+    import torch
+    gen = torch.Generator().manual_seed(7)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in shapes]
+    opt = make_opt(params)
+    for step in range(steps):
+        for p, g in zip(params, _grads(shapes, step, rank, nan=step == nan_step)):
+            p.grad = g.to(device)
+        opt.step()
+    ms = [opt.state[p]["exp_avg"] for p in params]
+    return [t.detach().cpu().clone() for t in params + ms]
+
+
+# ----------------------------------------------------------------------------- checks
+def check_backend(device: str) -> dict:
+    """CUDA tensors must take the Triton kernels (else every comparison below would test torch ops)."""
+    import torch
+    from lioncub import fused, triton_kernels
+    x = torch.zeros(3, device=device)
+    takes = fused.usable([x]) and fused._gpu(x) is not None
+    return dict(ok=takes or device == "cpu", cuda_tensors_take_triton=takes, triton_kernels=triton_kernels.status(),
+                fused_cpu=fused.status())
+
+
+def check_kernels_vs_cpu_reference(device: str) -> dict:
+    env = dict(os.environ, LIONCUB_TEST_DEVICE=device, PYTHONPATH=os.pathsep.join(sys.path[:2]))
+    env.pop("TRITON_INTERPRET", None)  # the test file sets it for cpu itself
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton.py"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    tail = (r.stdout + r.stderr).strip().splitlines()[-15:]
+    return dict(ok=r.returncode == 0, returncode=r.returncode, output_tail=tail)
+
+
+def check_kernels_vs_torch_cuda(device: str, big: int) -> dict:
+    import torch
+    from lioncub import triton_kernels as tk
+    from lioncub.lion import apply_update_, interpolate
+    sizes = [big + 77, 1001]
+    ms = [t.to(device) for t in _grads(sizes, 1, 0)]
+    gs = [(t * 1e-2).to(device) for t in _grads(sizes, 2, 0)]
+    out = {}
+    for beta1, maximize in [(0.9, False), (0.95, True)]:
+        c = torch.empty(sum(sizes), device=device)
+        tk.interpolate(ms, gs, beta1, maximize, c)
+        want = torch.cat([x.reshape(-1) for x in interpolate(ms, gs, beta1, maximize=maximize)])
+        out[f"c_ulps_beta1_{beta1}"] = _ulps(c, want)
+    gen = torch.Generator().manual_seed(3)
+    ps = [torch.randn(n, generator=gen).to(device) for n in sizes]
+    u = torch.randint(-1, 2, (sum(sizes),), generator=gen, dtype=torch.int8).to(device)
+    p_ref, m_ref = [p.clone() for p in ps], [m.clone() for m in ms]
+    apply_update_(p_ref, list(u.float().split(sizes)), m_ref, gs, lr=3e-4, beta2=0.99, weight_decay=0.1, foreach=True)
+    tk.apply(ps, ms, gs, u, lr=3e-4, beta2=0.99, weight_decay=0.1)
+    out["p_ulps"] = max(_ulps(a, b) for a, b in zip(ps, p_ref))
+    out["m_ulps"] = max(_ulps(a, b) for a, b in zip(ms, m_ref))
+    out["exact"] = all(v == 0 for k, v in out.items() if k != "exact")
+    out["ok"] = out["p_ulps"] == 0 and all(v <= 1 for k, v in out.items() if k not in ("exact", "p_ulps"))
+    return out
+
+
+def check_lion_cuda_vs_cpu(device: str) -> dict:
+    from lioncub import Lion
+    make = lambda ps: Lion(ps, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, foreach=True)  # noqa: E731
+    return _compare(_run(make, device, steps=5), _run(make, "cpu", steps=5), 5)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_lioncub_ws1(device: str) -> dict:
+    import torch
+    import torch.distributed as dist
+    from lioncub import Lion, LionCub
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        want = _run(lambda ps: Lion(ps, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1), device)
+        out = {"backend": backend}
+        for vote, bits, q in VOTES:
+            make = lambda ps: LionCub(ps, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1,  # noqa: E731
+                                      vote=vote, bits=bits, quantizer=q)
+            out[_name(vote, bits, q)] = _compare(_run(make, device), want, STEPS)
+        out["ok"] = all(v["ok"] for k, v in out.items() if isinstance(v, dict))
+        try:  # not a pass/fail item: LionCub's has-grad/finite agreement is a CPU tensor (world > 1)
+            dist.all_reduce(torch.zeros(2, dtype=torch.uint8))
+            out["cpu_tensor_all_reduce"] = "ok"
+        except Exception as exc:  # noqa: BLE001
+            out["cpu_tensor_all_reduce"] = f"refused: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def _name(vote, bits, q) -> str:
+    return vote + (f"-{bits}" if bits else "") + (f"-{q}" if q else "")
+
+
+def _refused_by_torch_distributed(exc: BaseException) -> bool:
+    """The exception, or the one it was raised from (lioncub.comm wraps backend errors), came
+    from inside torch.distributed (a backend's refusal), not from lioncub."""
+    while exc is not None:
+        frames = traceback.extract_tb(exc.__traceback__)
+        if frames and "torch/distributed" in frames[-1].filename.replace(os.sep, "/"):
+            return True
+        exc = exc.__cause__
+    return False
+
+
+def _collectives(device: str) -> dict:
+    """Each collective LionCub uses, on ``device`` tensors in the current gloo group."""
+    import torch
+    import torch.distributed as dist
+    world = dist.get_world_size()
+    calls = {
+        "all_reduce uint8 SUM": lambda: dist.all_reduce(torch.ones(10, dtype=torch.uint8, device=device)),
+        "all_reduce int8 SUM": lambda: dist.all_reduce(torch.ones(10, dtype=torch.int8, device=device)),
+        "all_reduce float32 SUM": lambda: dist.all_reduce(torch.ones(10, device=device)),
+        "all_reduce bfloat16 SUM": lambda: dist.all_reduce(torch.ones(10, dtype=torch.bfloat16, device=device)),
+        "all_gather_into_tensor uint8": lambda: dist.all_gather_into_tensor(
+            torch.empty(10 * world, dtype=torch.uint8, device=device), torch.ones(10, dtype=torch.uint8, device=device)),
+        "all_gather list uint8": lambda: dist.all_gather(
+            [torch.empty(10, dtype=torch.uint8, device=device) for _ in range(world)],
+            torch.ones(10, dtype=torch.uint8, device=device)),
+        "all_to_all_single uint8": lambda: dist.all_to_all_single(
+            torch.empty(4 * world, dtype=torch.uint8, device=device), torch.ones(4 * world, dtype=torch.uint8, device=device)),
+        "broadcast float32": lambda: dist.broadcast(torch.ones(10, device=device), src=0),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = "ok"
+        except Exception as exc:  # noqa: BLE001 - recorded: which collective gloo refuses on this device
+            out[name] = f"refused: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
+    return out
+
+
+def _gloo_worker(rank: int, world: int, device: str) -> dict:
+    from lioncub import LionCub
+    result = {"collectives": _collectives(device), "votes": {}}
+    for vote, bits, q in VOTES:
+        make = lambda ps: LionCub(ps, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, vote=vote,  # noqa: E731
+                                  bits=bits, quantizer=q, nonfinite="skip_step", bucket_mb=0.004,
+                                  message_mb=0.001)  # several buckets and messages
+        name = _name(vote, bits, q)
+        want = _run(make, "cpu", rank, nan_step=2 if rank == 1 else -1)
+        try:
+            got = _run(make, device, rank, nan_step=2 if rank == 1 else -1)
+        except Exception as exc:  # noqa: BLE001
+            refused = _refused_by_torch_distributed(exc)
+            result["votes"][name] = dict(ok=refused, refused=refused,
+                                         error=f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}",
+                                         where=traceback.format_exc().strip().splitlines()[-6:])
+            continue
+        result["votes"][name] = _compare(got, want, STEPS)
+    return result
+
+
+def check_gloo_two_ranks(device: str) -> dict:
+    from tests.dist import run_workers
+    results = run_workers(_gloo_worker, 2, device, timeout_s=90)
+    votes = {name: {f"rank{r}": res["votes"][name] for r, res in enumerate(results)} for name in results[0]["votes"]}
+    for name, per in votes.items():
+        per["ok"] = all(v["ok"] for v in per.values())
+    return dict(ok=all(v["ok"] for v in votes.values()), votes=votes, collectives=results[0]["collectives"])
+
+
+def _time(fn, sync, reps: int) -> float:
+    """Median seconds of ``fn`` over ``reps`` calls after 2 warm-ups."""
+    for _ in range(2):
+        fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def check_bandwidth(device: str, n: int, reps: int) -> dict:
+    import torch
+    from lioncub import kernels, triton_kernels as tk
+    from lioncub.lion import apply_update_, interpolate
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    gen = torch.Generator(device=device).manual_seed(0)
+    p, m, g = (torch.randn(n, device=device, generator=gen) for _ in range(3))
+    c = torch.randn(n, device=device, generator=gen)
+    b1 = torch.empty(n // 8, dtype=torch.uint8, device=device)
+    b4 = torch.empty(n // 2, dtype=torch.uint8, device=device)
+    i8 = torch.randint(-1, 2, (n,), dtype=torch.int8, device=device)
+    hp = dict(lr=1e-4, beta2=0.99, weight_decay=0.1)
+    rows = [  # name, kernel call, bytes read + written, the torch path's call for the same pass
+        ("encode 1-bit signs", lambda: tk.encode([m], [g], 0.9, False, b1, bits=1, step=0), 8 * n + n // 8,
+         lambda: kernels.pack_bytes(kernels.sign_bits(interpolate([m], [g], 0.9)[0], 0), n, 1)),
+        ("encode 4-bit lanes", lambda: tk.encode([m], [g], 0.9, False, b4, bits=4, step=1), 8 * n + n // 2,
+         lambda: kernels.pack_bytes(kernels.sign_bits(interpolate([m], [g], 0.9)[0], 1), n, 4)),
+        ("encode int8 signs", lambda: tk.encode([m], [g], 0.9, False, i8.view(torch.uint8), bits=8, step=0, signs=True),
+         9 * n, lambda: torch.sign(interpolate([m], [g], 0.9)[0]).to(torch.int8)),
+        ("interpolate c", lambda: tk.interpolate([m], [g], 0.9, False, c), 12 * n,
+         lambda: interpolate([m], [g], 0.9)),
+        ("quantize 4-bit lanes", lambda: tk.quantize_lanes(c, 3.0, 7, 4, b4), 4 * n + n // 2,
+         lambda: kernels.pack_bytes(torch.round(c * 3.0).clamp_(-7, 7).to(torch.int8).view(torch.uint8) + 7, n, 4)),
+        ("apply int8 u", lambda: tk.apply([p], [m], [g], i8, **hp), 21 * n,
+         lambda: apply_update_([p], [i8.float()], [m], [g], foreach=True, **hp)),
+        ("apply 1-bit votes", lambda: tk.apply_bits([p], [m], [g], b1, **hp), 20 * n + n // 8,
+         lambda: apply_update_([p], [kernels.unpack_pm1(b1, n, torch.float32)], [m], [g], foreach=True, **hp)),
+        ("apply 4-bit lane sums", lambda: tk.apply_lanes([p], [m], [g], b4, 4, 1, 2, **hp), 20 * n + n // 2,
+         lambda: apply_update_([p], [kernels.vote_lanes(b4, n, 4, 1, 2, torch.float32)], [m], [g], foreach=True, **hp)),
+    ]
+    out = []
+    for name, call, nbytes, torch_call in rows:
+        t = _time(call, sync, reps)
+        src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        t_copy = _time(lambda: dst.copy_(src), sync, reps)
+        del src, dst
+        t_torch = _time(torch_call, sync, max(reps // 2, 1))
+        out.append(dict(kernel=name, elements=n, bytes=nbytes, ms=round(t * 1e3, 4), gbps=round(nbytes / t / 1e9, 1),
+                        copy_ms=round(t_copy * 1e3, 4), copy_gbps=round(nbytes / t_copy / 1e9, 1),
+                        of_copy=round(t_copy / t, 3), torch_path_ms=round(t_torch * 1e3, 4)))
+        print(f"    {name:24s} {out[-1]['gbps']:8.1f} GB/s  copy {out[-1]['copy_gbps']:8.1f} GB/s  "
+              f"({out[-1]['of_copy']:.2f} of copy)  torch path {out[-1]['torch_path_ms']:.3f} ms", flush=True)
+    return dict(ok=True, rows=out, note="GB/s counts bytes read + written; the copy moves the same bytes "
+                                        "(half read, half written); the kernels' encode includes reading back the "
+                                        "finite flag (one sync)")
+
+
+# ----------------------------------------------------------------------------- compile only
+def compile_all(arch: int, quick: bool = False) -> list:
+    """Compile the kernels for ``sm_<arch>`` without a GPU (every specialization; one per
+    kernel with ``quick``). Returns (kernel, specialization, seconds, cubin bytes) rows."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from lioncub import triton_kernels as tk
+    target = GPUTarget("cuda", arch, 32)
+    P, I32, F, I64 = "*fp32", "i32", "fp32", "i64"
+    jobs = []
+    for bits in ((4,) if quick else (1, 2, 4, 8)):
+        for even in ((True,) if quick else (True, False)):
+            jobs.append((tk._encode_lanes_kernel, dict(m_ptr=P, g_ptr=P, out_ptr="*u8", bad_ptr="*i32", n=I32, start=I64,
+                                                       beta1=F, alpha=F), dict(EVEN=even, BITS=bits)))
+    for signs in ((True,) if quick else (True, False)):
+        jobs.append((tk._encode_values_kernel, dict(m_ptr=P, g_ptr=P, out_ptr="*i8" if signs else P, bad_ptr="*i32",
+                                                    n=I32, beta1=F, alpha=F), dict(SIGNS=signs)))
+    for bits in ((4,) if quick else (2, 4, 8)):
+        jobs.append((tk._quantize_lanes_kernel, dict(c_ptr=P, out_ptr="*u8", n=I32, nbytes=I32, mult=F, s=F),
+                     dict(BITS=bits)))
+    for source, bits in (((3, 4),) if quick else ((0, 8), (1, 1), (2, 1), (3, 2), (3, 4), (3, 8))):
+        for decay in ((True,) if quick else (True, False)):
+            jobs.append((tk._apply_kernel, dict(p_ptr=P, m_ptr=P, g_ptr=P, u_ptr="*i8" if source == 0 else "*u8",
+                                                neg_ptr="*u8", n=I32, start=I64, decay=F, neg_lr=F, beta2=F, alpha2=F,
+                                                above=I32, below=I32), dict(HAS_DECAY=decay, SOURCE=source, BITS=bits)))
+    rows = []
+    for fn, sig, consts in jobs:
+        consts = dict(consts, BLOCK=tk._BLOCK)
+        sig = dict(sig, **{k: "constexpr" for k in consts})
+        t0 = time.perf_counter()
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=target,
+                           options=dict(tk._NO_CONTRACTION))
+        rows.append((fn.__name__, {k: v for k, v in consts.items() if k != "BLOCK"}, round(time.perf_counter() - t0, 2),
+                     len(k.asm["cubin"])))
+    return rows
+
+
+# ----------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="directory for gpu_check.json")
+    ap.add_argument("--dry-run", action="store_true", help="CPU tensors, Triton's interpreter, tiny sizes")
+    ap.add_argument("--compile-only", type=int, metavar="ARCH", help="compile the kernels for sm_ARCH (e.g. 90) and stop")
+    ap.add_argument("--quick", action="store_true", help="with --compile-only: one specialization per kernel")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # before lioncub.triton_kernels is imported
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "gpu_check.json"
+    import torch
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    cuda = torch.cuda.is_available()
+    report = dict(command=" ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
+                  started_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  host=platform.node(), python=platform.python_version(), torch=torch.__version__,
+                  torch_cuda=torch.version.cuda, triton=triton_version, cuda_available=cuda,
+                  device_name=torch.cuda.get_device_name(0) if cuda else None, dry_run=args.dry_run,
+                  checks={}, result=None)
+
+    def write():
+        path.write_text(json.dumps(report, indent=2) + "\n")
+
+    if args.compile_only:
+        rows = compile_all(args.compile_only, args.quick)
+        report.update(result="compiled", compiled=[dict(kernel=r[0], spec=r[1], seconds=r[2], cubin_bytes=r[3])
+                                                   for r in rows])
+        write()
+        print(f"compiled {len(rows)} kernels for sm_{args.compile_only} with Triton {triton_version}: {path}")
+        return 0
+    if not cuda and not args.dry_run:
+        report["result"] = "no-cuda"
+        write()
+        print(f"CUDA is not available (torch {torch.__version__}, CUDA build {torch.version.cuda}): nothing was "
+              f"checked. Run this on a machine with a GPU (or --dry-run to check the script on CPU). Report: {path}")
+        return 3
+    if triton_version is None:
+        report["result"] = "fail"
+        report["checks"]["triton"] = dict(ok=False, error="triton is not importable: the CUDA path would run torch ops")
+        write()
+        print("FAIL: triton is not importable", flush=True)
+        return 1
+    device = "cpu" if args.dry_run else "cuda"
+    n_bw, reps = (1 << 12, 2) if args.dry_run else (1 << 26, 20)
+    print(f"gpu-check on {report['device_name'] or 'CPU (dry run, Triton interpreter)'}: torch {torch.__version__}, "
+          f"triton {triton_version}; report: {path}", flush=True)
+    checks = [("backend", lambda: check_backend(device)),
+              ("kernels_vs_cpu_reference", lambda: check_kernels_vs_cpu_reference(device)),
+              ("kernels_vs_torch_cuda", lambda: check_kernels_vs_torch_cuda(device, n_bw >> 6)),
+              ("lion_cuda_vs_cpu", lambda: check_lion_cuda_vs_cpu(device)),
+              ("lioncub_ws1_nccl", lambda: check_lioncub_ws1(device)),
+              ("gloo_two_ranks_cuda", lambda: check_gloo_two_ranks(device)),
+              ("bandwidth", lambda: check_bandwidth(device, n_bw, reps))]
+    for name, fn in checks:
+        t0 = time.perf_counter()
+        try:
+            res = fn()
+        except Exception:  # noqa: BLE001 - a crashed check is a failed check, with its traceback
+            res = dict(ok=False, error=traceback.format_exc().strip().splitlines()[-12:])
+        res["seconds"] = round(time.perf_counter() - t0, 1)
+        report["checks"][name] = res
+        write()
+        print(f"{'ok  ' if res['ok'] else 'FAIL'} {name} ({res['seconds']} s)"
+              + ("" if res["ok"] else ": " + json.dumps({k: v for k, v in res.items() if k != 'rows'})[:3000]),
+              flush=True)
+    if "gloo_two_ranks_cuda" in report["checks"]:
+        report["gloo_cuda_collectives"] = report["checks"]["gloo_two_ranks_cuda"].get("collectives")
+    failed = [k for k, v in report["checks"].items() if not v["ok"]]
+    report["result"] = "fail" if failed else "pass"
+    report["finished_utc"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    write()
+    print(("FAILED: " + ", ".join(failed)) if failed else "all checks passed", f"({path})", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
