@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 DEVICE = os.environ.get("LIONCUB_TEST_DEVICE", "cpu")
+_INTERPRET_BEFORE = os.environ.get("TRITON_INTERPRET")
 if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined (at the module's import)
 
@@ -29,8 +30,17 @@ if "lioncub.triton_kernels" in sys.modules:  # defined earlier without the inter
     tk = importlib.reload(sys.modules["lioncub.triton_kernels"])
 else:
     from lioncub import triton_kernels as tk  # noqa: E402
+if DEVICE == "cpu" and _INTERPRET_BEFORE is None:  # later test files see the environment as it was;
+    del os.environ["TRITON_INTERPRET"]  # the fixture below sets it again around each test here
 if DEVICE != "cpu" and not tk.available():  # asked for the GPU: never skip silently
     raise RuntimeError(f"LIONCUB_TEST_DEVICE={DEVICE} but the Triton kernels are {tk.status()}")
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch):
+    """Triton's interpreter also reads TRITON_INTERPRET when a kernel runs."""
+    if DEVICE == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def _d(x):
