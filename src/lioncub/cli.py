@@ -136,6 +136,15 @@ def cmd_train(args) -> int:
             verify_checkpoint(find_checkpoint(config.resume))
         except ValueError as exc:
             args.parser.error(f"--resume: {exc}")
+    from .harness.compare import variants
+    from .harness.train import check_inputs
+
+    torchrun = "RANK" in os.environ
+    try:  # before any worker starts: what a user can fix is one line, not a worker's traceback
+        for variant in variants(config) if compare else [config]:
+            check_inputs(variant, int(os.environ.get("WORLD_SIZE", config.nproc)), prepare=not torchrun)
+    except ValueError as exc:
+        args.parser.error(str(exc))
     if compare:
         from .harness.compare import run_compare
 
@@ -163,10 +172,13 @@ def _add_prepare(sub) -> None:
 def cmd_prepare(args) -> int:
     from .harness.data.text import prepare, prepared_dir, read_meta
 
+    out = args.out or prepared_dir(args.data, args.cache_dir)
     try:
-        out = prepare(args.data, args.out or prepared_dir(args.data, args.cache_dir))
+        prepare(args.data, out)
     except ValueError as exc:
         args.parser.error(str(exc))
+    except OSError as exc:
+        args.parser.error(f"--out {out!r}: cannot write there ({exc.strerror})")
     meta = read_meta(out)
     print(f"wrote {out}/train.bin ({meta['train_tokens']:,} tokens) and val.bin ({meta['val_tokens']:,} tokens)")
     return 0
@@ -187,6 +199,8 @@ def cmd_plot(args) -> int:
         print(f"wrote {plot_runs(args.runs, args.output, title=args.title)}")
     except ValueError as exc:
         args.parser.error(str(exc))
+    except OSError as exc:
+        args.parser.error(f"--output {args.output!r}: cannot write there ({exc.strerror})")
     return 0
 
 

@@ -151,6 +151,8 @@ class TrainConfig:
             if changed:
                 raise ValueError(f"{', '.join(changed)} apply to optimizer='lioncub' only, got "
                                  f"optimizer={self.optimizer!r}")
+        if self.vote != "pbit" and (self.bits is not None or self.quantizer is not None):
+            raise ValueError(f"bits/quantizer apply to vote='pbit' only, got vote={self.vote!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -186,7 +188,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-_LIONCUB_ONLY = {"momentum_sync": "none", "nonfinite": "raise", "check_every": 0, "overlap": False}
+_LIONCUB_ONLY = {"bits": None, "quantizer": None, "momentum_sync": "none", "nonfinite": "raise", "check_every": 0, "overlap": False}
 
 
 def _choice(name: str, value, allowed: tuple) -> None:

@@ -35,6 +35,7 @@ from . import checkpoint
 from .config import TrainConfig
 from .data import (ImageLoader, TokenLoader, ensure_prepared, eval_batches, image_eval_batches,
                    load_images, read_meta)
+from .data.text import prepared_dir
 from .launch import launch, resolve_device
 from .metrics import MetricsWriter, ProgressBar, progress_enabled, write_csv
 from .models import build_model, param_groups
@@ -43,6 +44,67 @@ from .models import build_model, param_groups
 def run(config: TrainConfig) -> dict:
     """Train per ``config`` (spawning or joining workers as needed); return rank 0's summary."""
     return launch(train_worker, config)
+
+
+def check_inputs(config: TrainConfig, world: int, *, prepare: bool = True) -> None:
+    """Raise ValueError, naming the flag, for a run that cannot start: a device that is not
+    there, missing or too little data, an unwritable ``out``, a p-bit lane that would overflow.
+    Runs before any worker starts (``lioncub train``). ``prepare=False`` reads text data only
+    if it is already tokenised (torchrun's ranks must not all tokenise at once)."""
+    from ..vote import pbit_levels
+
+    try:
+        resolve_device(config.device)
+    except ValueError as exc:
+        raise ValueError(f"--device: {exc}") from None
+    if config.optimizer == "lioncub" and config.vote == "pbit":
+        try:
+            pbit_levels(world, config.bits, config.quantizer)
+        except ValueError as exc:
+            raise ValueError(f"--bits/--quantizer: {exc}") from None
+    _check_data(config, world, prepare)
+    try:
+        os.makedirs(config.out, exist_ok=True)
+        if not os.access(config.out, os.W_OK):
+            raise PermissionError(13, "not writable")
+    except OSError as exc:
+        raise ValueError(f"--out {config.out!r}: cannot write the run directory there ({exc.strerror})") from None
+
+
+def _check_data(config: TrainConfig, world: int, prepare: bool) -> None:
+    data = config.data
+    if config.is_gpt:
+        wanted = "a GPT model takes 'shakespeare', a directory holding train.bin/val.bin or a .txt file"
+        if data != "shakespeare" and not (os.path.isfile(data) or os.path.isfile(os.path.join(data, "train.bin"))):
+            raise ValueError(f"--data {data!r}: not found or not text data; {wanted}")
+        if os.path.isfile(data) and not data.endswith(".txt"):
+            raise ValueError(f"--data {data!r}: not a .txt file; {wanted}")
+        token_dir = prepared_dir(data, config.cache_dir)
+        if not prepare and not os.path.exists(os.path.join(token_dir, "train.bin")):
+            return  # tokenised by rank 0 once the workers start
+        try:
+            token_dir = ensure_prepared(data, config.cache_dir)
+            TokenLoader(os.path.join(token_dir, "train.bin"), block_size=config.block_size,
+                        batch_size=config.batch_size, rank=world - 1, world_size=world)
+        except (ValueError, OSError) as exc:
+            raise ValueError(f"--data {data!r}: {exc}") from None
+        val = os.path.join(token_dir, "val.bin")
+        n_val = os.path.getsize(val) // 2 // (config.block_size + 1) if os.path.exists(val) else 0
+        if n_val < world:
+            raise ValueError(f"--data {data!r}: val.bin holds {n_val} windows of --block-size {config.block_size} "
+                             f"+ 1 tokens; each of the {world} workers needs one (shorten --block-size)")
+        vocab = read_meta(token_dir)["vocab_size"]
+        if config.vocab_size is not None and config.vocab_size < vocab:
+            raise ValueError(f"--vocab-size {config.vocab_size}: the data has {vocab} token values; "
+                             f"give at least {vocab} (or leave it out)")
+        return
+    if data != "digits" and not os.path.exists(data):
+        raise ValueError(f"--data {data!r}: not found; an image model takes 'digits', an .npz file or an image folder")
+    try:
+        images = load_images(data, seed=config.seed)
+        ImageLoader(images.x_train, images.y_train, batch_size=config.batch_size, rank=world - 1, world_size=world)
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"--data {data!r}: {exc}") from None
 
 
 def lr_factor(step: int, config: TrainConfig) -> float:

@@ -1,0 +1,79 @@
+"""Every mistake a user can make on the command line is one line through argparse (exit 2)
+that names the flag and value, never a worker's traceback. Each case below was a traceback
+(or silently ignored) before ``lioncub train`` checked its inputs before starting workers."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lioncub.cli import main
+
+TINY = ["--model", "gpt-tiny", "--batch-size", "2", "--block-size", "16", "--steps", "1", "--no-progress",
+        "--no-compare", "--nproc", "2"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("inputs")
+    (d / "tiny.txt").write_text("hello")
+    (d / "text.txt").write_text("To be, or not to be, that is the question. " * 60)
+    (d / "noclasses").mkdir()
+    (d / "a_file").write_text("")
+    (d / "run").mkdir()
+    (d / "run" / "metrics.jsonl").write_text('{"kind": "step", "step": 1, "loss": 2.0, "train_time": 0.1}\n')
+    np.savez(d / "few.npz", x=np.zeros((4, 8, 8), np.float32), y=np.zeros(4, np.int64))
+    return d
+
+
+def bad_inputs(d):
+    cache = ["--cache-dir", str(d / "cache"), "--out", str(d / "out")]
+    text = ["--data", str(d / "text.txt")] + cache
+    cases = [
+        (["train", *TINY, "--data", "/nonexistent", *cache],
+         "--data '/nonexistent': not found or not text data; a GPT model takes 'shakespeare', a directory"),
+        (["train", *TINY, "--data", str(d / "few.npz"), *cache], "not a .txt file; a GPT model takes"),
+        (["train", *TINY, "--data", str(d / "tiny.txt"), *cache], "tokens too small for block_size 16 with 2 workers"),
+        (["train", *TINY, "--block-size", "100", "--nproc", "3", *text],
+         "val.bin holds 2 windows of --block-size 100 + 1 tokens; each of the 3 workers needs one"),
+        (["train", *TINY, "--vocab-size", "10", *text], "--vocab-size 10: the data has 256 token values"),
+        (["train", *TINY, "--vote", "pbit", "--bits", "2", "--nproc", "4", *text],
+         "--bits/--quantizer: bits=2 lanes overflow with 4 workers for quantizer=None (need bits >= 4)"),
+        (["train", *TINY, "--vote", "gather", "--quantizer", "l1", *text],
+         "bits/quantizer apply to vote='pbit' only, got vote='gather'"),
+        (["train", *TINY, "--optimizer", "lion", "--bits", "4", *text], "bits=4 apply to optimizer='lioncub' only"),
+        (["train", *TINY, "--model", "resnet18", "--data", "shakespeare", *cache],
+         "--data 'shakespeare': not found; an image model takes 'digits', an .npz file or an image folder"),
+        (["train", *TINY, "--model", "resnet18", "--data", str(d / "noclasses"), *cache], "has no class sub-folders"),
+        (["train", *TINY, "--model", "resnet18", "--data", str(d / "few.npz"), "--batch-size", "8", *cache],
+         "images is smaller than batch_size 8"),
+        (["train", *TINY, "--data", str(d / "text.txt"), "--out", str(d / "a_file" / "run")],
+         "cannot write the run directory there (Not a directory)"),
+        (["train", *TINY, "--resume", "/nonexistent", *text],
+         "--resume: '/nonexistent' is neither a checkpoint directory nor a run directory with ckpt/latest"),
+        (["train", *TINY, "--nproc", "0", *text], "nproc must be >= 1, got 0"),
+        (["train", *TINY, "--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
+        (["train", *TINY, "--vote", "majority"], "argument --vote: invalid choice: 'majority'"),
+        (["train", *TINY, "--link", "fast"], "--link: rate must be None, bits/s > 0, or like '1gbit'"),
+        (["prepare", "--data", "/nonexistent.txt"], "data must be 'shakespeare' or a .txt file; got '/nonexistent.txt'"),
+        (["prepare", "--data", str(d / "text.txt"), "--out", str(d / "a_file" / "tok")],
+         "cannot write there (Not a directory)"),
+        (["plot", "/nonexistent"], "'/nonexistent' has no metrics.jsonl"),
+        (["plot", str(d / "run"), "-o", str(d / "a_file" / "loss.png")], "--output"),
+        (["analyze", "--workers", "0"], "workers must be >= 1, got 0"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append((["train", *TINY, "--device", "cuda", *text],
+                      "--device: device='cuda' was asked for but CUDA is not available"))
+    return cases
+
+
+def test_each_bad_input_is_one_argparse_line_naming_it(files, capsys):
+    for argv, message in bad_inputs(files):
+        with pytest.raises(SystemExit, match="2") as exc:
+            main(argv)
+        err = capsys.readouterr().err
+        last = err.strip().splitlines()[-1]
+        assert exc.value.code == 2, (argv, err)
+        assert last.startswith(f"lioncub {argv[0]}: error: ") and message in last, (argv, err)
+        assert "Traceback" not in err, (argv, err)
