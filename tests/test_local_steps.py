@@ -237,6 +237,8 @@ def test_world_of_one_runs_without_a_process_group_and_matches_lion():
     (dict(vote="grad", error_feedback=True), "error_feedback needs a compressed vote"),
     (dict(vote="pbit", quantizer="linf", error_feedback=True), "stochastic quantizer"),
     (dict(inner="sgd"), "inner must be one of"),
+    (dict(aggregate="sum"), "aggregate must be one of"),
+    (dict(vote="onebit", aggregate="mean"), "aggregate='mean' sums L1-quantized lanes"),
     (dict(nonfinite="ignore"), "nonfinite must be one of"),
     (dict(lr=-1.0), "lr"),
 ])
@@ -250,3 +252,39 @@ def test_a_checkpoint_of_another_configuration_is_refused():
     b = LocalCub(_params(), local_steps=3, vote="onebit")
     with pytest.raises(ValueError, match="local_steps=2"):
         b.load_state_dict(a.state_dict())
+
+
+# ------------------------------------------------------------------ aggregate='mean': lanes as a quantized mean
+def _lane_mean(rank, world, bits):
+    # params at 0 and inner SGD with lr 1: Δ = g exactly; element 0 saturates every rank's lane at +s,
+    # element 1 at -s (the lane sums reach their extremes 0 and P·2s without a carry)
+    g = torch.Generator().manual_seed(50 + rank)
+    grad = torch.randn(37, generator=g)
+    grad[0], grad[1] = 100.0, -100.0
+    p = torch.nn.Parameter(torch.zeros(37))
+    opt = LocalCub([p], lr=1.0, local_steps=1, inner=lambda groups: torch.optim.SGD(groups), vote="pbit", bits=bits,
+                   quantizer="l1", aggregate="mean", error_feedback=True, outer="sgd", outer_lr=1.0)
+    p.grad = grad.clone()
+    opt.step()
+    everyone = [torch.empty_like(grad) for _ in range(world)]
+    dist.all_gather(everyone, grad)
+    return everyone, p.detach().clone(), opt.state[p]["residual"].clone(), opt.last_round_stats.bytes_sent
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_mean_aggregate_applies_the_exact_sum_of_quantized_lanes(bits):
+    world = 3
+    res = run_workers(_lane_mean, world, bits)
+    _, levels = pbit_levels(world, bits, "l1")
+    vs = res[0][0]
+    norm = sum(float(v.abs().mean()) for v in vs) / world  # the shared L1 scale
+    unit = norm / levels
+    qs = [torch.round(v.double() / unit).clamp(-levels, levels) for v in vs]  # float64 reference
+    assert qs[0][0] == levels and qs[0][1] == -levels  # the saturated elements
+    mean = sum(qs) * unit / world
+    for r, (_, param, residual, sent_bytes) in enumerate(res):
+        # θ_s = 0 − 1·d: d = the mean of the dequantized q_i (fp32 arithmetic: a few ulps)
+        assert torch.allclose(-param.double(), mean, rtol=0, atol=1e-6 * norm), r
+        assert torch.allclose(residual.double(), vs[r].double() - qs[r] * unit, rtol=0, atol=1e-6 * norm), r
+        assert sent_bytes >= -(-37 * bits // 8)  # the lanes travelled (plus the 16-byte head)
+    assert torch.equal(res[0][1], res[1][1]) and torch.equal(res[0][1], res[2][1])

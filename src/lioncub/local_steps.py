@@ -48,18 +48,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import comm, guard
+from . import comm, guard, kernels
 from .comm import CommStats
 from .lion import Lion, _validate_hyperparameters
 from .quantize import QUANTIZERS, quantize
 from .vote import VOTE_METHODS, majority_vote, pbit_levels, reference_vote
 
-__all__ = ["LocalCub", "INNER_OPTIMIZERS", "OUTER_RULES", "LOCAL_VOTES"]
+__all__ = ["LocalCub", "INNER_OPTIMIZERS", "OUTER_RULES", "LOCAL_VOTES", "AGGREGATES"]
 
 INNER_OPTIMIZERS = ("lion", "adamw")
 OUTER_RULES = ("sgd", "nesterov", "lion")
 LOCAL_VOTES = ("grad",) + VOTE_METHODS
 NONFINITE = ("raise", "skip_round")
+AGGREGATES = ("vote", "mean")
 
 
 def _check_int(name: str, value, low: int) -> int:
@@ -127,6 +128,10 @@ class LocalCub(torch.optim.Optimizer):
         outer_betas: (β1, β2) of ``'lion'``.
         error_feedback: keep each worker's residual e_i (not with ``vote='grad'``, which
             is lossless, nor with the stochastic ``'linf'`` quantizer).
+        aggregate: ``'vote'`` (d = η·u, the majority vote) or ``'mean'`` (``pbit`` with
+            ``quantizer='l1'`` only): every rank quantizes v_i with one shared L1 scale, the
+            lanes' SUM all-reduce returns Σ_i q_i exactly, and d is their dequantized mean
+            (a 2-8-bit DiLoCo pseudo-gradient; ``outer_lr`` then scales Δ as DiLoCo's does).
         process_group: the data-parallel group (default: the world).
         nonfinite: ``'raise'`` or ``'skip_round'`` (every rank drops the round's local
             progress) when any rank met a NaN/Inf gradient during the round (that inner
@@ -159,6 +164,7 @@ class LocalCub(torch.optim.Optimizer):
         outer_momentum: float = 0.9,
         outer_betas: tuple[float, float] = (0.9, 0.99),
         error_feedback: bool = False,
+        aggregate: str = "vote",
         process_group=None,
         nonfinite: str = "raise",
         check_every: int = 0,
@@ -185,6 +191,11 @@ class LocalCub(torch.optim.Optimizer):
         if error_feedback and quantizer == "linf":
             raise ValueError("error_feedback cannot replay the stochastic quantizer 'linf'; "
                              "use quantizer='l1', 'l0', 'lp', 'log' or 'sign'")
+        if aggregate not in AGGREGATES:
+            raise ValueError(f"aggregate must be one of {AGGREGATES}, got {aggregate!r}")
+        if aggregate == "mean" and (vote != "pbit" or quantizer != "l1"):
+            raise ValueError("aggregate='mean' sums L1-quantized lanes: it needs vote='pbit' and quantizer='l1', "
+                             f"got vote={vote!r}, quantizer={quantizer!r}")
         if nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
         self.check_every = _check_int("check_every", check_every, 0)
@@ -201,6 +212,7 @@ class LocalCub(torch.optim.Optimizer):
         self.vote, self.bits, self.quantizer, self.outer = vote, bits, quantizer, outer
         self.outer_momentum, self.outer_betas = float(outer_momentum), tuple(outer_betas)
         self.error_feedback, self.group, self.nonfinite = error_feedback, process_group, nonfinite
+        self.aggregate = aggregate
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
         self.inner = _make_inner(inner, self.param_groups, tuple(betas))
         self._restore_weight_decay()
@@ -266,17 +278,26 @@ class LocalCub(torch.optim.Optimizer):
         sizes = [p.numel() for p in self.params]
         states = [self.state[p] for p in self.params]
         delta = torch.cat([(s["start"].float() - p.float()).reshape(-1) for s, p in zip(states, self.params)])
-        bad = torch.tensor([int(self._bad_round or not bool(torch.isfinite(delta).all()))], dtype=torch.int32)
-        self._bad_round = False
-        if self.world_size > 1:
-            comm.all_reduce(bad, self.group, stats)
-        if int(bad):
-            self._nonfinite(int(bad))
-            return
         v = delta
         if self.error_feedback:
             v = delta + torch.cat([s["residual"].reshape(-1) for s in states])
-        if self.vote == "grad":
+        # one tiny all-reduce: how many ranks hold a non-finite value, and (aggregate='mean') Σ_i mean|v_i|
+        head = torch.tensor([float(self._bad_round or not bool(torch.isfinite(delta).all())),
+                             float(v.abs().mean()) if self.aggregate == "mean" else 0.0], dtype=torch.float64)
+        self._bad_round = False
+        if self.world_size > 1:
+            comm.all_reduce(head, self.group, stats)
+        if head[0] > 0:
+            self._nonfinite(int(head[0]))
+            return
+        if self.aggregate == "mean":
+            d, sent = self._lane_mean(v, float(head[1]) / self.world_size, stats)
+            if self.error_feedback:
+                for s, r, c in zip(states, v.split(sizes), sent.split(sizes)):
+                    torch.sub(r, c, out=s["residual"].view(-1))
+            d = d.split(sizes)
+            signed = False
+        elif self.vote == "grad":
             if self.world_size > 1:
                 comm.all_reduce(v, self.group, stats)
                 v /= self.world_size
@@ -296,6 +317,25 @@ class LocalCub(torch.optim.Optimizer):
         self.last_round_stats = stats
         if self.check_every and self.rounds % self.check_every == 0:
             guard.check_replicas(self.params, self.group, self.world_size, step=self.rounds, names=self._names)
+
+    def _lane_mean(self, v: Tensor, norm: float, stats: CommStats) -> tuple[Tensor, Tensor]:
+        """The mean of the workers' quantized v through summed lanes (aggregate='mean').
+
+        q_i = clamp(round(s·v_i/M), −s, s) with one scale M (the ranks' mean of mean|v_i|),
+        sent as q_i + s in w-bit lanes; the SUM all-reduce adds lanes without carries, so
+        Σ_i q_i comes back exact. Returns (M/s·Σ_i q_i / P, M/s·q_i): the mean and this rank's C(v).
+        """
+        w, levels = pbit_levels(self.world_size, self.bits, self.quantizer)
+        P, n = self.world_size, v.numel()
+        unit = norm / levels if norm > 0 else 0.0
+        q = torch.zeros_like(v) if unit == 0 else torch.round(v * (1.0 / unit)).clamp_(-levels, levels)
+        if P > 1:
+            msg = kernels.pack_bytes((q + levels).to(torch.uint8), n, w)
+            comm.all_reduce(msg, self.group, stats)
+            total = kernels.unpack_bytes(msg, n, w).to(torch.float32) - float(P * levels)  # Σ_i q_i, exact
+        else:
+            total = q
+        return total * (unit / P), q * unit
 
     def _vote(self, v: Tensor, stats: CommStats) -> Tensor:
         kw = dict(method=self.vote, bits=self.bits, quantizer=self.quantizer, step=self.rounds)
@@ -358,7 +398,7 @@ class LocalCub(torch.optim.Optimizer):
 
     def _config(self) -> dict:
         return dict(local_steps=self.H, vote=self.vote, bits=self.bits, quantizer=self.quantizer,
-                    outer=self.outer, error_feedback=self.error_feedback)
+                    outer=self.outer, error_feedback=self.error_feedback, aggregate=self.aggregate)
 
     def load_state_dict(self, state_dict: dict) -> None:
         extra = state_dict.get("local")

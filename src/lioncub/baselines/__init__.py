@@ -18,7 +18,8 @@ our own few lines. ``build(name, module, lr=...)`` makes one; see :class:`Adapte
                             LocalCub: H inner steps (Lion; AdamW      after each outer step
                             with -adamw), then one vote on Δ (+e with
                             -ef); vote: onebit, gather, pbit4, pbit8l1,
-                            grad; outer: sgd, nest(erov), lion with
+                            grad, mean4/mean8 (lane sums as a quantized
+                            mean); outer: sgd, nest(erov), lion with
                             outer_lr <lr>, e.g. lcub-onebit-h10-nest2-ef
 
 Example (every rank, inside an initialised gloo group)::
@@ -59,9 +60,12 @@ METHODS = {
 
 
 # lcub-<vote>-h<H>-<outer><outer_lr>[-ef][-adamw]: a LocalCub configuration by name
-_LOCAL = re.compile(r"lcub-(onebit|gather|pbit4|pbit8l1|grad)-h(\d+)-(sgd|nest|lion)(\d+(?:\.\d+)?)(-ef)?(-adamw)?")
+_LOCAL = re.compile(r"lcub-(onebit|gather|pbit4|pbit8l1|mean4|mean8|grad)-h(\d+)-(sgd|nest|lion)(\d+(?:\.\d+)?)(-ef)?(-adamw)?")
 _LOCAL_VOTES = {"onebit": dict(vote="onebit"), "gather": dict(vote="gather"), "pbit4": dict(vote="pbit", bits=4),
-                "pbit8l1": dict(vote="pbit", bits=8, quantizer="l1"), "grad": dict(vote="grad")}
+                "pbit8l1": dict(vote="pbit", bits=8, quantizer="l1"), "grad": dict(vote="grad"),
+                # the lanes' sums as a quantized mean of Δ (aggregate='mean'), 4- or 8-bit lanes
+                "mean4": dict(vote="pbit", bits=4, quantizer="l1", aggregate="mean"),
+                "mean8": dict(vote="pbit", bits=8, quantizer="l1", aggregate="mean")}
 
 
 def _local_builder(name: str):
