@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lioncub import LionCub, cost
+from lioncub import LionCub, auto, cost
 from lioncub.auto import AUTO_CANDIDATES, DEFAULT_GAMMA, choose_vote, gamma_for, vote_costs
 from tests.dist import run_workers
 
@@ -36,8 +36,10 @@ def test_zero_local_cost_matches_pure_alpha_beta_choice():
     for P in (2, 3, 4, 8, 16, 64, 200):
         for alpha, beta in ((0.0, GBIT), (1e-4, GBIT), (5e-3, 1e-10), (1e-2, GBIT / 10)):
             for n in (1_000, 10**6, N):
-                assert choose_vote([n], P, alpha, beta, gamma=zero) == cost.choose_method(
-                    n, P, alpha, beta, candidates=AUTO_CANDIDATES), (P, alpha, beta, n)
+                options = [(m, auto._bits(m, P)) for m in AUTO_CANDIDATES if cost.method_valid(m, P)]
+                times = [cost.predicted_time(m, n, P, alpha, beta, bits=b) for m, b in options]
+                want = options[times.index(min(times))]  # the earlier candidate wins a tie
+                assert choose_vote([n], P, alpha, beta, gamma=zero) == want, (P, alpha, beta, n)
 
 
 def test_latency_bound_small_buckets_pick_fewest_messages():

@@ -6,11 +6,12 @@ import math
 import pytest
 
 from lioncub import cost
-from lioncub.cost import choose_method, fit_alpha_beta, method_valid, predicted_bytes, predicted_time
+from lioncub.auto import AUTO_CANDIDATES, choose_vote
+from lioncub.cost import fit_alpha_beta, method_valid, predicted_bytes, predicted_time
 
 N = 10**6
 
-# n = 10^6, P = 4, worked by hand from DESIGN.md §3:
+# n = 10^6, P = 4, worked by hand from docs/design.md §3:
 #   grad fp32 : allreduce 4e6 B            -> 2·3/4·4e6        = 6e6 B
 #   grad bf16 : allreduce 2e6 B            -> 1.5·2e6          = 3e6 B
 #   sign_ar   : allreduce 1e6 B            -> 1.5e6 B
@@ -89,7 +90,7 @@ def test_lane_widths():
         (lambda: predicted_bytes("onebit", N, 4, quantizer="l1"), "quantizer='l1'"),
         (lambda: predicted_time("grad", N, 4, -1.0, 1e-9), "alpha"),
         (lambda: predicted_time("grad", N, 4, 1e-4, float("nan")), "beta"),
-        (lambda: choose_method(N, 256, 1e-4, 1e-9, candidates=("pbit", "sign_allreduce")), "no candidate"),
+        (lambda: choose_vote([N], 256, 1e-4, 1e-9, candidates=("pbit", "sign_allreduce")), "no candidate"),
     ],
 )
 def test_bad_input_names_argument(call, needle):
@@ -98,12 +99,18 @@ def test_bad_input_names_argument(call, needle):
 
 
 WORLD = (2, 4, 8, 16, 64, 200)
+ZERO = {m: 0.0 for m in AUTO_CANDIDATES}  # no local cost: the choice is the α-β model's alone
+
+
+def _choose(n, P, alpha, beta, candidates=AUTO_CANDIDATES):
+    """The run-time choice (auto.choose_vote) on one bucket, priced by the α-β model only."""
+    return choose_vote([n], P, alpha, beta, gamma=ZERO, candidates=candidates)
 
 
 @pytest.mark.parametrize("P", WORLD)
 def test_choose_latency_bound_prefers_fewest_messages(P):
     # tiny tensor, huge α: gather's P-1 messages beat every 2(P-1)-message method
-    assert choose_method(64, P, alpha=1e-3, beta=1e-12) == ("gather", None)
+    assert _choose(64, P, alpha=1e-3, beta=1e-12) == ("gather", None)
 
 
 @pytest.mark.parametrize("P", WORLD)
@@ -112,7 +119,7 @@ def test_choose_bandwidth_bound(P):
     # P = 2: gather and onebit both send n/8 bytes, gather needs one message less.
     # P >= 3: onebit sends 2(P-1)/P·n/8 < (P-1)·n/8 (gather) < 2(P-1)/P·n·w/8 (pbit, w >= 2).
     want = ("gather", None) if P == 2 else ("onebit", None)
-    assert choose_method(10**8, P, alpha=5e-5, beta=1e-9) == want
+    assert _choose(10**8, P, alpha=5e-5, beta=1e-9) == want
 
 
 @pytest.mark.parametrize(
@@ -127,17 +134,8 @@ def test_choose_bandwidth_bound(P):
     ],
 )
 def test_choose_among_allreduce_paths(P, want):
-    got = choose_method(10**7, P, 5e-5, 1e-9, candidates=("sign_allreduce", "pbit"))
+    got = _choose(10**7, P, 5e-5, 1e-9, candidates=("sign_allreduce", "pbit"))
     assert got == want
-
-
-def test_choose_explicit_widths_and_quantizer():
-    assert choose_method(N, 16, 5e-5, 1e-9, candidates=[("pbit", 4), ("pbit", 8)]) == ("pbit", 8)
-    assert choose_method(N, 15, 5e-5, 1e-9, candidates=[("pbit", 4), ("pbit", 8)]) == ("pbit", 4)
-    # multi-level values cannot ride the 1-bit paths
-    assert choose_method(N, 4, 5e-5, 1e-9, quantizer="l1", candidates=("onebit", "gather", "pbit")) == ("pbit", 8)
-    # bf16 gradients lose to any vote once bandwidth matters
-    assert choose_method(N, 4, 5e-5, 1e-9, candidates=("grad", "pbit")) == ("pbit", 4)
 
 
 def test_fit_recovers_synthetic_alpha_beta():
@@ -168,7 +166,7 @@ def _live_worker(rank, world_size):
 
 def test_live_two_workers_calibrate_and_vote_bytes():
     """One gloo group (spawning costs ~6 s): calibrate agrees across ranks, and the
-    bytes/collectives the real vote records are the model's, padding included (STYLE.md #5)."""
+    bytes/collectives the real vote records are the model's, padding included (docs/design.md §6, §12)."""
     from tests.dist import run_workers
 
     P = 2

@@ -1,4 +1,4 @@
-r"""The α-β cost model of the vote methods (DESIGN.md §3, §6), as small pure functions.
+r"""The α-β cost model of the vote methods (docs/design.md §3, §6), as small pure functions.
 
 For ``n`` elements on ``P`` workers, with α the per-message latency (s) and β the
 seconds per bit of one full-duplex link, the ring collectives cost::
@@ -16,21 +16,22 @@ and every method is a fixed composition of them:
     pbit            one uint8 allreduce of ⌈n·w/8⌉ bytes, w-bit lanes        (2s·P ≤ 2^w-1)
 
 ``P == 1`` sends nothing and costs nothing. The same functions serve run time
-(:func:`choose_method`, fed by :func:`calibrate`) and benchmark reports.
+(:func:`lioncub.auto.choose_vote` adds each method's local cost to :func:`predicted_time`,
+with α and β from :func:`calibrate`) and benchmark reports.
 
 Example::
 
-    >>> from lioncub.cost import predicted_bytes, choose_method
+    >>> from lioncub.cost import predicted_bytes, predicted_time
     >>> predicted_bytes('onebit', 10**6, 4)['bytes_sent']
     187500.0
-    >>> choose_method(10**6, 64, alpha=5e-5, beta=1e-9)
-    ('onebit', None)
+    >>> predicted_time('onebit', 10**6, 4, alpha=5e-5, beta=1e-9) < predicted_time('pbit', 10**6, 4, 5e-5, 1e-9)
+    True
 """
 from __future__ import annotations
 
 import math
 import time
-from typing import Iterable, Sequence
+from typing import Sequence
 
 METHODS = ("grad", "sign_allreduce", "gather", "onebit", "pbit")
 VOTE_METHODS = ("sign_allreduce", "gather", "onebit", "pbit")
@@ -45,7 +46,6 @@ __all__ = [
     "predicted_time",
     "collective_time",
     "method_valid",
-    "choose_method",
     "calibrate",
     "fit_alpha_beta",
 ]
@@ -182,40 +182,6 @@ def predicted_time(method: str, n: int, world_size: int, alpha: float, beta: flo
     if method != "grad":
         t += gamma * n
     return t
-
-
-def _expand(candidates: Iterable, world_size: int, quantizer) -> list[tuple[str, int | None]]:
-    """Normalise candidates to (method, bits); a bare 'pbit' means its narrowest valid lane."""
-    out = []
-    for c in candidates:
-        method, bits = (c, None) if isinstance(c, str) else tuple(c)
-        _check_common(method, 0, world_size)
-        if not method_valid(method, world_size, bits=bits, quantizer=quantizer):
-            continue
-        if method == "pbit" and bits is None:
-            bits = _pbit_width(world_size, None, quantizer)
-        out.append((method, bits))
-    return out
-
-
-def choose_method(n: int, world_size: int, alpha: float, beta: float, *,
-                  candidates: Sequence = VOTE_METHODS, quantizer=None,
-                  gamma: float = 0.0) -> tuple[str, int | None]:
-    """The cheapest method valid for ``world_size``, as ``(method, bits)``.
-
-    ``candidates`` holds method names or ``(method, bits)`` pairs; invalid ones (lane
-    overflow, P > 127 for int8, multi-level values on a 1-bit path) are skipped.
-    Ties go to the earlier candidate. Raises ValueError when none is valid.
-    """
-    options = _expand(candidates, world_size, quantizer)
-    if not options:
-        raise ValueError(
-            f"no candidate in {tuple(candidates)} is valid for world_size={world_size}, "
-            f"quantizer={quantizer!r}"
-        )
-    times = [predicted_time(m, n, world_size, alpha, beta, bits=b, quantizer=quantizer,
-                            gamma=gamma) for m, b in options]
-    return options[times.index(min(times))]
 
 
 def fit_alpha_beta(nbytes: Sequence[int], seconds: Sequence[float], world_size: int) -> tuple[float, float]:

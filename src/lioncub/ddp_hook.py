@@ -5,8 +5,9 @@ DDP all-reduces fp32 gradients bucket by bucket during backward. With
 DDP's own moments (each bucket as soon as its gradients are ready, buckets in
 index order on every rank)::
 
-    hook(bucket):  c = β1·m_i + (1-β1)·g_i      for the bucket's params (local g_i)
-                   queue majority_vote(c)         on a background thread (no fp32 allreduce)
+    hook(bucket):  encode this rank's part from c = β1·m_i + (1-β1)·g_i (local g_i),
+                   as LionCub.step does     (the :class:`~lioncub.overlap.VoteDriver` launch)
+                   queue its exchange         on a background thread (no fp32 allreduce)
                    return the bucket unchanged    → p.grad stays the LOCAL gradient
     opt.step():    wait for the votes; θ ← θ(1-ηλ) - η·u;  m_i ← β2·m_i + (1-β2)·g_i
 

@@ -9,12 +9,15 @@ comm) + the last bucket's vote.
 Mechanism (one :class:`VoteDriver` per optimizer)::
 
     backward: grad of p accumulated ─► bucket b complete? ─► launch buckets in index order:
-                 c_b = β1·m + (1-β1)·g   (caller thread, cheap)
-                 submit majority_vote(c_b) to one background thread (FIFO; torch ops and
-                 gloo release the GIL)
+                 this rank's part of bucket b's message, as LionCub.step writes it
+                 (opt._encode_part: the fused loop, or c = β1·m + (1-β1)·g and
+                 VoteCodec.encode; caller thread)
+                 submit VoteCodec.exchange (the collectives) to one background thread
+                 (FIFO; torch ops and gloo release the GIL)
     step():   launch buckets not launched yet (params without a gradient vote as zeros)
-              wait for every vote ─► agree on active params / non-finite (as without overlap)
-              ─► apply θ ← θ(1-ηλ) - η·u, m ← β2·m + (1-β2)·g per bucket
+              wait for every exchange ─► agree on active params / non-finite (as without
+              overlap) ─► per bucket opt._decode_apply: θ ← θ(1-ηλ) - η·u,
+              m ← β2·m + (1-β2)·g (the same encode and apply as without overlap)
 
 Every rank launches buckets in the same order (bucket index order, like DDP: a bucket
 that completes early waits for its predecessors), so the collectives line up. All
@@ -197,10 +200,6 @@ class VoteDriver:
             self.opt._driver = None
             self.opt._scratch.clear()  # the per-launch buffers; step() makes its own again
         self._thread.close()
-
-    @property
-    def in_flight(self) -> int:
-        return sum(not fut.done() for _, fut, _ in self._pending)
 
 
 class Overlap(VoteDriver):
