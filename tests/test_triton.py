@@ -239,14 +239,49 @@ def test_status_and_cpu_tensors_keep_the_c_loops():
     assert fused._gpu(torch.zeros(3)) is None
 
 
+def _gpu_check_module():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _lioncub_worker(rank, world):
+    """LionCub steps with every fused pass sent to the Triton kernels (interpreted, as CUDA
+    tensors would be) against the same steps on the C loops / torch path: per vote method."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    from lioncub import LionCub
+    gpu_check, real, calls = _gpu_check_module(), fused._gpu, []
+    out = {}
+    for vote, bits, q in [("onebit", None, None), ("pbit", 8, "l1")]:  # encode-first bits; c, lanes, lane sums
+        make = lambda ps: LionCub(ps, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, vote=vote,  # noqa: E731
+                                  bits=bits, quantizer=q, nonfinite="skip_step", bucket_mb=1e-3, message_mb=2e-4)
+        runs = []
+        for route in (False, True):
+            fused._gpu = (lambda t: calls.append(1) or tk) if route else real
+            try:
+                runs.append(gpu_check._run(make, "cpu", rank, nan_step=1 if rank == 1 else -1,
+                                           shapes=[(13, 7), (333,)], steps=3))
+            finally:
+                fused._gpu = real
+        out[f"{vote}-{bits}-{q}"] = gpu_check._compare(runs[1], runs[0], 0)["exact"]
+    return out, len(calls)
+
+
+@pytest.mark.skipif(DEVICE != "cpu" or not fused.available(), reason="CPU run of the kernels against the C loops")
+def test_lioncub_steps_through_the_kernels_equal_the_c_loops():
+    """Two gloo ranks, 3 steps (both tie parities, a NaN gradient skipped), several buckets and
+    messages: the CUDA route (fused -> triton_kernels) gives the C loops' parameters and momenta."""
+    from tests.dist import run_workers
+    for exact, calls in run_workers(_lioncub_worker, 2, timeout_s=120):
+        assert calls > 0 and all(exact.values()), exact
+
 
 def test_gpu_check_says_when_cuda_is_absent(tmp_path, capsys):
     """bench/gpu_check.py on a machine without CUDA: exit code 3, a report saying so, nothing passed."""
     if torch.cuda.is_available():
         pytest.skip("CUDA present: make gpu-check runs the real checks")
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
+    gpu_check = _gpu_check_module()
     assert gpu_check.main(["--out", str(tmp_path)]) == 3
     printed = capsys.readouterr().out
     assert "CUDA is not available" in printed and "nothing was checked" in printed
