@@ -21,11 +21,32 @@ The same as ``lioncub analyze``: a thin wrapper of :mod:`lioncub.harness.analyze
 """
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 
-from lioncub.harness.analyze import AnalyzeConfig, main, run, write_outputs
+from lioncub.harness.analyze import AnalyzeConfig, add_arguments, config_from_args, main, run, write_outputs
 
 __all__ = ["AnalyzeConfig", "main", "run", "write_outputs"]
 
+
+def script(argv: list[str] | None = None) -> int:
+    """``lioncub analyze``, printing the measured run's loss as it fell before the summary."""
+    parser = argparse.ArgumentParser(description="the paper's instruments on a tiny GPT")
+    add_arguments(parser)
+    try:
+        cfg = config_from_args(parser.parse_args(argv))
+    except ValueError as exc:
+        parser.error(str(exc))
+    result = run(cfg)
+    losses = result["measured"]["loss"]
+    stride = max(1, len(losses) // 6)
+    for record in losses[::stride] + ([losses[-1]] if (len(losses) - 1) % stride else []):
+        print(f"step {record['step']} loss {record['loss']:.4f}")
+    print(json.dumps(result["summary"], indent=1, default=float))
+    print(f"wrote {cfg.out} in {result['wall_s']:.0f} s")
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(script())
