@@ -80,6 +80,9 @@ def _add_train(sub) -> None:
                    help="train baseline (vote=grad) and Lion Cub side by side (default: on unless "
                    "--optimizer or --vote is given)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="also write TensorBoard event files to DIR/LABEL (loss, lr, bytes/step, step-time split, "
+                   "val loss); needs `pip install tensorboard`")
     p.add_argument("--link", default=None, metavar="RATE",
                    help="run the --nproc workers in an emulated cluster whose links are shaped to RATE "
                    "(e.g. 1gbit, 500mbit; 'none' = unshaped namespaces); needs root")

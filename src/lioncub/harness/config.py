@@ -122,7 +122,11 @@ class TrainConfig:
     name: str | None = None
     """Run label in summaries and plots (None: derived from optimizer/vote/bits)."""
     progress: bool = True
-    """Progress bar on a TTY (always off when CI=true)."""
+    """Progress bar (tqdm) on a TTY (always off when CI=true)."""
+    tensorboard: str | None = None
+    """Also write TensorBoard event files under ``tensorboard/LABEL`` (one run each, so runs
+    overlay): loss, lr, bytes per step, the step-time split, validation loss (needs the
+    ``tensorboard`` package)."""
 
     def __post_init__(self) -> None:
         _choice("model", self.model, MODELS)

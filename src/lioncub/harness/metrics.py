@@ -1,4 +1,4 @@
-"""Run records: JSONL metrics, a CSV summary and a terminal progress bar.
+"""Run records: JSONL metrics, a CSV summary, TensorBoard events and a terminal progress bar (tqdm).
 
 metrics.jsonl has one JSON object per line, ``{"kind": "step", ...}`` for a
 training step and ``{"kind": "eval", ...}`` for an evaluation (fields in
@@ -10,7 +10,6 @@ import csv
 import json
 import os
 import sys
-import time
 
 
 class MetricsWriter:
@@ -58,23 +57,58 @@ def progress_enabled(requested: bool = True) -> bool:
 
 
 class ProgressBar:
-    """``[#####-----] 120/200 loss 2.31 | 85 ms/step`` redrawn in place on stderr."""
+    """``lioncub-pbit:  48%|#####     | 120/250 [00:10<00:11, 11.6step/s, loss 2.31 | 85 ms/step]``: a tqdm
+    bar on stderr (none when disabled or when tqdm is not installed)."""
 
-    def __init__(self, total: int, *, label: str = "", enabled: bool = True, width: int = 24):
-        self.total, self.label, self.enabled, self.width = total, label, enabled, width
-        self._last = 0.0
+    def __init__(self, total: int, *, label: str = "", enabled: bool = True, initial: int = 0, file=None):
+        self._bar = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+            except ImportError:  # the bar is a nicety: train without one
+                return
+            self._bar = tqdm(total=total, initial=initial, desc=label, unit="step", file=file or sys.stderr,
+                             dynamic_ncols=True, mininterval=0.1)
 
     def update(self, step: int, text: str = "") -> None:
-        now = time.monotonic()
-        if not self.enabled or (now - self._last < 0.1 and step < self.total):
-            return
-        self._last = now
-        filled = int(self.width * step / max(1, self.total))
-        bar = "#" * filled + "-" * (self.width - filled)
-        sys.stderr.write(f"\r{self.label} [{bar}] {step}/{self.total} {text}\033[K")
-        sys.stderr.flush()
+        if self._bar is not None:
+            self._bar.set_postfix_str(text, refresh=False)
+            self._bar.update(step - self._bar.n)
 
     def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
+        if self._bar is not None:
+            self._bar.close()
+
+
+_TENSORBOARD_SCALARS = {  # metrics.jsonl key -> (TensorBoard tag, scale)
+    "loss": ("train/loss", 1), "lr": ("train/lr", 1), "tokens_per_s": ("train/tokens_per_s", 1),
+    "images_per_s": ("train/images_per_s", 1), "bytes_sent": ("comm/bytes_sent_per_step", 1),
+    "bytes_recv": ("comm/bytes_recv_per_step", 1), "n_collectives": ("comm/collectives_per_step", 1),
+    "t_step": ("time_ms/step", 1e3), "t_compute": ("time_ms/compute", 1e3), "t_vote": ("time_ms/vote", 1e3),
+    "t_other": ("time_ms/other", 1e3), "val_loss": ("val/loss", 1), "val_acc": ("val/acc", 1),
+}
+
+
+class TensorBoardWriter:
+    """The metrics.jsonl records as TensorBoard scalars (``--tensorboard DIR``; rank 0 only).
+
+    Needs the ``tensorboard`` package (``torch.utils.tensorboard``). A resumed run
+    (``purge_step``) hides the events the interrupted run wrote after its checkpoint."""
+
+    def __init__(self, log_dir: str | None, *, enabled: bool = True, purge_step: int | None = None):
+        self._writer = None
+        if log_dir and enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir, purge_step=purge_step)
+
+    def write(self, record: dict) -> None:
+        if self._writer is None:
+            return
+        for key, (tag, scale) in _TENSORBOARD_SCALARS.items():
+            if key in record:
+                self._writer.add_scalar(tag, record[key] * scale, record["step"])
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()

@@ -37,7 +37,7 @@ from .data import (ImageLoader, TokenLoader, ensure_prepared, eval_batches, imag
                    load_images, read_meta)
 from .data.text import prepared_dir
 from .launch import launch, resolve_device
-from .metrics import MetricsWriter, ProgressBar, progress_enabled, write_csv
+from .metrics import MetricsWriter, ProgressBar, TensorBoardWriter, progress_enabled, write_csv
 from .models import build_model, param_groups
 
 
@@ -62,6 +62,12 @@ def check_inputs(config: TrainConfig, world: int, *, prepare: bool = True) -> No
             pbit_levels(world, config.bits, config.quantizer)
         except ValueError as exc:
             raise ValueError(f"--bits/--quantizer: {exc}") from None
+    if config.tensorboard:
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError:
+            raise ValueError(f"--tensorboard {config.tensorboard!r}: needs the tensorboard package "
+                             "(pip install tensorboard)") from None
     _check_data(config, world, prepare)
     try:
         os.makedirs(config.out, exist_ok=True)
@@ -225,7 +231,10 @@ def train_worker(config: TrainConfig) -> dict:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     writer = MetricsWriter(os.path.join(config.out, "metrics.jsonl"), enabled=rank == 0,
                            truncate_after_step=start if resume_from else None)
-    bar = ProgressBar(config.steps, label=config.label, enabled=rank == 0 and progress_enabled(config.progress))
+    board = TensorBoardWriter(config.tensorboard and os.path.join(config.tensorboard, config.label),
+                              enabled=rank == 0, purge_step=start + 1 if resume_from else None)
+    bar = ProgressBar(config.steps, label=config.label, initial=start,
+                      enabled=rank == 0 and progress_enabled(config.progress))
     n_params = sum(p.numel() for p in params)
     steps, evals, train_time, t_begin = [], [], 0.0, time.perf_counter()
     model.train()
@@ -268,17 +277,20 @@ def train_worker(config: TrainConfig) -> dict:
                       "train_time": train_time, "elapsed": time.perf_counter() - t_begin}
             steps.append(record)
             writer.write(record)
+            board.write(record)
             bar.update(done, f"loss {record['loss']:.3f} | {1e3 * t_step:.0f} ms/step")
         if (config.eval_every and done % config.eval_every == 0) or done == config.steps:
             record = {"kind": "eval", "step": done, **evaluate(model, data, config, device, autocast),
                       "train_time": train_time, "elapsed": time.perf_counter() - t_begin}
             evals.append(record)
             writer.write(record)
+            board.write(record)
         if config.ckpt_every and done % config.ckpt_every == 0:
             checkpoint.save_checkpoint(config.out, done, model=model, optimizer=opt, loader=data.loader,
                                        meta={"label": config.label, "config": config.as_dict()},
                                        keep=config.keep_ckpts)
     bar.close()
+    board.close()
     summary = summarize(config, steps, evals, world=world, n_params=n_params,
                         wall_s=time.perf_counter() - t_begin, device=str(device), optimizer=opt)
     if rank == 0:
