@@ -124,7 +124,7 @@ def check_kernels_vs_cpu_reference(device: str) -> dict:
     env = dict(os.environ, LIONCUB_TEST_DEVICE=device, PYTHONPATH=os.pathsep.join(sys.path[:2]))
     env.pop("TRITON_INTERPRET", None)  # the test file sets it for cpu itself
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton.py"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
     tail = (r.stdout + r.stderr).strip().splitlines()[-15:]
     return dict(ok=r.returncode == 0, returncode=r.returncode, output_tail=tail)
 
@@ -385,9 +385,14 @@ def main(argv=None) -> int:
     except ImportError:
         triton_version = None
     cuda = torch.cuda.is_available()
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None  # a copy of the tree without .git
     report = dict(command=" ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
                   started_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  host=platform.node(), python=platform.python_version(), torch=torch.__version__,
+                  commit=commit, host=platform.node(), python=platform.python_version(), torch=torch.__version__,
                   torch_cuda=torch.version.cuda, triton=triton_version, cuda_available=cuda,
                   device_name=torch.cuda.get_device_name(0) if cuda else None, dry_run=args.dry_run,
                   checks={}, result=None)
