@@ -11,7 +11,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(args: list[str], tmp_path, min_points: int = 4) -> list[float]:
+def _run(args: list[str], tmp_path, min_points: int = 4, printed: list[str] | None = None) -> list[float]:
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", CI="true", LIONCUB_CACHE=str(tmp_path / "cache"),
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env["PYTHONPATH"] = os.path.join(ROOT, "src") + os.pathsep + env.get("PYTHONPATH", "")
@@ -19,6 +19,8 @@ def _run(args: list[str], tmp_path, min_points: int = 4) -> list[float]:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"^step \d+ loss ([0-9.]+)", proc.stdout, re.M)]
     assert len(losses) >= min_points, proc.stdout
+    if printed is not None:
+        printed.append(proc.stdout)
     return losses
 
 
@@ -40,6 +42,17 @@ def test_hf_trainer_example_learns(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     _falls(_run(_torchrun("hf_trainer_lioncub.py"), tmp_path), 0.3)
+
+
+def test_lightning_example_sends_the_vote_and_learns(tmp_path):
+    """Lightning's DDP strategy with Lion Cub's comm hook: 4-bit lanes instead of fp32 gradients."""
+    pytest.importorskip("lightning")
+    printed: list[str] = []
+    _falls(_run(_torchrun("lightning_lioncub.py"), tmp_path, printed=printed), 0.2)
+    sent, collectives, fp32, same = re.search(r"vote: (\d+) B sent per step in (\d+) collectives "
+                                              r"\(fp32 gradients: (\d+) B\); replicas identical: (\w+)",
+                                              printed[0]).groups()
+    assert 0 < int(sent) <= int(fp32) / 8 and int(collectives) >= 1 and same == "True"
 
 
 def test_instruments_example_learns(tmp_path):
