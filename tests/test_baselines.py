@@ -18,8 +18,8 @@ from tests.dist import run_workers
 
 STEPS = {"local-adamw-h10": 11, "diloco-h10": 11}  # one sync point each; others (diloco-h50 too): 3
 PERIOD = {"local-adamw-h10": 10, "diloco-h10": 10, "diloco-h50": 50,
-          "lcub-onebit-h2-nest2-ef": 2, "lcub-pbit8l1-h3-lion2-adamw": 3}
-NAMES = list(baselines.METHODS) + ["lcub-onebit-h2-nest2-ef", "lcub-pbit8l1-h3-lion2-adamw"]  # LocalCub by name
+          "lcub-onebit-h2-nest2-ef": 2, "lcub-pbit8l1-h3-lion2-adamw": 3, "lcub-mean4-h2-nest0.7-ef": 2}
+NAMES = list(baselines.METHODS) + ["lcub-onebit-h2-nest2-ef", "lcub-pbit8l1-h3-lion2-adamw", "lcub-mean4-h2-nest0.7-ef"]  # LocalCub
 
 
 def _digest(module) -> str:

@@ -283,7 +283,8 @@ class LocalCub(torch.optim.Optimizer):
             v = delta + torch.cat([s["residual"].reshape(-1) for s in states])
         # one tiny all-reduce: how many ranks hold a non-finite value, and (aggregate='mean') Σ_i mean|v_i|
         head = torch.tensor([float(self._bad_round or not bool(torch.isfinite(delta).all())),
-                             float(v.abs().mean()) if self.aggregate == "mean" else 0.0], dtype=torch.float64)
+                             float(v.abs().mean()) if self.aggregate == "mean" else 0.0], dtype=torch.float64,
+                            device=v.device)  # NCCL takes device tensors only
         self._bad_round = False
         if self.world_size > 1:
             comm.all_reduce(head, self.group, stats)

@@ -36,11 +36,12 @@ class LocalCubMethod(Adapter):
 
     def __init__(self, module: nn.Module, *, lr: float, H: int, vote: str = "onebit", bits: int | None = None,
                  quantizer: str | None = None, outer: str = "nesterov", outer_lr: float = 1.0,
-                 error_feedback: bool = False, inner: str = "lion", group=None, weight_decay: float = 0.0):
+                 error_feedback: bool = False, aggregate: str = "vote", inner: str = "lion", group=None,
+                 weight_decay: float = 0.0):
         super().__init__(module, group=group)
         self.opt = LocalCub(module.parameters(), lr=lr, betas=BETAS, weight_decay=weight_decay, local_steps=H,
                             inner=inner, vote=vote, bits=bits, quantizer=quantizer, outer=outer, outer_lr=outer_lr,
-                            error_feedback=error_feedback, process_group=group, model=module)
+                            error_feedback=error_feedback, aggregate=aggregate, process_group=group, model=module)
 
     def step(self, lr: float) -> bool:
         set_lr(self.opt, lr)
