@@ -30,8 +30,9 @@ NEWEST, OLDER = "step_0000004", "step_0000002"
 def run_dir(tmp_path_factory):
     base = tmp_path_factory.mktemp("ckpt")
     out = base / "run"
+    (base / "text.txt").write_text("To be, or not to be, that is the question. " * 400)  # tokenised in no time
     lioncub("train", *TINY, "--no-compare", "--vote", "pbit", "--steps", "4", "--ckpt-every", "2", "--eval-every",
-            "0", "--nproc", "2", "--out", str(out), "--cache-dir", str(base / "cache"))
+            "0", "--nproc", "2", "--data", str(base / "text.txt"), "--out", str(out), "--cache-dir", str(base / "cache"))
     return out
 
 
@@ -85,6 +86,7 @@ def test_auto_resume_continues_from_the_newest_valid_checkpoint(copy, tmp_path):
     _truncate(copy / "ckpt" / NEWEST / "rank0.pt")
     proc = subprocess.run([sys.executable, "-m", "lioncub.cli", "train", *TINY, "--no-compare", "--vote", "pbit",
                            "--steps", "5", "--eval-every", "0", "--nproc", "2", "--auto-resume", "--out", str(copy),
+                           "--data", json.loads((copy / "ckpt" / OLDER / "meta.json").read_text())["config"]["data"],
                            "--cache-dir", str(tmp_path / "cache")], env=_env(), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import io
-import json
 
 import pytest
 
@@ -30,8 +29,10 @@ def test_tensorboard_events_hold_the_metrics_jsonl_values(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out, board = tmp_path / "run", tmp_path / "tb"
+    (tmp_path / "text.txt").write_text("To be, or not to be, that is the question. " * 400)
     lioncub("train", *TINY, "--no-compare", "--vote", "pbit", "--steps", "3", "--eval-every", "0", "--nproc", "2",
-            "--out", str(out), "--tensorboard", str(board), "--cache-dir", str(tmp_path / "cache"))
+            "--data", str(tmp_path / "text.txt"), "--out", str(out), "--tensorboard", str(board),
+            "--cache-dir", str(tmp_path / "cache"))
     events = EventAccumulator(str(board / "lioncub-pbit")).Reload()
     records = read_jsonl(out / "metrics.jsonl")
     steps = [r for r in records if r["kind"] == "step"]
