@@ -61,6 +61,7 @@ OUTER_RULES = ("sgd", "nesterov", "lion")
 LOCAL_VOTES = ("grad",) + VOTE_METHODS
 NONFINITE = ("raise", "skip_round")
 AGGREGATES = ("vote", "mean")
+MEAN_CLIP = 4  # aggregate='mean': lanes cover ±4 mean magnitudes of a tensor (fewer with fewer levels)
 
 
 def _check_int(name: str, value, low: int) -> int:
@@ -141,7 +142,8 @@ class LocalCub(torch.optim.Optimizer):
 
     Attributes: ``synced`` (the last ``step()`` ended a round: replicas are identical),
     ``rounds`` (outer steps taken), ``local_step`` (inner steps into the current round),
-    ``last_round_stats`` (:class:`~lioncub.CommStats` of the last outer step).
+    ``last_round_stats`` (:class:`~lioncub.CommStats` of the last outer step),
+    ``last_step_stats`` (the last ``step()``'s: the round's when it ended one, else empty).
 
     Memory per parameter: θ_s, plus e_i with error feedback, plus the outer momentum
     for ``'nesterov'``/``'lion'``, plus the inner optimizer's state.
@@ -225,7 +227,7 @@ class LocalCub(torch.optim.Optimizer):
             self._outer_state(p)
         self.rounds, self.local_step, self.synced = 0, 0, False
         self.skipped_rounds, self._bad_round = 0, False
-        self.last_round_stats = CommStats()
+        self.last_round_stats = self.last_step_stats = CommStats()
 
     # ------------------------------------------------------------------ set-up
     def _restore_weight_decay(self) -> None:
@@ -268,9 +270,11 @@ class LocalCub(torch.optim.Optimizer):
             self._bad_round = True
         self.local_step += 1
         self.synced = self.local_step == self.H
+        self.last_step_stats = CommStats()
         if self.synced:
             self._round()
             self.local_step = 0
+            self.last_step_stats = self.last_round_stats
         return loss
 
     def _round(self) -> None:
@@ -282,17 +286,21 @@ class LocalCub(torch.optim.Optimizer):
         if self.error_feedback:
             v = delta + torch.cat([s["residual"].reshape(-1) for s in states])
         # one tiny all-reduce: how many ranks hold a non-finite value, and (aggregate='mean') Σ_i mean|v_i|
-        head = torch.tensor([float(self._bad_round or not bool(torch.isfinite(delta).all())),
-                             float(v.abs().mean()) if self.aggregate == "mean" else 0.0], dtype=torch.float64,
-                            device=v.device)  # NCCL takes device tensors only
+        # of every tensor
+        head = torch.zeros(1 + (len(sizes) if self.aggregate == "mean" else 0), dtype=torch.float64,
+                           device=v.device)  # NCCL takes device tensors only
+        head[0] = float(self._bad_round or not bool(torch.isfinite(delta).all()))
+        if self.aggregate == "mean":
+            head[1:] = torch.stack([piece.abs().mean() for piece in v.split(sizes)]).double()
         self._bad_round = False
         if self.world_size > 1:
             comm.all_reduce(head, self.group, stats)
         if head[0] > 0:
+            self.last_round_stats = stats
             self._nonfinite(int(head[0]))
             return
         if self.aggregate == "mean":
-            d, sent = self._lane_mean(v, float(head[1]) / self.world_size, stats)
+            d, sent = self._lane_mean(v, sizes, head[1:] / self.world_size, stats)
             if self.error_feedback:
                 for s, r, c in zip(states, v.split(sizes), sent.split(sizes)):
                     torch.sub(r, c, out=s["residual"].view(-1))
@@ -319,24 +327,35 @@ class LocalCub(torch.optim.Optimizer):
         if self.check_every and self.rounds % self.check_every == 0:
             guard.check_replicas(self.params, self.group, self.world_size, step=self.rounds, names=self._names)
 
-    def _lane_mean(self, v: Tensor, norm: float, stats: CommStats) -> tuple[Tensor, Tensor]:
+    def _lane_mean(self, v: Tensor, sizes: list[int], norms: Tensor, stats: CommStats) -> tuple[Tensor, Tensor]:
         """The mean of the workers' quantized v through summed lanes (aggregate='mean').
 
-        q_i = clamp(round(s·v_i/M), −s, s) with one scale M (the ranks' mean of mean|v_i|),
-        sent as q_i + s in w-bit lanes; the SUM all-reduce adds lanes without carries, so
-        Σ_i q_i comes back exact. Returns (M/s·Σ_i q_i / P, M/s·q_i): the mean and this rank's C(v).
+        Per tensor t, one scale shared by the ranks: M_t, the ranks' mean of mean|v_i| over t,
+        and the step ``unit_t = min(s, CLIP)·M_t / s``: s levels cover ±min(s, CLIP)·M_t (with
+        one level, a ternary q at ±M_t; with more, clipping only beyond CLIP = 4 mean
+        magnitudes). q_i = clamp(round(v_i/unit_t), −s, s) travels as q_i + s in w-bit lanes;
+        the SUM all-reduce adds lanes without carries, so Σ_i q_i comes back exact.
+        Returns (unit·Σ_i q_i / P, unit·q_i): the mean and this rank's C(v), flat.
         """
         w, levels = pbit_levels(self.world_size, self.bits, self.quantizer)
         P, n = self.world_size, v.numel()
-        unit = norm / levels if norm > 0 else 0.0
-        q = torch.zeros_like(v) if unit == 0 else torch.round(v * (1.0 / unit)).clamp_(-levels, levels)
+        units = (norms * (min(levels, MEAN_CLIP) / levels)).tolist()
+        q = torch.empty_like(v)
+        for qt, vt, unit in zip(q.split(sizes), v.split(sizes), units):
+            if unit > 0:
+                torch.round(vt * (1.0 / unit), out=qt).clamp_(-levels, levels)
+            else:
+                qt.zero_()
         if P > 1:
             msg = kernels.pack_bytes((q + levels).to(torch.uint8), n, w)
             comm.all_reduce(msg, self.group, stats)
             total = kernels.unpack_bytes(msg, n, w).to(torch.float32) - float(P * levels)  # Σ_i q_i, exact
         else:
-            total = q
-        return total * (unit / P), q * unit
+            total = q.clone()
+        for tt, qt, unit in zip(total.split(sizes), q.split(sizes), units):
+            tt.mul_(unit / P)
+            qt.mul_(unit)
+        return total, q
 
     def _vote(self, v: Tensor, stats: CommStats) -> Tensor:
         kw = dict(method=self.vote, bits=self.bits, quantizer=self.quantizer, step=self.rounds)
