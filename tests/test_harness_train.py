@@ -114,6 +114,29 @@ def test_resume_reproduces_uninterrupted_run_bit_for_bit(tmp_path, model_args):
     assert read_csv(three / "summary.csv")[0]["world_size"] == "3"
 
 
+def test_local_steps_train_and_resume_mid_round_bit_for_bit(tmp_path):
+    """--local-steps 2: bytes travel only at the end of a round; a run resumed from a checkpoint
+    taken inside a round (step 3) reproduces the uninterrupted one exactly (residuals, θ_start,
+    the inner AdamW state and the position in the round are saved)."""
+    common = [*TINY, "--vote", "pbit", "--bits", "8", "--quantizer", "l1", "--local-steps", "2", "--inner", "adamw",
+              "--aggregate", "mean", "--error-feedback", "--outer-lr", "0.7", "--steps", "6", "--eval-every", "2",
+              "--check-every", "1", "--nproc", "2", "--cache-dir", str(tmp_path / "cache")]
+    full = tmp_path / "full"
+    lioncub("train", *common, "--ckpt-every", "3", "--out", str(full))
+    records = read_jsonl(full / "metrics.jsonl")
+    steps = [r for r in records if r["kind"] == "step"]
+    assert [r["bytes_sent"] > 0 for r in steps] == [False, True] * 3
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [2, 4, 6]
+    assert read_csv(full / "summary.csv")[0]["label"] == "lioncub-pbit-8b-l1-h2-mean"
+    resumed = tmp_path / "resumed"
+    shutil.copytree(full / "ckpt" / "step_0000003", resumed / "ckpt" / "step_0000003")
+    (resumed / "ckpt" / "latest").write_text("step_0000003\n")
+    (resumed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records if r["step"] <= 3))
+    lioncub("train", *common, "--resume", "--out", str(resumed))
+    after = read_jsonl(resumed / "metrics.jsonl")
+    assert [r.get("loss", r.get("val_loss")) for r in after] == [r.get("loss", r.get("val_loss")) for r in records]
+
+
 # Run by torchrun in place of `-m lioncub.cli`: on the first attempt rank 1 dies right after
 # the first checkpoint, so torchrun restarts both workers with the same arguments.
 _DIE_AFTER_FIRST_CKPT = """
@@ -163,6 +186,13 @@ def test_cli_rejects_bad_arguments(capsys):
                           (["train", "--resume"], "apply to a single run"),
                           (["train", "--auto-resume"], "apply to a single run"),
                           (["train", "--optimizer", "adamw", "--overlap"], "apply to optimizer='lioncub' only"),
+                          (["train", "--no-compare", "--local-steps", "0"], "local_steps must be >= 1"),
+                          (["train", "--no-compare", "--outer-lr", "2"], "apply to local_steps > 1 only"),
+                          (["train", "--no-compare", "--local-steps", "3"], "must be a multiple of local_steps=3"),
+                          (["train", "--no-compare", "--local-steps", "2", "--overlap", "--eval-every", "2"],
+                           "overlap=True is not supported with local_steps > 1"),
+                          (["train", "--no-compare", "--local-steps", "2", "--aggregate", "mean", "--eval-every", "2"],
+                           "aggregate='mean' sums L1-quantized lanes"),
                           (["train", "--no-compare", "--timeout", "0"], "timeout must be > 0"),
                           (["analyze", "--vote", "grad"], "vote must be one of"),
                           (["plot", "/nonexistent-run"], "has no metrics.jsonl")):

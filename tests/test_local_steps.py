@@ -165,10 +165,8 @@ def _replicas_and_resume(rank, world):
         sd, values = saved
         params2 = _params(seed=rank)
         opt2 = LocalCub(params2, lr=1e-2, weight_decay=0.1, local_steps=3, check_every=1, **cfg)
-        with torch.no_grad():
-            for p, v in zip(params2, values):
-                p.copy_(v)
-        opt2.load_state_dict(sd)
+        opt2.load_state_dict(sd)  # restores this rank's own mid-round parameters too
+        assert all(torch.equal(p, v) for p, v in zip(params2, values))
         for step in range(5, 11):
             _set_grads(params2, rank, step)
             opt2.step()

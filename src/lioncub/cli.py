@@ -59,6 +59,14 @@ def _add_train(sub) -> None:
     p.add_argument("--check-every", type=int, default=d.check_every,
                    help="LionCub: check every N steps that replicas are identical (0: never)")
     p.add_argument("--overlap", action="store_true", help="LionCub: launch votes from backward hooks")
+    p.add_argument("--local-steps", type=int, default=d.local_steps, metavar="H",
+                   help="LionCub: H inner steps per voted outer step (LocalCub; default: %(default)s = every step)")
+    p.add_argument("--inner", choices=("lion", "adamw"), default=d.inner, help="local steps: inner optimizer")
+    p.add_argument("--outer", choices=("sgd", "nesterov", "lion"), default=d.outer, help="local steps: outer rule")
+    p.add_argument("--outer-lr", type=float, default=d.outer_lr, help="local steps: outer lr (default: %(default)s)")
+    p.add_argument("--error-feedback", action="store_true", help="local steps: keep compression residuals")
+    p.add_argument("--aggregate", choices=("vote", "mean"), default=d.aggregate,
+                   help="local steps: 'vote' (sign step) or 'mean' (summed L1 lanes; --vote pbit --quantizer l1)")
     p.add_argument("--timeout", type=float, default=d.timeout, metavar="SECONDS",
                    help="process-group timeout: how long a collective waits for a dead worker (default: %(default)s)")
     p.add_argument("--nproc", type=int, default=d.nproc, help="local workers when not under torchrun")

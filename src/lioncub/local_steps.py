@@ -413,6 +413,8 @@ class LocalCub(torch.optim.Optimizer):
             "inner": self.inner.state_dict(), "rounds": self.rounds, "local_step": self.local_step,
             "skipped_rounds": self.skipped_rounds, "bad_round": self._bad_round, "world_size": self.world_size, "rank": self.rank,
             "config": self._config(),
+            # inside a round every rank's parameters are its own (a model checkpoint holds one rank's)
+            "params": [p.detach().clone() for p in self.params] if self.local_step else None,
         }
         return sd
 
@@ -437,3 +439,7 @@ class LocalCub(torch.optim.Optimizer):
         self.param_groups = self.inner.param_groups
         self.rounds, self.local_step = int(extra["rounds"]), int(extra["local_step"])
         self.skipped_rounds, self._bad_round = int(extra["skipped_rounds"]), bool(extra["bad_round"])
+        if extra.get("params") is not None:
+            with torch.no_grad():
+                for p, saved in zip(self.params, extra["params"]):
+                    p.copy_(saved)

@@ -91,6 +91,19 @@ class TrainConfig:
     """LionCub: verify every this many steps that replicas are identical (0: never)."""
     overlap: bool = False
     """LionCub: launch each bucket's vote from backward hooks (overlaps compute)."""
+    local_steps: int = 1
+    """LionCub: inner steps per agreed outer step; > 1 trains with ``lioncub.LocalCub`` (the vote
+    then runs on the pseudo-gradients once per round; ``eval_every`` and ``steps`` must be multiples)."""
+    inner: str = "lion"
+    """Local steps: the inner optimizer, ``lion`` or ``adamw``."""
+    outer: str = "nesterov"
+    """Local steps: the outer rule, ``sgd``, ``nesterov`` or ``lion``."""
+    outer_lr: float = 1.0
+    """Local steps: the outer learning rate (dimensionless; see docs/local_steps.md)."""
+    error_feedback: bool = False
+    """Local steps: keep each worker's compression residual."""
+    aggregate: str = "vote"
+    """Local steps: ``vote`` (a sign step) or ``mean`` (summed L1 lanes: needs vote='pbit', quantizer='l1')."""
     timeout: float = 600.0
     """Process-group timeout in seconds: how long a collective waits for a dead or stuck
     rank before failing (then the process exits; torchrun may restart it)."""
@@ -161,11 +174,39 @@ class TrainConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        self._check_local_steps()
         self.betas = tuple(float(b) for b in self.betas)
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
         if self.data is None:
             self.data = "shakespeare" if self.is_gpt else "digits"
+
+    def _check_local_steps(self) -> None:
+        from ..local_steps import AGGREGATES, INNER_OPTIMIZERS, LOCAL_VOTES, OUTER_RULES
+
+        _choice("inner", self.inner, INNER_OPTIMIZERS)
+        _choice("outer", self.outer, OUTER_RULES)
+        _choice("aggregate", self.aggregate, AGGREGATES)
+        if self.local_steps < 1:
+            raise ValueError(f"local_steps must be >= 1, got {self.local_steps}")
+        if not self.outer_lr > 0:
+            raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}")
+        if self.local_steps == 1:
+            changed = [f"{n}={getattr(self, n)!r}" for n, d in _LOCAL_ONLY.items() if getattr(self, n) != d]
+            if changed:
+                raise ValueError(f"{', '.join(changed)} apply to local_steps > 1 only")
+            return
+        _choice("vote", self.vote, LOCAL_VOTES)
+        if self.aggregate == "mean" and (self.vote != "pbit" or self.quantizer != "l1"):
+            raise ValueError("aggregate='mean' sums L1-quantized lanes: it needs vote='pbit' and quantizer='l1', "
+                             f"got vote={self.vote!r}, quantizer={self.quantizer!r}")
+        for name, default in (("momentum_sync", "none"), ("overlap", False), ("grad_dtype", "fp32")):
+            if getattr(self, name) != default:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not supported with local_steps > 1")
+        for name in ("eval_every", "steps"):
+            if getattr(self, name) % self.local_steps:
+                raise ValueError(f"{name}={getattr(self, name)} must be a multiple of local_steps={self.local_steps} "
+                                 "(evaluations run on the model the workers agree on, at the end of a round)")
 
     @property
     def is_gpt(self) -> bool:
@@ -181,7 +222,8 @@ class TrainConfig:
                 return f"lion-grad-{self.grad_dtype}"
             bits = f"-{self.bits}b" if self.bits else ""
             quant = f"-{self.quantizer}" if self.quantizer else ""
-            return f"lioncub-{self.vote}{bits}{quant}"
+            local = f"-h{self.local_steps}-{self.aggregate}" if self.local_steps > 1 else ""
+            return f"lioncub-{self.vote}{bits}{quant}{local}"
         return self.optimizer
 
     def replace(self, **changes) -> "TrainConfig":
@@ -192,7 +234,9 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-_LIONCUB_ONLY = {"bits": None, "quantizer": None, "momentum_sync": "none", "nonfinite": "raise", "check_every": 0, "overlap": False}
+_LOCAL_ONLY = {"inner": "lion", "outer": "nesterov", "outer_lr": 1.0, "error_feedback": False, "aggregate": "vote"}
+_LIONCUB_ONLY = {"bits": None, "quantizer": None, "momentum_sync": "none", "nonfinite": "raise", "check_every": 0,
+                 "overlap": False, "local_steps": 1, **_LOCAL_ONLY}
 
 
 def _choice(name: str, value, allowed: tuple) -> None:

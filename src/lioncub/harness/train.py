@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .. import Lion, LionCub
+from .. import Lion, LionCub, LocalCub
 from . import checkpoint
 from .config import TrainConfig
 from .data import (ImageLoader, TokenLoader, ensure_prepared, eval_batches, image_eval_batches,
@@ -158,8 +158,14 @@ def make_optimizer(config: TrainConfig, groups: list[dict], model=None):
     """lioncub -> LionCub(vote=...); lion -> Lion; adamw -> AdamW (the last two with a harness allreduce).
 
     ``model`` lets LionCub name parameters in its errors and find the ``io`` layers."""
+    extra = dict(bits=config.bits, quantizer=config.quantizer) if config.vote == "pbit" else {}
+    if config.optimizer == "lioncub" and config.local_steps > 1:
+        return LocalCub(groups, lr=config.lr, betas=config.betas, local_steps=config.local_steps, inner=config.inner,
+                        vote=config.vote, outer=config.outer, outer_lr=config.outer_lr,
+                        error_feedback=config.error_feedback, aggregate=config.aggregate, model=model,
+                        nonfinite="skip_round" if config.nonfinite == "skip_step" else "raise",
+                        check_every=config.check_every, **extra)
     if config.optimizer == "lioncub":
-        extra = dict(bits=config.bits, quantizer=config.quantizer) if config.vote == "pbit" else {}
         return LionCub(groups, lr=config.lr, betas=config.betas, vote=config.vote, grad_dtype=config.grad_dtype,
                        seed=config.seed, model=model, momentum_sync=config.momentum_sync,
                        sync_every=config.sync_every, nonfinite=config.nonfinite, check_every=config.check_every,
@@ -257,7 +263,7 @@ def train_worker(config: TrainConfig) -> dict:
             s = opt.last_step_stats
             t_vote = s.t_quantize_pack + s.t_collective + s.t_unpack_vote
             comm = {"bytes_sent": s.bytes_sent, "bytes_recv": s.bytes_recv, "n_collectives": s.n_collectives,
-                    "skipped_steps": opt.skipped_steps}
+                    "skipped_steps": opt.skipped_rounds if isinstance(opt, LocalCub) else opt.skipped_steps}
         else:
             t_vote, sent = _allreduce_grads(params, world)
             opt.step()
