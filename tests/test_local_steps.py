@@ -230,7 +230,9 @@ def test_world_of_one_runs_without_a_process_group_and_matches_lion():
     (dict(outer="adam"), "outer must be one of"),
     (dict(outer_lr=0.0), "outer_lr must be a number > 0"),
     (dict(outer_momentum=1.0), "outer_momentum must be in"),
-    (dict(vote="auto"), "vote must be one of"),
+    (dict(vote="majority"), "vote must be one of"),
+    (dict(vote="onebit", alpha=1e-4, beta=1e-9), "apply to vote='auto' only"),
+    (dict(vote="auto", alpha=1e-4), "give both alpha and beta"),
     (dict(vote="onebit", bits=4), "bits and quantizer apply to vote='pbit' only"),
     (dict(vote="grad", error_feedback=True), "error_feedback needs a compressed vote"),
     (dict(vote="pbit", quantizer="linf", error_feedback=True), "stochastic quantizer"),
@@ -294,3 +296,32 @@ def test_mean_aggregate_applies_the_exact_sum_of_quantized_lanes(bits):
             assert torch.allclose(-param.double(), mean, rtol=0, atol=1e-6 * norm), (r, t)
             assert torch.allclose(residual.double(), vs[r].double() - qs[r] * unit, rtol=0, atol=1e-6 * norm), (r, t)
             assert torch.equal(param, res[0][t][1])
+
+
+# ------------------------------------------------------------------ vote='auto'
+def _auto(rank, world):
+    from lioncub.auto import choose_vote
+
+    params = _params()
+    n = sum(p.numel() for p in params)
+    picks = []
+    for alpha, beta in ((1e-4, 8e-9), (1e-4, 8e-11), (5e-2, 1e-12)):  # slow link, fast link, latency-bound
+        opt = LocalCub(params, lr=1e-2, local_steps=4, vote="auto", alpha=alpha, beta=beta)
+        expected = choose_vote([n], world, alpha, beta)
+        costs = opt.round_costs[opt.vote_chosen]
+        picks.append((opt.vote_chosen, expected, costs["per_step_s"] * 4 == costs["total_s"]))
+        sd = copy.deepcopy(opt.state_dict())
+        again = LocalCub(params, lr=1e-2, local_steps=4, vote="auto", alpha=1e-4, beta=8e-9)  # may pick otherwise
+        again.load_state_dict(sd)  # resumes with the saved run's pick
+        picks.append((again.vote_chosen, opt.vote_chosen, True))
+    for step in range(4):  # the picked vote trains
+        _set_grads(params, rank, step)
+        opt.step()
+    return picks, opt.synced
+
+
+def test_auto_picks_the_cheapest_vote_of_a_round_and_resumes_with_it():
+    for picks, synced in run_workers(_auto, 3):
+        assert synced
+        for got, expected, priced in picks:
+            assert got == expected and priced

@@ -36,7 +36,7 @@ from typing import Mapping, Sequence
 
 from .cost import method_valid, predicted_time
 
-__all__ = ["AUTO_CANDIDATES", "DEFAULT_GAMMA", "gamma_for", "vote_costs", "choose_vote"]
+__all__ = ["AUTO_CANDIDATES", "DEFAULT_GAMMA", "gamma_for", "vote_costs", "choose_vote", "agree_on_vote"]
 
 AUTO_CANDIDATES = ("sign_allreduce", "onebit", "pbit", "gather")
 """Methods ``auto`` considers, in tie-break order (the earlier wins a tie)."""
@@ -114,3 +114,25 @@ def choose_vote(bucket_sizes: Sequence[int], world_size: int, alpha: float, beta
         raise ValueError(f"no candidate in {tuple(candidates)} is valid for world_size={world_size}")
     best = min(costs.values(), key=lambda c: c["total_s"])["total_s"]
     return next(k for k, c in costs.items() if c["total_s"] == best)
+
+
+def agree_on_vote(bucket_sizes: Sequence[int], world_size: int, group, alpha, beta, *,
+                  gamma: Mapping | None = None) -> tuple[str, int | None, tuple[float, float]]:
+    """:func:`choose_vote` on every rank, with (α, β) measured by :func:`lioncub.cost.calibrate`
+    when both are None; rank 0's pick is broadcast, so every rank runs the same method even
+    if their inputs differ. Returns ``(method, bits, (alpha, beta))``. Collective."""
+    import torch
+    import torch.distributed as dist
+
+    from .cost import calibrate
+    from .vote import pbit_levels
+
+    if alpha is None:
+        alpha, beta = (0.0, 0.0) if world_size == 1 else calibrate(group)
+    method, bits = choose_vote(bucket_sizes, world_size, alpha, beta, gamma=gamma)
+    if world_size > 1:
+        pick = torch.tensor([AUTO_CANDIDATES.index(method)], dtype=torch.int64)
+        dist.broadcast(pick, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+        method = AUTO_CANDIDATES[int(pick)]
+        bits = pbit_levels(world_size, None, None)[0] if method == "pbit" else None
+    return method, bits, (float(alpha), float(beta))

@@ -265,17 +265,10 @@ class LionCub(BucketStep, torch.optim.Optimizer):
     def _choose_vote(self, alpha, beta, gamma) -> tuple[str, Optional[int]]:
         """vote='auto': the cheapest valid vote over this optimizer's buckets; rank 0's
         pick is broadcast so every rank runs the same method even if inputs differ."""
-        if alpha is None:
-            alpha, beta = (0.0, 0.0) if self.world_size == 1 else cost.calibrate(self.group)
         params = self._params()
         sizes = [sum(params[i][1].numel() for i in idx) for idx in self._buckets]
-        self.auto_alpha_beta = (float(alpha), float(beta))
-        method, bits = auto.choose_vote(sizes, self.world_size, alpha, beta, gamma=gamma)
-        if self.world_size > 1:
-            pick = torch.tensor([auto.AUTO_CANDIDATES.index(method)], dtype=torch.int64)
-            dist.broadcast(pick, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
-            method = auto.AUTO_CANDIDATES[int(pick)]
-            bits = pbit_levels(self.world_size, None, None)[0] if method == "pbit" else None
+        method, bits, self.auto_alpha_beta = auto.agree_on_vote(sizes, self.world_size, self.group, alpha, beta,
+                                                                gamma=gamma)
         return method, bits
 
     @torch.no_grad()

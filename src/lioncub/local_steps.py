@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import comm, guard, kernels
+from .auto import agree_on_vote, vote_costs
 from .comm import CommStats
 from .lion import Lion, _validate_hyperparameters
 from .quantize import QUANTIZERS, quantize
@@ -121,7 +122,10 @@ class LocalCub(torch.optim.Optimizer):
         inner: ``'lion'`` (default), ``'adamw'``, or ``callable(param_groups) -> Optimizer``.
         vote: ``'grad'`` (fp32 all-reduce of Δ, no compression), or a vote method of
             :func:`lioncub.majority_vote`: ``'sign_allreduce'``, ``'gather'``, ``'onebit'``,
-            ``'pbit'``.
+            ``'pbit'``; or ``'auto'``: the cheapest binary-sign vote of the whole model by the
+            α-β model (:mod:`lioncub.auto`; one vote per round, so ``round_costs`` holds each
+            candidate's seconds per round and per step, ``per_step_s`` = round / H).
+        alpha, beta, gamma: ``vote='auto'`` only, as in :class:`~lioncub.LionCub`.
         bits, quantizer: ``pbit`` only, as in :class:`~lioncub.LionCub`.
         outer: ``'sgd'``, ``'nesterov'`` or ``'lion'`` (see the module docstring).
         outer_lr: α > 0 (dimensionless).
@@ -171,11 +175,14 @@ class LocalCub(torch.optim.Optimizer):
         nonfinite: str = "raise",
         check_every: int = 0,
         model: Optional[torch.nn.Module] = None,
+        alpha: Optional[float] = None,
+        beta: Optional[float] = None,
+        gamma: Optional[dict] = None,
     ):
         _validate_hyperparameters(lr, betas, weight_decay)
         self.H = _check_int("local_steps", local_steps, 1)
-        if vote not in LOCAL_VOTES:
-            raise ValueError(f"vote must be one of {LOCAL_VOTES} with local steps, got {vote!r}")
+        if vote not in LOCAL_VOTES + ("auto",):
+            raise ValueError(f"vote must be one of {LOCAL_VOTES + ('auto',)} with local steps, got {vote!r}")
         if vote != "pbit" and (bits is not None or quantizer is not None):
             raise ValueError(f"bits and quantizer apply to vote='pbit' only, got vote={vote!r}")
         if quantizer is not None and quantizer not in QUANTIZERS:
@@ -198,6 +205,10 @@ class LocalCub(torch.optim.Optimizer):
         if aggregate == "mean" and (vote != "pbit" or quantizer != "l1"):
             raise ValueError("aggregate='mean' sums L1-quantized lanes: it needs vote='pbit' and quantizer='l1', "
                              f"got vote={vote!r}, quantizer={quantizer!r}")
+        if vote != "auto" and (alpha is not None or beta is not None or gamma is not None):
+            raise ValueError(f"alpha, beta and gamma apply to vote='auto' only, got vote={vote!r}")
+        if (alpha is None) != (beta is None):
+            raise ValueError("give both alpha and beta (skips the probe), or neither (calibrate)")
         if nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
         self.check_every = _check_int("check_every", check_every, 0)
@@ -223,6 +234,14 @@ class LocalCub(torch.optim.Optimizer):
         self._names = guard.param_names(model, self.params)
         guard.check_same_params(self.params, self.group, self.world_size, names=self._names)
         self._broadcast()
+        self.vote_requested = vote
+        if vote == "auto":  # one vote per round of H steps: the per-step price is the round's / H
+            n = sum(p.numel() for p in self.params)
+            self.vote, self.bits, ab = agree_on_vote([n], self.world_size, self.group, alpha, beta, gamma=gamma)
+            self.auto_alpha_beta = ab
+            costs = vote_costs([n], self.world_size, *ab, gamma=gamma)
+            self.round_costs = {k: dict(v, per_step_s=v["total_s"] / self.H) for k, v in costs.items()}
+        self.vote_chosen = (self.vote, self.bits)
         for p in self.params:
             self._outer_state(p)
         self.rounds, self.local_step, self.synced = 0, 0, False
@@ -411,7 +430,7 @@ class LocalCub(torch.optim.Optimizer):
         sd = super().state_dict()
         sd["local"] = {
             "inner": self.inner.state_dict(), "rounds": self.rounds, "local_step": self.local_step,
-            "skipped_rounds": self.skipped_rounds, "bad_round": self._bad_round, "world_size": self.world_size, "rank": self.rank,
+            "vote_requested": self.vote_requested, "skipped_rounds": self.skipped_rounds, "bad_round": self._bad_round, "world_size": self.world_size, "rank": self.rank,
             "config": self._config(),
             # inside a round every rank's parameters are its own (a model checkpoint holds one rank's)
             "params": [p.detach().clone() for p in self.params] if self.local_step else None,
@@ -426,6 +445,9 @@ class LocalCub(torch.optim.Optimizer):
         extra = state_dict.get("local")
         if extra is None:
             raise ValueError("state_dict has no 'local' entry: it was not saved by LocalCub.state_dict()")
+        if self.vote_requested == "auto" and extra.get("vote_requested") == "auto":
+            self.vote, self.bits = extra["config"]["vote"], extra["config"]["bits"]  # resume with the run's pick
+            self.vote_chosen = (self.vote, self.bits)
         for key, value in extra["config"].items():
             if self._config()[key] != value:
                 raise ValueError(f"checkpoint was saved with {key}={value!r} but this optimizer has "

@@ -196,7 +196,7 @@ class TrainConfig:
             if changed:
                 raise ValueError(f"{', '.join(changed)} apply to local_steps > 1 only")
             return
-        _choice("vote", self.vote, LOCAL_VOTES)
+        _choice("vote", self.vote, LOCAL_VOTES + ("auto",))
         if self.aggregate == "mean" and (self.vote != "pbit" or self.quantizer != "l1"):
             raise ValueError("aggregate='mean' sums L1-quantized lanes: it needs vote='pbit' and quantizer='l1', "
                              f"got vote={self.vote!r}, quantizer={self.quantizer!r}")
