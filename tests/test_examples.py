@@ -38,6 +38,7 @@ def test_ddp_example_learns(tmp_path):
     _falls(_run(_torchrun("ddp_lioncub.py"), tmp_path), 0.2)
 
 
+@pytest.mark.slow  # ~60 s of transformers start-up; tests/test_ddp_hook.py runs the HF Trainer with our hook
 def test_hf_trainer_example_learns(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
@@ -55,6 +56,7 @@ def test_lightning_example_sends_the_vote_and_learns(tmp_path):
     assert 0 < int(sent) <= int(fp32) / 8 and int(collectives) >= 1 and same == "True"
 
 
+@pytest.mark.slow  # ~20 s; the instruments have their own tests (tests/test_instruments.py)
 def test_instruments_example_learns(tmp_path):
     """On a small word-salad corpus (Shakespeare takes a minute to tokenise and learn)."""
     import random
