@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["CommStats", "CollectiveError", "step_context", "all_reduce", "all_gather", "all_to_all"]
+__all__ = ["CommStats", "CollectiveError", "step_context", "all_reduce", "all_gather", "all_to_all",
+           "broadcast_from_first"]
 
 
 @dataclass
@@ -139,3 +140,16 @@ def all_to_all(t: Tensor, group=None, stats: CommStats | None = None, *, step: O
     _guarded("all_to_all", t, step, lambda: dist.all_to_all_single(out, t.contiguous(), group=group))
     _record(stats, (p - 1) / p * t.numel() * t.element_size(), t0)
     return out
+
+
+@torch.no_grad()
+def broadcast_from_first(tensors: list[Tensor], group=None) -> None:
+    """In place: every rank's ``tensors`` become the group's first rank's (one float64 broadcast,
+    exact for every float dtype up to fp64). Collective."""
+    if not tensors:
+        return
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    flat = torch.cat([t.detach().reshape(-1).double() for t in tensors])
+    dist.broadcast(flat, src=src, group=group)
+    for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(piece.view_as(t))

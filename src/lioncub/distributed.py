@@ -278,11 +278,7 @@ class LionCub(BucketStep, torch.optim.Optimizer):
             return
         params = [p for _, p in self._params()]
         for idx in self._buckets:
-            ts = [params[i] for i in idx]
-            flat = torch.cat([t.detach().reshape(-1).double() for t in ts])
-            dist.broadcast(flat, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
-            for t, piece in zip(ts, flat.split([t.numel() for t in ts])):
-                t.copy_(piece.view_as(t))
+            comm.broadcast_from_first([params[i] for i in idx], self.group)
 
     # ------------------------------------------------------------------ step
     def _agree_active(self, params: list[Tensor], stats: CommStats,

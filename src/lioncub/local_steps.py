@@ -233,7 +233,8 @@ class LocalCub(torch.optim.Optimizer):
         self.params = [p for g in self.param_groups for p in g["params"]]
         self._names = guard.param_names(model, self.params)
         guard.check_same_params(self.params, self.group, self.world_size, names=self._names)
-        self._broadcast()
+        if self.world_size > 1:  # every replica starts from rank 0's parameters
+            comm.broadcast_from_first(self.params, self.group)
         self.vote_requested = vote
         if vote == "auto":  # one vote per round of H steps: the per-step price is the round's / H
             n = sum(p.numel() for p in self.params)
@@ -253,17 +254,6 @@ class LocalCub(torch.optim.Optimizer):
         """The inner groups got weight_decay=0; keep λ in a key of our own for the outer step."""
         for mine, theirs in zip(self.param_groups, self.inner.param_groups):
             theirs["outer_weight_decay"] = mine["weight_decay"]
-
-    @torch.no_grad()
-    def _broadcast(self) -> None:
-        """Every replica starts from rank 0's parameters."""
-        if self.world_size == 1:
-            return
-        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        flat = torch.cat([p.detach().reshape(-1).double() for p in self.params])
-        dist.broadcast(flat, src=src, group=self.group)
-        for p, piece in zip(self.params, flat.split([p.numel() for p in self.params])):
-            p.copy_(piece.view_as(p))
 
     def _outer_state(self, p: Tensor) -> dict:
         state = self.state[p]
@@ -320,9 +310,6 @@ class LocalCub(torch.optim.Optimizer):
             return
         if self.aggregate == "mean":
             d, sent = self._lane_mean(v, sizes, head[1:] / self.world_size, stats)
-            if self.error_feedback:
-                for s, r, c in zip(states, v.split(sizes), sent.split(sizes)):
-                    torch.sub(r, c, out=s["residual"].view(-1))
             d = d.split(sizes)
             signed = False
         elif self.vote == "grad":
@@ -336,10 +323,11 @@ class LocalCub(torch.optim.Optimizer):
             if self.error_feedback:
                 sent = sent_value(v, sizes, vote=self.vote, world=self.world_size, bits=self.bits,
                                   quantizer=self.quantizer)
-                for s, r, c in zip(states, v.split(sizes), sent.split(sizes)):
-                    torch.sub(r, c, out=s["residual"].view(-1))
             d = u.split(sizes)
             signed = True
+        if self.error_feedback:  # e_i ← v_i − C(v_i)
+            for s, r, c in zip(states, v.split(sizes), sent.split(sizes)):
+                torch.sub(r, c, out=s["residual"].view(-1))
         self._outer_step(d, signed)
         self.rounds += 1
         self.last_round_stats = stats
@@ -423,9 +411,6 @@ class LocalCub(torch.optim.Optimizer):
         self.skipped_rounds += 1
 
     # ------------------------------------------------------------------ state
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.inner.zero_grad(set_to_none=set_to_none)
-
     def state_dict(self) -> dict:
         sd = super().state_dict()
         sd["local"] = {
