@@ -5,11 +5,14 @@ Public API::
     lioncub.Lion            single-process Lion (torch.optim.Optimizer)
     lioncub.LionCub         distributed Lion by majority vote, 1-8 bits per element
     lioncub.LocalCub        local steps under the vote: H inner steps, then one agreed outer step
+    lioncub.NodeCub         many ranks per node: average inside the node, vote across nodes
+    lioncub.node_groups     the in-node and cross-node groups NodeCub runs on
     lioncub.majority_vote   the vote collective; lioncub.reference_vote its exact reference
     lioncub.quantize        the quantizers (sign, l1, lp, l0, linf, log)
 """
 from .comm import CommStats
 from .distributed import GRAD_DTYPES, OPTIMIZER_VOTES, LionCub
+from .hierarchy import NodeCub, NodeLayout, node_groups
 from .lion import Lion
 from .local_steps import LocalCub
 from .quantize import QUANTIZERS, Quantized, quantize
@@ -23,11 +26,14 @@ __all__ = [
     "Lion",
     "LionCub",
     "LocalCub",
+    "NodeCub",
+    "NodeLayout",
     "OPTIMIZER_VOTES",
     "QUANTIZERS",
     "Quantized",
     "VOTE_METHODS",
     "majority_vote",
+    "node_groups",
     "quantize",
     "reference_vote",
 ]
