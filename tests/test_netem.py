@@ -191,3 +191,44 @@ def test_live_teardown_on_signal(sig):
     while not all(_dead(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)  # killed sleepers are reaped by init once their parent is gone
     assert all(_dead(p) for p in pids)
+
+
+_NODES = textwrap.dedent("""
+    import datetime, os, sys, torch, torch.distributed as dist
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank, local = dist.get_rank(), int(os.environ["LOCAL_WORLD_SIZE"])
+    intra, _ = dist.new_subgroups_by_enumeration([[0, 1], [2, 3]])
+    inter, _ = dist.new_subgroups_by_enumeration([[0, 2], [1, 3]])
+    x = torch.full((1 << 20,), float(rank + 1))  # 4 MiB
+    dist.all_reduce(x, group=intra if sys.argv[1] == "intra" else inter)
+    dist.barrier()
+    print(os.environ["LOCAL_RANK"], os.environ["GROUP_RANK"], local, int(x[0]))
+""")
+
+
+def test_nodes_must_divide_workers():
+    with pytest.raises(ValueError, match="nodes must be an int >= 1 that divides n_workers=4"):
+        Testbed(4, nodes=3)
+    tb = Testbed(4, nodes=2, subnet="10.77.9")
+    assert len(tb.namespaces) == 2 and tb.ips == ["10.77.9.1", "10.77.9.2"]
+    env = tb.env_for(3)
+    assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"], env["GROUP_RANK"], env["GLOO_SOCKET_IFNAME"]) == \
+        ("1", "2", "1", "veth1")
+
+
+@needs_root
+def test_live_two_nodes_of_two_ranks_keep_in_node_traffic_off_the_link():
+    payload = 4 << 20
+    with Testbed(4, rate=None, prefix=f"lcbn{os.getpid() % 10000}", nodes=2, subnet="10.77.8", port=29571) as tb:
+        sent = {}
+        for which in ("intra", "inter"):
+            before = tb.wire_bytes()
+            res = tb.run_workers([[sys.executable, "-c", _NODES, which]] * 4, timeout=90)
+            after = tb.wire_bytes()
+            sent[which] = [a["tx"] - b["tx"] for a, b in zip(after, before)]
+            want = [3, 3, 7, 7] if which == "intra" else [4, 6, 4, 6]
+            assert [r.stdout.split() for r in res] == [[str(r % 2), str(r // 2), "2", str(w)]
+                                                       for r, w in enumerate(want)]
+        # in-node all-reduces cross the node's link only as set-up chatter; cross-node ones carry the payload
+        assert all(b < payload / 10 for b in sent["intra"]), sent
+        assert all(b >= payload / 2 for b in sent["inter"]), sent

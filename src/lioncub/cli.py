@@ -67,6 +67,11 @@ def _add_train(sub) -> None:
     p.add_argument("--error-feedback", action="store_true", help="local steps: keep compression residuals")
     p.add_argument("--aggregate", choices=("vote", "mean"), default=d.aggregate,
                    help="local steps: 'vote' (sign step) or 'mean' (summed L1 lanes; --vote pbit --quantizer l1)")
+    p.add_argument("--nodes", type=int, default=d.nodes,
+                   help="LionCub: the workers form this many nodes of consecutive ranks; average inside a node, "
+                   "vote across nodes (NodeCub; with --link, each node is one namespace behind one shaped link)")
+    p.add_argument("--no-shard", dest="shard", action="store_false",
+                   help="--nodes: every rank of a node votes on the whole model (default: each on its share)")
     p.add_argument("--timeout", type=float, default=d.timeout, metavar="SECONDS",
                    help="process-group timeout: how long a collective waits for a dead worker (default: %(default)s)")
     p.add_argument("--nproc", type=int, default=d.nproc, help="local workers when not under torchrun")
@@ -119,7 +124,7 @@ def _train_behind_link(args) -> int:
     except ValueError as exc:
         args.parser.error(f"--link: {exc}")
     try:
-        return run_in_testbed(_without_link(args.argv), args.nproc, link)
+        return run_in_testbed(_without_link(args.argv), args.nproc, link, nodes=args.nodes if args.nodes > 1 else None)
     except RuntimeError as exc:
         args.parser.error(str(exc))
 

@@ -1,4 +1,4 @@
-"""An emulated cluster on one Linux host: one network namespace per worker (docs/design.md §8).
+"""An emulated cluster on one Linux host: one network namespace per node (docs/design.md §8).
 
 Topology, all inside namespaces this module creates (needs root, ``ip`` and ``tc``)::
 
@@ -12,9 +12,15 @@ on a non-blocking switch: the link the ring model of :mod:`lioncub.cost` assumes
 ``rate=None`` leaves the links unshaped (the CPU-bound floor; report it beside
 every shaped figure). The burst must exceed 64 KiB (GSO), else throughput drops.
 
+By default every worker is a node of its own. ``nodes=N`` puts ``n_workers / N``
+consecutive ranks in each node's namespace: they share the node's shaped link to the
+others, and reach each other at the node's own address, which Linux delivers over the
+namespace's loopback — unshaped, like NVLink or PCIe next to Ethernet.
+
 Workers start through ``ip netns exec`` with ``MASTER_ADDR`` = rank 0's address,
-``GLOO_SOCKET_IFNAME`` = the worker's veth (the hostname resolves to 127.0.0.1 in
-every namespace), ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` and ``OMP_NUM_THREADS=1``.
+``GLOO_SOCKET_IFNAME`` = the node's veth (the hostname resolves to 127.0.0.1 in
+every namespace), torchrun's ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE``/
+``GROUP_RANK`` and ``OMP_NUM_THREADS=1``.
 Teardown (on exit, exception, Ctrl-C, SIGTERM or interpreter exit) kills the
 processes by PID — ``ip netns del`` does not — and deletes the namespaces by name.
 
@@ -115,12 +121,14 @@ def _run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
 
 
 class Testbed:
-    """``n_workers`` namespaces behind one bridge, each link shaped to ``rate`` both ways.
+    """``nodes`` namespaces behind one bridge, each link shaped to ``rate`` both ways.
 
     Args:
-        n_workers: workers (namespaces), 1..253.
+        n_workers: workers (processes), 1..253.
+        nodes: namespaces (default ``n_workers``: one worker each); must divide ``n_workers``;
+            node ``k`` runs ranks ``k·L … k·L+L-1`` with ``L = n_workers / nodes``.
         rate: per-direction link rate, e.g. '1gbit' (default), '0.5gbit', '2gbit'; None = unshaped.
-        prefix: namespace names are ``{prefix}-{tag}-hub`` and ``{prefix}-{tag}-w{rank}``.
+        prefix: namespace names are ``{prefix}-{tag}-hub`` and ``{prefix}-{tag}-w{node}``.
         burst, latency: tbf parameters (burst must exceed 64 KiB).
         subnet: first three octets of the private /24 used inside the namespaces.
         port: MASTER_PORT given to the workers.
@@ -129,9 +137,12 @@ class Testbed:
     __test__ = False  # not a pytest test class, despite the name
 
     def __init__(self, n_workers: int, rate="1gbit", *, prefix: str = "lcb", burst: str = "256kb",
-                 latency: str = "50ms", subnet: str = "10.77.1", port: int = 29500):
+                 latency: str = "50ms", subnet: str = "10.77.1", port: int = 29500, nodes: int | None = None):
         if isinstance(n_workers, bool) or not isinstance(n_workers, int) or not 1 <= n_workers <= 253:
             raise ValueError(f"n_workers must be an int in 1..253; got {n_workers!r}")
+        nodes = n_workers if nodes is None else nodes
+        if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or n_workers % nodes:
+            raise ValueError(f"nodes must be an int >= 1 that divides n_workers={n_workers}; got {nodes!r}")
         if not isinstance(prefix, str) or not _NAME_RE.match(prefix):
             raise ValueError(f"prefix must be a letter then up to 15 letters/digits/_; got {prefix!r}")
         if (not isinstance(subnet, str) or not _SUBNET_RE.match(subnet) or subnet.count(".") != 2
@@ -142,9 +153,10 @@ class Testbed:
         self.burst, self.latency = burst, latency
         base = f"{prefix}-{os.getpid():x}{next(_counter)}"
         self.hub = f"{base}-hub"
-        self.namespaces = [f"{base}-w{r}" for r in range(n_workers)]
-        self.ips = [f"{subnet}.{r + 1}" for r in range(n_workers)]
-        self.ifnames = [f"veth{r}" for r in range(n_workers)]
+        self.nodes, self.local_size = nodes, n_workers // nodes
+        self.namespaces = [f"{base}-w{k}" for k in range(nodes)]  # per node
+        self.ips = [f"{subnet}.{k + 1}" for k in range(nodes)]
+        self.ifnames = [f"veth{k}" for k in range(nodes)]
         self._procs: list[subprocess.Popen] = []
         self._created: list[str] = []
         self._lock = threading.RLock()
@@ -201,9 +213,11 @@ class Testbed:
         out = dict(os.environ)
         out.setdefault("OMP_NUM_THREADS", "1")
         out.update(env or {})
+        node, local_rank = divmod(rank, self.local_size)
         out.update(MASTER_ADDR=self.ips[0], MASTER_PORT=str(self.port), RANK=str(rank),
-                   WORLD_SIZE=str(self.n_workers), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                   GLOO_SOCKET_IFNAME=self.ifnames[rank])
+                   WORLD_SIZE=str(self.n_workers), LOCAL_RANK=str(local_rank),
+                   LOCAL_WORLD_SIZE=str(self.local_size), GROUP_RANK=str(node),
+                   GLOO_SOCKET_IFNAME=self.ifnames[node])
         return out
 
     def launch(self, argv_per_rank, env: dict | None = None, *, stdout=None, stderr=None):
@@ -215,7 +229,7 @@ class Testbed:
             raise RuntimeError("the testbed is not up; use `with Testbed(...) as tb:`")
         procs = []
         for r, argv in enumerate(argv_per_rank):
-            p = subprocess.Popen(["ip", "netns", "exec", self.namespaces[r]] + argv,
+            p = subprocess.Popen(["ip", "netns", "exec", self.namespaces[r // self.local_size]] + argv,
                                  env=self.env_for(r, env), start_new_session=True,
                                  stdout=stdout[r] if stdout else None, stderr=stderr[r] if stderr else None)
             with self._lock:
@@ -250,7 +264,8 @@ class Testbed:
         return done
 
     def wire_bytes(self) -> list[dict]:
-        """Per rank, bytes its veth has sent (``tx``) and received (``rx``) so far, L2 frames."""
+        """Per node, bytes its veth has sent (``tx``) and received (``rx``) so far, L2 frames
+        (traffic between the ranks of one node never reaches the veth)."""
         out = []
         for ns, dev in zip(self.namespaces, self.ifnames):
             link = json.loads(_run(["ip", "-n", ns, "-j", "-s", "link", "show", "dev", dev]).stdout)[0]

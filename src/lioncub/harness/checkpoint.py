@@ -270,6 +270,9 @@ def load_checkpoint(ckpt_dir: str, *, model, optimizer, loader, device, seed: in
 
 def reshard_optimizer(states: list[dict], optimizer, rank: int, world: int) -> dict:
     """This rank's optimizer state dict out of the old ranks' ``states`` (see the module docstring)."""
+    if "nodecub" in states[0]:
+        raise ValueError(f"--resume: this checkpoint was saved by a --nodes run of {len(states)} ranks; it resumes "
+                         f"on {len(states)} ranks in the same nodes only (this run has {world})")
     if "lioncub" not in states[0]:
         return states[0]  # Lion / AdamW under a gradient allreduce: the same state on every rank
     from ..resume import reshard_states

@@ -104,6 +104,13 @@ class TrainConfig:
     """Local steps: keep each worker's compression residual."""
     aggregate: str = "vote"
     """Local steps: ``vote`` (a sign step) or ``mean`` (summed L1 lanes: needs vote='pbit', quantizer='l1')."""
+    nodes: int = 1
+    """LionCub: split the workers into this many nodes of consecutive ranks (equal sizes):
+    gradients are averaged inside a node, the vote runs across nodes (``lioncub.NodeCub``).
+    1 = every worker votes (flat)."""
+    shard: bool = True
+    """Nodes: each rank of a node votes on its own share of the parameters, then the node
+    all-gathers the update (False: every rank of a node votes on all of them)."""
     timeout: float = 600.0
     """Process-group timeout in seconds: how long a collective waits for a dead or stuck
     rank before failing (then the process exits; torchrun may restart it)."""
@@ -175,6 +182,7 @@ class TrainConfig:
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         self._check_local_steps()
+        self._check_nodes()
         self.betas = tuple(float(b) for b in self.betas)
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
@@ -208,6 +216,17 @@ class TrainConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be a multiple of local_steps={self.local_steps} "
                                  "(evaluations run on the model the workers agree on, at the end of a round)")
 
+    def _check_nodes(self) -> None:
+        if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 1:
+            raise ValueError(f"nodes must be an int >= 1, got {self.nodes!r}")
+        if self.nodes == 1:
+            if not self.shard:
+                raise ValueError("shard=False applies to nodes > 1 only")
+            return
+        for name, default in (("local_steps", 1), ("overlap", False), ("momentum_sync", "none")):
+            if getattr(self, name) != default:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not supported with nodes > 1")
+
     @property
     def is_gpt(self) -> bool:
         return self.model in GPT_MODELS
@@ -223,7 +242,8 @@ class TrainConfig:
             bits = f"-{self.bits}b" if self.bits else ""
             quant = f"-{self.quantizer}" if self.quantizer else ""
             local = f"-h{self.local_steps}-{self.aggregate}" if self.local_steps > 1 else ""
-            return f"lioncub-{self.vote}{bits}{quant}{local}"
+            nodes = f"-{self.nodes}nodes{'' if self.shard else '-unsharded'}" if self.nodes > 1 else ""
+            return f"lioncub-{self.vote}{bits}{quant}{local}{nodes}"
         return self.optimizer
 
     def replace(self, **changes) -> "TrainConfig":
@@ -236,7 +256,7 @@ class TrainConfig:
 
 _LOCAL_ONLY = {"inner": "lion", "outer": "nesterov", "outer_lr": 1.0, "error_feedback": False, "aggregate": "vote"}
 _LIONCUB_ONLY = {"bits": None, "quantizer": None, "momentum_sync": "none", "nonfinite": "raise", "check_every": 0,
-                 "overlap": False, "local_steps": 1, **_LOCAL_ONLY}
+                 "overlap": False, "local_steps": 1, "nodes": 1, "shard": True, **_LOCAL_ONLY}
 
 
 def _choice(name: str, value, allowed: tuple) -> None:

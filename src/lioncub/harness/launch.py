@@ -133,10 +133,11 @@ def _worker(rank: int, world_size: int, port: int, fn, config, tmp: str) -> None
         dist.destroy_process_group()
 
 
-def run_in_testbed(argv: list[str], nproc: int, link, *, prefix: str = "lct") -> int:
+def run_in_testbed(argv: list[str], nproc: int, link, *, prefix: str = "lct", nodes: int | None = None) -> int:
     """Run ``python -m lioncub.cli *argv`` on ``nproc`` workers behind ``link``-shaped links.
 
-    ``link``: a rate such as '1gbit' or '500mbit', or None (unshaped). Rank 0 prints to
+    ``link``: a rate such as '1gbit' or '500mbit', or None (unshaped). ``nodes``: namespaces
+    (default ``nproc``: a worker each); the ranks of one node talk unshaped. Rank 0 prints to
     this terminal; the other ranks' output is kept only when a worker fails. Needs root.
     Returns the first non-zero exit code, else 0.
     """
@@ -149,7 +150,7 @@ def run_in_testbed(argv: list[str], nproc: int, link, *, prefix: str = "lct") ->
     if reason is not None:
         raise RuntimeError(f"--link needs the netem testbed, which cannot be built here: {reason}")
     cmd = [sys.executable, "-m", "lioncub.cli"] + list(argv)
-    with tempfile.TemporaryDirectory(prefix="lioncub-link-") as tmp, Testbed(nproc, rate=link, prefix=prefix) as tb:
+    with tempfile.TemporaryDirectory(prefix="lioncub-link-") as tmp, Testbed(nproc, rate=link, prefix=prefix, nodes=nodes) as tb:
         logs = [None] + [open(os.path.join(tmp, f"{r}.log"), "w+") for r in range(1, nproc)]
         try:
             procs = tb.launch([cmd] * nproc, stdout=logs, stderr=[None] + logs[1:])

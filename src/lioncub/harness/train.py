@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .. import Lion, LionCub, LocalCub
+from .. import Lion, LionCub, LocalCub, NodeCub, node_groups
 from . import checkpoint
 from .config import TrainConfig
 from .data import (ImageLoader, TokenLoader, ensure_prepared, eval_batches, image_eval_batches,
@@ -57,9 +57,12 @@ def check_inputs(config: TrainConfig, world: int, *, prepare: bool = True) -> No
         resolve_device(config.device)
     except ValueError as exc:
         raise ValueError(f"--device: {exc}") from None
+    if config.nodes > 1 and world % config.nodes:
+        raise ValueError(f"--nodes {config.nodes} must divide the number of workers, {world} (nodes of equal size)")
+    voters = config.nodes if config.nodes > 1 else world  # NodeCub: one voter per node
     if config.optimizer == "lioncub" and config.vote == "pbit":
         try:
-            pbit_levels(world, config.bits, config.quantizer)
+            pbit_levels(voters, config.bits, config.quantizer)
         except ValueError as exc:
             raise ValueError(f"--bits/--quantizer: {exc}") from None
     if config.tensorboard:
@@ -165,6 +168,11 @@ def make_optimizer(config: TrainConfig, groups: list[dict], model=None):
                         error_feedback=config.error_feedback, aggregate=config.aggregate, model=model,
                         nonfinite="skip_round" if config.nonfinite == "skip_step" else "raise",
                         check_every=config.check_every, **extra)
+    if config.optimizer == "lioncub" and config.nodes > 1:
+        layout = node_groups(dist.get_world_size() // config.nodes)
+        return NodeCub(groups, lr=config.lr, betas=config.betas, layout=layout, shard=config.shard, vote=config.vote,
+                       grad_dtype=config.grad_dtype, seed=config.seed, model=model, nonfinite=config.nonfinite,
+                       check_every=config.check_every, **extra)
     if config.optimizer == "lioncub":
         return LionCub(groups, lr=config.lr, betas=config.betas, vote=config.vote, grad_dtype=config.grad_dtype,
                        seed=config.seed, model=model, momentum_sync=config.momentum_sync,
@@ -336,8 +344,10 @@ def summarize(config: TrainConfig, steps: list[dict], evals: list[dict], *, worl
            "final_val_loss": evals[-1]["val_loss"] if evals else float("nan")}
     if evals and "val_acc" in evals[-1]:
         row["final_val_acc"] = evals[-1]["val_acc"]
-    if isinstance(optimizer, LionCub):
-        vote, bits = optimizer.vote_chosen
+    if isinstance(optimizer, (LionCub, NodeCub)):
+        vote, bits = (optimizer.vote if isinstance(optimizer, NodeCub) else optimizer).vote_chosen
+        if isinstance(optimizer, NodeCub):
+            row.update(nodes=config.nodes, shard=config.shard)
         row.update(vote_chosen=f"{vote}/{bits}b" if bits else vote, skipped_steps=optimizer.skipped_steps,
                    momentum_sync=config.momentum_sync)
     row.update({"bytes_sent_per_step": mean("bytes_sent"), "n_collectives_per_step": mean("n_collectives"),
