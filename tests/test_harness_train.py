@@ -114,6 +114,21 @@ def test_resume_reproduces_uninterrupted_run_bit_for_bit(tmp_path, model_args):
     assert read_csv(three / "summary.csv")[0]["world_size"] == "3"
 
 
+def _losses(records):
+    return [r.get("loss", r.get("val_loss")) for r in records]
+
+
+def _resumed_from(full, step: int, resumed, common) -> list:
+    """Resume run ``full``'s checkpoint at ``step`` in a new run directory; its logged losses."""
+    name = f"step_{step:07d}"
+    shutil.copytree(full / "ckpt" / name, resumed / "ckpt" / name)
+    (resumed / "ckpt" / "latest").write_text(name + "\n")
+    records = read_jsonl(full / "metrics.jsonl")
+    (resumed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records if r["step"] <= step))
+    lioncub("train", *common, "--resume", "--out", str(resumed))
+    return _losses(read_jsonl(resumed / "metrics.jsonl"))
+
+
 def test_local_steps_train_and_resume_mid_round_bit_for_bit(tmp_path):
     """--local-steps 2: bytes travel only at the end of a round; a run resumed from a checkpoint
     taken inside a round (step 3) reproduces the uninterrupted one exactly (residuals, θ_start,
@@ -128,13 +143,7 @@ def test_local_steps_train_and_resume_mid_round_bit_for_bit(tmp_path):
     assert [r["bytes_sent"] > 0 for r in steps] == [False, True] * 3
     assert [r["step"] for r in records if r["kind"] == "eval"] == [2, 4, 6]
     assert read_csv(full / "summary.csv")[0]["label"] == "lioncub-pbit-8b-l1-h2-mean"
-    resumed = tmp_path / "resumed"
-    shutil.copytree(full / "ckpt" / "step_0000003", resumed / "ckpt" / "step_0000003")
-    (resumed / "ckpt" / "latest").write_text("step_0000003\n")
-    (resumed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records if r["step"] <= 3))
-    lioncub("train", *common, "--resume", "--out", str(resumed))
-    after = read_jsonl(resumed / "metrics.jsonl")
-    assert [r.get("loss", r.get("val_loss")) for r in after] == [r.get("loss", r.get("val_loss")) for r in records]
+    assert _resumed_from(full, 3, tmp_path / "resumed", common) == _losses(records)
 
 
 # Run by torchrun in place of `-m lioncub.cli`: on the first attempt rank 1 dies right after
@@ -229,10 +238,4 @@ def test_nodes_train_and_resume_bit_for_bit(tmp_path):
     records = read_jsonl(full / "metrics.jsonl")
     row = read_csv(full / "summary.csv")[0]
     assert (row["label"], row["nodes"], row["vote_chosen"]) == ("lioncub-onebit-2nodes", "2", "onebit")
-    resumed = tmp_path / "resumed"
-    shutil.copytree(full / "ckpt" / "step_0000002", resumed / "ckpt" / "step_0000002")
-    (resumed / "ckpt" / "latest").write_text("step_0000002\n")
-    (resumed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records if r["step"] <= 2))
-    lioncub("train", *common, "--resume", "--out", str(resumed))
-    after = read_jsonl(resumed / "metrics.jsonl")
-    assert [r.get("loss", r.get("val_loss")) for r in after] == [r.get("loss", r.get("val_loss")) for r in records]
+    assert _resumed_from(full, 2, tmp_path / "resumed", common) == _losses(records)
