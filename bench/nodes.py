@@ -1,0 +1,160 @@
+"""Flat vs hierarchical (NodeCub) step time on an emulated cluster of 2 nodes x 2 ranks.
+
+The step-time table's GPT (default ~28M parameters, 1 sequence of 16 tokens per rank),
+4 ranks in a :class:`lioncub.netem.Testbed` with ``nodes=2``: the two ranks of a node
+share one namespace (they talk over its loopback, unshaped) and one veth to the other
+node, shaped to ``--rate`` both ways. Every method runs on the same testbed:
+
+    <vote> flat           LionCub: all 4 ranks vote (the 2 ranks of a node send over one link)
+    <vote> nodes          NodeCub: node mean over the loopback, then each rank votes on its
+                          half of the model with its counterpart in the other node
+    <vote> nodes all      NodeCub(shard=False): each rank votes on the whole model
+
+for ``vote='grad'`` (fp32 all-reduce, then Lion: the baseline), ``onebit`` and ``pbit``.
+Per method: the median step (each step timed on its slowest rank), its compute, and the
+bytes the node's veth sent per step (the interface counter: only what crossed nodes).
+
+    sudo OMP_NUM_THREADS=1 PYTHONPATH=src python3 bench/nodes.py               # ~4 min
+    ... bench/nodes.py --layers 2 --embd 128 --steps 2                        # seconds, smaller
+Writes bench/results/nodes.json. Needs root.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LAYOUTS = {"flat": None, "nodes": True, "nodes all": False}  # NodeCub's shard, None = LionCub
+VOTES = {"lion fp32": dict(vote="grad"), "onebit": dict(vote="onebit"), "pbit": dict(vote="pbit")}
+
+
+def worker(args, out_dir: str) -> None:
+    """One rank: every (vote, layout) for ``args.steps`` timed steps; records to JSON."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from lioncub import LionCub, NodeCub, node_groups
+    from lioncub.harness.models.gpt import GPT, GPTConfig
+    from lioncub.netem import iface_bytes
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    rank, dev = dist.get_rank(), os.environ["GLOO_SOCKET_IFNAME"]
+    layout = node_groups()  # LOCAL_WORLD_SIZE from the testbed
+    x = torch.randint(0, args.vocab, (1, args.tokens), generator=torch.Generator().manual_seed(rank))
+    out = {}
+    for vote_label, kw in VOTES.items():
+        for layout_label, shard in LAYOUTS.items():
+            torch.manual_seed(0)
+            model = GPT(GPTConfig(n_layer=args.layers, n_head=8, n_embd=args.embd, vocab_size=args.vocab,
+                                  block_size=args.tokens))
+            params = list(model.parameters())
+            opt = (LionCub(params, lr=1e-4, **kw) if shard is None else
+                   NodeCub(params, lr=1e-4, layout=layout, shard=shard, **kw))
+            steps = []
+            for i in range(args.warmup + args.steps):
+                dist.barrier()
+                b0 = iface_bytes(dev)
+                t0 = time.perf_counter()
+                model(x, x)[1].backward()
+                t = {"compute": time.perf_counter() - t0}
+                opt.step()
+                t["step"] = time.perf_counter() - t0
+                opt.zero_grad()
+                dist.barrier()  # the node's last bytes may still sit in its tbf queue
+                b1 = iface_bytes(dev)
+                b2 = iface_bytes(dev)
+                dist.barrier()
+                t["node_tx"] = (b1["tx"] - b0["tx"]) - (iface_bytes(dev)["tx"] - b2["tx"])  # minus one barrier
+                if i >= args.warmup:
+                    steps.append(t)
+            out[f"{vote_label} {layout_label}"] = {"steps": steps, "n": sum(p.numel() for p in params),
+                                                   "local_rank": layout.local_rank}
+            del model, opt, params
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+def run(args) -> dict:
+    from lioncub.netem import Testbed
+
+    argv = [sys.executable, os.path.abspath(__file__), "--worker"] + _pass_through(args)
+    with tempfile.TemporaryDirectory(prefix="lcn-nodes-") as d, \
+            Testbed(args.workers, rate=args.rate, prefix="lcn", subnet="10.79.7", port=29541,
+                    nodes=args.nodes) as tb:
+        t0 = time.perf_counter()
+        tb.run_workers([argv + ["--out-dir", d]] * args.workers, timeout=1500)
+        wall = time.perf_counter() - t0
+        ranks = [json.load(open(os.path.join(d, f"{r}.json"))) for r in range(args.workers)]
+    rows = []
+    for label in ranks[0]:
+        per = [r[label]["steps"] for r in ranks]
+        k = len(per[0])
+        slow = [max((r[i] for r in per), key=lambda s: s["step"]) for i in range(k)]
+        i_med = sorted(range(k), key=lambda i: slow[i]["step"])[(k - 1) // 2]
+        # every rank of a node reads the same veth: the node's bytes, from each node's local rank 0
+        leaders = [r for r in range(args.workers) if ranks[r][label]["local_rank"] == 0]
+        node_tx = statistics.median(statistics.fmean(per[r][i]["node_tx"] for r in leaders) for i in range(k))
+        rows.append({"method": label, "step": slow[i_med]["step"], "compute_max": max(r[i_med]["compute"] for r in per),
+                     "node_tx_bytes": node_tx, "n": ranks[0][label]["n"]})
+    base = {r["method"]: r for r in rows}["lion fp32 flat"]
+    for r in rows:
+        r["speedup_vs_lion_fp32_flat"] = base["step"] / r["step"]
+    return {"rate": tb.rate or "unshaped", "workers": args.workers, "nodes": args.nodes, "rows": rows,
+            "wall_s": wall, "per_rank": ranks}
+
+
+def table(res: dict) -> str:
+    lines = [f"{res['nodes']} nodes x {res['workers'] // res['nodes']} ranks, links between nodes {res['rate']}, "
+             f"n={res['rows'][0]['n'] / 1e6:.1f}M params",
+             f"{'method':22s} {'step s':>7s} {'compute':>7s} {'MB/node/step':>12s} {'x lion fp32 flat':>16s}"]
+    for r in res["rows"]:
+        lines.append(f"{r['method']:22s} {r['step']:7.3f} {r['compute_max']:7.3f} {r['node_tx_bytes'] / 1e6:12.2f} "
+                     f"{r['speedup_vs_lion_fp32_flat']:16.2f}")
+    return "\n".join(lines)
+
+
+def _pass_through(args) -> list[str]:
+    return ["--steps", str(args.steps), "--warmup", str(args.warmup), "--layers", str(args.layers),
+            "--embd", str(args.embd), "--vocab", str(args.vocab), "--tokens", str(args.tokens)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--rate", default="1gbit", help="links between nodes; 'none' = unshaped")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per method")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--embd", type=int, default=576)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--tokens", type=int, default=16, help="tokens per rank per step (batch 1)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "nodes.json"))
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out-dir", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(args, args.out_dir)
+        return 0
+    if args.rate.lower() == "none":
+        args.rate = None
+    res = run(args)
+    print(table(res), flush=True)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "load_avg": os.getloadavg(), "result": res}, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
