@@ -1,6 +1,12 @@
-"""Convergence study at CPU scale (issue 8): the paper's ablations on tiny models.
+"""Convergence study at CPU scale: the paper's ablations, on tiny models and on nanoGPT's CPU recipe.
 
 Parts (docs/design.md §2, §4, §5; the paper's Table 2 / Figs. 4, 5, 9, 10, 14):
+
+0. ``recipe`` — the shape of nanoGPT's CPU recipe for Shakespeare (``RECIPE``: 4 layers, 4 heads,
+   width 128, block 64, 4 workers x 3 sequences, 2000 steps, warm-up 100, cosine to 0.1 of the
+   peak): AdamW at nanoGPT's settings (lr 1e-3, wd 0.1) as the reference row; Lion on a grid of
+   (lr, wd) with lr·wd = 1e-4 (``LION_GRID``; the edges on seed 0 only); Lion Cub 1-bit, 4-bit
+   binary and 8-bit L1 lanes at Lion's best. Written to its own JSONL (``--out``).
 
 1. ``quant``  — the vote through sign / Linf / L1 / L0 in 4- and 8-bit p-bit lanes vs Lion.
 2. ``ties``   — the 1-bit vote (``onebit``) whose ties and zeros go to +1, to -1, or alternate
@@ -43,7 +49,7 @@ from lioncub.harness.models.gpt import GPT, GPTConfig
 from lioncub.harness.models.resnet import BasicBlock, ResNet
 from lioncub.harness.models.vit import ViT
 
-PARTS = ("quant", "ties", "msync", "tied", "vision")
+PARTS = ("recipe", "quant", "ties", "msync", "tied", "vision")
 BLOCK = 32  # GPT context; with width 32 and 2 layers the GPT has ~35k params (CPU is scarce)
 TIE_RULES = ("plus", "minus", "alternate")  # the library's lioncub.vote.TIE_RULES, in table order
 
@@ -65,17 +71,52 @@ class Spec:
     seed: int = 0
     steps: int = 150
     lr: float = 2e-3
+    optimizer: str = "lion"  # lion: LionCub(vote=...); adamw: AdamW after an fp32 gradient all-reduce
+    layers: int = 2
+    heads: int = 4
+    embd: int = 32
+    block: int = BLOCK
+    batch: int = 8  # sequences per worker per step
+    weight_decay: float = 0.1
+    warmup: int = 10
 
     def key(self) -> str:
-        """Identity of the run without its part/label: equal keys are the same experiment."""
+        """Identity of the run without its part/label: equal keys are the same experiment.
+        Fields at their tiny-study defaults are left out, so earlier records keep their keys."""
         d = asdict(self)
         del d["part"], d["label"]
+        for name, default in _LATER_FIELDS.items():
+            if d[name] == default:
+                del d[name]
         return json.dumps(d, sort_keys=True)
 
 
-def plan(parts, seeds, gpt_steps: int, img_steps: int) -> list[Spec]:
-    """Every run of the requested parts (a run shared by two parts appears once per part)."""
+_LATER_FIELDS = dict(optimizer="lion", layers=2, heads=4, embd=32, block=BLOCK, batch=8, weight_decay=0.1, warmup=10)
+# nanoGPT's CPU recipe for Shakespeare: gpt-mini's shape, a global batch of 12 sequences of 64 tokens
+RECIPE = dict(layers=4, heads=4, embd=128, block=64, batch=3, warmup=100, steps=2000)
+ADAMW = dict(optimizer="adamw", lr=1e-3, weight_decay=0.1)
+LION_GRID = ((1e-4, 1.0), (3e-5, 3.0), (3e-4, 0.3))  # (lr, wd), the best first; lr·wd = 1e-4
+
+
+def recipe_plan(seeds, steps: int = RECIPE["steps"]) -> list[Spec]:
+    """The ``recipe`` part, seed by seed (a study stopped early holds whole seeds)."""
     out = []
+    shape = dict(RECIPE, steps=steps)
+    best_lr, best_wd = LION_GRID[0]
+    lion = dict(shape, lr=best_lr, weight_decay=best_wd)
+    for seed in seeds:
+        out.append(Spec("recipe", "AdamW (nanoGPT)", seed=seed, **dict(shape, **ADAMW)))
+        for lr, wd in LION_GRID[: 3 if seed == seeds[0] else 1]:
+            out.append(Spec("recipe", f"Lion lr={lr:g} wd={wd:g}", seed=seed, **dict(shape, lr=lr, weight_decay=wd)))
+        out.append(Spec("recipe", "1-bit (onebit)", vote="onebit", seed=seed, **lion))
+        out.append(Spec("recipe", "4-bit binary (pbit)", vote="pbit", bits=4, seed=seed, **lion))
+        out.append(Spec("recipe", "8-bit L1 (pbit)", vote="pbit", bits=8, quantizer="l1", seed=seed, **lion))
+    return out
+
+
+def plan(parts, seeds, gpt_steps: int, img_steps: int, recipe_steps: int = RECIPE["steps"]) -> list[Spec]:
+    """Every run of the requested parts (a run shared by two parts appears once per part)."""
+    out = recipe_plan(seeds, recipe_steps) if "recipe" in parts else []
     for seed in seeds:
         g = dict(seed=seed, steps=gpt_steps)
         if "quant" in parts:
@@ -114,8 +155,27 @@ def plan(parts, seeds, gpt_steps: int, img_steps: int) -> list[Spec]:
 
 
 # ----------------------------------------------------------------------------- the optimizer of a run
-def make_optimizer(spec: Spec, params, **kw) -> LionCub:
-    """The run's optimizer: ``LionCub`` with the spec's vote, lane width, quantizer and tie rule."""
+class AllReduceAdamW(torch.optim.AdamW):
+    """AdamW after an fp32 mean all-reduce of the gradients (what DDP + AdamW computes)."""
+
+    skipped_steps = 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        dist.all_reduce(flat)
+        flat /= dist.get_world_size()
+        for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(piece.view_as(g))
+        return super().step(closure)
+
+
+def make_optimizer(spec: Spec, params, **kw) -> torch.optim.Optimizer:
+    """The run's optimizer: ``LionCub`` with the spec's vote, lane width, quantizer and tie rule,
+    or (``optimizer='adamw'``) AdamW after a gradient all-reduce."""
+    if spec.optimizer == "adamw":
+        return AllReduceAdamW(params, lr=kw["lr"], betas=kw.get("betas", (0.9, 0.999)))
     extra = dict(bits=spec.bits, quantizer=spec.quantizer) if spec.vote == "pbit" else {}
     if spec.tie_rule is not None:
         extra["tie"] = spec.tie_rule
@@ -124,9 +184,9 @@ def make_optimizer(spec: Spec, params, **kw) -> LionCub:
 
 # ----------------------------------------------------------------------------- one run, per rank
 def _model(spec: Spec, info: dict) -> torch.nn.Module:
-    if spec.model == "gpt":  # 2 layers, 4 heads, width 32: 35k params tied (8k of them the byte embedding)
-        return GPT(GPTConfig(n_layer=2, n_head=4, n_embd=32, vocab_size=info["vocab_size"], block_size=BLOCK,
-                             tied_embeddings=spec.tied))
+    if spec.model == "gpt":  # default: 2 layers, 4 heads, width 32: 35k params tied (8k the byte embedding)
+        return GPT(GPTConfig(n_layer=spec.layers, n_head=spec.heads, n_embd=spec.embd, vocab_size=info["vocab_size"],
+                             block_size=spec.block, tied_embeddings=spec.tied))
     kw = dict(num_classes=info["num_classes"], in_channels=info["channels"])
     if spec.model == "resnet":  # 3 stages of one basic block, width 8 (~20k params)
         return ResNet(BasicBlock, [1, 1, 1], width=8, **kw)
@@ -138,9 +198,9 @@ def _data(spec: Spec, rank: int, world: int, cache_dir: str):
     if spec.model == "gpt":
         d = ensure_prepared("shakespeare", cache_dir)
         info = read_meta(d)
-        loader = TokenLoader(os.path.join(d, "train.bin"), block_size=BLOCK, batch_size=8, rank=rank,
+        loader = TokenLoader(os.path.join(d, "train.bin"), block_size=spec.block, batch_size=spec.batch, rank=rank,
                              world_size=world, seed=spec.seed)
-        val = list(eval_batches(os.path.join(d, "val.bin"), block_size=BLOCK, batch_size=16, n_batches=8,
+        val = list(eval_batches(os.path.join(d, "val.bin"), block_size=spec.block, batch_size=16, n_batches=8,
                                 rank=rank, world_size=world))
         return loader, val, info
     images = load_images("digits", seed=0)  # same split for every seed; seed moves init and order
@@ -202,7 +262,7 @@ def train_one(spec: Spec, cache_dir: str, eval_every: int) -> dict:
     loader, val, info = _data(spec, rank, world, cache_dir)
     model = _model(spec, info)
     is_gpt = spec.model == "gpt"
-    groups = param_groups(model, lr=spec.lr, weight_decay=0.1)
+    groups = param_groups(model, lr=spec.lr, weight_decay=spec.weight_decay)
     base = [g["lr"] for g in groups]
     kw = dict(lr=spec.lr, betas=(0.9, spec.beta2), seed=spec.seed, model=model,
               momentum_sync=spec.sync, sync_every=10, nonfinite="skip_step")
@@ -210,7 +270,7 @@ def train_one(spec: Spec, cache_dir: str, eval_every: int) -> dict:
     curve, losses, t0 = [], [], time.perf_counter()
     for step in range(spec.steps):
         for g, b in zip(opt.param_groups, base):
-            g["lr"] = b * _lr_scale(step, spec.steps)
+            g["lr"] = b * _lr_scale(step, spec.steps, warmup=spec.warmup)
         x, y = loader.next_batch()
         loss, _ = _loss(model, x, y, is_gpt)
         loss.backward()
@@ -265,7 +325,7 @@ def load_records(path: str) -> list[dict]:
 
 
 def run_study(parts, seeds, *, gpt_steps=150, img_steps=100, nproc=4, out="bench/results/study.jsonl",
-              cache_dir=None, eval_every=50, only=None) -> list[dict]:
+              cache_dir=None, eval_every=50, only=None, recipe_steps=RECIPE["steps"]) -> list[dict]:
     """Run what ``out`` lacks (by experiment key), in one spawned group; return all records.
 
     ``only``: a set of run labels to restrict the plan to (None: all)."""
@@ -278,7 +338,7 @@ def run_study(parts, seeds, *, gpt_steps=150, img_steps=100, nproc=4, out="bench
     ensure_prepared("shakespeare", cache_dir)  # tokenise once, before the workers start
     have = {r["key"] for r in load_records(out) if r.get("world") == nproc}
     todo, seen = [], set(have)
-    for spec in plan(parts, seeds, gpt_steps, img_steps):
+    for spec in plan(parts, seeds, gpt_steps, img_steps, recipe_steps):
         if spec.key() not in seen and (only is None or spec.label in only):
             seen.add(spec.key())
             todo.append(spec)
@@ -296,12 +356,13 @@ def main(argv=None) -> None:
     ap.add_argument("--img-steps", type=int, default=100)
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--recipe-steps", type=int, default=RECIPE["steps"], help="steps of the recipe part's runs")
     ap.add_argument("--out", default="bench/results/study.jsonl")
     ap.add_argument("--only", default=None, help="';'-separated run labels to restrict the plan to")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     run_study(a.parts.split(","), [int(s) for s in a.seeds.split(",")], gpt_steps=a.gpt_steps,
-              img_steps=a.img_steps, nproc=a.nproc, out=a.out, eval_every=a.eval_every,
+              img_steps=a.img_steps, nproc=a.nproc, out=a.out, eval_every=a.eval_every, recipe_steps=a.recipe_steps,
               only=None if a.only is None else set(a.only.split(";")))
     print(f"[study] done in {time.perf_counter() - t0:.0f} s -> {a.out}")
 

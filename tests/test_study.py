@@ -97,3 +97,39 @@ def test_study_end_to_end(tmp_path):
     assert all(os.path.getsize(p) > 1000 for p in paths)
     assert "| 1-bit, ties minus | 1 | 2 |" in study_report.markdown(summary)
     json.dumps(summary)
+
+
+def _adamw_step(rank, world):
+    """The recipe's AdamW reference: one step after the gradient all-reduce equals torch's AdamW
+    on the mean gradient (two ranks: (a + b) / 2 is the same sum in either order, so exactly)."""
+    spec = [s for s in study.recipe_plan([0], steps=4) if s.optimizer == "adamw"][0]
+    p = torch.nn.Parameter(torch.ones(64))
+    opt = study.make_optimizer(spec, [p], lr=spec.lr, betas=(0.9, 0.99))
+    grads = [torch.randn(64, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    p.grad = grads[rank].clone()
+    opt.step()
+    q = torch.nn.Parameter(torch.ones(64))
+    q.grad = (grads[0] + grads[1]) / 2
+    torch.optim.AdamW([q], lr=spec.lr, betas=(0.9, 0.99)).step()
+    return torch.equal(p.detach(), q.detach()), type(opt).__name__
+
+
+def test_recipe_part_applies_its_shape_schedule_and_optimizers():
+    """Fails if the recipe's shape, weight decay, warm-up or AdamW reference are not applied."""
+    specs = study.recipe_plan([0, 1])
+    assert [s.label for s in specs][:7] == ["AdamW (nanoGPT)", "Lion lr=0.0001 wd=1", "Lion lr=3e-05 wd=3",
+                                            "Lion lr=0.0003 wd=0.3", "1-bit (onebit)", "4-bit binary (pbit)",
+                                            "8-bit L1 (pbit)"]
+    assert len(specs) == 7 + 5  # the grid's edges on the first seed only
+    assert all((s.layers, s.heads, s.embd, s.block, s.batch, s.steps, s.warmup) == (4, 4, 128, 64, 3, 2000, 100)
+               for s in specs)
+    from lioncub.harness.models import build_gpt
+
+    model = study._model(specs[0], {"vocab_size": 65})
+    assert sum(p.numel() for p in model.parameters()) == sum(
+        p.numel() for p in build_gpt("gpt-mini", vocab_size=65, block_size=64).parameters())
+    assert study._lr_scale(49, 2000, warmup=100) == 0.5 and study._lr_scale(1999, 2000, warmup=100) < 0.11
+    lion = specs[1]
+    groups = study.param_groups(model, lr=lion.lr, weight_decay=lion.weight_decay)
+    assert max(g["weight_decay"] for g in groups) == 1.0
+    assert run_workers(_adamw_step, 2) == [(True, "AllReduceAdamW")] * 2
