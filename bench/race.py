@@ -4,8 +4,15 @@ Every method in :mod:`lioncub.baselines` trains the same GPT on the same byte-le
 Shakespeare shards, 4 workers inside a :class:`lioncub.netem.Testbed` (tbf 1 Gbit/s up
 and down per worker), for the same wall-clock budget of *training* time (evaluations
 are not counted), once per learning rate of its family's grid (``--lr-adamw`` /
-``--lr-lion``: the same 2-3 point sweep for every method of a family). Constant learning
-rate after a ``--warmup``-step linear warm-up; weight decay 0; betas (0.9, 0.99).
+``--lr-lion``: the same 2-3 point sweep for every method of a family) and per seed
+(``--seeds``: model init and data order). After a ``--warmup``-step linear warm-up the
+learning rate is constant (``--schedule constant``) or follows a cosine to ``--min-lr-ratio``
+of the peak over the budget (``--schedule cosine``: over the agreed training seconds, or over
+``--steps``); weight decay 0; betas (0.9, 0.99).
+
+With several seeds a method's best lr is the one with the lowest mean final loss; its row
+gives the mean ± std over seeds of the final loss and of the time and bytes to each target
+(and how many seeds reached it), and the plot its mean curve with a band of ± one std.
 
 At each point where the replicas agree (every step; every H steps for local SGD and
 DiLoCo) the ranks agree on the elapsed time (one 8-byte all-reduce, MAX) and, every
@@ -40,12 +47,23 @@ DEFAULT_METHODS = ("adamw-ddp,adamw-bf16,adamw-psgd-r1,adamw-psgd-r4,local-adamw
 REFERENCE = "lion-ddp"
 
 
-def _runs(args) -> list[tuple[str, float]]:
+def _runs(args) -> list[tuple[str, float, int]]:
     from lioncub import baselines
 
     grids = {"adamw": [float(v) for v in args.lr_adamw.split(",")],
              "lion": [float(v) for v in args.lr_lion.split(",")]}
-    return [(m, lr) for m in args.methods.split(",") for lr in grids[baselines.family(m)]]
+    seeds = [int(s) for s in str(args.seeds).split(",")]
+    return [(m, lr, seed) for seed in seeds for m in args.methods.split(",") for lr in grids[baselines.family(m)]]
+
+
+def lr_factor(step: int, progress: float, warmup: int, schedule: str, floor: float) -> float:
+    """The multiplier of the peak lr: linear warm-up over ``warmup`` steps, then constant or a
+    cosine from 1 to ``floor`` as ``progress`` (the fraction of the budget spent) goes 0 -> 1."""
+    warm = min(1.0, (step + 1) / warmup)
+    if schedule == "constant":
+        return warm
+    p = min(1.0, max(0.0, progress))
+    return warm * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
 def _evaluate(model, val) -> float:
@@ -60,8 +78,8 @@ def _evaluate(model, val) -> float:
     return float(total[0] / total[1])
 
 
-def train_one(args, name: str, lr: float, data_dir: str) -> dict:
-    """One (method, lr) run on this rank for ``args.budget`` seconds of training time."""
+def train_one(args, name: str, lr: float, seed: int, data_dir: str) -> dict:
+    """One (method, lr, seed) run on this rank for ``args.budget`` seconds of training time."""
     import torch
     import torch.distributed as dist
 
@@ -71,11 +89,11 @@ def train_one(args, name: str, lr: float, data_dir: str) -> dict:
     from lioncub.netem import iface_bytes
 
     rank, world, dev = dist.get_rank(), dist.get_world_size(), os.environ["GLOO_SOCKET_IFNAME"]
-    torch.manual_seed(args.seed)
+    torch.manual_seed(seed)
     model = GPT(GPTConfig(n_layer=args.layers, n_head=args.heads, n_embd=args.embd, vocab_size=256,
                           block_size=args.block))
     loader = TokenLoader(os.path.join(data_dir, "train.bin"), block_size=args.block, batch_size=args.batch,
-                         rank=rank, world_size=world, seed=args.seed)
+                         rank=rank, world_size=world, seed=seed)
     val = list(eval_batches(os.path.join(data_dir, "val.bin"), block_size=args.block, batch_size=16,
                             n_batches=args.eval_batches, rank=rank, world_size=world))
     method = baselines.build(name, model, lr=lr)
@@ -89,7 +107,9 @@ def train_one(args, name: str, lr: float, data_dir: str) -> dict:
     while True:
         x, y = loader.next_batch()
         recent.append(method.backward(x, y))
-        synced = method.step(lr * min(1.0, (step + 1) / args.warmup))
+        # progress: the agreed clock of the last sync point (or the step count), the same on every rank
+        progress = step / args.steps if args.steps is not None else clock / args.budget
+        synced = method.step(lr * lr_factor(step, progress, args.warmup, args.schedule, args.min_lr_ratio))
         step += 1
         if not synced:
             continue
@@ -115,7 +135,7 @@ def train_one(args, name: str, lr: float, data_dir: str) -> dict:
         t_last = time.perf_counter()
     del method
     dist.barrier()
-    return dict(method=name, lr=lr, status=status, n_params=n_params, steps=step, evals=evals)
+    return dict(method=name, lr=lr, seed=seed, status=status, n_params=n_params, steps=step, evals=evals)
 
 
 def worker(args) -> None:
@@ -128,8 +148,8 @@ def worker(args) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     rank = dist.get_rank()
     with open(os.path.join(args.out_dir, f"{rank}.jsonl"), "a") as f:
-        for name, lr in _runs(args):
-            f.write(json.dumps(train_one(args, name, lr, args.data_dir)) + "\n")
+        for name, lr, seed in _runs(args):
+            f.write(json.dumps(train_one(args, name, lr, seed, args.data_dir)) + "\n")
             f.flush()  # a later crash keeps the runs done so far
     dist.destroy_process_group()
 
@@ -152,31 +172,62 @@ def final_loss(run: dict, budget: float) -> float:
     return inside[-1]["val"] if run["status"] == "ok" else float("inf")
 
 
+def _mean_std(xs: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for one value)."""
+    m = sum(xs) / len(xs)
+    return m, (math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0)
+
+
+def _loss_at(run: dict, t: float) -> float:
+    """Validation loss of the last evaluation at or before ``t`` seconds (5% slack)."""
+    return next(e["val"] for e in reversed(run["evals"]) if e["t"] <= t * 1.05)
+
+
 def summarize(runs: list[dict], budget: float) -> dict:
-    best = {}
+    """Per method: its best lr by mean final loss over seeds, and mean ± std over those seeds."""
+    by: dict[tuple, list] = {}
     for r in runs:
-        if r["method"] not in best or final_loss(r, budget) < final_loss(best[r["method"]], budget):
-            best[r["method"]] = r
-    # two targets, both set by Lion fp32 alone: its loss at the end of the budget, and at half of it
-    target = final_loss(best[REFERENCE], budget) if REFERENCE in best else None
-    half = None
+        by.setdefault((r["method"], r["lr"]), []).append(r)
+    mean_final = {k: sum(final_loss(r, budget) for r in rs) / len(rs) for k, rs in by.items()}
+    best = {}
+    for (name, lr), m in mean_final.items():
+        if name not in best or m < mean_final[best[name]]:
+            best[name] = (name, lr)
+    # two targets, both set by Lion fp32 alone (mean over its seeds): its loss at the end of the budget,
+    # and at half of it
+    target = half = None
     if REFERENCE in best:
-        half = next(e["val"] for e in reversed(best[REFERENCE]["evals"]) if e["t"] <= budget / 2 * 1.05)
+        ref = by[best[REFERENCE]]
+        target = mean_final[best[REFERENCE]]
+        half = sum(_loss_at(r, budget / 2) for r in ref) / len(ref)
     rows = []
-    for name, r in best.items():
-        ev = r["evals"]
-        last, mid = ev[-1], ev[len(ev) // 2]
-        ok = r["status"] == "ok"
-        hit = _crossing(ev, target) if target is not None and ok else None
-        hit_half = _crossing(ev, half) if half is not None and ok else None
-        rows.append(dict(method=name, lr=r["lr"], final_val=final_loss(r, budget), steps=last["step"],
-                         step_s=last["t"] / max(1, last["step"]),
-                         # second half of the run: PowerSGD's first steps are uncompressed
-                         bytes_per_step=(last["tx"] - mid["tx"]) / max(1, last["step"] - mid["step"]),
-                         time_to_target=hit[0] if hit else None, bytes_to_target=hit[1] if hit else None,
-                         time_to_half=hit_half[0] if hit_half else None,
-                         bytes_to_half=hit_half[1] if hit_half else None,
-                         lrs_tried={x["lr"]: final_loss(x, budget) for x in runs if x["method"] == name}))
+    for name, key in best.items():
+        rs, per = by[key], []
+        for r in rs:
+            ev = r["evals"]
+            last, mid = ev[-1], ev[len(ev) // 2]
+            ok = r["status"] == "ok"
+            per.append(dict(final=final_loss(r, budget), steps=last["step"], step_s=last["t"] / max(1, last["step"]),
+                            # second half of the run: PowerSGD's first steps are uncompressed
+                            bytes_per_step=(last["tx"] - mid["tx"]) / max(1, last["step"] - mid["step"]),
+                            target=_crossing(ev, target) if target is not None and ok else None,
+                            half=_crossing(ev, half) if half is not None and ok else None))
+        final, final_std = _mean_std([p["final"] for p in per])
+        row = dict(method=name, lr=key[1], seeds=len(rs), final_val=final, final_val_std=final_std,
+                   steps=round(sum(p["steps"] for p in per) / len(per)),
+                   step_s=sum(p["step_s"] for p in per) / len(per),
+                   bytes_per_step=sum(p["bytes_per_step"] for p in per) / len(per),
+                   lrs_tried={lr: mean_final[(n, lr)] for n, lr in by if n == name})
+        for which in ("target", "half"):
+            hits = [p[which] for p in per if p[which] is not None]
+            row[f"reached_{which}"] = len(hits)
+            if hits:
+                (t, t_sd), (b, b_sd) = _mean_std([h[0] for h in hits]), _mean_std([h[1] for h in hits])
+            else:
+                t = t_sd = b = b_sd = None
+            row.update({f"time_to_{which}": t, f"time_to_{which}_std": t_sd, f"bytes_to_{which}": b,
+                        f"bytes_to_{which}_std": b_sd})
+        rows.append(row)
     return dict(target=target, target_half=half, rows=rows)
 
 
@@ -194,39 +245,58 @@ def _hit(r: dict, ref: dict | None, key: str) -> str:
     if t is None:
         return "not reached | - | -"
     sp = f"{ref[f'time_to_{key}'] / t:.2f}x" if ref and ref[f"time_to_{key}"] else "-"
-    return f"{t:.1f} s | {sp} | {b / 1e6:.0f}"
+    n = r.get("seeds", 1)
+    if n == 1:
+        return f"{t:.1f} s | {sp} | {b / 1e6:.0f}"
+    return (f"{t:.1f} ± {r[f'time_to_{key}_std']:.1f} s ({r[f'reached_{key}']}/{n}) | {sp} | "
+            f"{b / 1e6:.0f} ± {r[f'bytes_to_{key}_std'] / 1e6:.0f}")
 
 
 def table(summary: dict) -> str:
     ref = next((r for r in summary["rows"] if r["method"] == REFERENCE), None)
     if ref is None:
         return "no reference run (lion-ddp)"
-    lines = [f"A = {summary['target']:.3f}: {REFERENCE}'s (best lr) val loss at the end of the budget; "
+    lines = [f"A = {summary['target']:.3f}: {REFERENCE}'s (best lr, mean over seeds) val loss at the end of the budget; "
              f"B = {summary['target_half']:.3f}: its val loss at half the budget",
              "| method | best lr | val @ budget | steps | s/step | MB/step sent | time to A | x | MB to A "
              "| time to B | x | MB to B |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(summary["rows"], key=lambda r: r["final_val"]):
-        lines.append(f"| {r['method']} | {r['lr']:g} | {r['final_val']:.3f} | {r['steps']} | {r['step_s']:.3f} | "
+        final = f"{r['final_val']:.3f}" + (f" ± {r['final_val_std']:.3f}" if r.get("seeds", 1) > 1 else "")
+        lines.append(f"| {r['method']} | {r['lr']:g} | {final} | {r['steps']} | {r['step_s']:.3f} | "
                      f"{r['bytes_per_step'] / 1e6:.2f} | {_hit(r, ref, 'target')} | {_hit(r, ref, 'half')} |")
     return "\n".join(lines)
 
 
-def plot(runs: list[dict], summary: dict, path: str, title: str, budget: float) -> None:
+def mean_curve(runs: list[dict], budget: float, every: float):
+    """Seeds of one (method, lr) on a common grid of seconds up to the shortest run (and ``budget``):
+    (grid, mean loss, std loss, mean MB sent), each interpolated linearly between evaluations."""
+    import numpy as np
+
+    end = min(min(r["evals"][-1]["t"] for r in runs), budget * 1.15)
+    grid = np.append(np.arange(0.0, end, every / 2), end)
+    vals = np.array([np.interp(grid, [e["t"] for e in r["evals"]], [e["val"] for e in r["evals"]]) for r in runs])
+    txs = np.array([np.interp(grid, [e["t"] for e in r["evals"]], [e["tx"] for e in r["evals"]]) for r in runs])
+    std = vals.std(0, ddof=1) if len(runs) > 1 else np.zeros_like(grid)
+    return grid, vals.mean(0), std, txs.mean(0) / 1e6
+
+
+def plot(runs: list[dict], summary: dict, path: str, title: str, budget: float, every: float = 5.0) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
-    best = {(r["method"], r["lr"]) for r in summary["rows"]}
-    shown = [r for r in runs if (r["method"], r["lr"]) in best]
-    for i, r in enumerate(shown):
-        ev = r["evals"]
-        style = "-" if r["method"].startswith("lion") else "--"
-        line, = axes[0].plot([e["t"] for e in ev], [e["val"] for e in ev], style, marker=".",
-                             color=plt.cm.tab20(i / max(1, len(shown) - 1)), label=f"{r['method']} (lr {r['lr']:g})")
-        axes[1].plot([e["tx"] / 1e6 for e in ev[1:]], [e["val"] for e in ev[1:]], style, marker=".",
-                     color=line.get_color())  # log axis: the t=0 point (0 bytes) is left out
+    best = [(r["method"], r["lr"], r.get("seeds", 1)) for r in summary["rows"]]
+    for i, (name, lr, n) in enumerate(best):
+        seeds = [r for r in runs if (r["method"], r["lr"]) == (name, lr)]
+        grid, mean, std, mb = mean_curve(seeds, budget, every)
+        style = "-" if name.startswith("lion") else "--"
+        label = f"{name} (lr {lr:g}" + (f", {n} seeds)" if n > 1 else ")")
+        line, = axes[0].plot(grid, mean, style, color=plt.cm.tab20(i / max(1, len(best) - 1)), label=label)
+        if n > 1:
+            axes[0].fill_between(grid, mean - std, mean + std, color=line.get_color(), alpha=0.2, lw=0)
+        axes[1].plot(mb[1:], mean[1:], style, color=line.get_color())  # log axis: the t=0 point (0 bytes) is left out
     for ax, xl in zip(axes, ("training seconds (wall clock, evals excluded)", "MB sent per worker (veth tx)")):
         if summary["target"] is not None:
             ax.axhline(summary["target"], color="k", lw=0.8, ls=":", label="target A (Lion fp32 @ budget)")
@@ -253,6 +323,9 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-every", type=float, default=5.0, help="training seconds between evaluations")
     ap.add_argument("--eval-batches", type=int, default=2, help="validation batches (16 sequences) per worker")
     ap.add_argument("--warmup", type=int, default=10, help="linear warm-up steps")
+    ap.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
+                    help="after the warm-up: constant, or a cosine over the budget (seconds, or --steps)")
+    ap.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine: the last lr, as a fraction of the peak")
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--rate", default="1gbit", help="per-direction link rate; 'none' = unshaped")
     ap.add_argument("--layers", type=int, default=2)
@@ -260,7 +333,7 @@ def main(argv=None) -> int:
     ap.add_argument("--embd", type=int, default=192)
     ap.add_argument("--block", type=int, default=32, help="tokens per sequence")
     ap.add_argument("--batch", type=int, default=1, help="sequences per worker per step")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", default="0", help="comma list: every (method, lr) runs once per seed")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "race.json"))
     ap.add_argument("--append", metavar="JSON", help="keep the runs of an earlier race.json (a later run of the "
                     "same method and lr replaces it) and report them together")
@@ -306,9 +379,9 @@ def main(argv=None) -> int:
     if args.append:
         with open(args.append) as f:
             earlier = json.load(f)
-        new_keys = {(r["method"], r["lr"]) for r in runs}
-        earlier["replaced_runs"] = [r for r in earlier["runs"] if (r["method"], r["lr"]) in new_keys]
-        runs = [r for r in earlier["runs"] if (r["method"], r["lr"]) not in new_keys] + runs
+        new_keys = {_run_key(r) for r in runs}
+        earlier["replaced_runs"] = [r for r in earlier["runs"] if _run_key(r) in new_keys]
+        runs = [r for r in earlier["runs"] if _run_key(r) not in new_keys] + runs
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "rate": tb.rate or "unshaped", "wall_s": wall,
@@ -321,16 +394,20 @@ def main(argv=None) -> int:
     return 0 if not bad else 1
 
 
+def _run_key(run: dict) -> tuple:
+    return run["method"], run["lr"], run.get("seed", 0)
+
+
 def report(path: str) -> int:
     """Summary, table and plot of a race.json (written back into it), e.g. after changing the report."""
     with open(path) as f:
         res = json.load(f)
     a = res["args"]
     if a.get("steps") is not None:  # a step-matched grid: loss at the same step count, no time targets
-        print(f"| method | lr | steps | val @ end | s/step |\n|---|---|---|---|---|")
+        print(f"| method | lr | seed | steps | val @ end | s/step |\n|---|---|---|---|---|---|")
         for r in sorted(res["runs"], key=lambda r: r["evals"][-1]["val"]):
             last = r["evals"][-1]
-            print(f"| {r['method']} | {r['lr']:g} | {last['step']} | {last['val']:.3f} | "
+            print(f"| {r['method']} | {r['lr']:g} | {r.get('seed', 0)} | {last['step']} | {last['val']:.3f} | "
                   f"{last['t'] / max(1, last['step']):.3f} |")
         return 0
     res["summary"] = summarize(res["runs"], a["budget"])
@@ -340,7 +417,8 @@ def report(path: str) -> int:
     png = os.path.splitext(path)[0] + ".png"
     plot(res["runs"], res["summary"], png, f"{a['workers']} workers, {res['rate']}, GPT {a['layers']}L/{a['embd']}d "
          f"({res['runs'][0]['n_params'] / 1e6:.2f}M params), {a['batch']}x{a['block']} tokens/worker/step, "
-         f"{a['budget']:.0f} s budget", a["budget"])
+         f"{a['budget']:.0f} s budget" + (f", {a.get('schedule')} lr" if a.get("schedule") else ""), a["budget"],
+         a.get("eval_every", 5.0))
     print(f"wrote {path} and {png}")
     return 0
 

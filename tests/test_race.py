@@ -1,0 +1,61 @@
+"""bench/race.py's schedule and its report over seeds (pure functions; the race itself needs root and minutes)."""
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+import race  # noqa: E402
+
+
+def _run(method, lr, seed, vals, every=10.0, mb_per_s=1e6):
+    evals = [dict(t=i * every, step=10 * i, val=v, tx=i * every * mb_per_s, train=v) for i, v in enumerate(vals)]
+    return dict(method=method, lr=lr, seed=seed, status="ok", n_params=1, steps=evals[-1]["step"], evals=evals)
+
+
+def test_lr_factor_warms_up_then_follows_the_schedule():
+    assert race.lr_factor(0, 0.0, 10, "constant", 0.1) == pytest.approx(0.1)
+    assert race.lr_factor(50, 0.7, 10, "constant", 0.1) == 1.0
+    assert race.lr_factor(50, 0.0, 10, "cosine", 0.1) == 1.0
+    assert race.lr_factor(50, 0.5, 10, "cosine", 0.1) == pytest.approx(0.55)
+    assert race.lr_factor(50, 1.0, 10, "cosine", 0.1) == pytest.approx(0.1)
+    assert race.lr_factor(50, 3.0, 10, "cosine", 0.1) == pytest.approx(0.1)  # past the budget: the floor
+
+
+def test_summary_picks_the_best_lr_by_mean_over_seeds_and_reports_mean_and_std():
+    runs = [
+        # reference: lr 1e-4 ends at 2.0 and 2.2 (mean 2.1); lr 3e-4 is better on one seed, worse on average
+        _run("lion-ddp", 1e-4, 0, [3.0, 2.5, 2.0]), _run("lion-ddp", 1e-4, 1, [3.0, 2.6, 2.2]),
+        _run("lion-ddp", 3e-4, 0, [3.0, 2.4, 1.9]), _run("lion-ddp", 3e-4, 1, [3.0, 2.9, 2.9]),
+        # a method that reaches A = 2.1 on both seeds (at 15 s and at 20 s), and one that never does
+        _run("fast", 1e-3, 0, [3.0, 1.9, 1.8]), _run("fast", 1e-3, 1, [3.0, 2.3, 2.1]),
+        _run("slow", 1e-3, 0, [3.0, 2.8, 2.7]),
+    ]
+    s = race.summarize(runs, budget=20.0)
+    assert s["target"] == pytest.approx(2.1) and s["target_half"] == pytest.approx((2.5 + 2.6) / 2)
+    rows = {r["method"]: r for r in s["rows"]}
+    ref = rows["lion-ddp"]
+    assert ref["lr"] == 1e-4 and ref["seeds"] == 2
+    assert ref["lrs_tried"] == {1e-4: pytest.approx(2.1), 3e-4: pytest.approx(2.4)}
+    assert ref["final_val_std"] == pytest.approx(math.sqrt(0.02))
+    fast = rows["fast"]
+    # seed 0 crosses 2.1 a tenth of the way from 10 s (3.0 -> 1.9 over 10 s: 9/11 of it), seed 1 at 20 s
+    t0, t1 = 9 / 11 * 10, 20.0
+    assert fast["reached_target"] == 2 and fast["time_to_target"] == pytest.approx((t0 + t1) / 2)
+    assert fast["time_to_target_std"] == pytest.approx(abs(t1 - t0) / math.sqrt(2))
+    assert fast["bytes_to_target"] == pytest.approx((t0 + t1) / 2 * 1e6)
+    assert rows["slow"]["reached_target"] == 0 and rows["slow"]["time_to_target"] is None
+    table = race.table(s)
+    assert "2.100 ± 0.141" in table and "(2/2)" in table and "not reached" in table
+
+
+def test_mean_curve_bands_the_seeds_on_a_common_grid():
+    a, b = _run("m", 1e-3, 0, [3.0, 2.0, 1.0]), _run("m", 1e-3, 1, [3.0, 2.4, 1.4])
+    grid, mean, std, mb = race.mean_curve([a, b], budget=20.0, every=10.0)
+    assert list(grid) == [0.0, 5.0, 10.0, 15.0, 20.0]
+    assert mean[2] == pytest.approx(2.2) and mean[3] == pytest.approx((1.5 + 1.9) / 2)
+    assert std[0] == 0.0 and std[2] == pytest.approx(0.4 / math.sqrt(2))
+    assert mb[4] == pytest.approx(20.0)
