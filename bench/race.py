@@ -7,8 +7,8 @@ are not counted), once per learning rate of its family's grid (``--lr-adamw`` /
 ``--lr-lion``: the same 2-3 point sweep for every method of a family). Constant learning
 rate after a ``--warmup``-step linear warm-up; weight decay 0; betas (0.9, 0.99).
 
-At each point where the replicas agree (every step; every H steps for local SGD and
-DiLoCo) the ranks agree on the elapsed time (one 8-byte all-reduce, MAX) and, every
+At each point where the replicas agree (every step; every H steps for local SGD,
+DiLoCo and SparseLoCo) the ranks agree on the elapsed time (one 8-byte all-reduce, MAX) and, every
 ``--eval-every`` seconds, evaluate the agreed model on fixed validation batches. Each
 evaluation records: training seconds, steps, validation loss, bytes this rank's veth
 sent so far (mean over ranks). The target is the loss Lion + DDP fp32 (best LR) reaches
