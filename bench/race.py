@@ -14,8 +14,8 @@ With several seeds a method's best lr is the one with the lowest mean final loss
 gives the mean ± std over seeds of the final loss and of the time and bytes to each target
 (and how many seeds reached it), and the plot its mean curve with a band of ± one std.
 
-At each point where the replicas agree (every step; every H steps for local SGD and
-DiLoCo) the ranks agree on the elapsed time (one 8-byte all-reduce, MAX) and, every
+At each point where the replicas agree (every step; every H steps for local SGD,
+DiLoCo and SparseLoCo) the ranks agree on the elapsed time (one 8-byte all-reduce, MAX) and, every
 ``--eval-every`` seconds, evaluate the agreed model on fixed validation batches. Each
 evaluation records: training seconds, steps, validation loss, bytes this rank's veth
 sent so far (mean over ranks). The target is the loss Lion + DDP fp32 (best LR) reaches

@@ -2,7 +2,7 @@
 
 Checked per method: parameters move; replicas are bit-identical at every point the
 method promises it (every step for DDP / Lion Cub, after each average for local SGD,
-after each outer step for DiLoCo) and, for the local methods, *differ* between those
+after each outer step for DiLoCo and SparseLoCo) and, for the local methods, *differ* between those
 points (the ranks really train on different data, so the equality is not vacuous).
 DiLoCo's outer step is checked against its definition by hand.
 """
@@ -16,8 +16,8 @@ import torch
 from lioncub import baselines
 from tests.dist import run_workers
 
-STEPS = {"local-adamw-h10": 11, "diloco-h10": 11}  # one sync point each; others (diloco-h50 too): 3
-PERIOD = {"local-adamw-h10": 10, "diloco-h10": 10, "diloco-h50": 50,
+STEPS = {"local-adamw-h10": 11, "diloco-h10": 11, "sparseloco-h10": 11}  # one sync point each; others: 3
+PERIOD = {"local-adamw-h10": 10, "diloco-h10": 10, "diloco-h50": 50, "sparseloco-h10": 10, "sparseloco-h50": 50,
           "lcub-onebit-h2-nest2-ef": 2, "lcub-pbit8l1-h3-lion2-adamw": 3, "lcub-mean4-h2-nest0.7-ef": 2}
 NAMES = list(baselines.METHODS) + ["lcub-onebit-h2-nest2-ef", "lcub-pbit8l1-h3-lion2-adamw", "lcub-mean4-h2-nest0.7-ef"]  # LocalCub
 

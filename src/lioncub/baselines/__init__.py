@@ -2,7 +2,8 @@
 
 Harness-level adapters, kept out of the library core: each is a short wrapper around
 what PyTorch provides (DDP, its comm hooks, ``PeriodicModelAverager``) or, for DiLoCo,
-our own few lines. ``build(name, module, lr=...)`` makes one; see :class:`Adapter`.
+SparseLoCo and DeMo, our own lines written from their papers. ``build(name, module, lr=...)``
+makes one; see :class:`Adapter`.
 
     name                    what travels, per element per step      replicas identical
     adamw-ddp               fp32 gradients (DDP)                     every step
@@ -10,6 +11,12 @@ our own few lines. ``build(name, module, lr=...)`` makes one; see :class:`Adapte
     adamw-psgd-r1 / -r4     PowerSGD rank-1 / rank-4 factors         every step
     local-adamw-h10         fp32 parameters every 10 steps           after each average
     diloco-h10 / -h50       fp32 pseudo-gradient every H steps       after each outer step
+    sparseloco-h10 / -h50   top-1.56% of an error-fed Δ per 4096-    after each outer step
+                            chunk, 2-bit values + int16 indices
+                            (all_gather) every H steps: 0.289/H bits
+    demo                    DeMo: top-4 of 64 DCT components of the  every step
+                            local momentum, fp32 + uint8 index
+                            (all_gather), sign applied: 2.5 bits
     lion-ddp                fp32 gradients (DDP), then Lion          every step
     lioncub-pbit4           4-bit lanes of signs (LionCub)           every step
     lioncub-onebit          1-bit all_to_all + all_gather            every step
@@ -37,7 +44,7 @@ from functools import partial
 
 from torch import nn
 
-from . import cub, ddp, local
+from . import cub, ddp, demo, local, sparseloco
 from .base import Adapter
 
 __all__ = ["Adapter", "METHODS", "build", "family"]
@@ -51,6 +58,9 @@ METHODS = {
     "local-adamw-h10": partial(local.LocalSGD, H=10),
     "diloco-h10": partial(local.DiLoCo, H=10),
     "diloco-h50": partial(local.DiLoCo, H=50),
+    "sparseloco-h10": partial(sparseloco.SparseLoCo, H=10),
+    "sparseloco-h50": partial(sparseloco.SparseLoCo, H=50),
+    "demo": demo.DeMo,
     "lion-ddp": ddp.lion,
     "lioncub-pbit4": partial(cub.CubMethod, vote="pbit", bits=4),
     "lioncub-pbit4-overlap": partial(cub.CubMethod, vote="pbit", bits=4, overlap=True, bucket_mb=2.0),
@@ -83,7 +93,7 @@ def family(name: str) -> str:
     _check(name)
     if name.startswith("lcub-"):
         return "adamw" if name.endswith("-adamw") else "lion"
-    return "lion" if name.startswith(("lion-", "lioncub-")) else "adamw"
+    return "lion" if name.startswith(("lion-", "lioncub-")) or name == "demo" else "adamw"  # DeMo: sign updates
 
 
 def build(name: str, module: nn.Module, *, lr: float, group=None, weight_decay: float = 0.0) -> Adapter:

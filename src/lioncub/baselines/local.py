@@ -25,7 +25,7 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 from .base import Adapter, broadcast_module, set_lr
 from .ddp import BETAS
 
-__all__ = ["LocalSGD", "DiLoCo"]
+__all__ = ["LocalSGD", "DiLoCo", "Rounds"]
 
 
 def _check_period(H) -> int:
@@ -59,7 +59,27 @@ class LocalSGD(Adapter):
         return self.steps % self.H == 0
 
 
-class DiLoCo(Adapter):
+class Rounds(Adapter):
+    """A round: ``H`` steps of ``self.inner`` alone, then ``self.outer_step()`` (which makes the replicas agree)."""
+
+    H: int
+    inner: torch.optim.Optimizer
+
+    def step(self, lr: float) -> bool:
+        set_lr(self.inner, lr)
+        self.inner.step()
+        self.inner.zero_grad(set_to_none=True)
+        self.steps += 1
+        if self.steps % self.H:
+            return False
+        self.outer_step()
+        return True
+
+    def outer_step(self) -> None:
+        raise NotImplementedError
+
+
+class DiLoCo(Rounds):
     """Inner AdamW for ``H`` steps, outer Nesterov step on the averaged pseudo-gradient."""
 
     family = "adamw"
@@ -75,16 +95,6 @@ class DiLoCo(Adapter):
         self.global_params = [p.detach().clone().requires_grad_(True) for p in self.params]
         self.outer = torch.optim.SGD(self.global_params, lr=outer_lr, momentum=outer_momentum,
                                      nesterov=outer_momentum > 0)
-
-    def step(self, lr: float) -> bool:
-        set_lr(self.inner, lr)
-        self.inner.step()
-        self.inner.zero_grad(set_to_none=True)
-        self.steps += 1
-        if self.steps % self.H:
-            return False
-        self.outer_step()
-        return True
 
     @torch.no_grad()
     def outer_step(self) -> None:
