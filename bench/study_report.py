@@ -1,27 +1,114 @@
 """Tables and plots from the study's raw records (``bench/study.py`` -> ``study.jsonl``).
 
-Each row of the plan (``study.plan``) is matched to its records by experiment key, so a run
-shared by two parts (e.g. Lion at β2 = 0.99) is counted in both. Per row: final validation
-loss (and accuracy for images) as mean ± sample std over seeds, its gap to the part's Lion
-row, and the mean wall time of one run. Writes ``summary.json`` and one PNG per part.
+Each row of the plan (``study.plan``, with ``study.recipe_plan`` for the ``recipe`` part) is
+matched to its records by experiment key, so a run shared by two parts (e.g. Lion at β2 = 0.99)
+is counted in both; the plan is rebuilt for every seed, step count and recipe step count found
+in the records. Per row: final validation loss (and accuracy for images) as mean ± sample std
+over seeds, the number of seeds, its Δ to the part's reference row with a verdict (``NOISE_RULE``),
+and the mean wall time of one run. The reference row is the part's Lion row (same model, β2,
+steps and embedding tying; a part without one, e.g. ``ties``, uses such a Lion row of another
+part); for ``recipe`` it is Lion at the grid's best point (``study.LION_GRID[0]``), and every
+other recipe row also gets its Δ to the AdamW reference row. Writes the summary JSON, one PNG
+per part (final loss bars; mean validation-loss curves with a ± one std band over seeds) and
+prints Markdown tables (also to ``--markdown FILE``).
 
     PYTHONPATH=src python3 bench/study_report.py bench/results/study.jsonl \
         --figures docs/figures/study --summary bench/results/study_summary.json
+    PYTHONPATH=src python3 bench/study_report.py bench/results/study_recipe.jsonl \
+        --figures docs/figures/study --markdown /tmp/recipe.md
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from study import PARTS, load_records, plan  # noqa: E402
+from study import LION_GRID, PARTS, plan, recipe_plan  # noqa: E402
+
+RECIPE_LION = f"Lion lr={LION_GRID[0][0]:g} wd={LION_GRID[0][1]:g}"  # recipe_plan's label of the best grid point
+RECIPE_ADAMW = "AdamW (nanoGPT)"
+NOISE_RULE = ("Δ = mean − mean of the reference row; beyond noise when |Δ| > 2·sqrt(sd_a²/n_a + sd_b²/n_b) "
+              "(sample std sd over n seeds), else within noise; n/a (one seed) when either row has fewer than "
+              "2 seeds")
+ONE_SEED = "n/a (one seed)"
 
 
-def _ms(xs: list[float]) -> tuple[float, float]:
-    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else float("nan"))
+def load_records(path: str) -> list[dict]:
+    """The JSONL's records; a torn last line (a study still appending) is skipped."""
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    for i, line in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i != len(lines) - 1:
+                raise
+    return out
+
+
+def _ms(xs: list[float]) -> tuple[float, float | None]:
+    """(mean, sample std); the std is None for one seed."""
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else None)
+
+
+def compare(a: dict, b: dict, metric: str = "val_loss") -> dict:
+    """Δ of row ``a`` against row ``b`` (mean minus mean) and its verdict by ``NOISE_RULE``."""
+    (ma, sa), (mb, sb) = a[metric], b[metric]
+    na, nb = len(a["seeds"]), len(b["seeds"])
+    out = {"ref": b["label"], "ref_part": b["part"], "delta": ma - mb}
+    if na < 2 or nb < 2 or sa is None or sb is None:
+        out.update(noise=None, verdict=ONE_SEED)
+    else:
+        noise = 2 * math.sqrt(sa ** 2 / na + sb ** 2 / nb)
+        out.update(noise=noise, verdict="beyond noise" if abs(ma - mb) > noise else "within noise")
+    return out
+
+
+def _specs(records: list[dict]):
+    """Every spec the records can belong to: the plan rebuilt per seed (so each seed gets the
+    recipe grid's edges too) and per step count found (recipe runs apart from the others)."""
+    seeds = sorted({r["seed"] for r in records})
+    recipe = sorted({r["steps"] for r in records if r.get("part") == "recipe"})
+    other = [r for r in records if r.get("part") != "recipe"]
+    gpt = sorted({r["steps"] for r in other if r["model"] == "gpt"}) or [0]
+    img = sorted({r["steps"] for r in other if r["model"] != "gpt"}) or [0]
+    rest = [p for p in PARTS if p != "recipe"]
+    for steps in recipe:
+        for seed in seeds:
+            yield from recipe_plan([seed], steps)
+    for g in gpt:
+        for i in img:
+            for seed in seeds:
+                yield from plan(rest, [seed], g, i)
+
+
+def _curve(runs: list[dict]) -> dict:
+    """Mean and sample std over seeds of the validation loss at the steps every run evaluated."""
+    common = set.intersection(*({c["step"] for c in r["curve"]} for r in runs))
+    steps = [c["step"] for c in runs[0]["curve"] if c["step"] in common]
+    at = [{c["step"]: c["val_loss"] for c in r["curve"]} for r in runs]
+    ms = [_ms([a[s] for a in at]) for s in steps]
+    return {"step": steps, "val_loss": [m for m, _ in ms], "val_loss_std": [s for _, s in ms]}
+
+
+def _reference(row: dict, rows: list[dict], everything: list[dict]) -> dict | None:
+    """The row's reference: the recipe's best-grid Lion row, else a Lion row of the same model,
+    β2, steps and tying in the same part, else in another part."""
+    if row["part"] == "recipe":
+        return next((x for x in rows if x["label"] == RECIPE_LION and x["steps"] == row["steps"]), None)
+
+    def lion(x):
+        return (x["vote"] == "grad" and x["optimizer"] == "lion" and "Lion" in x["label"] and x["model"] == row["model"]
+                and x["beta2"] == row["beta2"] and x["steps"] == row["steps"] and x["tied"] == row["tied"])
+    return next((x for x in rows if lion(x)), None) or \
+        next((x for x in everything if x["part"] != "recipe" and lion(x)), None)
 
 
 def summarize(records: list[dict]) -> dict[str, list[dict]]:
@@ -29,65 +116,108 @@ def summarize(records: list[dict]) -> dict[str, list[dict]]:
     by_key: dict[str, list[dict]] = {}
     for r in records:
         by_key.setdefault(r["key"], []).append(r)
-    seeds = sorted({r["seed"] for r in records})
-    gpt = [r["steps"] for r in records if r["model"] == "gpt"]
-    img = [r["steps"] for r in records if r["model"] != "gpt"]
-    specs = plan(PARTS, seeds, gpt[0] if gpt else 0, img[0] if img else 0)
-    rows: dict[tuple[str, str], dict] = {}
-    for spec in specs:
-        for r in by_key.get(spec.key(), [])[:1]:
-            row = rows.setdefault((spec.part, spec.label), {"part": spec.part, "label": spec.label,
-                                                            "model": spec.model, "beta2": spec.beta2, "runs": []})
-            row["runs"].append(r)
+    rows: dict[tuple[str, str, int], dict] = {}
+    for spec in _specs(records):
+        got = [r for r in by_key.get(spec.key(), []) if r["seed"] == spec.seed][:1]
+        for r in got:
+            row = rows.setdefault((spec.part, spec.label, spec.steps), {
+                "part": spec.part, "label": spec.label, "model": spec.model, "beta2": spec.beta2, "tied": spec.tied,
+                "vote": spec.vote, "optimizer": spec.optimizer, "lr": spec.lr, "weight_decay": spec.weight_decay,
+                "runs": {}})
+            row["runs"].setdefault(r["seed"], r)
     out: dict[str, list[dict]] = {}
-    for (part, _), row in rows.items():
-        runs = row.pop("runs")
-        row["seeds"] = sorted(r["seed"] for r in runs)
+    for (part, _, _), row in rows.items():
+        by_seed = row.pop("runs")
+        runs = [by_seed[s] for s in sorted(by_seed)]
+        row["seeds"] = [r["seed"] for r in runs]
         row["steps"] = runs[0]["steps"]
         row["val_loss"] = _ms([r["final"]["val_loss"] for r in runs])
         if "val_acc" in runs[0]["final"]:
             row["val_acc"] = _ms([r["final"]["val_acc"] for r in runs])
         row["wall_s"] = statistics.fmean(r["wall_s"] for r in runs)
         row["params"] = runs[0]["params"]
-        steps = [c["step"] for c in runs[0]["curve"]]
-        row["curve"] = {"step": steps, "val_loss": [statistics.fmean(r["curve"][i]["val_loss"] for r in runs)
-                                                     for i in range(len(steps))]}
+        row["curve"] = _curve(runs)
         spreads = [r["momentum_spread"] for r in runs if "momentum_spread" in r]
         if spreads:
             row["momentum_spread"] = {k: statistics.fmean(s[k] for s in spreads) for k in spreads[0]}
         out.setdefault(part, []).append(row)
-    for rows_ in out.values():  # gap to the Lion row with the same model and β2
+    everything = [x for rows_ in out.values() for x in rows_]
+    for rows_ in out.values():
         for row in rows_:
-            ref = [x for x in rows_ if "Lion" in x["label"] and x["model"] == row["model"]
-                   and x["beta2"] == row["beta2"]]
-            row["gap_to_lion"] = row["val_loss"][0] - ref[0]["val_loss"][0] if ref else float("nan")
+            ref = _reference(row, rows_, everything)
+            row["vs_ref"] = None if ref is None else compare(row, ref)
+            row["gap_to_lion"] = None if ref is None else row["vs_ref"]["delta"]
+            if row["part"] == "recipe":
+                adamw = next((x for x in rows_ if x["label"] == RECIPE_ADAMW and x["steps"] == row["steps"]), None)
+                row["vs_adamw"] = None if adamw is None or adamw is row else compare(row, adamw)
     return out
 
 
+def _mean_std(ms: tuple[float, float | None], scale: float = 1.0, digits: int = 4) -> str:
+    m, s = ms
+    return f"{scale * m:.{digits}f} ± " + ("n/a" if s is None else f"{scale * s:.{digits}f}")
+
+
+def _delta_cells(row: dict, cmp: dict | None, ref_name: str) -> list[str]:
+    if cmp is None:
+        return [f"n/a (no {ref_name} row)", "n/a"]
+    if cmp["ref_part"] == row["part"] and cmp["ref"] == row["label"]:
+        return ["0 (reference)", "—"]
+    d = f"{cmp['delta']:+.4f}" + ("" if cmp["noise"] is None else f" (2σ {cmp['noise']:.4f})")
+    return [d, cmp["verdict"]]
+
+
+def best_recipe_lion(rows: list[dict]) -> dict | None:
+    """The recipe's Lion grid point with the lowest mean final loss among those that have records."""
+    grid = {f"Lion lr={lr:g} wd={wd:g}" for lr, wd in LION_GRID}
+    lions = [r for r in rows if r["label"] in grid]
+    return min(lions, key=lambda r: r["val_loss"][0]) if lions else None
+
+
 def markdown(summary: dict[str, list[dict]]) -> str:
-    """One Markdown table per part."""
+    """One Markdown table per part, the reference row and the noise rule under it; no nan."""
     lines = []
     for part in PARTS:
         rows = summary.get(part)
         if not rows:
             continue
         acc = any("val_acc" in r for r in rows)
-        head = "| run | seeds | steps | val loss (mean ± std) | Δ vs Lion |" + (" val acc |" if acc else "") + " s/run |"
+        recipe = part == "recipe"
+        ref_name = "Lion"
+        head = "| run | seeds | steps | val loss (mean ± std) | Δ vs Lion | vs noise |"
+        if recipe:
+            head += " Δ vs AdamW | vs noise |"
+        head += (" val acc |" if acc else "") + " s/run |"
         lines += [f"### {part}", "", head, "|" + "---|" * (head.count("|") - 1)]
         for r in rows:
-            m, s = r["val_loss"]
-            cells = [r["label"], str(len(r["seeds"])), str(r["steps"]), f"{m:.4f} ± {s:.4f}", f"{r['gap_to_lion']:+.4f}"]
+            cells = [r["label"], str(len(r["seeds"])), str(r["steps"]), _mean_std(r["val_loss"])]
+            cells += _delta_cells(r, r.get("vs_ref"), ref_name)
+            if recipe:
+                is_ref = r["label"] == RECIPE_ADAMW
+                cells += ["0 (reference)", "—"] if is_ref else _delta_cells(r, r.get("vs_adamw"), "AdamW")
             if acc:
-                am, asd = r.get("val_acc", (float("nan"),) * 2)
-                cells.append(f"{100 * am:.1f} ± {100 * asd:.1f} %")
+                cells.append(_mean_std(r["val_acc"], 100, 1) + " %" if "val_acc" in r else "n/a")
             cells.append(f"{r['wall_s']:.0f}")
             lines.append("| " + " | ".join(cells) + " |")
+        refs = sorted({(r["vs_ref"]["ref_part"], r["vs_ref"]["ref"]) for r in rows if r.get("vs_ref")})
+        lines.append("")
+        if refs:
+            lines.append("Reference (Δ vs Lion): " + "; ".join(f"{lab} ({p})" if p != part else lab for p, lab in refs)
+                         + ("; Δ vs AdamW: " + RECIPE_ADAMW if recipe else "") + ". " + NOISE_RULE + ".")
+        else:
+            lines.append(f"No Lion row to compare with. {NOISE_RULE}.")
+        best = best_recipe_lion(rows) if recipe else None
+        if best is not None and best["label"] != RECIPE_LION:
+            lines.append(f"Note: the Lion grid point with the lowest mean is {best['label']} "
+                         f"({_mean_std(best['val_loss'])}, {len(best['seeds'])} seeds), "
+                         f"not the planned best {RECIPE_LION}.")
         lines.append("")
     return "\n".join(lines)
 
 
 def plot(summary: dict[str, list[dict]], fig_dir: str, tag: str = "") -> list[str]:
-    """Per part: final val loss (bars, ±std) and mean val-loss curves; the momentum spread per layer."""
+    """Per part: final val loss (bars, ±std) and mean val-loss curves with a ± one std band over
+    seeds; the momentum spread per layer."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -99,22 +229,30 @@ def plot(summary: dict[str, list[dict]], fig_dir: str, tag: str = "") -> list[st
         metric = "val_acc" if part == "vision" else "val_loss"
         fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(13, 4.2))
         names = [r["label"] for r in rows]
-        ys = [r.get(metric, (float("nan"),) * 2) for r in rows]
-        ax0.barh(range(len(rows)), [y[0] for y in ys], xerr=[0 if y[1] != y[1] else y[1] for y in ys],
-                 color=["tab:gray" if "Lion" in n else "tab:blue" for n in names])
+        ys = [(m, s or 0.0) for m, s in (r.get(metric, (float("nan"), None)) for r in rows)]
+        colors = ["tab:gray" if "Lion" in n else "tab:orange" if n == RECIPE_ADAMW else "tab:blue" for n in names]
+        ax0.barh(range(len(rows)), [y[0] for y in ys], xerr=[y[1] for y in ys], color=colors)
         ax0.set_yticks(range(len(rows)), names, fontsize=8)
         ax0.invert_yaxis()
-        lo = min(y[0] - (y[1] if y[1] == y[1] else 0) for y in ys)
-        hi = max(y[0] + (y[1] if y[1] == y[1] else 0) for y in ys)
-        ax0.set_xlim(lo - 0.1 * (hi - lo + 1e-9), hi + 0.1 * (hi - lo + 1e-9))
+        finite = [y for y in ys if y[0] == y[0]]
+        if finite:
+            lo, hi = min(m - s for m, s in finite), max(m + s for m, s in finite)
+            ax0.set_xlim(lo - 0.1 * (hi - lo + 1e-9), hi + 0.1 * (hi - lo + 1e-9))
         ax0.set_xlabel(("validation accuracy" if metric == "val_acc" else "final validation loss") + " (mean ± std)")
         for r in rows:
-            ax1.plot(r["curve"]["step"], r["curve"]["val_loss"], marker="o", ms=3, label=r["label"],
-                     ls="--" if "Lion" in r["label"] else "-")
+            c = r["curve"]
+            (line,) = ax1.plot(c["step"], c["val_loss"], marker="o", ms=3,
+                               label=f"{r['label']} ({len(r['seeds'])} seed{'s' if len(r['seeds']) > 1 else ''})",
+                               ls="--" if "Lion" in r["label"] else "-")
+            std = c.get("val_loss_std") or []
+            if std and all(s is not None for s in std):
+                ax1.fill_between(c["step"], [m - s for m, s in zip(c["val_loss"], std)],
+                                 [m + s for m, s in zip(c["val_loss"], std)], color=line.get_color(), alpha=0.2)
         ax1.set_xlabel("step")
-        ax1.set_ylabel("validation loss (mean over seeds)")
+        ax1.set_ylabel("validation loss (mean over seeds, band ± 1 std)")
         ax1.legend(fontsize=7)
-        fig.suptitle(f"study: {part} ({len(rows[0]['seeds'])} seeds, 4 workers)")
+        n_seeds = max(len(r["seeds"]) for r in rows)
+        fig.suptitle(f"study: {part} (up to {n_seeds} seeds, 4 workers)")
         fig.tight_layout()
         path = os.path.join(fig_dir, f"{part}{tag}.png")
         fig.savefig(path, dpi=110)
@@ -144,15 +282,24 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description="tables and plots from study.jsonl")
     ap.add_argument("records", nargs="?", default="bench/results/study.jsonl")
     ap.add_argument("--figures", default="docs/figures/study")
-    ap.add_argument("--summary", default="bench/results/study_summary.json")
+    ap.add_argument("--summary", default=None, help="summary JSON (default: the records' path with _summary.json)")
+    ap.add_argument("--markdown", default=None, help="also write the Markdown tables to this file")
     ap.add_argument("--tag", default="", help="suffix for the PNG names (e.g. _long)")
     a = ap.parse_args(argv)
-    summary = summarize(load_records(a.records))
-    with open(a.summary, "w") as f:
+    records = load_records(a.records)
+    summary = summarize(records)
+    path = a.summary or os.path.splitext(a.records)[0] + "_summary.json"
+    with open(path, "w") as f:
         json.dump(summary, f, indent=1)
     for p in plot(summary, a.figures, a.tag):
         print("wrote", p)
-    print(markdown(summary))
+    text = markdown(summary)
+    if a.markdown:
+        with open(a.markdown, "w") as f:
+            f.write(text + "\n")
+    matched = sum(len(r["seeds"]) for rows in summary.values() for r in rows)
+    print(f"{len(records)} records; {matched} (row, seed) entries matched to plan rows")
+    print(text)
 
 
 if __name__ == "__main__":

@@ -133,3 +133,139 @@ def test_recipe_part_applies_its_shape_schedule_and_optimizers():
     groups = study.param_groups(model, lr=lion.lr, weight_decay=lion.weight_decay)
     assert max(g["weight_decay"] for g in groups) == 1.0
     assert run_workers(_adamw_step, 2) == [(True, "AllReduceAdamW")] * 2
+
+
+# ----------------------------------------------------------------------------- the report, on synthetic records
+# final val loss per (label, seed) of fake recipe runs; the curve ends at it (step 400), with step 200 at +1.
+_RECIPE_FINAL = {
+    "AdamW (nanoGPT)": {0: 1.80, 1: 1.90, 2: 2.00},  # mean 1.90, std 0.1
+    "Lion lr=0.0001 wd=1": {0: 2.10, 1: 2.12, 2: 2.14},  # the reference: mean 2.12, std 0.02
+    "Lion lr=3e-05 wd=3": {0: 2.50},  # the grid's edges: seed 0 only
+    "Lion lr=0.0003 wd=0.3": {0: 2.30},
+    "1-bit (onebit)": {0: 2.20, 1: 2.22, 2: 2.24},  # +0.10 vs Lion: beyond noise (2σ = 0.0327)
+    "4-bit binary (pbit)": {0: 2.13, 1: 2.17},  # two seeds: +0.03, std 0.0283 -> 2σ = 0.0462: within
+    "8-bit L1 (pbit)": {0: 2.11, 1: 2.13, 2: 2.15},  # +0.01: within noise
+}
+
+
+def _no_nan(text: str) -> bool:
+    import re
+
+    return re.search(r"\bnan\b", text, re.IGNORECASE) is None  # ("nanoGPT" is a word of its own)
+
+
+def _fake_record(spec, final: float, wall: float = 10.0) -> dict:
+    from dataclasses import asdict
+
+    curve = [{"step": 200, "val_loss": final + 1.0}, {"step": spec.steps, "val_loss": final}]
+    return {"key": spec.key(), **asdict(spec), "world": 4, "final": curve[-1], "train_loss_last20": final,
+            "curve": curve, "skipped_steps": 0, "wall_s": wall + spec.seed, "params": 1000}
+
+
+def _recipe_records(steps: int = 400) -> list[dict]:
+    out = []
+    for spec in study.recipe_plan([0, 1, 2], steps=steps):
+        final = _RECIPE_FINAL[spec.label].get(spec.seed)
+        if final is not None:
+            out.append(_fake_record(spec, final))
+    return out
+
+
+def _write_jsonl(path, records) -> str:
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    return str(path)
+
+
+def test_report_recipe_rows_means_deltas_and_verdicts(tmp_path):
+    """Fails if recipe records are not matched to the recipe plan (by key, with their own step
+    count, next to tiny-study records of another step count), or if a mean, std, Δ or verdict is
+    wrong, or if any table cell says nan."""
+    import dataclasses
+
+    records = _recipe_records()
+    # a decoy: a recipe-labelled record of another experiment (other lr) must not join the Lion row
+    decoy = dataclasses.replace(study.recipe_plan([0], steps=400)[1], lr=5e-4)
+    records.append(_fake_record(decoy, 9.0))
+    # tiny-study records in the same file, first, so the first gpt record is not a recipe one
+    lion = study.Spec("quant", "Lion (grad all-reduce)", seed=0, steps=150)
+    records.insert(0, _fake_record(lion, 3.3))
+    path = _write_jsonl(tmp_path / "recipe.jsonl", records)
+    summary = study_report.summarize(study_report.load_records(path))
+    rows = {r["label"]: r for r in summary["recipe"]}
+    assert list(rows) == list(_RECIPE_FINAL)  # every label, in plan order
+    for label, finals in _RECIPE_FINAL.items():
+        r = rows[label]
+        assert r["seeds"] == sorted(finals) and r["steps"] == 400
+        assert math.isclose(r["val_loss"][0], sum(finals.values()) / len(finals), abs_tol=1e-12)
+        assert math.isclose(r["wall_s"], 10.0 + sum(finals) / len(finals), abs_tol=1e-12)
+        assert r["curve"]["step"] == [200, 400]
+        assert math.isclose(r["curve"]["val_loss"][0], r["val_loss"][0] + 1.0, abs_tol=1e-12)
+    assert math.isclose(rows["AdamW (nanoGPT)"]["val_loss"][1], 0.1, rel_tol=1e-9)
+    assert math.isclose(rows["Lion lr=0.0001 wd=1"]["val_loss"][1], 0.02, rel_tol=1e-9)
+    assert math.isclose(rows["4-bit binary (pbit)"]["val_loss"][1], 0.04 / math.sqrt(2), rel_tol=1e-9)
+    assert rows["Lion lr=3e-05 wd=3"]["val_loss"][1] is None  # one seed: no std
+    assert summary["quant"][0]["seeds"] == [0] and summary["quant"][0]["steps"] == 150
+
+    one = rows["1-bit (onebit)"]["vs_ref"]
+    assert one["ref"] == "Lion lr=0.0001 wd=1" and math.isclose(one["delta"], 0.10, abs_tol=1e-12)
+    assert math.isclose(one["noise"], 2 * math.sqrt(0.02 ** 2 / 3 + 0.02 ** 2 / 3), rel_tol=1e-9)
+    assert one["verdict"] == "beyond noise"
+    four = rows["4-bit binary (pbit)"]["vs_ref"]
+    assert math.isclose(four["delta"], 0.03, abs_tol=1e-12) and four["verdict"] == "within noise"
+    assert rows["8-bit L1 (pbit)"]["vs_ref"]["verdict"] == "within noise"
+    assert rows["Lion lr=3e-05 wd=3"]["vs_ref"]["verdict"] == "n/a (one seed)"
+    lion_vs_adamw = rows["Lion lr=0.0001 wd=1"]["vs_adamw"]
+    assert math.isclose(lion_vs_adamw["delta"], 0.22, abs_tol=1e-12) and lion_vs_adamw["verdict"] == "beyond noise"
+    assert rows["AdamW (nanoGPT)"]["vs_adamw"] is None
+
+    text = study_report.markdown(summary)
+    assert _no_nan(text)
+    assert "### recipe" in text and "### quant" in text
+    assert "| 1-bit (onebit) | 3 | 400 | 2.2200 ± 0.0200 | +0.1000 (2σ 0.0327) | beyond noise |" in text
+    assert ("| Lion lr=0.0001 wd=1 | 3 | 400 | 2.1200 ± 0.0200 | 0 (reference) | — | +0.2200 (2σ 0.1178) "
+            "| beyond noise |") in text
+    assert "| Lion lr=3e-05 wd=3 | 1 | 400 | 2.5000 ± n/a | +0.3800 | n/a (one seed) |" in text
+    assert "| 8-bit L1 (pbit) | 3 | 400 | 2.1300 ± 0.0200 | +0.0100 (2σ 0.0327) | within noise |" in text
+    assert "2·sqrt(sd_a²/n_a + sd_b²/n_b)" in text
+    paths = study_report.plot(summary, str(tmp_path / "fig"))
+    assert str(tmp_path / "fig" / "recipe.png") in paths
+    assert all(os.path.getsize(p) > 1000 for p in paths)
+    json.dumps(summary, allow_nan=False)  # the summary has no nan either
+
+
+def test_report_no_nan_without_lion_or_with_one_seed(tmp_path):
+    """The old '+nan' Δ: a ties part without its own Lion row borrows the quant part's Lion
+    (same shape); with no Lion at all, or one seed, the cells say n/a, never nan."""
+    ties = [s for s in study.plan(["ties"], [0, 1], 150, 60)]
+    final = {"1-bit, ties plus": 3.30, "1-bit, ties minus": 3.29, "1-bit, ties alternate": 3.31,
+             "ties -> 0 (4-bit pbit)": 3.28}
+    records = [_fake_record(s, final[s.label] + 0.01 * s.seed) for s in ties]
+    alone = study_report.summarize(records)
+    text = study_report.markdown(alone)
+    assert _no_nan(text) and "n/a (no Lion row)" in text
+    assert all(r["gap_to_lion"] is None for r in alone["ties"])
+    lion = [study.Spec("quant", "Lion (grad all-reduce)", seed=0, steps=150)]  # one seed of Lion
+    summary = study_report.summarize(records + [_fake_record(s, 3.25) for s in lion])
+    text = study_report.markdown(summary)
+    assert _no_nan(text)
+    plus = next(r for r in summary["ties"] if r["label"] == "1-bit, ties plus")
+    assert plus["vs_ref"]["ref_part"] == "quant" and math.isclose(plus["gap_to_lion"], 3.305 - 3.25, abs_tol=1e-12)
+    assert "| 1-bit, ties plus | 2 | 150 | 3.3050 ± 0.0071 | +0.0550 | n/a (one seed) |" in text
+    assert "| Lion (grad all-reduce) | 1 | 150 | 3.2500 ± n/a | 0 (reference) | — |" in text
+
+
+def test_report_cli_writes_markdown_summary_and_png(tmp_path):
+    """The command line on a JSONL a study is still appending to (torn last line)."""
+    path = _write_jsonl(tmp_path / "study_recipe.jsonl", _recipe_records())
+    with open(path, "a") as f:
+        f.write('{"key": "half a rec')
+    md, fig = tmp_path / "recipe.md", tmp_path / "fig"
+    study_report.main([path, "--figures", str(fig), "--markdown", str(md)])
+    text = md.read_text()
+    assert text.startswith("### recipe") and _no_nan(text)
+    assert "| 4-bit binary (pbit) | 2 | 400 | 2.1500 ± 0.0283 | +0.0300 (2σ 0.0462) | within noise |" in text
+    summary = json.loads((tmp_path / "study_recipe_summary.json").read_text())
+    assert [r["label"] for r in summary["recipe"]] == list(_RECIPE_FINAL)
+    assert os.path.getsize(fig / "recipe.png") > 1000
