@@ -252,7 +252,7 @@ def plot(summary: dict[str, list[dict]], fig_dir: str, tag: str = "") -> list[st
         ax1.set_ylabel("validation loss (mean over seeds, band ± 1 std)")
         ax1.legend(fontsize=7)
         n_seeds = max(len(r["seeds"]) for r in rows)
-        fig.suptitle(f"study: {part} (up to {n_seeds} seeds, 4 workers)")
+        fig.suptitle(f"study: {part} (up to {n_seeds} seed{'s' if n_seeds > 1 else ''} per row, 4 workers)")
         fig.tight_layout()
         path = os.path.join(fig_dir, f"{part}{tag}.png")
         fig.savefig(path, dpi=110)
