@@ -37,6 +37,11 @@ Groups come from :func:`node_groups` (torchrun sets ``LOCAL_WORLD_SIZE``; ranks
 
 ``last_step_stats`` counts what crossed the nodes (the vote); ``last_intra_stats`` the
 in-node average and share.
+
+Few nodes means few voters, and an even number of voters ties. With two nodes every
+disagreement is a tie: ``onebit`` (which cannot send 0) resolves it by the step's parity and
+trained 0.31 nats worse than the flat vote on our GPT recipe; ``pbit`` / ``gather`` /
+``sign_allreduce`` send 0 there and matched it (bench/README.md, "Many ranks per node").
 """
 from __future__ import annotations
 
