@@ -45,7 +45,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["available", "status", "encode", "interpolate", "quantize_lanes", "apply", "apply_bits", "apply_lanes", "usable"]
+__all__ = ["available", "status", "encode", "interpolate", "quantize_lanes", "apply", "apply_bits", "apply_lanes", "usable",
+           "unusable_reason", "backend_of"]
 
 _SOURCE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fused.c")
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared"]
@@ -136,6 +137,24 @@ def usable(*tensor_lists: list[Tensor]) -> bool:
         return triton_kernels.handles(ts)
     return available() and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
                                for t in ts)
+
+
+def unusable_reason(ts: list[Tensor]) -> Optional[str]:
+    """None when :func:`usable` holds for the tensors ``ts``, else why not, in one line."""
+    if usable(ts):
+        return None
+    if ts and all(t.device.type == "cuda" for t in ts):
+        return "CUDA tensors need contiguous fp32 and Triton (lioncub.triton_kernels)"
+    if not available():
+        return f"fused CPU loops {status()}"
+    bad = next(t for t in ts if not (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()))
+    return (f"a {bad.dtype} tensor on {bad.device} (contiguous={bad.is_contiguous()}); "
+            "the loops take contiguous fp32 tensors, all on CPU or all on CUDA")
+
+
+def backend_of(ts: list[Tensor]) -> str:
+    """Which fused loops run for the (usable) tensors ``ts``: Triton kernels or the C library."""
+    return "Triton kernels" if ts and ts[0].device.type == "cuda" else f"C loops ({status()})"
 
 
 def _gpu(t: Tensor):
