@@ -41,11 +41,11 @@ from typing import ClassVar, Optional
 import torch
 from torch import Tensor
 
-from .. import fused
+from .. import fused, kernels
 from ..comm import CommStats
 from ..quantize import QUANTIZERS
 
-__all__ = ["VoteMethod", "TIE_RULES", "parity_step", "binary_signs", "decide"]
+__all__ = ["VoteMethod", "PackedSigns", "TIE_RULES", "parity_step", "binary_signs", "decide"]
 
 TIE_RULES = ("alternate", "plus", "minus")
 """Where a zero of c (and, for ``onebit``, a tied count) goes on the 1-bit paths."""
@@ -216,3 +216,25 @@ class VoteMethod:
         """What the vote must return (int64 in {−1, 0, 1}, flat), from every rank's flat ``c``
         at once, by plain integer arithmetic; ``step`` is already :meth:`parity`'s."""
         raise NotImplementedError
+
+
+class PackedSigns(VoteMethod):
+    """A method whose message is packed sign bits, one per element (``c ≥ 0`` on even
+    parity steps, ``c > 0`` on odd: a zero of c follows the tie rule). ``TIES``: what a
+    tied count votes, ``'zero'`` or ``'parity'`` (the tie rule)."""
+
+    TIES: ClassVar[str]
+
+    @classmethod
+    def has_tie_rule(cls, quantizer):
+        return True
+
+    def configure(self, world, bits, quantizer) -> int:
+        return 1
+
+    def encode(self, c, dst, step, generator=None, work=None, use_fused=False):
+        dst.copy_(kernels.pack_bytes(kernels.sign_bits(c, self.parity(step)), c.numel(), 1))
+
+    def reference(self, cs, step, generators=None):
+        count = sum(binary_signs(c, step).long() for c in cs)
+        return decide(count, len(cs), step, ties=self.TIES).long()

@@ -12,22 +12,16 @@ import time
 from torch import Tensor
 
 from .. import comm, fused, kernels
-from .base import VoteMethod, binary_signs, decide
+from .base import PackedSigns
 
 __all__ = ["OneBit"]
 
 
-class OneBit(VoteMethod):
+class OneBit(PackedSigns):
     name = "onebit"
+    TIES = "parity"
     gamma = (1.8e-9, 0.0)  # fused pack; count own chunk of P ranks on words; apply from bits
     auto_rank = 1
-
-    @classmethod
-    def has_tie_rule(cls, quantizer):
-        return True
-
-    def configure(self, world, bits, quantizer) -> int:
-        return 1
 
     def message_nbytes(self, m):
         return -(-m // self.world) * self.world
@@ -35,9 +29,6 @@ class OneBit(VoteMethod):
     def plan(self, n):
         N = -(-n // (8 * self.world)) * self.world  # padded so each rank owns N/P whole bytes
         return [("all_to_all", N), ("all_gather", N // self.world)]
-
-    def encode(self, c, dst, step, generator=None, work=None, use_fused=False):
-        dst.copy_(kernels.pack_bytes(kernels.sign_bits(c, self.parity(step)), c.numel(), 1))
 
     def exchange(self, msg, m, step, group, stats) -> Tensor:
         mine = comm.all_to_all(msg[:self.message_nbytes(m)], group, stats)  # rank j gets everyone's chunk j
@@ -52,7 +43,3 @@ class OneBit(VoteMethod):
     def apply_fused(self, params, exp_avgs, grads, part, hyper) -> bool:
         fused.apply_bits(params, exp_avgs, grads, part, None, **hyper)
         return True
-
-    def reference(self, cs, step, generators=None):
-        count = sum(binary_signs(c, step).long() for c in cs)
-        return decide(count, len(cs), step, ties="parity").long()
