@@ -168,6 +168,22 @@ def test_usable_only_for_contiguous_fp32_cpu():
     assert not fused.usable([x.t()]) and not fused.usable([x.double()]) and not fused.usable([x.bfloat16()])
 
 
+def test_the_backend_is_chosen_once_per_bucket_by_the_fused_argument():
+    from lioncub import LionCub
+
+    fp32, fp64 = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3).double()
+    params = list(fp32.parameters()) + list(fp64.parameters())
+    opt = LionCub(params, bucket_mb=15 * 4 / 2**20)  # a bucket per module; fused=None: where the loops run
+    assert [r.split(":")[0] for r in opt.backends] == ["torch", "fused"], opt.backends
+    assert "float64" in opt.backends[0] and [b.fused for b in opt.buckets] == [False, True]
+    assert all(r == "torch: fused=False" for r in LionCub(params, fused=False).backends)
+    assert all(b.fused for b in LionCub(fp32.parameters(), fused=True).buckets)
+    with pytest.raises(ValueError, match="fused=True but the fused loops cannot run: a torch.float64 tensor"):
+        LionCub(fp64.parameters(), fused=True)
+    with pytest.raises(TypeError, match="fused must be None, True or False, got 'yes'"):
+        LionCub(fp32.parameters(), fused="yes")
+
+
 def test_wrong_buffers_are_named():
     ms, gs = _tensors([10], 0)
     with pytest.raises(ValueError, match="out must be a contiguous uint8 tensor of 2 bytes"):
