@@ -120,12 +120,15 @@ class BucketStep:
         self._scratch.clear()
 
     def momenta(self, bucket: Bucket) -> list[Tensor]:
-        """The momentum ``m`` of each parameter (zeros the first time: the optimizer state)."""
+        """The momentum ``m`` of each parameter (zeros the first time: the optimizer state;
+        made contiguous for the fused loops if a loaded checkpoint's was not)."""
         out = []
         for p in bucket.params:
             state = self.optimizer.state[p]
             if "exp_avg" not in state:
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif bucket.fused and not state["exp_avg"].is_contiguous():
+                state["exp_avg"] = state["exp_avg"].contiguous()
             out.append(state["exp_avg"])
         return out
 

@@ -16,7 +16,9 @@ Lion, identical momenta). The arithmetic lives in :mod:`lioncub.lion` and
 
 Buckets: parameters are flattened into buckets of at most ``bucket_mb`` MiB of
 fp32, in reverse registration order (the order backward produces gradients, as in
-DDP), and each bucket is voted with one collective (two for ``onebit``).
+DDP), each with its backend (``fused=``) chosen once; the buckets' votes travel together
+in messages of at most ``message_mb`` MiB, one exchange each (one collective, two for
+``onebit``).
 
 Missing gradients: at every step the ranks agree (one small all-reduce) on which
 parameters have a gradient anywhere. A parameter with no gradient on any rank is
