@@ -195,12 +195,13 @@ def encode(exp_avgs: list[Tensor], grads: list[Tensor], beta1, maximize, out: Te
     need = n if signs else -(-n * bits // 8)
     if out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() != need:
         raise ValueError(f"out must be a contiguous uint8 tensor of {need} bytes, got {out.dtype} {tuple(out.shape)}")
+    if _gpu(out) is not None:
+        return _gpu(out).encode(exp_avgs, grads, beta1, maximize, out, bits=bits, step=step, signs=signs)
     return _encode(exp_avgs, grads, beta1, maximize, out, mode=1 if signs else 0, bits=bits, step=step)
 
 
 def _encode(exp_avgs, grads, beta1, maximize, out: Tensor, *, mode: int, bits: int, step: int) -> bool:
-    if _gpu(out) is not None:
-        return _gpu(out)._encode(exp_avgs, grads, beta1, maximize, out, mode=mode, bits=bits, step=step)
+    """The C loop behind :func:`encode` (mode 0: lanes, 1: int8 signs) and :func:`interpolate` (2)."""
     k = len(exp_avgs)
     b1 = list(_per_tensor(beta1, k, ctypes.c_double))
     mx = list(_per_tensor(maximize, k, ctypes.c_bool))
@@ -216,6 +217,8 @@ def interpolate(exp_avgs: list[Tensor], grads: list[Tensor], beta1, maximize, ou
     n = sum(t.numel() for t in exp_avgs)
     if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != n:
         raise ValueError(f"out must be a contiguous fp32 tensor of {n} elements, got {out.dtype} {tuple(out.shape)}")
+    if _gpu(out) is not None:
+        return _gpu(out).interpolate(exp_avgs, grads, beta1, maximize, out)
     return _encode(exp_avgs, grads, beta1, maximize, out, mode=2, bits=32, step=0)
 
 
