@@ -2,26 +2,14 @@ r"""The majority vote as a function: every rank passes its update vector :math:`
 rank gets the same :math:`u = \mathrm{sign}(\sum_i q(c_i)) \in \{-1, 0, +1\}`
 (docs/design.md §2–§3).
 
-========================  =====================================  ===========================
-method                    what travels                           zeros and ties
-========================  =====================================  ===========================
-``sign_allreduce``        int8 signs, SUM all-reduce             exact: ties → 0 (P ≤ 127)
-``gather``                packed sign bits, all-gather           zeros of c → tie rule;
-                                                                 ties → 0
-``onebit``                packed sign bits: all-to-all, each     zeros and ties → tie rule
-                          rank votes its chunk, all-gather
-``pbit`` (binary)         {0,1} in w-bit lanes, SUM all-reduce   zeros → tie rule; ties → 0
-``pbit`` + quantizer      q ∈ [−s, s] offset to [0, 2s] in       exact integer sums; ties → 0
-                          w-bit lanes, SUM all-reduce
-========================  =====================================  ===========================
-
-Each method is one object of :mod:`lioncub.votes` (encode → exchange → decode, its price,
-its reference). The tie rule (``tie=``, :data:`TIE_RULES`) is the paper's alternating parity
-by default (+1 on even steps, −1 on odd; a fixed rule biases every tied coordinate one way
-and diverges, its Fig. 10); ``'plus'``/``'minus'`` fix it for ablations, on the methods that
-have a 1-bit encoding. :func:`reference_vote` computes what every method must return from
-all ranks' inputs in full precision; the multi-process tests compare the two element for
-element.
+The methods (``sign_allreduce``, ``gather``, ``onebit``, ``pbit``; what each sends and how it
+treats zeros and ties: the table of docs/design.md §3) are objects of :mod:`lioncub.votes`
+(encode → exchange → decode, their price, their reference). The tie rule (``tie=``,
+:data:`TIE_RULES`) is the paper's alternating parity by default (+1 on even steps, −1 on odd;
+a fixed rule biases every tied coordinate one way and diverges, its Fig. 10);
+``'plus'``/``'minus'`` fix it for ablations, on the methods that have a 1-bit encoding.
+:func:`reference_vote` computes what every method must return from all ranks' inputs in full
+precision; the multi-process tests compare the two element for element.
 """
 from __future__ import annotations
 

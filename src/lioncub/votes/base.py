@@ -78,8 +78,11 @@ def check_tie_rule(tie: str, has_rule: bool, vote: str, quantizer: Optional[str]
     if tie not in TIE_RULES:
         raise ValueError(f"tie must be one of {TIE_RULES}, got {tie!r}")
     if tie != "alternate" and not has_rule:
-        raise ValueError(f"tie={tie!r} applies to the 1-bit paths only (vote 'gather', 'onebit', 'pbit' "
-                         f"with quantizer=None), got vote={vote!r}, quantizer={quantizer!r}")
+        from . import METHODS  # the registry imports this module
+
+        paths = ", ".join(repr(name) for name, cls in METHODS.items() if cls.has_tie_rule(None))
+        raise ValueError(f"tie={tie!r} applies to the 1-bit paths only (vote {paths} with quantizer=None), "
+                         f"got vote={vote!r}, quantizer={quantizer!r}")
 
 
 class VoteMethod:
@@ -99,6 +102,7 @@ class VoteMethod:
     LANE_BITS: ClassVar[tuple[int, ...]] = ()
     """Lane widths ``bits=`` may take (empty: the method has no lanes and ignores ``bits``)."""
     TAKES_QUANTIZER: ClassVar[bool] = False
+    """Whether ``quantizer=`` may name one of :data:`lioncub.quantize.QUANTIZERS` (else only None)."""
     gamma: ClassVar[tuple[float, float]]
     """Local seconds per element on one rank, ``a + b·P`` (encode, count, decide, apply):
     what :mod:`lioncub.auto` adds to the α-β time. Measured as its docstring says."""
