@@ -78,11 +78,18 @@ def check_tie_rule(tie: str, has_rule: bool, vote: str, quantizer: Optional[str]
     if tie not in TIE_RULES:
         raise ValueError(f"tie must be one of {TIE_RULES}, got {tie!r}")
     if tie != "alternate" and not has_rule:
-        from . import METHODS  # the registry imports this module
-
-        paths = ", ".join(repr(name) for name, cls in METHODS.items() if cls.has_tie_rule(None))
+        paths = ", ".join(repr(cls.name) for cls in _methods(VoteMethod) if cls.has_tie_rule(None))
         raise ValueError(f"tie={tie!r} applies to the 1-bit paths only (vote {paths} with quantizer=None), "
                          f"got vote={vote!r}, quantizer={quantizer!r}")
+
+
+def _methods(cls: type) -> list[type]:
+    """Every method class defined below ``cls`` (those with a ``name``), depth first: the
+    registered methods, found without importing the registry (which imports this module)."""
+    found = []
+    for sub in cls.__subclasses__():
+        found += ([sub] if "name" in vars(sub) else []) + _methods(sub)
+    return found
 
 
 class VoteMethod:
