@@ -39,7 +39,8 @@ import torch
 
 from lioncub import fused, kernels
 from lioncub.lion import apply_update_, interpolate
-from lioncub.vote import VoteCodec, binary_signs, decide
+from lioncub import votes
+from lioncub.votes import binary_signs
 
 
 def _old_pack(values, bits):
@@ -117,17 +118,12 @@ def main():
         u8 = torch.randint(-1, 2, (n,), dtype=torch.int8)
         upd = dict(lr=1e-12, beta2=0.99, weight_decay=0.0)
 
-        codec8 = VoteCodec("pbit", P, 8, "l1")
+        codec8 = votes.make("pbit", P, 8, "l1")
         lanes8, work = torch.empty(codec8.part_nbytes(n), dtype=torch.uint8), torch.empty(n)
         cq = torch.randn(n)
 
         def l1_lanes(use_fused):
-            real = fused.usable
-            fused.usable = real if use_fused else (lambda *ts: False)
-            try:
-                codec8.encode(cq, lanes8, 0, work=work)
-            finally:
-                fused.usable = real
+            codec8.encode(cq, lanes8, 0, work=work, use_fused=use_fused)
 
         def torch_encode(bits):
             interpolate([m], [g], 0.9, out=[cbuf])

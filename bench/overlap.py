@@ -5,7 +5,7 @@
 that interleave the four measurements (so host load drifts hit all of them alike):
 
     compute   forward + backward alone (no vote)
-    comm      the votes alone: ``LionCub._vote_flat`` on random c, message by message
+    comm      the votes alone: :func:`lioncub.majority_vote` on random c, message by message
               (pack + collective + unpack/vote, the sizes of the step's messages)
     no ovl    LionCub(overlap=False): forward + backward + step
     overlap   LionCub(overlap=True):  votes launched from backward hooks, step waits
@@ -41,7 +41,7 @@ def worker(args, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from lioncub import LionCub
+    from lioncub import LionCub, majority_vote
     from lioncub.comm import CommStats
     from lioncub.harness.models.gpt import GPT, GPTConfig
 
@@ -58,7 +58,7 @@ def worker(args, out_dir: str) -> None:
             params = list(model.parameters())
             kw = dict(lr=1e-4, bucket_mb=bucket, **METHODS[label])
             plain, ovl = LionCub(params, **kw), LionCub(params, overlap=True, **kw)
-            sizes = [sum(params[i].numel() for i in idx) for idx in plain._buckets]
+            sizes = [b.numel for b in plain.buckets]
             gen = torch.Generator().manual_seed(rank)
             # what the step without overlap sends: its messages (several buckets each)
             cs = [torch.randn(s, generator=gen) for s in plain.message_elements()]
@@ -75,7 +75,9 @@ def worker(args, out_dir: str) -> None:
 
             def votes():
                 for c in cs:
-                    plain._vote_flat(c, plain.steps, CommStats())
+                    majority_vote(c, method=plain.vote, bits=plain.bits, quantizer=plain.quantizer,
+                                  step=plain.steps, tie=plain.tie, stats=CommStats(), generator=plain.generator,
+                                  out=c)
 
             for _ in range(args.warmup + args.rounds):
                 for kind in KINDS:

@@ -95,7 +95,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir:
     identical = all(torch.equal(e, flat) for e in everyone)
     dist.barrier()
     dist.destroy_process_group()
-    result = dict(rank=rank, n_params=flat.numel(), n_buckets=len(opt._buckets), steps_done=opt.steps,
+    result = dict(rank=rank, n_params=flat.numel(), n_buckets=len(opt.buckets), steps_done=opt.steps,
                   skipped_steps=opt.skipped_steps, replicas_identical=identical,
                   step_ms_median=1e3 * statistics.median(step_s[args.warmup:]),
                   step_ms_p99=1e3 * sorted(step_s[args.warmup:])[int(0.99 * (len(step_s) - args.warmup)) - 1],

@@ -94,7 +94,7 @@ def worker(args, out_dir: str) -> None:
             opt, sizes = torch.optim.AdamW(params, lr=1e-4), [sum(p.numel() for p in params)]
         else:
             opt = LionCub(params, lr=1e-4, bucket_mb=args.bucket_mb, **kw)
-            sizes = ([sum(params[i].numel() for i in idx) for idx in opt._buckets] if kw["vote"] == "grad"
+            sizes = ([b.numel for b in opt.buckets] if kw["vote"] == "grad"
                      else opt.message_elements())  # votes: buckets travel together, in messages
         steps = []
         for i in range(args.warmup + args.steps):

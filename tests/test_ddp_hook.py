@@ -84,7 +84,7 @@ def _ddp_worker(rank, world):
     other = LionCub(Net().parameters(), lr=0.01)
     with pytest.raises(ValueError, match="does not hold 7 of the DDP model's 7"):
         register(ddp2, other)
-    assert other._driver is None  # a refused registration leaves the optimizer as it was
+    assert other.driver is None  # a refused registration leaves the optimizer as it was
     with pytest.raises(TypeError, match="ddp_model must be a DistributedDataParallel"):
         register(Net(), other)
     with pytest.raises(ValueError, match="vote='grad'"):
@@ -117,7 +117,7 @@ def _trainer_worker(rank, world, out_dir):
     attach_to_trainer(trainer, opt)
     before = [p.detach().clone() for p in model.parameters()]
     trainer.train()
-    assert isinstance(trainer.model_wrapped, DDP) and opt._driver is not None
+    assert isinstance(trainer.model_wrapped, DDP) and opt.driver is not None
     assert opt.steps == 4 and opt.last_step_stats.n_collectives > 1
     n = sum(p.numel() for p in model.parameters())
     assert opt.last_step_stats.bytes_sent < n  # ~n/2 bytes of 4-bit lanes, not 4n of fp32

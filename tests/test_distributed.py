@@ -49,7 +49,7 @@ def _votes_and_replicas(rank, world):
             [{"params": model[0].parameters(), "lr": 0.02, "betas": (0.8, 0.95)},
              {"params": list(model[2].parameters()) + list(model[4].parameters()), "weight_decay": 0.1}],
             lr=0.01, bucket_mb=60 * 4 / 2**20, **cfg)  # tiny buckets: several per step
-        assert len(opt._buckets) > 1
+        assert len(opt.buckets) > 1
         params = [p for g in opt.param_groups for p in g["params"]]
         for step in range(6):
             _grads_for(model, rank, step)
@@ -108,7 +108,7 @@ def _message_sizes(rank, world):
             finals.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
             counts.append(opt.last_step_stats.n_collectives)
             if not kw.get("overlap"):
-                assert len(opt.messages()) == (1 if kw["message_mb"] > 1 else len(opt._buckets))
+                assert len(opt.messages()) == (1 if kw["message_mb"] > 1 else len(opt.buckets))
             opt.remove_hooks()
         out[str(cfg)] = (finals, counts)
     return out
@@ -123,26 +123,20 @@ def test_messages_of_several_buckets_change_nothing_but_collectives(world):
 
 
 def _fused_vs_torch(rank, world):
-    from lioncub import fused
-
     finals = {}
     for use in (True, False):
-        real = fused.usable
-        fused.usable = real if use else (lambda *ts: False)  # force the torch path
-        try:
-            for cfg in VOTES + [dict(vote="grad")]:
-                model = _model(seed=0)
-                opt = LionCub([{"params": model[0].parameters(), "lr": 0.02, "betas": (0.8, 0.95)},
-                               {"params": list(model[2].parameters()) + list(model[4].parameters()),
-                                "weight_decay": 0.1, "maximize": True}],
-                              lr=0.01, bucket_mb=60 * 4 / 2**20, **cfg)
-                for step in range(5):
-                    _grads_for(model, rank, step)
-                    opt.step()
-                finals.setdefault(str(cfg), []).append(
-                    torch.cat([t.reshape(-1) for p in model.parameters() for t in (p.detach(), opt.state[p]["exp_avg"])]))
-        finally:
-            fused.usable = real
+        for cfg in VOTES + [dict(vote="grad")]:
+            model = _model(seed=0)
+            opt = LionCub([{"params": model[0].parameters(), "lr": 0.02, "betas": (0.8, 0.95)},
+                           {"params": list(model[2].parameters()) + list(model[4].parameters()),
+                            "weight_decay": 0.1, "maximize": True}],
+                          lr=0.01, bucket_mb=60 * 4 / 2**20, fused=use, **cfg)
+            assert all(r.startswith("fused" if use else "torch") for r in opt.backends), opt.backends
+            for step in range(5):
+                _grads_for(model, rank, step)
+                opt.step()
+            finals.setdefault(str(cfg), []).append(
+                torch.cat([t.reshape(-1) for p in model.parameters() for t in (p.detach(), opt.state[p]["exp_avg"])]))
     return {k: torch.equal(a, b) for k, (a, b) in finals.items()}
 
 
@@ -159,39 +153,31 @@ def _encode_first_vs_agree_first(rank, world):
     after it. Same bytes, collectives and results at every step, also when one rank's
     gradient is not finite (skipped) and when some param has no gradient on any rank
     (encoded again without it) or on some ranks only."""
-    from lioncub import fused
-
     out = {}
     for cfg in (dict(vote="onebit"), dict(vote="sign_allreduce"), dict(vote="gather"), dict(vote="pbit"),
                 dict(vote="pbit", quantizer="l1"), dict(vote="pbit", bits=8, quantizer="l0")):
         runs = []
         for use, ahead in ((True, 3), (True, 2), (False, 3)):  # all ahead, 2 of 3 ahead, torch path
-            real = fused.usable
-            fused.usable = real if use else (lambda *ts: False)
-            try:
-                model = _model(seed=0)
-                opt = LionCub(model.parameters(), lr=0.01, weight_decay=0.1, bucket_mb=60 * 4 / 2**20,
-                              message_mb=1e-6, nonfinite="skip_step", **cfg)  # a message per bucket
-                opt.encode_ahead = ahead
-                whole = [[opt._params()[i] for i in idx] for idx in opt._buckets]
-                log = [len(opt.messages()), opt._encodes_fused(whole)]
-                for step in range(6):
-                    _grads_for(model, rank, step)
-                    if step == 1 and rank == world - 1:
-                        model[2].weight.grad[0, 0] = float("inf")  # message 1: encoded ahead
-                    if step == 2 and rank == 0:
-                        model[0].weight.grad[3, 1] = float("nan")  # message 2: after, with ahead=2
-                    if step in (3, 4):
-                        model[4].weight.grad = None  # no rank has it
-                    if step == 4 and rank != 0:
-                        model[2].bias.grad = None  # rank 0 only
-                    opt.step()
-                    log.append((opt.last_step_stats.bytes_sent, opt.last_step_stats.n_collectives))
-                log.append(opt.skipped_steps)
-                runs.append((log, torch.cat([t.reshape(-1) for p in model.parameters()
-                                             for t in (p.detach(), opt.state[p]["exp_avg"])])))
-            finally:
-                fused.usable = real
+            model = _model(seed=0)
+            opt = LionCub(model.parameters(), lr=0.01, weight_decay=0.1, bucket_mb=60 * 4 / 2**20,
+                          message_mb=1e-6, nonfinite="skip_step", fused=use, **cfg)  # a message per bucket
+            opt.encode_ahead = ahead
+            log = [len(opt.messages()), opt.bucket_step.encodes_ahead(opt.buckets)]
+            for step in range(6):
+                _grads_for(model, rank, step)
+                if step == 1 and rank == world - 1:
+                    model[2].weight.grad[0, 0] = float("inf")  # message 1: encoded ahead
+                if step == 2 and rank == 0:
+                    model[0].weight.grad[3, 1] = float("nan")  # message 2: after, with ahead=2
+                if step in (3, 4):
+                    model[4].weight.grad = None  # no rank has it
+                if step == 4 and rank != 0:
+                    model[2].bias.grad = None  # rank 0 only
+                opt.step()
+                log.append((opt.last_step_stats.bytes_sent, opt.last_step_stats.n_collectives))
+            log.append(opt.skipped_steps)
+            runs.append((log, torch.cat([t.reshape(-1) for p in model.parameters()
+                                         for t in (p.detach(), opt.state[p]["exp_avg"])])))
         out[str(cfg)] = runs
     return out
 

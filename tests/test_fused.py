@@ -168,6 +168,42 @@ def test_usable_only_for_contiguous_fp32_cpu():
     assert not fused.usable([x.t()]) and not fused.usable([x.double()]) and not fused.usable([x.bfloat16()])
 
 
+def test_the_backend_is_chosen_once_per_bucket_by_the_fused_argument():
+    from lioncub import LionCub
+
+    fp32, fp64 = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3).double()
+    params = list(fp32.parameters()) + list(fp64.parameters())
+    opt = LionCub(params, bucket_mb=15 * 4 / 2**20)  # a bucket per module; fused=None: where the loops run
+    assert [r.split(":")[0] for r in opt.backends] == ["torch", "fused"], opt.backends
+    assert "float64" in opt.backends[0] and [b.fused for b in opt.buckets] == [False, True]
+    assert all(r == "torch: fused=False" for r in LionCub(params, fused=False).backends)
+    assert all(b.fused for b in LionCub(fp32.parameters(), fused=True).buckets)
+    with pytest.raises(ValueError, match="fused=True but the fused loops cannot run: a torch.float64 tensor"):
+        LionCub(fp64.parameters(), fused=True)
+    with pytest.raises(TypeError, match="fused must be None, True or False, got 'yes'"):
+        LionCub(fp32.parameters(), fused="yes")
+
+
+def test_a_loaded_momentum_in_another_layout_is_read_by_its_values():
+    """The backend is chosen from the parameters; a checkpoint's non-contiguous momentum
+    (here a transposed view) must still reach the fused loops as its values."""
+    from lioncub import LionCub
+
+    runs = []
+    for use in (True, False):
+        p = torch.nn.Parameter(torch.arange(16.0).view(4, 4))
+        opt = LionCub([p], lr=0.1, fused=use)
+        p.grad = torch.ones(4, 4)
+        opt.step()
+        sd = opt.state_dict()
+        sd["state"][0]["exp_avg"] = torch.randn(4, 4, generator=torch.Generator().manual_seed(0)).t()
+        opt.load_state_dict(sd)
+        p.grad = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
+        opt.step()
+        runs.append(torch.cat([p.detach().reshape(-1), opt.state[p]["exp_avg"].reshape(-1)]))
+    assert torch.equal(runs[0], runs[1])
+
+
 def test_wrong_buffers_are_named():
     ms, gs = _tensors([10], 0)
     with pytest.raises(ValueError, match="out must be a contiguous uint8 tensor of 2 bytes"):

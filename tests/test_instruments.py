@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from lioncub import LionCub
 from lioncub import instruments as ins
+from lioncub.harness import report
 from tests.dist import run_workers
 
 
@@ -86,17 +87,17 @@ def test_outputs(tmp_path):
     g = torch.Generator().manual_seed(0)
     cs = [_laplace(2000, g) for _ in range(4)]
     rows = ins.sign_match(cs, bits=(4,))
-    ins.write_csv(rows, tmp_path / "m.csv")
+    report.write_csv(rows, tmp_path / "m.csv")
     with open(tmp_path / "m.csv") as f:
         back = list(csv.DictReader(f))
     assert [r["name"] for r in back] == [r["name"] for r in rows]
     d = ins.update_distribution(cs[0])
-    ins.write_json({"d": d, "rows": rows}, tmp_path / "r.json")
+    report.write_json({"d": d, "rows": rows}, tmp_path / "r.json")
     assert json.loads((tmp_path / "r.json").read_text())["d"]["n"] == 2000
-    ins.plot_distribution(d, tmp_path / "d.png")
-    ins.plot_sign_match(rows, tmp_path / "s.png")
-    ins.plot_layers({"a": 1.0, "b": 2.0}, tmp_path / "l.png", ylabel="x", log=True)
-    ins.plot_series([1, 2], {"a": [0.1, 0.2]}, tmp_path / "t.png")
+    report.plot_distribution(d, tmp_path / "d.png")
+    report.plot_sign_match(rows, tmp_path / "s.png")
+    report.plot_layers({"a": 1.0, "b": 2.0}, tmp_path / "l.png", ylabel="x", log=True)
+    report.plot_series([1, 2], {"a": [0.1, 0.2]}, tmp_path / "t.png")
     for name in ("d", "s", "l", "t"):
         assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -1,14 +1,14 @@
 """The fast kernels against plain reference loops (docs/design.md §12), element for element.
 
 The references below are written independently of :mod:`lioncub.kernels`: one bit or
-lane at a time, with integer arithmetic in int64. ``packing`` and ``vote`` now run on
-the kernels, so they are checked here against the same references.
+lane at a time, with integer arithmetic in int64. The vote methods run on the kernels,
+so they are checked here against the same references.
 """
 import pytest
 import torch
 
-from lioncub import kernels, packing
-from lioncub.vote import binary_signs, decide
+from lioncub import kernels
+from lioncub.votes import binary_signs, decide
 
 SIZES = [0, 1, 7, 8, 9, 15, 16, 17, 100, 1001, 4099, 65539]
 
@@ -48,13 +48,7 @@ def test_pack_unpack_match_reference(n):
         assert torch.equal(kernels.pack_bytes(v, n, bits), ref), bits
         assert torch.equal(kernels.unpack_bytes(ref, n, bits).long(), ref_unpack(ref, n, bits)), bits
         if bits == 1:
-            assert torch.equal(packing.pack_signs(v.bool()), ref)
-            assert torch.equal(packing.unpack_signs(ref, n), ref_unpack(ref, n, 1).bool())
             assert torch.equal(kernels.unpack_pm1(ref, n).long(), ref_unpack(ref, n, 1) * 2 - 1)
-        else:
-            assert torch.equal(packing.pack_lanes(v, bits), ref)
-            out = packing.unpack_lanes(ref, n, bits)
-            assert out.dtype == torch.int16 and torch.equal(out.long(), ref_unpack(ref, n, bits))
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -156,15 +150,6 @@ def test_count_bits_refuses_carry():
         kernels.count_bits(torch.zeros(256, 4, dtype=torch.uint8), 32)
 
 
-def test_packing_still_validates_user_input():
-    with pytest.raises(ValueError, match="values must lie in"):
-        packing.pack_lanes(torch.tensor([0, 16]), 4)
-    with pytest.raises(TypeError, match="positive must be a bool"):
-        packing.pack_signs(torch.tensor([0, 1]))
-    with pytest.raises(TypeError, match="packed must be a uint8"):
-        packing.unpack_signs(torch.zeros(2, dtype=torch.int8), 8)
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none in this environment)")
 def test_cuda_kernels_match_cpu_reference():
     n, world = 100_003, 4
@@ -173,7 +158,7 @@ def test_cuda_kernels_match_cpu_reference():
     c[::7] = 0
     for step in (0, 1):
         buf = kernels.sign_bits(c.to(dev), step)
-        packed = kernels.maybe_compiled(kernels.pack_bytes)(buf, n, 1)
+        packed = kernels.pack_bytes(buf, n, 1)
         assert torch.equal(packed.cpu(), ref_pack(binary_signs(c, step), 1))
     bits = torch.rand(world, n) < 0.5
     packed = torch.stack([ref_pack(b, 1) for b in bits])

@@ -58,7 +58,7 @@ def _train(cfg, overlap, rank, steps=4, micro=1, record=None):
             else:
                 _loss(model, rank, step, m).backward()
         if record is not None and overlap:
-            record.append((len(opt._driver._pending), len(opt._buckets)))
+            record.append((len(opt.driver._pending), len(opt.buckets)))
         opt.step()
         if step < steps - 1:
             opt.zero_grad()  # the last step's gradients stay: the test reads which params had one
@@ -71,22 +71,22 @@ def _worker(rank, world, votes):
         ref, opt_ref = _train(cfg, False, rank)
         launched = []
         got, opt = _train(cfg, True, rank, record=launched)
-        assert len(opt._buckets) >= 3, len(opt._buckets)
+        assert len(opt.buckets) >= 3, len(opt.buckets)
         for a, b in zip(ref, got):
             assert torch.equal(a, b), cfg
         # from step 1 on (the unused layer learnt in step 0) backward launches every vote
-        assert launched[0][0] < len(opt._buckets), launched
+        assert launched[0][0] < len(opt.buckets), launched
         assert all(k == n for k, n in launched[1:]), launched
         # overlap votes the unused layer's elements too (as zeros; its update is skipped):
         # exactly the model's bytes for full buckets minus those for the active elements
-        params = [p for _, p in opt._params()]
+        params = [p for _, p in opt.param_entries]
         used = [p.grad is not None for p in params]
         assert used.count(False) == 2  # unused.weight, unused.bias
 
         def model_bytes(keep):
             out = {"bytes_sent": 0.0, "n_collectives": 0}
-            for b in opt._buckets:
-                n = sum(params[i].numel() for i in b if keep(i))
+            for b in opt.buckets:
+                n = sum(params[i].numel() for i in b.index if keep(i))
                 pred = predicted_bytes(cfg["vote"], n, world, bits=cfg.get("bits"))
                 out = {k: out[k] + pred[k] for k in out}
             return out
@@ -106,14 +106,14 @@ def _worker(rank, world, votes):
     _loss(model, rank, 0).backward()
     with pytest.raises(RuntimeError, match="no_sync"):
         _loss(model, rank, 1).backward()
-    opt._driver.discard()
+    opt.driver.discard()
     opt.zero_grad()
     # remove_hooks: no hook fires any more, step() votes after backward, same parameters
     model, opt = _make(dict(vote="onebit"), True)
     model_ref, opt_ref = _make(dict(vote="onebit"), False)
-    driver = opt._driver
+    driver = opt.driver
     opt.remove_hooks()
-    assert opt._driver is None and not driver._thread._thread.is_alive()
+    assert opt.driver is None and not driver._thread._thread.is_alive()
     for step in range(3):
         for mdl, o in ((model, opt), (model_ref, opt_ref)):
             _loss(mdl, rank, step).backward()

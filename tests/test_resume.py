@@ -154,7 +154,7 @@ def _train_pbit_on_two(rank, world):
     for step in range(4):
         _backward(model, rank, step)
         opt.step()
-    return model.state_dict(), copy.deepcopy(opt.state_dict()), opt._codec().bits, opt.last_step_stats.bytes_sent
+    return model.state_dict(), copy.deepcopy(opt.state_dict()), opt.method.bits, opt.last_step_stats.bytes_sent
 
 
 def _resume_pbit_on_four(rank, world, model_state, new_states):
@@ -173,7 +173,7 @@ def _resume_pbit_on_four(rank, world, model_state, new_states):
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     everyone = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(everyone, flat)
-    return (opt._codec().bits, opt.steps, opt.last_step_stats.bytes_sent == pytest.approx(want),
+    return (opt.method.bits, opt.steps, opt.last_step_stats.bytes_sent == pytest.approx(want),
             all(torch.equal(e, flat) for e in everyone))
 
 

@@ -5,8 +5,8 @@ and tied votes, so a rule that is not applied changes u and fails the check."""
 import pytest
 import torch
 
-from lioncub import LionCub, majority_vote, reference_vote
-from lioncub.vote import TIE_RULES, VoteCodec
+from lioncub import LionCub, majority_vote, reference_vote, votes
+from lioncub.vote import TIE_RULES
 from tests.dist import run_workers
 
 N = 999  # not a multiple of 8: packed tails are exercised
@@ -26,43 +26,36 @@ def _grad(rank, step):
 def _tie_worker(rank, world):
     import torch.distributed as dist
 
-    from lioncub import fused
-
-    real = fused.usable
     checked, ties = 0, 0
-    try:
-        for use_fused in (True, False):
-            fused.usable = real if use_fused else (lambda *ts: False)
-            for overlap in (False, True):
-                for method, bits in CASES:
-                    for tie in TIE_RULES:
-                        p = torch.nn.Parameter(torch.zeros(N))
-                        lr, beta1 = 0.5, 0.9
-                        opt = LionCub([p], lr=lr, betas=(beta1, 0.99), vote=method, bits=bits, tie=tie,
-                                      overlap=overlap)
-                        for step in range(3):
-                            g = _grad(rank, step)
-                            m = opt.state[p]["exp_avg"].clone() if "exp_avg" in opt.state[p] else torch.zeros(N)
-                            c = beta1 * m + (1 - beta1) * g  # Lion's c, zeros exactly where m and g are 0
-                            cs = [torch.empty_like(c) for _ in range(world)]
-                            dist.all_gather(cs, c)
-                            want = reference_vote(cs, method=method, bits=bits, step=step, tie=tie)
-                            before = p.detach().clone()
-                            p.grad = g
-                            opt.step()
-                            u = (before - p.detach()) / lr  # weight_decay 0: θ ← θ − η·u, exact for η = 0.5
-                            where = (method, bits, tie, step, use_fused, overlap)
-                            assert torch.equal(u, want), where
-                            zero = torch.stack(cs).eq(0).all(0)
-                            assert zero.any(), where
-                            if method == "onebit":  # zeros (and ties) follow the rule
-                                rule = {"plus": 1.0, "minus": -1.0}.get(tie, 1.0 if step % 2 == 0 else -1.0)
-                                assert (u[zero] == rule).all(), where
-                            ties += int((torch.stack([x.sign() for x in cs]).sum(0) == 0).sum())
-                            checked += 1
-                        opt.remove_hooks()
-    finally:
-        fused.usable = real
+    for use_fused in (True, False):
+        for overlap in (False, True):
+            for method, bits in CASES:
+                for tie in TIE_RULES:
+                    p = torch.nn.Parameter(torch.zeros(N))
+                    lr, beta1 = 0.5, 0.9
+                    opt = LionCub([p], lr=lr, betas=(beta1, 0.99), vote=method, bits=bits, tie=tie,
+                                  overlap=overlap, fused=None if use_fused else False)
+                    for step in range(3):
+                        g = _grad(rank, step)
+                        m = opt.state[p]["exp_avg"].clone() if "exp_avg" in opt.state[p] else torch.zeros(N)
+                        c = beta1 * m + (1 - beta1) * g  # Lion's c, zeros exactly where m and g are 0
+                        cs = [torch.empty_like(c) for _ in range(world)]
+                        dist.all_gather(cs, c)
+                        want = reference_vote(cs, method=method, bits=bits, step=step, tie=tie)
+                        before = p.detach().clone()
+                        p.grad = g
+                        opt.step()
+                        u = (before - p.detach()) / lr  # weight_decay 0: θ ← θ − η·u, exact for η = 0.5
+                        where = (method, bits, tie, step, use_fused, overlap)
+                        assert torch.equal(u, want), where
+                        zero = torch.stack(cs).eq(0).all(0)
+                        assert zero.any(), where
+                        if method == "onebit":  # zeros (and ties) follow the rule
+                            rule = {"plus": 1.0, "minus": -1.0}.get(tie, 1.0 if step % 2 == 0 else -1.0)
+                            assert (u[zero] == rule).all(), where
+                        ties += int((torch.stack([x.sign() for x in cs]).sum(0) == 0).sum())
+                        checked += 1
+                    opt.remove_hooks()
     return checked, ties
 
 
@@ -120,6 +113,6 @@ def test_tie_is_validated():
     with pytest.raises(ValueError, match="tie='minus' applies to the 1-bit paths only"):
         reference_vote([torch.zeros(3)], method="sign_allreduce", tie="minus")
     with pytest.raises(ValueError, match="tie must be one of"):
-        VoteCodec("onebit", 2, tie=None)
+        votes.make("onebit", 2, tie=None)
     # the default is accepted everywhere
     LionCub([torch.nn.Parameter(torch.zeros(3))], vote="grad", tie="alternate")

@@ -34,20 +34,16 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
+from . import votes
 from .cost import method_valid, predicted_time
 
 __all__ = ["AUTO_CANDIDATES", "DEFAULT_GAMMA", "gamma_for", "vote_costs", "choose_vote", "agree_on_vote"]
 
-AUTO_CANDIDATES = ("sign_allreduce", "onebit", "pbit", "gather")
-"""Methods ``auto`` considers, in tie-break order (the earlier wins a tie)."""
+AUTO_CANDIDATES = votes.AUTO_CANDIDATES
+"""Methods ``auto`` considers (those with an ``auto_rank``), in tie-break order (the earlier wins a tie)."""
 
-DEFAULT_GAMMA: dict[str, tuple[float, float]] = {
-    # method: (a, b) -> gamma = a + b·P seconds per element on one rank
-    "sign_allreduce": (2.3e-9, 0.0),  # fused sign(c) -> int8; sign of the sum
-    "onebit": (1.8e-9, 0.0),  # fused pack; count own chunk of P ranks on words; apply from bits
-    "pbit": (1.6e-9, 0.0),  # fused 4-bit lanes; p, m updated straight from the lane sums
-    "gather": (1.9e-9, 0.5e-9),  # fused pack; bit-sliced count of all P ranks' bits (3.9 ns at P = 4)
-}
+DEFAULT_GAMMA: dict[str, tuple[float, float]] = {name: votes.METHODS[name].gamma for name in AUTO_CANDIDATES}
+"""method: (a, b) -> gamma = a + b·P seconds per element on one rank (each method's ``gamma``)."""
 
 
 def gamma_for(method: str, world_size: int, gamma: Mapping | None = None) -> float:
@@ -71,11 +67,8 @@ def gamma_for(method: str, world_size: int, gamma: Mapping | None = None) -> flo
 
 
 def _bits(method: str, world_size: int) -> int | None:
-    if method != "pbit":
-        return None
-    from .vote import pbit_levels
-
-    return pbit_levels(world_size, None, None)[0]
+    """The ``bits`` a candidate runs with by default (its lane width; None without lanes)."""
+    return votes.make(method, world_size).option_bits
 
 
 def vote_costs(bucket_sizes: Sequence[int], world_size: int, alpha: float, beta: float, *,
@@ -125,7 +118,6 @@ def agree_on_vote(bucket_sizes: Sequence[int], world_size: int, group, alpha, be
     import torch.distributed as dist
 
     from .cost import calibrate
-    from .vote import pbit_levels
 
     if alpha is None:
         alpha, beta = (0.0, 0.0) if world_size == 1 else calibrate(group)
@@ -134,5 +126,5 @@ def agree_on_vote(bucket_sizes: Sequence[int], world_size: int, group, alpha, be
         pick = torch.tensor([AUTO_CANDIDATES.index(method)], dtype=torch.int64)
         dist.broadcast(pick, src=dist.get_global_rank(group, 0) if group else 0, group=group)
         method = AUTO_CANDIDATES[int(pick)]
-        bits = pbit_levels(world_size, None, None)[0] if method == "pbit" else None
+        bits = _bits(method, world_size)
     return method, bits, (float(alpha), float(beta))

@@ -1,28 +1,19 @@
-"""How one :class:`~lioncub.LionCub` step votes and applies its buckets (the per-bucket
-machinery, kept apart from the optimizer's set-up, checks and state).
+"""The plain step of :class:`~lioncub.LionCub`: a bucket plan and the two functions every
+path calls, encode a bucket and apply a bucket (docs/design.md §9).
 
-* voted methods: :meth:`BucketStep._step_messages` groups the buckets into messages of at
-  most ``message_mb`` on the wire; per bucket :meth:`~BucketStep._encode_part` writes this
-  rank's part (the fused loop of :mod:`lioncub.fused`, or ``c`` + :class:`~lioncub.vote.VoteCodec`),
-  one exchange per message, then :meth:`~BucketStep._decode_apply` updates ``p`` and ``m``.
-  When fused loops read every part's gradients (fp32 on CPU; no quantizer or a rounding
-  one, ``l1``/``l0``/``lp``), LionCub encodes the first ``encode_ahead``
-  messages (each in its own kept buffer) before it agrees on has-grad / finite, and only
-  then exchanges: the loop checks the gradients it reads, saving a separate read. Further
-  messages (big models) are checked by :func:`lioncub.guard.grads_finite` and encoded
-  just before their exchange, into one shared buffer, so the kept bytes stay bounded;
-* ``vote='grad'``: :meth:`~BucketStep._step_grad`, the gradient all-reduce baseline;
-* :meth:`~BucketStep._bucket_c`, :meth:`~BucketStep._apply_bucket`: the torch path's ``c`` and
-  update (one worker; buckets off the fused path); :meth:`~BucketStep._vote_flat`, a bucket's
-  vote by :func:`~lioncub.vote.majority_vote`, which the step no longer calls: only
-  ``bench/overlap.py`` times it.
+* :class:`Bucket` — a precomputed bucket: its (param group, parameter) entries, their
+  indices into the optimizer's parameters, sizes, and the backend chosen once at
+  construction (``fused``: the loops of :mod:`lioncub.fused`; else the torch ops) with the
+  reason. Nothing in the per-step code decides the backend again.
+* :class:`BucketStep` — the per-bucket machinery: :meth:`~BucketStep.encode_bucket` (this
+  rank's part of a message: one fused pass from ``m`` and ``g``, or ``c`` then the vote
+  method's ``encode``), :meth:`~BucketStep.apply_bucket` (the voted bytes → θ and m), and
+  around them the message grouping of the normal step (:meth:`~BucketStep.messages`,
+  :meth:`~BucketStep.encode_messages`, :meth:`~BucketStep.exchange_messages`), the one-worker
+  step and the ``vote='grad'`` baseline.
 
-The step's three functions — :meth:`~BucketStep._encode_part`, :meth:`VoteCodec.exchange
-<lioncub.vote.VoteCodec.exchange>` and :meth:`~BucketStep._decode_apply` — are also what
-:mod:`lioncub.overlap` and :mod:`lioncub.ddp_hook` call, so all three paths give the same bits.
-
-The mixin uses the optimizer's ``_params``, ``_grads``, ``_init_state``, ``_by_group`` and
-its attributes (``vote``, ``bits``, ``quantizer``, ``world_size``, ``group``, ``steps``, ...).
+:mod:`lioncub.overlap` and :mod:`lioncub.ddp_hook` call the same ``encode_bucket``, the vote
+method's ``exchange`` and ``apply_bucket``, so all three paths give the same bits.
 """
 from __future__ import annotations
 
@@ -35,22 +26,85 @@ from torch import Tensor
 from . import comm, fused
 from .comm import CommStats
 from .lion import apply_update_, interpolate, lion
-from .quantize import ROUNDED
-from .vote import VoteCodec, majority_vote
+from .votes import VoteMethod
 
-__all__ = ["BucketStep", "GRAD_DTYPES"]
+__all__ = ["Bucket", "BucketStep", "GRAD_DTYPES"]
 
 GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+class Bucket:
+    """Parameters voted (or applied) together, with the backend chosen for them.
+
+    ``entries``: (param group, parameter) pairs; ``index``: their positions in the
+    optimizer's parameter list; ``fused``: whether the fused loops run; ``reason``: why.
+    """
+
+    def __init__(self, entries: list[tuple[dict, Tensor]], index: list[int], fused: bool, reason: str):
+        self.entries, self.index, self.fused, self.reason = entries, index, fused, reason
+        self.params = [p for _, p in entries]
+        self.sizes = [p.numel() for p in self.params]
+        self.numel = sum(self.sizes)
+        self.runs = _runs(entries)
+        self.device = self.params[0].device if self.params else None
+
+    def only(self, keep: list[int]) -> "Bucket":
+        """The bucket of ``entries[k] for k in keep`` (same backend)."""
+        return Bucket([self.entries[k] for k in keep], [self.index[k] for k in keep], self.fused, self.reason)
+
+    def beta1(self) -> list[float]:
+        return [g["betas"][0] for g, _ in self.entries]
+
+    def maximize(self) -> list[bool]:
+        return [g["maximize"] for g, _ in self.entries]
+
+    def hyper(self) -> dict:
+        """Per-parameter update hyper-parameters for :mod:`lioncub.fused`'s apply loops
+        (read at every step: a scheduler may change ``lr``)."""
+        return dict(lr=[g["lr"] for g, _ in self.entries], beta2=[g["betas"][1] for g, _ in self.entries],
+                    weight_decay=[g["weight_decay"] for g, _ in self.entries], maximize=self.maximize())
+
+
+def _runs(entries) -> list[tuple[dict, list[int]]]:
+    """Split a bucket's (group, param) entries into runs that share a param group."""
+    runs: list[tuple[dict, list[int]]] = []
+    for k, (g, _) in enumerate(entries):
+        if runs and runs[-1][0] is g:
+            runs[-1][1].append(k)
+        else:
+            runs.append((g, [k]))
+    return runs
+
+
+def choose_backend(params: list[Tensor], want: Optional[bool]) -> tuple[bool, str]:
+    """The backend for ``params`` under ``fused=want`` (None: fused when usable), and why.
+    ``want=True`` where the fused loops cannot run raises ``ValueError``."""
+    if want is False:
+        return False, "torch: fused=False"
+    why_not = fused.unusable_reason(params)
+    if why_not is None:
+        return True, f"fused: {fused.backend_of(params)}"
+    if want:
+        raise ValueError(f"fused=True but the fused loops cannot run: {why_not}; pass fused=None or False")
+    return False, f"torch: {why_not}"
+
+
 class BucketStep:
-    """Mixin of :class:`~lioncub.LionCub`: one step's buckets, voted (or all-reduced) and applied."""
+    """Encode, exchange and apply buckets for ``optimizer`` (its momenta: ``optimizer.state``,
+    which ``load_state_dict`` replaces, so it is read there every time).
 
-    encode_ahead = 4
-    """Messages encoded before the has-grad / finite agreement (at most this many times
-    ``message_mb`` of kept buffers; 1-bit votes of a 800M-parameter model are 4 messages)."""
+    ``method``: the vote method (:mod:`lioncub.votes`; None for ``vote='grad'``), set by the
+    optimizer and replaced when ``vote='auto'`` resumes another pick."""
 
-    def _buffer(self, key, n: int, dtype: torch.dtype, device) -> Tensor:
+    def __init__(self, optimizer: torch.optim.Optimizer, world_size: int, group, generator: torch.Generator,
+                 message_mb: float):
+        self.optimizer, self.world_size, self.group, self.generator = optimizer, world_size, group, generator
+        self.message_mb = message_mb
+        self.method: Optional[VoteMethod] = None
+        self._scratch: dict = {}
+
+    # ------------------------------------------------------------------ tensors
+    def buffer(self, key, n: int, dtype: torch.dtype, device) -> Tensor:
         """A flat tensor of ``n`` elements under ``key``, kept between steps.
 
         Buckets are tens of MB: a fresh allocation per step costs page faults that took
@@ -62,25 +116,96 @@ class BucketStep:
             buf = self._scratch[key] = torch.empty(n, dtype=dtype, device=device)
         return buf[:n]
 
-    def _step_bucket(self, entries: list[tuple[dict, Tensor]], stats: CommStats) -> None:
-        params = [p for _, p in entries]
-        self._step_grad(params, self._grads(params), [self._init_state(p) for p in params],
-                        self._by_group(entries), stats)
+    def clear_buffers(self) -> None:
+        self._scratch.clear()
 
-    def _codec(self) -> VoteCodec:
-        return VoteCodec(self.vote, self.world_size, self.bits, self.quantizer, self.tie)
+    def momenta(self, bucket: Bucket) -> list[Tensor]:
+        """The momentum ``m`` of each parameter (zeros the first time: the optimizer state;
+        made contiguous for the fused loops if a loaded checkpoint's was not)."""
+        out = []
+        for p in bucket.params:
+            state = self.optimizer.state[p]
+            if "exp_avg" not in state:
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif bucket.fused and not state["exp_avg"].is_contiguous():
+                state["exp_avg"] = state["exp_avg"].contiguous()
+            out.append(state["exp_avg"])
+        return out
 
-    def messages(self, parts: Optional[list[list[int]]] = None) -> list[list[int]]:
+    @staticmethod
+    def grads(bucket: Bucket) -> list[Tensor]:
+        """Each parameter's gradient (zeros where it has none; contiguous for the fused loops)."""
+        grads = []
+        for i, p in zip(bucket.index, bucket.params):
+            g = p.grad
+            if g is None:
+                g = torch.zeros_like(p)
+            elif g.is_sparse:
+                raise TypeError(f"parameter {i} has a sparse gradient; LionCub supports dense gradients only")
+            elif bucket.fused and not g.is_contiguous():
+                g = g.contiguous()
+            grads.append(g)
+        return grads
+
+    # ------------------------------------------------------------------ the two functions
+    def encode_bucket(self, bucket: Bucket, dst: Tensor, step: int, stats: CommStats,
+                      key="c") -> Optional[bool]:
+        """This rank's part of a message for ``bucket`` into ``dst``. Returns whether the
+        bucket's gradients are all finite when a fused loop read them (it reads them anyway),
+        None when the torch ops did."""
+        method = self.method
+        if bucket.fused and method.one_pass:  # c never stored: one pass
+            t0 = time.perf_counter()
+            finite = method.encode_fused(self.momenta(bucket), self.grads(bucket), bucket.beta1(),
+                                         bucket.maximize(), dst, step)
+            stats.t_quantize_pack += time.perf_counter() - t0
+            return finite
+        c, finite = self._c_checked(bucket, stats, key, "t_quantize_pack")  # quantizers: c first
+        t0 = time.perf_counter()
+        work = self.buffer("abs", c.numel(), torch.float32, c.device) if bucket.fused else None
+        method.encode(c, dst, step, self.generator, work=work, use_fused=bucket.fused)
+        stats.t_quantize_pack += time.perf_counter() - t0
+        return finite
+
+    def apply_bucket(self, bucket: Bucket, voted: Tensor, offset: int, stats: CommStats,
+                     keep: Optional[list[int]] = None) -> None:
+        """u of the bucket's part at byte ``offset`` of the voted bytes applied to its
+        parameters, or to ``entries[k] for k in keep`` only (no gradient on any rank)."""
+        method, n = self.method, bucket.numel
+        whole = keep is None or len(keep) == len(bucket.entries)
+        if bucket.fused and whole:
+            t0 = time.perf_counter()
+            part = voted[..., offset:offset + method.part_nbytes(n)]
+            if method.apply_fused(bucket.params, self.momenta(bucket), self.grads(bucket), part, bucket.hyper()):
+                stats.t_apply += time.perf_counter() - t0  # u straight from the voted bytes
+                return
+        t0 = time.perf_counter()
+        u = method.decode(voted, offset, n, self.buffer("u8", n, torch.int8, bucket.device) if bucket.fused
+                          else self.buffer("c", n, torch.float32, bucket.device))
+        stats.t_unpack_vote += time.perf_counter() - t0
+        if not whole:
+            pieces = u.split(bucket.sizes)
+            bucket = bucket.only(keep)
+            u = torch.cat([pieces[k] for k in keep]) if keep else u[:0]
+        if not bucket.entries:
+            return
+        if bucket.fused:
+            t0 = time.perf_counter()
+            fused.apply(bucket.params, self.momenta(bucket), self.grads(bucket), u, **bucket.hyper())
+            stats.t_apply += time.perf_counter() - t0
+        else:
+            self.apply_u(bucket, u, stats)
+
+    # ------------------------------------------------------------------ the normal step
+    def messages(self, buckets: list[Bucket]) -> list[list[int]]:
         """How the buckets travel without overlap: consecutive buckets (indices into
-        ``_buckets``, or into ``parts`` when given: lists of parameter indices) grouped
-        into messages of at most ``message_mb`` MiB on the wire, at least one bucket each."""
-        params = self._params()
-        sizes = [sum(params[i][1].numel() for i in idx) for idx in (self._buckets if parts is None else parts)]
-        codec, cap = self._codec(), self.message_mb * 2**20
+        ``buckets``) grouped into messages of at most ``message_mb`` MiB on the wire, at
+        least one bucket each."""
+        cap = self.message_mb * 2**20
         out: list[list[int]] = []
         total = 0
-        for b, n in enumerate(sizes):
-            nb = codec.part_nbytes(n)
+        for b, bucket in enumerate(buckets):
+            nb = self.method.part_nbytes(bucket.numel)
             if out and total + nb <= cap:
                 out[-1].append(b)
                 total += nb
@@ -89,227 +214,120 @@ class BucketStep:
                 total = nb
         return out
 
-    def message_elements(self) -> list[int]:
-        """Per message (all parameters active), the element count whose single vote moves
-        the same bytes: what :func:`lioncub.cost.predicted_bytes` takes."""
-        params, codec = self._params(), self._codec()
-        nbytes = [sum(codec.part_nbytes(sum(params[i][1].numel() for i in self._buckets[b])) for b in msg)
-                  for msg in self.messages()]
-        return [codec.elements(m) for m in nbytes]
+    def encodes_ahead(self, buckets: list[Bucket]) -> bool:
+        """Every bucket's gradients read by a fused loop (which also checks them), and no
+        random draws in the encode (a bucket may be encoded twice: see LionCub.step)."""
+        return self.world_size > 1 and self.method.repeatable and all(b.fused for b in buckets)
 
-    def _step_messages(self, parts: list[list[tuple[dict, Tensor]]], stats: CommStats) -> None:
-        """Vote and apply every part (bucket), several buckets per exchange."""
+    def step_messages(self, buckets: list[Bucket], stats: CommStats, step: int) -> None:
+        """Vote and apply every bucket, several buckets per exchange."""
         if self.world_size == 1:  # no one to vote with: this is Lion
-            for part in parts:
-                self._apply_bucket(part, self._bucket_c(part, stats, key="c").sign_(), stats)
+            for bucket in buckets:
+                self.apply_u(bucket, self.bucket_c(bucket, stats, key="c").sign_(), stats)
             return
-        self._exchange_messages(parts, self._encode_messages(parts, stats, ahead=0)[0], stats)
+        self.exchange_messages(buckets, self.encode_messages(buckets, stats, step, ahead=0)[0], stats, step)
 
-    def _encodes_fused(self, parts: list[list[tuple[dict, Tensor]]]) -> bool:
-        """Every part's gradients read by a fused loop (which also checks them), and no
-        random draws in the encode (a part may be encoded twice: see LionCub.step)."""
-        return (self.world_size > 1 and (self.quantizer is None or self.quantizer in ROUNDED)
-                and all(self._fusable(part) for part in parts))
-
-    def _encode_messages(self, parts: list[list[tuple[dict, Tensor]]], stats: CommStats, ahead: int
-                         ) -> tuple[list[tuple[list[int], Optional[Tensor]]], Optional[bool]]:
+    def encode_messages(self, buckets: list[Bucket], stats: CommStats, step: int, ahead: int
+                        ) -> tuple[list[tuple[list[int], Optional[Tensor]]], Optional[bool]]:
         """This rank's bytes of the first ``ahead`` messages, each in its own kept buffer:
-        ``[(bucket indices into parts, buffer or None: not encoded yet)]`` for every message,
-        and whether the gradients read were finite (None if one part went the torch path)."""
-        codec = self._codec()
-        params = self._params()
-        index = {id(p): i for i, (_, p) in enumerate(params)}
+        ``[(bucket indices into buckets, buffer or None: not encoded yet)]`` for every message,
+        and whether the gradients read were finite (None if one bucket went the torch path)."""
         encoded, finite = [], True
-        for k, msg in enumerate(self.messages([[index[id(p)] for _, p in part] for part in parts])):
+        for k, msg in enumerate(self.messages(buckets)):
             if k >= ahead:
                 encoded.append((msg, None))
                 continue
-            buf, ok = self._encode_message(parts, msg, codec, ("msg", k), stats)
+            buf, ok = self._encode_message(buckets, msg, ("msg", k), stats, step)
             finite = None if ok is None or finite is None else finite and ok
             encoded.append((msg, buf))
         return encoded, finite
 
-    def _encode_message(self, parts, msg: list[int], codec: VoteCodec, key,
-                        stats: CommStats) -> tuple[Tensor, Optional[bool]]:
-        """Message ``msg`` (bucket indices into ``parts``) into the kept buffer ``key``."""
-        nbs = [codec.part_nbytes(sum(p.numel() for _, p in parts[b])) for b in msg]
+    def _encode_message(self, buckets: list[Bucket], msg: list[int], key, stats: CommStats,
+                        step: int) -> tuple[Tensor, Optional[bool]]:
+        """Message ``msg`` (indices into ``buckets``) into the kept buffer ``key``."""
+        nbs = [self.method.part_nbytes(buckets[b].numel) for b in msg]
         m = sum(nbs)
-        buf = self._buffer(key, codec.message_nbytes(m), torch.uint8, parts[msg[0]][0][1].device)
+        buf = self.buffer(key, self.method.message_nbytes(m), torch.uint8, buckets[msg[0]].device)
         buf[m:].zero_()
         offset, finite = 0, True
         for b, nb in zip(msg, nbs):
-            ok = self._encode_part(parts[b], codec, buf[offset:offset + nb], self.steps, stats)
+            ok = self.encode_bucket(buckets[b], buf[offset:offset + nb], step, stats)
             finite = None if ok is None or finite is None else finite and ok
             offset += nb
         return buf, finite
 
-    def _exchange_messages(self, parts, encoded: list[tuple[list[int], Optional[Tensor]]],
-                           stats: CommStats) -> None:
+    def exchange_messages(self, buckets: list[Bucket], encoded: list[tuple[list[int], Optional[Tensor]]],
+                          stats: CommStats, step: int) -> None:
         """One exchange per message (encoded now when it was not ahead), then each of its
-        parts decoded and applied."""
-        codec = self._codec()
+        buckets applied."""
+        method = self.method
         for msg, buf in encoded:
             if buf is None:
-                buf = self._encode_message(parts, msg, codec, "msg", stats)[0]
-            sizes = [sum(p.numel() for _, p in parts[b]) for b in msg]
-            voted = codec.exchange(buf, sum(codec.part_nbytes(n) for n in sizes), self.steps, self.group, stats)
+                buf = self._encode_message(buckets, msg, "msg", stats, step)[0]
+            voted = method.exchange(buf, sum(method.part_nbytes(buckets[b].numel) for b in msg), step,
+                                    self.group, stats)
             offset = 0
-            for b, n in zip(msg, sizes):
-                self._decode_apply(parts[b], codec, voted, offset, n, stats)
-                offset += codec.part_nbytes(n)
+            for b in msg:
+                self.apply_bucket(buckets[b], voted, offset, stats)
+                offset += method.part_nbytes(buckets[b].numel)
 
-    def _fusable(self, entries) -> bool:
-        """All fp32, contiguous, on CPU: the fused loops of :mod:`lioncub.fused` apply."""
-        params = [p for _, p in entries]
-        return fused.usable(params, [self._init_state(p) for p in params],
-                            [p.grad for p in params if p.grad is not None])
-
-    def _encode_part(self, entries, codec: VoteCodec, dst: Tensor, step: int, stats: CommStats,
-                     key="c") -> Optional[bool]:
-        """This rank's part of a message for ``entries`` (one bucket) into ``dst``. Returns
-        whether the bucket's gradients are all finite when a fused loop read them (it reads
-        them anyway), None when the torch ops did."""
-        if codec.quantizer is None and self._fusable(entries):  # c never stored: one pass
-            t0 = time.perf_counter()
-            params = [p for _, p in entries]
-            finite = fused.encode([self._init_state(p) for p in params], self._grads(params),
-                         [g["betas"][0] for g, _ in entries], [g["maximize"] for g, _ in entries], dst,
-                         bits=codec.bits, step=codec.parity(step), signs=codec.method == "sign_allreduce")
-            stats.t_quantize_pack += time.perf_counter() - t0
-            return finite
-        c, finite = self._c_checked(entries, stats, key, "t_quantize_pack")  # quantizers: c first
-        t0 = time.perf_counter()
-        fast_q = finite is not None and codec.quantizer in ROUNDED  # fp32 c: the codec's fused lanes
-        work = self._buffer("abs", c.numel(), torch.float32, c.device) if fast_q else None
-        codec.encode(c, dst, step, self.generator, work=work)
-        stats.t_quantize_pack += time.perf_counter() - t0
-        return finite
-
-    @staticmethod
-    def _hyper(entries) -> dict:
-        """Per-parameter update hyper-parameters for :func:`lioncub.fused.apply`."""
-        return dict(lr=[g["lr"] for g, _ in entries], beta2=[g["betas"][1] for g, _ in entries],
-                    weight_decay=[g["weight_decay"] for g, _ in entries], maximize=[g["maximize"] for g, _ in entries])
-
-    def _decode_apply(self, entries, codec: VoteCodec, voted, offset: int, n: int, stats: CommStats,
-                      keep: Optional[list[int]] = None) -> None:
-        """u of the part at ``offset`` (``n`` elements) applied to ``entries``, or to
-        ``entries[k] for k in keep`` only (params without a gradient on any rank)."""
-        device = entries[0][1].device
-        fast = self._fusable(entries)
-        whole = keep is None or len(keep) == len(entries)
-        if fast and whole and codec.method in ("onebit", "gather", "pbit"):  # u straight from the vote
-            t0 = time.perf_counter()
-            nb = codec.part_nbytes(n)
-            params = [p for _, p in entries]
-            state = (params, [self._init_state(p) for p in params], self._grads(params))
-            if codec.method == "pbit":
-                fused.apply_lanes(*state, voted[offset:offset + nb], codec.bits, *codec.thresholds(),
-                                  **self._hyper(entries))
-            else:
-                pos, neg = (voted, None) if codec.method == "onebit" else voted
-                fused.apply_bits(*state, pos[offset:offset + nb], None if neg is None else neg[offset:offset + nb],
-                                 **self._hyper(entries))
-            stats.t_apply += time.perf_counter() - t0
-            return
-        t0 = time.perf_counter()
-        u = codec.decode(voted, offset, n, self._buffer("u8", n, torch.int8, device) if fast
-                         else self._buffer("c", n, torch.float32, device))
-        stats.t_unpack_vote += time.perf_counter() - t0
-        if keep is not None and len(keep) < len(entries):
-            pieces = u.split([p.numel() for _, p in entries])
-            entries = [entries[k] for k in keep]
-            u = torch.cat([pieces[k] for k in keep]) if keep else u[:0]
-        if not entries:
-            return
-        if fast:
-            t0 = time.perf_counter()
-            params = [p for _, p in entries]
-            fused.apply(params, [self._init_state(p) for p in params], self._grads(params), u,
-                        **self._hyper(entries))
-            stats.t_apply += time.perf_counter() - t0
-        else:
-            self._apply_bucket(entries, u, stats)
-
-    # The torch path's c and update of a bucket (also the one-worker step).
-    def _bucket_c(self, entries: list[tuple[dict, Tensor]], stats: CommStats, key) -> Tensor:
+    # ------------------------------------------------------------------ torch ops, one worker
+    def bucket_c(self, bucket: Bucket, stats: CommStats, key) -> Tensor:
         """Flat fp32 ``c = β1·m + (1-β1)·g`` of a bucket's params (missing grads as zeros),
         written into the scratch buffer ``key`` (valid until that key is used again)."""
-        return self._c_checked(entries, stats, key, "t_apply")[0]
+        return self._c_checked(bucket, stats, key, "t_apply")[0]
 
-    def _c_checked(self, entries, stats: CommStats, key, account: str) -> tuple[Tensor, Optional[bool]]:
-        """:meth:`_bucket_c`, and whether the gradients read are all finite (None when the
+    def _c_checked(self, bucket: Bucket, stats: CommStats, key, account: str) -> tuple[Tensor, Optional[bool]]:
+        """:meth:`bucket_c`, and whether the gradients read are all finite (None when the
         torch ops computed ``c``); the time goes to ``stats.<account>``."""
-        params = [p for _, p in entries]
-        grads = self._grads(params)
-        exp_avgs = [self._init_state(p) for p in params]
+        grads, exp_avgs = self.grads(bucket), self.momenta(bucket)
         t0 = time.perf_counter()
-        sizes = [p.numel() for p in params]
-        flat = self._buffer(key, sum(sizes), torch.float32, params[0].device if params else None)
+        flat = self.buffer(key, bucket.numel, torch.float32, bucket.device)
         finite = None
-        if params and self._fusable(entries):  # one pass, the same values
-            finite = fused.interpolate(exp_avgs, grads, [g["betas"][0] for g, _ in entries],
-                                       [g["maximize"] for g, _ in entries], flat)
+        if bucket.fused:  # one pass, the same values
+            finite = fused.interpolate(exp_avgs, grads, bucket.beta1(), bucket.maximize(), flat)
         else:
-            views = flat.split(sizes)
-            for g, ks in self._by_group(entries):
+            views = flat.split(bucket.sizes)
+            for g, ks in bucket.runs:
                 interpolate([exp_avgs[k] for k in ks], [grads[k] for k in ks], g["betas"][0],
                             maximize=g["maximize"], out=[views[k] for k in ks])
         setattr(stats, account, getattr(stats, account) + time.perf_counter() - t0)
         return flat, finite
 
-    def _vote_flat(self, flat: Tensor, step: int, stats: CommStats, group=None) -> Tensor:
-        """u = sign(Σ_i q(c_i)) for one bucket, written over ``flat`` (collective; sign(c)
-        alone on one rank), by :func:`~lioncub.vote.majority_vote` with this optimizer's
-        vote and tie rule. Not on the step's path (see the module docstring): it is the
-        vote alone that ``bench/overlap.py`` times. ``group``: the same ranks on another
-        process group."""
-        if self.world_size == 1:  # no one to vote with: this is Lion
-            return flat.sign_()
-        return majority_vote(flat, method=self.vote, bits=self.bits, quantizer=self.quantizer, step=step,
-                             tie=self.tie, group=self.group if group is None else group, stats=stats,
-                             generator=self.generator, out=flat)
-
-    def _apply_bucket(self, entries: list[tuple[dict, Tensor]], u: Tensor, stats: CommStats) -> None:
-        """θ ← θ(1-ηλ) - η·u and m ← β2·m + (1-β2)·g for a bucket, from its flat vote ``u``."""
-        params = [p for _, p in entries]
-        grads = self._grads(params)
-        exp_avgs = [self._init_state(p) for p in params]
+    def apply_u(self, bucket: Bucket, u: Tensor, stats: CommStats) -> None:
+        """θ ← θ(1-ηλ) - η·u and m ← β2·m + (1-β2)·g for a bucket, from its flat vote ``u``
+        (torch ops)."""
+        params, grads, exp_avgs = bucket.params, self.grads(bucket), self.momenta(bucket)
         t0 = time.perf_counter()
-        us = [piece.view_as(p).to(p.dtype) for piece, p in zip(u.split([p.numel() for p in params]), params)]
-        for g, ks in self._by_group(entries):
+        us = [piece.view_as(p).to(p.dtype) for piece, p in zip(u.split(bucket.sizes), params)]
+        for g, ks in bucket.runs:
             apply_update_([params[k] for k in ks], [us[k] for k in ks], [exp_avgs[k] for k in ks],
                           [grads[k] for k in ks], lr=g["lr"], beta2=g["betas"][1],
                           weight_decay=g["weight_decay"], maximize=g["maximize"], foreach=True)
         stats.t_apply += time.perf_counter() - t0
 
-    def _step_grad(self, params, grads, exp_avgs, runs, stats: CommStats) -> None:
+    def step_grad(self, bucket: Bucket, grad_dtype: str, stats: CommStats) -> None:
         """Baseline: average gradients in ``grad_dtype`` with one all-reduce, then plain Lion."""
+        params, grads, exp_avgs = bucket.params, self.grads(bucket), self.momenta(bucket)
         if self.world_size > 1:
             t0 = time.perf_counter()
-            sizes = [g.numel() for g in grads]
-            flat = self._buffer("grad", sum(sizes), GRAD_DTYPES[self.grad_dtype], grads[0].device)
-            for piece, g in zip(flat.split(sizes), grads):
+            flat = self.buffer("grad", bucket.numel, GRAD_DTYPES[grad_dtype], bucket.device)
+            for piece, g in zip(flat.split(bucket.sizes), grads):
                 piece.view(g.shape).copy_(g)  # one pass, casting to the wire dtype
             stats.t_quantize_pack += time.perf_counter() - t0
             comm.all_reduce(flat, self.group, stats)
             t0 = time.perf_counter()
             flat.div_(self.world_size)
-            grads = [piece.view_as(p).to(p.dtype) for piece, p in zip(flat.split([p.numel() for p in params]), params)]
+            grads = [piece.view_as(p).to(p.dtype) for piece, p in zip(flat.split(bucket.sizes), params)]
             stats.t_unpack_vote += time.perf_counter() - t0
         t0 = time.perf_counter()
-        if fused.usable(params, exp_avgs, grads):  # the same Lion, two fused passes (as the votes get)
-            hp = [None] * len(params)
-            for g, ks in runs:
-                for k in ks:
-                    hp[k] = g
-            u = self._buffer("u8", sum(p.numel() for p in params), torch.int8, params[0].device)
-            fused.encode(exp_avgs, grads, [g["betas"][0] for g in hp], [g["maximize"] for g in hp],
-                         u.view(torch.uint8), bits=8, step=0, signs=True)  # u = sign(c)
-            fused.apply(params, exp_avgs, grads, u, lr=[g["lr"] for g in hp], beta2=[g["betas"][1] for g in hp],
-                        weight_decay=[g["weight_decay"] for g in hp], maximize=[g["maximize"] for g in hp])
+        if bucket.fused:  # the same Lion, two fused passes (as the votes get)
+            u = self.buffer("u8", bucket.numel, torch.int8, bucket.device)
+            fused.encode(exp_avgs, grads, bucket.beta1(), bucket.maximize(), u.view(torch.uint8), bits=8, step=0,
+                         signs=True)  # u = sign(c)
+            fused.apply(params, exp_avgs, grads, u, **bucket.hyper())
         else:
-            for g, ks in runs:
+            for g, ks in bucket.runs:
                 lion([params[k] for k in ks], [grads[k] for k in ks], [exp_avgs[k] for k in ks],
                      lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1],
                      weight_decay=g["weight_decay"], maximize=g["maximize"], foreach=True)

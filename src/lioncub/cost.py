@@ -7,10 +7,11 @@ seconds per bit of one full-duplex link, the ring collectives cost::
     all_gather of B bytes per rank    (P-1)·α +  (P-1)   · 8B · β   sends  (P-1)   · B
     all_to_all of B bytes per rank    (P-1)·α +  (P-1)/P · 8B · β   sends  (P-1)/P · B
 
-and every method is a fixed composition of them:
+and every method is a fixed composition of them, which the method object states
+(:meth:`lioncub.votes.VoteMethod.plan`); today:
 
     grad            one allreduce of n·4 (fp32) or n·2 (bf16) bytes
-    sign_allreduce  one int8 allreduce of n bytes                          (P·s ≤ 127)
+    sign_allreduce  one int8 allreduce of n bytes                          (P ≤ 127)
     gather          one all_gather of ⌈n/8⌉ packed sign bytes per rank
     onebit          N = ⌈n/(8P)⌉·P: all_to_all of N bytes, all_gather of N/P bytes
     pbit            one uint8 allreduce of ⌈n·w/8⌉ bytes, w-bit lanes        (2s·P ≤ 2^w-1)
@@ -33,10 +34,12 @@ import math
 import time
 from typing import Sequence
 
-METHODS = ("grad", "sign_allreduce", "gather", "onebit", "pbit")
-VOTE_METHODS = ("sign_allreduce", "gather", "onebit", "pbit")
+from . import votes
+from .quantize import QUANTIZERS
+
+VOTE_METHODS = votes.VOTE_METHODS
+METHODS = ("grad",) + VOTE_METHODS
 GRAD_DTYPES = {"fp32": 4, "bf16": 2}
-LANE_BITS = (2, 4, 8)
 DEFAULT_PROBE_SIZES = (4 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 
 __all__ = [
@@ -51,17 +54,6 @@ __all__ = [
 ]
 
 
-def _pbit_width(world_size: int, bits: int | None, quantizer) -> int:
-    """Lane width the ``pbit`` vote uses; ValueError when its lanes would overflow.
-
-    Defers to :func:`lioncub.vote.pbit_levels` (itself built on
-    :func:`lioncub.packing.lane_bits_for`) so there is one source of truth.
-    """
-    from lioncub.vote import pbit_levels  # lazy: vote may one day import this module
-
-    return pbit_levels(world_size, bits, quantizer)[0]
-
-
 def _check_common(method: str, n: int, world_size: int) -> None:
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}; got {method!r}")
@@ -72,29 +64,23 @@ def _check_common(method: str, n: int, world_size: int) -> None:
 
 
 def method_valid(method: str, world_size: int, *, bits: int | None = None, quantizer=None) -> bool:
-    """Whether ``method`` (lane width ``bits``, ``quantizer`` for pbit) is exact for ``world_size``.
+    """Whether ``method`` (lane width ``bits``, ``quantizer``) is exact for ``world_size``.
 
-    sign_allreduce sums int8 signs: P <= 127. gather and onebit carry one bit (no
-    quantizer). pbit needs 2s·P <= 2^w - 1 (P <= 2^w - 1 for binary signs); see
-    :func:`lioncub.vote.pbit_levels`. Malformed ``bits``/``quantizer`` raise ValueError.
+    The vote method's own checks decide (:class:`lioncub.votes.VoteMethod`: e.g.
+    sign_allreduce sums int8 signs, P <= 127; pbit needs 2s·P <= 2^w - 1; only pbit takes a
+    quantizer); ``grad`` is valid everywhere. Malformed ``bits``/``quantizer`` raise ValueError.
     """
     _check_common(method, 0, world_size)
-    if quantizer is not None:
-        from lioncub.quantize import QUANTIZERS
-
-        if quantizer not in QUANTIZERS:
-            raise ValueError(f"quantizer must be None or one of {QUANTIZERS}; got {quantizer!r}")
-        if method in ("sign_allreduce", "gather", "onebit"):
-            return False  # the vote takes a quantizer for pbit only
-    if method == "sign_allreduce":
-        return world_size <= 127
-    if method != "pbit":  # grad, gather, onebit: any world size
+    if quantizer is not None and quantizer not in QUANTIZERS:
+        raise ValueError(f"quantizer must be None or one of {QUANTIZERS}; got {quantizer!r}")
+    if method == "grad":
         return True
-    if bits is not None and bits not in LANE_BITS:
-        raise ValueError(f"bits must be None or one of {LANE_BITS} for method 'pbit'; got {bits!r}")
+    cls = votes.lookup(method)
+    if bits is not None and cls.LANE_BITS and bits not in cls.LANE_BITS:
+        raise ValueError(f"bits must be None or one of {cls.LANE_BITS} for method {method!r}; got {bits!r}")
     try:
-        _pbit_width(world_size, bits, quantizer)
-    except ValueError:  # lanes overflow, or no quantization level left
+        cls(world_size, bits, quantizer)
+    except ValueError:  # beyond the method's limits for this world size
         return False
     return True
 
@@ -102,24 +88,16 @@ def method_valid(method: str, world_size: int, *, bits: int | None = None, quant
 def _plan(method, n, world_size, bits, grad_dtype, quantizer):
     """The collectives ``method`` issues: list of (kind, bytes) and the lane width used."""
     _check_common(method, n, world_size)
-    P = world_size
     if method == "grad":
         if grad_dtype not in GRAD_DTYPES:
             raise ValueError(f"grad_dtype must be one of {tuple(GRAD_DTYPES)}; got {grad_dtype!r}")
         return [("allreduce", n * GRAD_DTYPES[grad_dtype])], None
-    if not method_valid(method, P, bits=bits, quantizer=quantizer):
+    if not method_valid(method, world_size, bits=bits, quantizer=quantizer):
         raise ValueError(
-            f"method={method!r} (bits={bits}, quantizer={quantizer!r}) is not valid for world_size={P}"
+            f"method={method!r} (bits={bits}, quantizer={quantizer!r}) is not valid for world_size={world_size}"
         )
-    if method == "sign_allreduce":
-        return [("allreduce", n)], None
-    if method == "gather":
-        return [("all_gather", math.ceil(n / 8))], None
-    if method == "onebit":
-        N = math.ceil(n / (8 * P)) * P  # padded so each rank owns N/P whole bytes
-        return [("all_to_all", N), ("all_gather", N // P)], None
-    w = _pbit_width(P, bits, quantizer)
-    return [("allreduce", math.ceil(n * w / 8))], w
+    vote = votes.make(method, world_size, bits, quantizer)
+    return vote.plan(n), vote.option_bits
 
 
 def _sent(kind: str, nbytes: int, P: int) -> float:

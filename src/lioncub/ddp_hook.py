@@ -52,7 +52,7 @@ class DDPVote(VoteDriver):
                              "(DDP accepts one comm hook per model)")
         super().__init__(opt)  # checks opt; refuses an optimizer already driven
         try:
-            ours = {id(p) for _, p in self._entries}
+            ours = set(self._index)
             theirs = [p for p in ddp_model.parameters() if p.requires_grad]
             missing = sum(id(p) not in ours for p in theirs)
             if missing:
@@ -83,7 +83,7 @@ class DDPVote(VoteDriver):
         return fut
 
     def launch_rest(self) -> None:
-        rest = [i for i in range(len(self._entries)) if i not in self._covered]
+        rest = [i for i in range(self.n_params) if i not in self._covered]
         if rest and self._pending:  # params outside DDP (same set on every rank)
             self.launch(rest)
             self._covered.update(rest)

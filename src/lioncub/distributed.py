@@ -11,11 +11,14 @@ momentum :math:`m_i`::
 Replicas stay bit-identical because every rank applies the same ``u`` to the same
 ``θ``. ``vote='grad'`` is the baseline (averaged fp32/bf16 gradients, then plain
 Lion, identical momenta). The arithmetic lives in :mod:`lioncub.lion` and
-:mod:`lioncub.vote`; this class only gathers tensors into buckets and orchestrates.
+:mod:`lioncub.votes` (one object per vote method), the per-bucket work in
+:mod:`lioncub.bucket_step`; this class plans the buckets, checks, agrees and orchestrates.
 
 Buckets: parameters are flattened into buckets of at most ``bucket_mb`` MiB of
 fp32, in reverse registration order (the order backward produces gradients, as in
-DDP), and each bucket is voted with one collective (two for ``onebit``).
+DDP), each with its backend (``fused=``) chosen once; the buckets' votes travel together
+in messages of at most ``message_mb`` MiB, one exchange each (one collective, two for
+``onebit``).
 
 Missing gradients: at every step the ranks agree (one small all-reduce) on which
 parameters have a gradient anywhere. A parameter with no gradient on any rank is
@@ -43,12 +46,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import auto, comm, cost, fused, guard, momentum, resume
-from .bucket_step import GRAD_DTYPES, BucketStep
+from . import auto, comm, fused, guard, momentum, resume, votes
+from .bucket_step import GRAD_DTYPES, Bucket, BucketStep, choose_backend
 from .comm import CommStats
 from .lion import _validate_hyperparameters
 from .quantize import QUANTIZERS
-from .vote import VOTE_METHODS, check_tie, pbit_levels
+from .votes import VOTE_METHODS
 
 __all__ = ["LionCub", "OPTIMIZER_VOTES", "GRAD_DTYPES"]
 
@@ -64,7 +67,7 @@ def _world(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-class LionCub(BucketStep, torch.optim.Optimizer):
+class LionCub(torch.optim.Optimizer):
     """Lion with a compressed majority vote across data-parallel ranks.
 
     Args:
@@ -72,7 +75,7 @@ class LionCub(BucketStep, torch.optim.Optimizer):
             ``weight_decay`` per group).
         lr, betas, weight_decay: as :class:`lioncub.Lion`.
         vote: ``'grad'`` (gradient all-reduce baseline), ``'sign_allreduce'``,
-            ``'gather'``, ``'onebit'``, ``'pbit'`` (see :mod:`lioncub.vote`) or ``'auto'``:
+            ``'gather'``, ``'onebit'``, ``'pbit'`` (see :mod:`lioncub.votes`) or ``'auto'``:
             the cheapest binary-sign vote for this world size by the α-β model plus
             per-method local cost (:mod:`lioncub.auto`); the pick is ``vote_chosen``.
         alpha, beta, gamma: ``vote='auto'`` only: latency (s) and seconds per bit of
@@ -81,12 +84,18 @@ class LionCub(BucketStep, torch.optim.Optimizer):
         bits: ``pbit`` lane width (2, 4 or 8); None picks the smallest valid one.
         quantizer: ``pbit`` only: None (binary signs, the paper's 4-bit Lion Cub),
             or one of ``'sign', 'l1', 'lp', 'l0', 'linf', 'log'``.
-        tie: where zeros of ``c`` and tied votes go on the 1-bit paths (:data:`lioncub.vote.TIE_RULES`):
+        tie: where zeros of ``c`` and tied votes go on the 1-bit paths (:data:`lioncub.votes.TIE_RULES`):
             ``'alternate'`` (the paper's: +1 on even steps, −1 on odd; the default), ``'plus'``
             (always +1) or ``'minus'`` (always −1). ``onebit``: zeros and ties; ``gather`` and
             ``pbit`` with ``quantizer=None``: zeros (ties vote 0). Other votes (and ``'auto'``,
             which may pick ``sign_allreduce``) accept only ``'alternate'``.
         grad_dtype: ``vote='grad'`` only: ``'fp32'`` or ``'bf16'`` all-reduce.
+        fused: the backend of the per-parameter passes, chosen once per bucket here, as
+            ``torch.optim`` optimizers take it: None (default) the fused loops of
+            :mod:`lioncub.fused` wherever they run (contiguous fp32 on CPU with a C compiler,
+            on CUDA with Triton), the torch ops elsewhere; True requires the fused loops
+            (``ValueError`` if a bucket cannot take them); False the torch ops. Both give the
+            same bits; ``backends`` holds each bucket's choice and why.
         process_group: the data-parallel group (default: the world).
         bucket_mb: bucket size in MiB of fp32 elements (the scratch ``c`` is one bucket).
         message_mb: without overlap, the buckets' votes travel together, in messages of
@@ -115,6 +124,10 @@ class LionCub(BucketStep, torch.optim.Optimizer):
             :func:`lioncub.ddp_hook.register` instead (DDP's buckets, DDP's hooks).
     """
 
+    encode_ahead = 4
+    """Messages encoded before the has-grad / finite agreement (at most this many times
+    ``message_mb`` of kept buffers; 1-bit votes of a 800M-parameter model are 4 messages)."""
+
     def __init__(
         self,
         params: Iterable,
@@ -127,6 +140,7 @@ class LionCub(BucketStep, torch.optim.Optimizer):
         quantizer: Optional[str] = None,
         tie: str = "alternate",
         grad_dtype: str = "fp32",
+        fused: Optional[bool] = None,
         process_group=None,
         bucket_mb: float = 25.0,
         message_mb: float = 25.0,
@@ -150,9 +164,10 @@ class LionCub(BucketStep, torch.optim.Optimizer):
             raise ValueError(f"grad_dtype must be one of {tuple(GRAD_DTYPES)}, got {grad_dtype!r}")
         if quantizer is not None and quantizer not in QUANTIZERS:
             raise ValueError(f"quantizer must be None or one of {QUANTIZERS}, got {quantizer!r}")
-        if vote != "pbit" and (bits is not None or quantizer is not None):
-            raise ValueError(f"bits and quantizer apply to vote='pbit' only, got vote={vote!r}")
-        check_tie(tie, vote, quantizer)
+        votes.check_lane_options(vote, bits, quantizer)
+        votes.check_tie(tie, vote, quantizer)
+        if fused is not None and not isinstance(fused, bool):
+            raise TypeError(f"fused must be None, True or False, got {fused!r}")
         for name, mb in (("bucket_mb", bucket_mb), ("message_mb", message_mb)):
             if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not mb > 0:
                 raise ValueError(f"{name} must be a number > 0, got {mb!r}")
@@ -169,10 +184,8 @@ class LionCub(BucketStep, torch.optim.Optimizer):
         if (alpha is None) != (beta is None):
             raise ValueError("give both alpha and beta (skips the probe), or neither (calibrate)")
         self.rank, self.world_size = _world(process_group)
-        if vote == "pbit":
-            pbit_levels(self.world_size, bits, quantizer)  # refuses lanes that would overflow
-        if vote == "sign_allreduce" and self.world_size > 127:
-            raise ValueError(f"vote='sign_allreduce' needs world size <= 127, got {self.world_size}")
+        if vote in votes.METHODS:
+            votes.make(vote, self.world_size, bits, quantizer, tie)  # refuses what cannot be exact for P ranks
         self.vote, self.bits, self.quantizer, self.grad_dtype = vote, bits, quantizer, grad_dtype
         self.tie = tie
         self.group, self.bucket_mb, self.seed = process_group, float(bucket_mb), seed
@@ -182,19 +195,22 @@ class LionCub(BucketStep, torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults)
         self._check_params()
-        self._warn_if_slow_path()
+        self.fused = fused
+        self._plan()
+        if fused is None:
+            self._warn_if_slow_path()
         self.generator = torch.Generator().manual_seed(seed + self.rank)
         self.steps = 0  # completed steps: sets the tie/zero parity of the 1-bit votes
         self.last_step_stats = CommStats()
-        self._buckets = self._make_buckets()
-        self._driver = None  # set by lioncub.overlap (overlap=True) or lioncub.ddp_hook
-        self._scratch: dict = {}  # flat bucket buffers kept between steps (see _buffer)
+        self._driver = None  # attached by lioncub.overlap (overlap=True) or lioncub.ddp_hook
+        self.bucket_step = BucketStep(self, self.world_size, self.group, self.generator, self.message_mb)
         self.vote_requested = vote
         if vote == "auto":
             self.vote, self.bits = self._choose_vote(alpha, beta, gamma)
         self.vote_chosen = (self.vote, self.bits)
-        self._param_names = guard.param_names(model, [p for _, p in self._params()])
-        guard.check_same_params([p for _, p in self._params()], self.group, self.world_size,
+        self._set_method()
+        self._param_names = guard.param_names(model, [p for _, p in self.param_entries])
+        guard.check_same_params([p for _, p in self.param_entries], self.group, self.world_size,
                                 names=self._param_names)
         self._broadcast_parameters()
         self.momentum_sync = momentum.MomentumSync(
@@ -217,6 +233,52 @@ class LionCub(BucketStep, torch.optim.Optimizer):
             self.param_groups.pop()
             raise type(exc)(f"param group {len(self.param_groups)}: {exc}") from None
 
+    def _set_method(self) -> None:
+        """The vote method object of ``vote`` (None for ``'grad'``), for every path's step."""
+        self.method = (None if self.vote == "grad" else
+                       votes.make(self.vote, self.world_size, self.bits, self.quantizer, self.tie))
+        self.bucket_step.method = self.method
+
+    def _plan(self) -> None:
+        """The bucket plan over the current param groups (``torch``'s ``load_state_dict``
+        replaces the group dicts, so it is made again there): ``param_entries`` ((param group,
+        parameter) in registration order) and ``buckets``, each with its backend (``fused=``)."""
+        self.param_entries = [(g, p) for g in self.param_groups for p in g["params"]]
+        self._planned: dict[tuple[int, ...], Bucket] = {}
+        self.buckets = [self.plan_bucket(idx) for idx in self._make_buckets()]
+        self.backends = [b.reason for b in self.buckets]
+        """Per bucket, the backend chosen (``fused=``) and why: ``'fused: ...'`` or ``'torch: ...'``."""
+
+    def plan_bucket(self, idx: list[int]) -> Bucket:
+        """The :class:`~lioncub.bucket_step.Bucket` of parameters ``idx`` (indices into
+        ``param_entries``; the DDP hook's buckets are DDP's), made once and kept."""
+        key = tuple(idx)
+        bucket = self._planned.get(key)
+        if bucket is None:
+            entries = [self.param_entries[i] for i in idx]
+            bucket = self._planned[key] = Bucket(entries, list(idx), *choose_backend([p for _, p in entries],
+                                                                                    self.fused))
+        return bucket
+
+    @property
+    def driver(self):
+        """What launches the votes during backward (overlap, the DDP hook), or None."""
+        return self._driver
+
+    def attach_driver(self, driver) -> None:
+        """Let ``driver`` (overlap, the DDP hook) launch the votes; ``step()`` then waits for
+        them and applies. One driver at a time."""
+        if self._driver is not None:
+            raise ValueError(f"this LionCub is already driven by {type(self._driver).__name__}; "
+                             "remove it first (remove_hooks())")
+        self._driver = driver
+
+    def detach_driver(self, driver) -> None:
+        """Undo :meth:`attach_driver`; the per-launch buffers go, step() makes its own again."""
+        if self._driver is driver:
+            self._driver = None
+            self.bucket_step.clear_buffers()
+
     def no_sync(self):
         """Context manager for gradient accumulation: backward passes inside launch no vote
         (overlap / DDP hook). A no-op without them: votes happen in step() anyway."""
@@ -231,16 +293,13 @@ class LionCub(BucketStep, torch.optim.Optimizer):
         """fp32 CPU params but the fused loops failed to build: say so once, with why."""
         why = fused.status()
         if why.startswith("unavailable") and any(p.device.type == "cpu" and p.dtype == torch.float32
-                                                 for _, p in self._params()):
+                                                 for _, p in self.param_entries):
             warnings.warn(f"LionCub: the fused CPU loops are {why}. The torch path runs instead (same results, "
                           "3-10x slower local work per step). Set LIONCUB_FUSED=0 to choose it and silence this.",
                           RuntimeWarning, stacklevel=3)
 
-    def _params(self) -> list[tuple[dict, Tensor]]:
-        return [(g, p) for g in self.param_groups for p in g["params"]]
-
     def _check_params(self) -> None:
-        for i, (_, p) in enumerate(self._params()):
+        for i, p in enumerate(p for g in self.param_groups for p in g["params"]):
             if not torch.is_floating_point(p):
                 raise TypeError(f"parameter {i} has dtype {p.dtype}; LionCub needs floating-point params")
             if p.is_sparse:
@@ -250,7 +309,7 @@ class LionCub(BucketStep, torch.optim.Optimizer):
         """Parameter indices per bucket, last-registered first (backward order)."""
         limit = max(1, int(self.bucket_mb * 2**20 / 4))
         buckets, current, size = [], [], 0
-        params = self._params()
+        params = self.param_entries
         for i in reversed(range(len(params))):
             n = params[i][1].numel()
             if current and size + n > limit:
@@ -265,8 +324,7 @@ class LionCub(BucketStep, torch.optim.Optimizer):
     def _choose_vote(self, alpha, beta, gamma) -> tuple[str, Optional[int]]:
         """vote='auto': the cheapest valid vote over this optimizer's buckets; rank 0's
         pick is broadcast so every rank runs the same method even if inputs differ."""
-        params = self._params()
-        sizes = [sum(params[i][1].numel() for i in idx) for idx in self._buckets]
+        sizes = [b.numel for b in self.buckets]
         method, bits, self.auto_alpha_beta = auto.agree_on_vote(sizes, self.world_size, self.group, alpha, beta,
                                                                 gamma=gamma)
         return method, bits
@@ -276,9 +334,8 @@ class LionCub(BucketStep, torch.optim.Optimizer):
         """Start every replica from rank 0's parameters (one broadcast per bucket)."""
         if self.world_size == 1:
             return
-        params = [p for _, p in self._params()]
-        for idx in self._buckets:
-            comm.broadcast_from_first([params[i] for i in idx], self.group)
+        for bucket in self.buckets:
+            comm.broadcast_from_first(bucket.params, self.group)
 
     # ------------------------------------------------------------------ step
     def _agree_active(self, params: list[Tensor], stats: CommStats,
@@ -292,17 +349,6 @@ class LionCub(BucketStep, torch.optim.Optimizer):
             comm.all_reduce(has, self.group, stats)
         return (has[:-1] > 0).tolist(), int(has[-1])
 
-    def _grads(self, params: list[Tensor]) -> list[Tensor]:
-        grads = []
-        for i, p in enumerate(params):
-            g = p.grad
-            if g is None:
-                g = torch.zeros_like(p)
-            elif g.is_sparse:
-                raise TypeError(f"parameter {i} has a sparse gradient; LionCub supports dense gradients only")
-            grads.append(g)
-        return grads
-
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
         """One step for every rank. Collective: every rank must call it every iteration."""
@@ -315,17 +361,16 @@ class LionCub(BucketStep, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         stats = CommStats()
-        entries = self._params()
-        params = [p for _, p in entries]
+        params = [p for _, p in self.param_entries]
+        run, buckets = self.bucket_step, self.buckets
         driver = self._driver  # overlap / DDP hook: votes already launched during backward
         if driver is not None:
             driver.finish_votes(stats)  # nothing in flight before the next collective
         early = None  # fused encode first: it checks every gradient in the same read
-        whole = [[entries[i] for i in idx] for idx in self._buckets]
         finite = None
-        if driver is None and self.vote != "grad" and self._encodes_fused(whole):
-            early, finite = self._encode_messages(whole, stats, ahead=self.encode_ahead)
-            rest = [p for msg, buf in early if buf is None for b in msg for _, p in whole[b]]
+        if driver is None and self.method is not None and run.encodes_ahead(buckets):
+            early, finite = run.encode_messages(buckets, stats, self.steps, ahead=self.encode_ahead)
+            rest = [p for msg, buf in early if buf is None for b in msg for p in buckets[b].params]
             finite = finite and guard.grads_finite(rest)  # messages beyond the ones ahead
         active, bad_ranks = self._agree_active(params, stats, finite=finite)
         if bad_ranks:
@@ -338,15 +383,16 @@ class LionCub(BucketStep, torch.optim.Optimizer):
         if driver is not None:
             driver.apply(active, stats)
         elif early is not None and all(active):
-            self._exchange_messages(whole, early, stats)
+            run.exchange_messages(buckets, early, stats, self.steps)
         else:  # (and when no rank has a gradient for some param: encoded again without it)
-            parts = [[entries[i] for i in idx if active[i]] for idx in self._buckets]
-            parts = [part for part in parts if part]
-            if self.vote == "grad":
-                for part in parts:
-                    self._step_bucket(part, stats)
+            parts = [b if all(active[i] for i in b.index) else b.only([k for k, i in enumerate(b.index) if active[i]])
+                     for b in buckets]
+            parts = [b for b in parts if b.entries]
+            if self.method is None:
+                for bucket in parts:
+                    run.step_grad(bucket, self.grad_dtype, stats)
             else:
-                self._step_messages(parts, stats)
+                run.step_messages(parts, stats, self.steps)
         self.steps += 1
         self.momentum_sync.after_step(self, stats)
         if self.check_every and self.steps % self.check_every == 0:
@@ -355,21 +401,18 @@ class LionCub(BucketStep, torch.optim.Optimizer):
         self.last_step_stats = stats
         return loss
 
-    def _init_state(self, p: Tensor) -> Tensor:
-        state = self.state[p]
-        if "exp_avg" not in state:
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return state["exp_avg"]
+    def messages(self) -> list[list[int]]:
+        """How the buckets travel without overlap: bucket indices grouped into messages of
+        at most ``message_mb`` MiB on the wire (:meth:`BucketStep.messages
+        <lioncub.bucket_step.BucketStep.messages>`)."""
+        return self.bucket_step.messages(self.buckets)
 
-    def _by_group(self, entries):
-        """Split a bucket's (group, param) entries into runs that share a param group."""
-        runs: list[tuple[dict, list[int]]] = []
-        for k, (g, _) in enumerate(entries):
-            if runs and runs[-1][0] is g:
-                runs[-1][1].append(k)
-            else:
-                runs.append((g, [k]))
-        return runs
+    def message_elements(self) -> list[int]:
+        """Per message (all parameters active), the element count whose single vote moves
+        the same bytes: what :func:`lioncub.cost.predicted_bytes` takes."""
+        method = self.method
+        return [method.elements(sum(method.part_nbytes(self.buckets[b].numel) for b in msg))
+                for msg in self.messages()]
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -396,6 +439,7 @@ class LionCub(BucketStep, torch.optim.Optimizer):
         if self.vote_requested == "auto" and extra.get("vote_requested") == "auto":
             self.vote, self.bits = extra["vote"], extra["bits"]  # resume with the run's pick
             self.vote_chosen = (self.vote, self.bits)
+            self._set_method()
         for key in ("vote", "bits", "quantizer", "grad_dtype"):
             if extra[key] != getattr(self, key):
                 raise ValueError(
@@ -406,6 +450,7 @@ class LionCub(BucketStep, torch.optim.Optimizer):
         # a copy: torch keeps same-dtype tensors by reference, which would share momenta
         base = copy.deepcopy({k: v for k, v in state_dict.items() if k != "lioncub"})
         super().load_state_dict(base)
+        self._plan()  # torch made new param-group dicts
         self.steps = int(extra["steps"])
         self.skipped_steps = int(extra.get("skipped_steps", 0))
         self.generator.set_state(extra["generator"])

@@ -45,7 +45,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["available", "status", "encode", "interpolate", "quantize_lanes", "apply", "apply_bits", "apply_lanes", "usable"]
+__all__ = ["available", "status", "encode", "interpolate", "quantize_lanes", "apply", "apply_bits", "apply_lanes", "usable",
+           "unusable_reason", "backend_of"]
 
 _SOURCE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fused.c")
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared"]
@@ -138,6 +139,24 @@ def usable(*tensor_lists: list[Tensor]) -> bool:
                                for t in ts)
 
 
+def unusable_reason(ts: list[Tensor]) -> Optional[str]:
+    """None when :func:`usable` holds for the tensors ``ts``, else why not, in one line."""
+    if usable(ts):
+        return None
+    if ts and all(t.device.type == "cuda" for t in ts):
+        return "CUDA tensors need contiguous fp32 and Triton (lioncub.triton_kernels)"
+    if not available():
+        return f"fused CPU loops {status()}"
+    bad = next(t for t in ts if not (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()))
+    return (f"a {bad.dtype} tensor on {bad.device} (contiguous={bad.is_contiguous()}); "
+            "the loops take contiguous fp32 tensors, all on CPU or all on CUDA")
+
+
+def backend_of(ts: list[Tensor]) -> str:
+    """Which fused loops run for the (usable) tensors ``ts``: Triton kernels or the C library."""
+    return "Triton kernels" if ts and ts[0].device.type == "cuda" else f"C loops ({status()})"
+
+
 def _gpu(t: Tensor):
     """The Triton kernels when ``t`` is a CUDA tensor (the backend switch), else None: the C loops."""
     if t.device.type != "cuda":
@@ -176,12 +195,13 @@ def encode(exp_avgs: list[Tensor], grads: list[Tensor], beta1, maximize, out: Te
     need = n if signs else -(-n * bits // 8)
     if out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() != need:
         raise ValueError(f"out must be a contiguous uint8 tensor of {need} bytes, got {out.dtype} {tuple(out.shape)}")
+    if _gpu(out) is not None:
+        return _gpu(out).encode(exp_avgs, grads, beta1, maximize, out, bits=bits, step=step, signs=signs)
     return _encode(exp_avgs, grads, beta1, maximize, out, mode=1 if signs else 0, bits=bits, step=step)
 
 
 def _encode(exp_avgs, grads, beta1, maximize, out: Tensor, *, mode: int, bits: int, step: int) -> bool:
-    if _gpu(out) is not None:
-        return _gpu(out)._encode(exp_avgs, grads, beta1, maximize, out, mode=mode, bits=bits, step=step)
+    """The C loop behind :func:`encode` (mode 0: lanes, 1: int8 signs) and :func:`interpolate` (2)."""
     k = len(exp_avgs)
     b1 = list(_per_tensor(beta1, k, ctypes.c_double))
     mx = list(_per_tensor(maximize, k, ctypes.c_bool))
@@ -197,6 +217,8 @@ def interpolate(exp_avgs: list[Tensor], grads: list[Tensor], beta1, maximize, ou
     n = sum(t.numel() for t in exp_avgs)
     if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != n:
         raise ValueError(f"out must be a contiguous fp32 tensor of {n} elements, got {out.dtype} {tuple(out.shape)}")
+    if _gpu(out) is not None:
+        return _gpu(out).interpolate(exp_avgs, grads, beta1, maximize, out)
     return _encode(exp_avgs, grads, beta1, maximize, out, mode=2, bits=32, step=0)
 
 

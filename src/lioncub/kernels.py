@@ -1,6 +1,6 @@
 r"""Fast pack / unpack / vote kernels: vectorised word tricks, no per-element Python.
 
-Same layouts as :mod:`lioncub.packing` (element ``8j+k`` is bit ``k`` of byte ``j``;
+The layouts of :mod:`lioncub.packing` (element ``8j+k`` is bit ``k`` of byte ``j``;
 ``w``-bit lanes, lane ``k`` at bits ``k·w``), computed with few passes over memory:
 
 * **pack** — the byte values (0/1 signs or lane values) are read as machine words
@@ -32,10 +32,9 @@ Same layouts as :mod:`lioncub.packing` (element ``8j+k`` is bit ``k`` of byte ``
   shift/OR on int16/int32 words and compared with ``+(127-t)`` per byte (lane sums
   are < 16, so no carry crosses a byte).
 
-Everything here is a pure function of tensors and works on any device; on CUDA,
-:func:`maybe_compiled` fuses a kernel with ``torch.compile`` when Triton is present.
-Tested element for element against :mod:`lioncub.packing`'s reference loops
-(``tests/test_kernels.py``).
+Everything here is a pure function of tensors and works on any device (the fused
+per-parameter passes are :mod:`lioncub.fused`'s, not these). Tested element for element
+against plain reference loops (``tests/test_kernels.py``).
 """
 from __future__ import annotations
 
@@ -56,7 +55,6 @@ __all__ = [
     "majority_bits",
     "spread_votes",
     "vote_lanes",
-    "maybe_compiled",
 ]
 
 _MUL_BITS = 0x0102040810204080  # gathers the low bit of each byte into the top byte
@@ -95,7 +93,7 @@ def pack_bytes(values: Tensor, n: int, bits: int) -> Tensor:
     ``values``: flat uint8 (or bool), each < 2**bits. When it is at least one word
     per output byte long (a buffer from :func:`sign_bits`) it is packed in place and
     its bytes past ``n`` must be 0; otherwise it is copied into a zero-padded buffer.
-    Returns ``ceil(n·bits/8)`` bytes, identical to :func:`lioncub.packing.pack_lanes`.
+    Returns ``ceil(n·bits/8)`` bytes: element ``j`` in lane ``j % (8/bits)`` of byte ``j // (8/bits)``.
     """
     values = values.reshape(-1).view(torch.uint8)
     per_byte = 8 // bits
@@ -309,7 +307,7 @@ def count_bits(packed: Tensor, n: int) -> Tensor:
 def decide_counts(count: Tensor, world: int, step: int, *, ties: str) -> Tensor:
     """``u = sign(2k − P)`` as int8 from uint8 counts ``k``; ties → 0 or → step parity.
 
-    Same result as :func:`lioncub.vote.decide` without its int16 temporaries.
+    Same result as :func:`lioncub.votes.decide` without its int16 temporaries.
     """
     if ties == "parity":
         return unpack_pm1_from_bool(parity_bits(count, world, step))
@@ -328,17 +326,3 @@ def parity_bits(count: Tensor, world: int, step: int) -> Tensor:
 def unpack_pm1_from_bool(positive: Tensor) -> Tensor:
     """bool → int8 ±1 in one pass (True → +1, False → −1)."""
     return positive.view(torch.int8) * 2 - 1
-
-
-def maybe_compiled(fn):
-    """``fn`` fused by ``torch.compile`` for CUDA tensors when Triton is importable; else ``fn``.
-
-    The compiled and eager versions are the same code, tested against each other on a GPU.
-    """
-    if not torch.cuda.is_available():
-        return fn
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return fn
-    return torch.compile(fn, dynamic=True)

@@ -48,12 +48,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import comm, guard, kernels
+from . import comm, guard, kernels, votes
 from .auto import agree_on_vote, vote_costs
 from .comm import CommStats
 from .lion import Lion, _validate_hyperparameters
 from .quantize import QUANTIZERS, quantize
-from .vote import VOTE_METHODS, majority_vote, pbit_levels, reference_vote
+from .vote import VOTE_METHODS, majority_vote, reference_vote
 
 __all__ = ["LocalCub", "INNER_OPTIMIZERS", "OUTER_RULES", "LOCAL_VOTES", "AGGREGATES"]
 
@@ -100,8 +100,8 @@ def sent_value(v: Tensor, sizes: list[int], *, vote: str, world: int, bits, quan
     (``sizes``: the tensors' element counts, in order). ``pbit`` with a quantizer sends
     q(v) with the scale of the whole flat ``v``, as :func:`~lioncub.majority_vote` does.
     """
-    if vote == "pbit" and quantizer is not None:
-        _, levels = pbit_levels(world, bits, quantizer)
+    levels = votes.make(vote, world, bits, quantizer).levels
+    if levels is not None:  # a quantizer's values
         q = quantize(v, quantizer, levels=levels)
         return q.values.to(v.dtype) * q.scale
     out = torch.sign(v)
@@ -183,8 +183,7 @@ class LocalCub(torch.optim.Optimizer):
         self.H = _check_int("local_steps", local_steps, 1)
         if vote not in LOCAL_VOTES + ("auto",):
             raise ValueError(f"vote must be one of {LOCAL_VOTES + ('auto',)} with local steps, got {vote!r}")
-        if vote != "pbit" and (bits is not None or quantizer is not None):
-            raise ValueError(f"bits and quantizer apply to vote='pbit' only, got vote={vote!r}")
+        votes.check_lane_options(vote, bits, quantizer)
         if quantizer is not None and quantizer not in QUANTIZERS:
             raise ValueError(f"quantizer must be None or one of {QUANTIZERS}, got {quantizer!r}")
         if outer not in OUTER_RULES:
@@ -218,10 +217,8 @@ class LocalCub(torch.optim.Optimizer):
             raise ValueError("process_group was given but torch.distributed is not initialised")
         else:
             self.rank, self.world_size = 0, 1
-        if vote == "pbit":
-            pbit_levels(self.world_size, bits, quantizer)  # refuses lanes that would overflow
-        if vote == "sign_allreduce" and self.world_size > 127:
-            raise ValueError(f"vote='sign_allreduce' needs world size <= 127, got {self.world_size}")
+        if vote in votes.METHODS:
+            votes.make(vote, self.world_size, bits, quantizer)  # refuses what cannot be exact for P ranks
         self.vote, self.bits, self.quantizer, self.outer = vote, bits, quantizer, outer
         self.outer_momentum, self.outer_betas = float(outer_momentum), tuple(outer_betas)
         self.error_feedback, self.group, self.nonfinite = error_feedback, process_group, nonfinite
@@ -344,7 +341,8 @@ class LocalCub(torch.optim.Optimizer):
         the SUM all-reduce adds lanes without carries, so Σ_i q_i comes back exact.
         Returns (unit·Σ_i q_i / P, unit·q_i): the mean and this rank's C(v), flat.
         """
-        w, levels = pbit_levels(self.world_size, self.bits, self.quantizer)
+        lanes = votes.make(self.vote, self.world_size, self.bits, self.quantizer)  # pbit with a quantizer
+        w, levels = lanes.bits, lanes.levels
         P, n = self.world_size, v.numel()
         units = (norms * (min(levels, MEAN_CLIP) / levels)).tolist()
         q = torch.empty_like(v)

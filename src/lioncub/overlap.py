@@ -1,4 +1,4 @@
-r"""Overlap the majority vote with backward (issue 6).
+r"""Overlap the majority vote with backward (docs/design.md §9).
 
 Without overlap, :meth:`LionCub.step` computes every bucket's ``c``, votes and applies
 after backward has finished: step time ≈ compute + comm. With overlap a bucket's vote
@@ -9,14 +9,13 @@ comm) + the last bucket's vote.
 Mechanism (one :class:`VoteDriver` per optimizer)::
 
     backward: grad of p accumulated ─► bucket b complete? ─► launch buckets in index order:
-                 this rank's part of bucket b's message, as LionCub.step writes it
-                 (opt._encode_part: the fused loop, or c = β1·m + (1-β1)·g and
-                 VoteCodec.encode; caller thread)
-                 submit VoteCodec.exchange (the collectives) to one background thread
-                 (FIFO; torch ops and gloo release the GIL)
+                 this rank's part of bucket b's message (BucketStep.encode_bucket, as
+                 LionCub.step writes it; caller thread)
+                 submit the vote method's exchange (the collectives) to one background
+                 thread (FIFO; torch ops and gloo release the GIL)
     step():   launch buckets not launched yet (params without a gradient vote as zeros)
               wait for every exchange ─► agree on active params / non-finite (as without
-              overlap) ─► per bucket opt._decode_apply: θ ← θ(1-ηλ) - η·u,
+              overlap) ─► per bucket BucketStep.apply_bucket: θ ← θ(1-ηλ) - η·u,
               m ← β2·m + (1-β2)·g (the same encode and apply as without overlap)
 
 Every rank launches buckets in the same order (bucket index order, like DDP: a bucket
@@ -95,22 +94,19 @@ class VoteDriver:
     """Launches bucket votes asynchronously and applies them in ``LionCub.step``.
 
     Subclasses decide *when* a bucket (a list of parameter indices into
-    ``opt._params()``) is launched; this class does the launch, the wait and the apply.
+    ``opt.param_entries``) is launched; this class does the launch, the wait and the apply,
+    through the optimizer's public plan (``plan_bucket``) and ``bucket_step``.
     """
 
     def __init__(self, opt):
-        from .distributed import LionCub
-
-        if not isinstance(opt, LionCub):
+        if not callable(getattr(opt, "attach_driver", None)):
             raise TypeError(f"optimizer must be a lioncub.LionCub, got {type(opt).__name__}")
         if opt.vote == "grad":
             raise ValueError("vote='grad' has nothing to overlap here; use DDP's own allreduce for the baseline")
-        if opt._driver is not None:
-            raise ValueError(f"this LionCub is already driven by {type(opt._driver).__name__}; "
-                             "remove it first (remove_hooks())")
+        opt.attach_driver(self)  # refuses an optimizer already driven
         self.opt = opt
-        self._entries = opt._params()
-        self._index = {id(p): i for i, (_, p) in enumerate(self._entries)}
+        self.n_params = len(opt.param_entries)
+        self._index = {id(p): i for i, (_, p) in enumerate(opt.param_entries)}
         self.group = None  # the votes' own process group: no race with main-thread collectives
         if opt.world_size > 1:
             base = opt.group if opt.group is not None else dist.group.WORLD
@@ -118,32 +114,30 @@ class VoteDriver:
         self._thread = _VoteThread()
         self._pending: list[tuple[list[int], Future, CommStats]] = []
         self.accumulating = False
-        opt._driver = self
 
     # ---------------------------------------------------------------- launching
     def launch(self, idx: list[int]) -> None:
         """Encode params ``idx`` now (this rank's part: one message per bucket) and queue
         the exchange. World size 1: c's sign, no message."""
-        opt = self.opt
-        entries = [self._entries[i] for i in idx]
+        opt, run = self.opt, self.opt.bucket_step
+        bucket = opt.plan_bucket(idx)
         stats = CommStats()
         step, k = opt.steps, len(self._pending)  # one buffer per in-flight vote
         if opt.world_size == 1:
             with torch.no_grad():
-                flat = opt._bucket_c(entries, stats, key=("launch", k)).sign_()
+                flat = run.bucket_c(bucket, stats, key=("launch", k)).sign_()
             self._pending.append((idx, self._thread.submit(lambda: flat), stats))
             return
-        codec = opt._codec()
-        n = sum(p.numel() for _, p in entries)
-        m = codec.part_nbytes(n)
-        buf = opt._buffer(("launch", k), codec.message_nbytes(m), torch.uint8, entries[0][1].device)
+        method = opt.method
+        m = method.part_nbytes(bucket.numel)
+        buf = run.buffer(("launch", k), method.message_nbytes(m), torch.uint8, bucket.device)
         buf[m:].zero_()
         with torch.no_grad():
-            opt._encode_part(entries, codec, buf[:m], step, stats)  # done here: "c" is free again
+            run.encode_bucket(bucket, buf[:m], step, stats)  # done here: "c" is free again
 
         def vote():
             with comm.step_context(step), torch.no_grad():
-                return codec.exchange(buf, m, step, self.group, stats)
+                return method.exchange(buf, m, step, self.group, stats)
 
         self._pending.append((idx, self._thread.submit(vote), stats))
 
@@ -161,17 +155,16 @@ class VoteDriver:
             stats.add(st)
 
     def apply(self, active: list[bool], stats: CommStats) -> None:
-        opt = self.opt
-        codec = opt._codec() if opt.world_size > 1 else None
+        opt, run = self.opt, self.opt.bucket_step
         for idx, fut, _ in self._pending:
             voted = fut.result()
-            entries = [self._entries[i] for i in idx]
+            bucket = opt.plan_bucket(idx)
             keep = [k for k, i in enumerate(idx) if active[i]]  # no gradient on any rank: skipped
-            if codec is not None:
-                opt._decode_apply(entries, codec, voted, 0, sum(p.numel() for _, p in entries), stats, keep)
+            if opt.world_size > 1:
+                run.apply_bucket(bucket, voted, 0, stats, keep)
             elif keep:
-                pieces = voted.split([p.numel() for _, p in entries])
-                opt._apply_bucket([entries[k] for k in keep], torch.cat([pieces[k] for k in keep]), stats)
+                pieces = voted.split(bucket.sizes)
+                run.apply_u(bucket.only(keep), torch.cat([pieces[k] for k in keep]), stats)
         self._pending = []
         self.reset()
 
@@ -196,9 +189,7 @@ class VoteDriver:
         """Detach from the optimizer; its step() votes after backward again."""
         if self._pending:
             self.discard()
-        if self.opt._driver is self:
-            self.opt._driver = None
-            self.opt._scratch.clear()  # the per-launch buffers; step() makes its own again
+        self.opt.detach_driver(self)
         self._thread.close()
 
 
@@ -207,10 +198,10 @@ class Overlap(VoteDriver):
 
     def __init__(self, opt):
         super().__init__(opt)
-        self.buckets = [list(b) for b in opt._buckets]
+        self.buckets = [b.index for b in opt.buckets]
         self._bucket_of = {i: b for b, idx in enumerate(self.buckets) for i in idx}
         self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
-                         for i, (_, p) in enumerate(self._entries)]
+                         for i, (_, p) in enumerate(opt.param_entries)]
         self.reset()
 
     def _make_hook(self, i: int):
@@ -250,8 +241,8 @@ class Overlap(VoteDriver):
         # Only *when* a bucket launches depends on this; what it votes and the order of
         # the launches are the same on every rank.
         seen = getattr(self, "_seen", None)
-        self._expect = list(seen) if seen is not None and any(seen) else [True] * len(self._entries)
-        self._seen = [False] * len(self._entries)
+        self._expect = list(seen) if seen is not None and any(seen) else [True] * self.n_params
+        self._seen = [False] * self.n_params
         self._missing = [sum(self._expect[i] for i in b) for b in self.buckets]
         self._next = 0
 

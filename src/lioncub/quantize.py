@@ -97,7 +97,7 @@ def multiplier(levels: int, norm: float) -> float:
 
 def scale_norm(x: Tensor, method: str, p: float = 1.0, work: Tensor | None = None) -> float:
     """The normaliser a scaled quantizer (``l1``, ``l0``, ``lp`` with ``p``, ``linf``)
-    divides ``x`` by: what :func:`quantize` uses, and the fused encode of :mod:`lioncub.vote`."""
+    divides ``x`` by: what :func:`quantize` uses, and the fused encode of :mod:`lioncub.votes.pbit`."""
     return lp_norm(x, NORM_P.get(method, p), work)
 
 

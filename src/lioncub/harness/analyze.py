@@ -33,6 +33,7 @@ import torch.multiprocessing as mp
 
 from .. import LionCub
 from .. import instruments as ins
+from . import report
 from ..distributed import OPTIMIZER_VOTES
 from ..momentum import Adaptive, MomentumSync
 from .models.gpt import GPT_SIZES, build_gpt
@@ -205,29 +206,29 @@ def _summary(result: dict) -> dict:
 def write_outputs(result: dict, out: str) -> None:
     os.makedirs(out, exist_ok=True)
     result["summary"] = _summary(result)
-    ins.write_json(result, os.path.join(out, "instruments.json"))
+    report.write_json(result, os.path.join(out, "instruments.json"))
     m = result["measured"]
     last = m["records"][-1]
-    ins.write_csv([{"step": r["step"], **row} for r in m["records"] for row in r["sign_match"]],
+    report.write_csv([{"step": r["step"], **row} for r in m["records"] for row in r["sign_match"]],
                   os.path.join(out, "sign_match.csv"))
-    ins.write_csv([{"step": r["step"], "layer": n, **s, "r_exact": s["relative"] ** 2, "r_sketch": r["adaptive_r"].get(n)}
+    report.write_csv([{"step": r["step"], "layer": n, **s, "r_exact": s["relative"] ** 2, "r_sketch": r["adaptive_r"].get(n)}
                    for r in m["records"] for n, s in r["momentum_std"].items()], os.path.join(out, "momentum_std.csv"))
-    ins.write_csv([{"step": t["step"], "all": t["all"], **t["layers"]} for t in m["ties"]],
+    report.write_csv([{"step": t["step"], "all": t["all"], **t["layers"]} for t in m["ties"]],
                   os.path.join(out, "tie_rate.csv"))
-    ins.plot_distribution(last["distribution"]["all"], os.path.join(out, "c_distribution.png"),
+    report.plot_distribution(last["distribution"]["all"], os.path.join(out, "c_distribution.png"),
                           title=f"c at step {last['step']} (rank 0)")
-    ins.plot_sign_match(last["sign_match"], os.path.join(out, "sign_match.png"))
-    ins.plot_layers({n: s["max_std"] for n, s in last["momentum_std"].items()},
+    report.plot_sign_match(last["sign_match"], os.path.join(out, "sign_match.png"))
+    report.plot_layers({n: s["max_std"] for n, s in last["momentum_std"].items()},
                     os.path.join(out, "momentum_std_layers.png"), ylabel="max over elements of std across workers",
                     title=f"momentum std across {result['config']['workers']} workers, step {last['step']}", log=True)
     steps = [r["step"] for r in m["records"]]
-    ins.plot_series(steps, {n: [r["momentum_std"][n]["max_std"] for r in m["records"]] for n in last["momentum_std"]},
+    report.plot_series(steps, {n: [r["momentum_std"][n]["max_std"] for r in m["records"]] for n in last["momentum_std"]},
                     os.path.join(out, "momentum_std_over_time.png"), ylabel="max std across workers", log=True)
-    ins.plot_series([t["step"] for t in m["ties"]],
+    report.plot_series([t["step"] for t in m["ties"]],
                     {k: [t["layers"][k] if k != "all" else t["all"] for t in m["ties"]]
                      for k in ["all"] + [n for n in m["ties"][0]["layers"] if n.startswith(("wte", "wpe", "head"))]},
                     os.path.join(out, "tie_rate.png"), ylabel="tie rate of the vote")
-    ins.plot_layers(last["adaptive_r"], os.path.join(out, "adaptive_divergence.png"),
+    report.plot_layers(last["adaptive_r"], os.path.join(out, "adaptive_divergence.png"),
                     ylabel="relative divergence r (sketch)", title=f"threshold {result['config']['threshold']}")
 
 

@@ -1,0 +1,62 @@
+"""The vote methods, one module each, registered by name (docs/design.md §11).
+
+:data:`METHODS` maps the ``vote=`` / ``method=`` string to its :class:`VoteMethod` subclass;
+every caller (:class:`~lioncub.LionCub`, overlap, the DDP hook, :func:`~lioncub.majority_vote`,
+:mod:`lioncub.cost`, :mod:`lioncub.auto`, the instruments, :class:`~lioncub.LocalCub`) reaches a
+method through :func:`lookup` or :func:`make`, never by testing its name.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from .base import TIE_RULES, VoteMethod, binary_signs, check_tie_rule, decide, parity_step
+from .gather import Gather
+from .onebit import OneBit
+from .pbit import PBit, pbit_levels
+from .sign_allreduce import SignAllreduce
+
+__all__ = ["METHODS", "VOTE_METHODS", "AUTO_CANDIDATES", "TIE_RULES", "VoteMethod", "lookup", "make",
+           "check_lane_options", "check_tie", "parity_step", "binary_signs", "decide", "pbit_levels"]
+
+METHODS: dict[str, type[VoteMethod]] = {cls.name: cls for cls in (
+    SignAllreduce,
+    Gather,
+    OneBit,
+    PBit,
+)}
+"""The registry: adding a method is its module plus one line here."""
+
+VOTE_METHODS = tuple(METHODS)
+AUTO_CANDIDATES = tuple(sorted((name for name, cls in METHODS.items() if cls.auto_rank is not None),
+                               key=lambda name: METHODS[name].auto_rank))
+"""Methods ``vote='auto'`` considers, in tie-break order (the earlier wins a tie)."""
+
+
+def lookup(method: str) -> type[VoteMethod]:
+    """The class of vote method ``method``; ValueError naming the allowed ones otherwise."""
+    cls = METHODS.get(method) if isinstance(method, str) else None
+    if cls is None:
+        raise ValueError(f"method must be one of {VOTE_METHODS}, got {method!r}")
+    return cls
+
+
+def make(method: str, world: int, bits: Optional[int] = None, quantizer: Optional[str] = None,
+         tie: str = "alternate") -> VoteMethod:
+    """Vote method ``method`` configured for ``world`` ranks (validated: see :class:`VoteMethod`)."""
+    return lookup(method)(world, bits, quantizer, tie)
+
+
+def check_lane_options(vote: str, bits: Optional[int], quantizer: Optional[str]) -> None:
+    """An optimizer's check that ``bits`` / ``quantizer`` go only to a vote method that uses
+    them (not to ``'grad'`` or ``'auto'`` either)."""
+    cls = METHODS.get(vote)
+    if ((bits is not None and not (cls and cls.LANE_BITS))
+            or (quantizer is not None and not (cls and cls.TAKES_QUANTIZER))):
+        users = " or ".join(f"vote={name!r}" for name, c in METHODS.items() if c.LANE_BITS or c.TAKES_QUANTIZER)
+        raise ValueError(f"bits and quantizer apply to {users} only, got vote={vote!r}")
+
+
+def check_tie(tie: str, vote: str, quantizer: Optional[str] = None) -> None:
+    """An optimizer's check of ``tie=`` for ``vote`` (``'grad'`` and ``'auto'`` have no tie rule)."""
+    cls = METHODS.get(vote)
+    check_tie_rule(tie, cls is not None and cls.has_tie_rule(quantizer), vote, quantizer)
