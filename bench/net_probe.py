@@ -1,6 +1,6 @@
 """Probe the emulated cluster: fp32 allreduce time and wire bytes vs the ring model.
 
-Builds a :class:`lioncub.netem.Testbed` (4 workers, tbf on both ends of every
+Builds a :class:`lioncub.testbed.Testbed` (4 workers, tbf on both ends of every
 veth) for each rate, runs gloo fp32 SUM allreduces of 1, 16 and 64 MiB inside it,
 and compares with docs/design.md §3:
 
@@ -35,7 +35,7 @@ def worker(sizes_mib: list[float], repeats: int, out_dir: str) -> None:
     import torch.distributed as dist
 
     from lioncub.cost import calibrate
-    from lioncub.netem import iface_bytes
+    from lioncub.testbed import iface_bytes
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
@@ -76,7 +76,7 @@ def _median(v):
 def probe(n_workers: int, rate, sizes_mib, repeats: int) -> dict:
     """Run the probe in one testbed; returns the measured rows and model figures."""
     from lioncub.cost import fit_alpha_beta, predicted_bytes, predicted_time
-    from lioncub.netem import Testbed
+    from lioncub.testbed import Testbed
 
     P = n_workers
     with tempfile.TemporaryDirectory(prefix="lcb-probe-") as d, \

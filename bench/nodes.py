@@ -1,7 +1,7 @@
 """Flat vs hierarchical (NodeCub) step time on an emulated cluster of 2 nodes x 2 ranks.
 
 The step-time table's GPT (default ~28M parameters, 1 sequence of 16 tokens per rank),
-4 ranks in a :class:`lioncub.netem.Testbed` with ``nodes=2``: the two ranks of a node
+4 ranks in a :class:`lioncub.testbed.Testbed` with ``nodes=2``: the two ranks of a node
 share one namespace (they talk over its loopback, unshaped) and one veth to the other
 node, shaped to ``--rate`` both ways. Every method runs on the same testbed:
 
@@ -42,7 +42,7 @@ def worker(args, out_dir: str) -> None:
 
     from lioncub import LionCub, NodeCub, node_groups
     from lioncub.harness.models.gpt import GPT, GPTConfig
-    from lioncub.netem import iface_bytes
+    from lioncub.testbed import iface_bytes
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
@@ -84,7 +84,7 @@ def worker(args, out_dir: str) -> None:
 
 
 def run(args) -> dict:
-    from lioncub.netem import Testbed
+    from lioncub.testbed import Testbed
 
     argv = [sys.executable, os.path.abspath(__file__), "--worker"] + _pass_through(args)
     with tempfile.TemporaryDirectory(prefix="lcn-nodes-") as d, \

@@ -1,6 +1,6 @@
 """Step time with the vote overlapped with backward (issue 6), on an emulated 1 Gbit/s cluster.
 
-4 workers in a :class:`lioncub.netem.Testbed` (prefix ``lco``) train a GPT from
+4 workers in a :class:`lioncub.testbed.Testbed` (prefix ``lco``) train a GPT from
 :mod:`lioncub.harness.models.gpt`. Per Lion Cub method and ``bucket_mb``, in rounds
 that interleave the four measurements (so host load drifts hit all of them alike):
 
@@ -136,7 +136,7 @@ def table(rows: list[dict], where: str) -> str:
 
 
 def run(args) -> dict:
-    from lioncub.netem import Testbed, check_available
+    from lioncub.testbed import Testbed, check_available
 
     P = args.workers
     argv = [sys.executable, os.path.abspath(__file__), "--worker"] + _pass_through(args)

@@ -1,7 +1,7 @@
 """Time to loss: Lion Cub against what users would pick instead, on an emulated slow network (issue 9).
 
 Every method in :mod:`lioncub.baselines` trains the same GPT on the same byte-level
-Shakespeare shards, 4 workers inside a :class:`lioncub.netem.Testbed` (tbf 1 Gbit/s up
+Shakespeare shards, 4 workers inside a :class:`lioncub.testbed.Testbed` (tbf 1 Gbit/s up
 and down per worker), for the same wall-clock budget of *training* time (evaluations
 are not counted), once per learning rate of its family's grid (``--lr-adamw`` /
 ``--lr-lion``: the same 2-3 point sweep for every method of a family) and per seed
@@ -86,7 +86,7 @@ def train_one(args, name: str, lr: float, seed: int, data_dir: str) -> dict:
     from lioncub import baselines
     from lioncub.harness.data.text import TokenLoader, eval_batches
     from lioncub.harness.models.gpt import GPT, GPTConfig
-    from lioncub.netem import iface_bytes
+    from lioncub.testbed import iface_bytes
 
     rank, world, dev = dist.get_rank(), dist.get_world_size(), os.environ["GLOO_SOCKET_IFNAME"]
     torch.manual_seed(seed)
@@ -353,7 +353,7 @@ def main(argv=None) -> int:
         return report(args.report_only)
     from lioncub.harness.config import default_cache_dir
     from lioncub.harness.data.text import ensure_prepared
-    from lioncub.netem import Testbed
+    from lioncub.testbed import Testbed
 
     _runs(args)  # unknown method names fail here, before any namespace exists
     data_dir = ensure_prepared("shakespeare", default_cache_dir())

@@ -1,7 +1,7 @@
 """Step time of data-parallel Lion / Lion Cub on an emulated 1 Gbit/s cluster (paper Table 4, Fig. 15).
 
 A GPT (default ~28M parameters, 1 sequence of 16 tokens per worker) trained for a
-few steps by 4 workers inside a :class:`lioncub.netem.Testbed` at ``--rate`` and
+few steps by 4 workers inside a :class:`lioncub.testbed.Testbed` at ``--rate`` and
 unshaped (the CPU floor), once per method:
 
     adamw fp32      AdamW after an fp32 gradient allreduce
@@ -75,7 +75,7 @@ def worker(args, out_dir: str) -> None:
 
     from lioncub import LionCub, cost
     from lioncub.harness.models.gpt import GPT, GPTConfig
-    from lioncub.netem import iface_bytes
+    from lioncub.testbed import iface_bytes
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
@@ -146,7 +146,7 @@ def _model(label, kw, sizes, n_tensors, P, alpha, beta):
 
 def run_testbed(args, rate) -> dict:
     from lioncub.auto import choose_vote, vote_costs
-    from lioncub.netem import Testbed
+    from lioncub.testbed import Testbed
 
     P = args.workers
     argv = [sys.executable, os.path.abspath(__file__), "--worker"] + _pass_through(args)

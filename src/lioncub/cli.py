@@ -116,7 +116,7 @@ def _without_link(argv: list[str]) -> list[str]:
 
 def _train_behind_link(args) -> int:
     from .harness.launch import run_in_testbed
-    from .netem import parse_rate
+    from .testbed import parse_rate
 
     link = None if args.link.lower() == "none" else args.link
     try:
@@ -282,7 +282,7 @@ def env_report() -> list[tuple[str, str]]:
     import torch
     import torch.distributed as dist
 
-    from . import __version__, fused, netem
+    from . import __version__, fused, testbed
 
     cuda = "no"
     if torch.cuda.is_available():
@@ -297,7 +297,7 @@ def env_report() -> list[tuple[str, str]]:
         ("nccl", "yes" if dist.is_nccl_available() else "no"),
         ("cuda", cuda),
         ("fused CPU loops", fused.status()),
-        ("slow-link testbed", netem.check_available() or "ready (root, ip, tc): lioncub train --link RATE"),
+        ("slow-link testbed", testbed.check_available() or "ready (root, ip, tc): lioncub train --link RATE"),
     ]
 
 

@@ -8,7 +8,7 @@
 - else: spawns ``config.nproc`` workers on this machine (TCP rendezvous on loopback).
 
 ``run_in_testbed(argv, nproc, link)`` runs a whole ``lioncub`` command once per worker
-inside an emulated cluster (:class:`lioncub.netem.Testbed`: a namespace per worker,
+inside an emulated cluster (:class:`lioncub.testbed.Testbed`: a namespace per worker,
 every link shaped to ``link``), where each worker finds torchrun's environment.
 """
 from __future__ import annotations
@@ -144,7 +144,7 @@ def run_in_testbed(argv: list[str], nproc: int, link, *, prefix: str = "lct", no
     import subprocess
     import sys
 
-    from ..netem import Testbed, _wait_all, check_available
+    from ..testbed.netem import Testbed, _wait_all, check_available
 
     reason = check_available()
     if reason is not None:

@@ -10,8 +10,7 @@ import time
 
 import pytest
 
-from lioncub import netem
-from lioncub.netem import Testbed, parse_rate, setup_commands
+from lioncub.testbed import Testbed, netem, parse_rate, setup_commands
 
 REASON = netem.check_available()
 needs_root = pytest.mark.skipif(REASON is not None, reason=f"netem testbed unavailable: {REASON}")
