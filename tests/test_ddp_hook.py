@@ -136,3 +136,19 @@ def _trainer_worker(rank, world, out_dir):
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
 def test_hf_trainer_uses_the_hook(tmp_path):
     assert all(run_workers(_trainer_worker, 2, str(tmp_path)))
+
+
+def _nodecub_worker(rank, world):
+    from lioncub import NodeCub, node_groups
+
+    torch.manual_seed(0)
+    model = DDP(Net())
+    opt = NodeCub(model.parameters(), lr=1e-3, layout=node_groups(1), vote="onebit")
+    with pytest.raises(TypeError, match="drives a LionCub only.*NodeCub averages inside the node"):
+        register(model, opt)
+    return True
+
+
+def test_ddp_hook_refuses_a_nodecub():
+    """NodeCub runs its own in-node mean and cross-node vote; the DDP hook refuses it in one line."""
+    assert all(run_workers(_nodecub_worker, 2))

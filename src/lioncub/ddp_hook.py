@@ -45,6 +45,11 @@ class DDPVote(VoteDriver):
     """State of the DDP comm hook: launches a vote per DDP bucket, applies in step()."""
 
     def __init__(self, opt, ddp_model: DistributedDataParallel):
+        from .hierarchy import NodeCub  # here, not at import: the hook needs hierarchy only for this check
+
+        if isinstance(opt, NodeCub):  # it has no attach_driver either; say why rather than "not a LionCub"
+            raise TypeError("opt is a NodeCub: the DDP hook drives a LionCub only, and NodeCub averages "
+                            "inside the node itself (use NodeCub without DDP)")
         if not isinstance(ddp_model, DistributedDataParallel):
             raise TypeError(f"ddp_model must be a DistributedDataParallel, got {type(ddp_model).__name__}")
         if getattr(ddp_model, "_lioncub_vote", None) is not None:
