@@ -37,7 +37,6 @@ import datetime
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -161,18 +160,13 @@ def check_lion_cuda_vs_cpu(device: str) -> dict:
     return _compare(_run(make, device, steps=5), _run(make, "cpu", steps=5), 5)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def check_lioncub_ws1(device: str) -> dict:
     import torch
     import torch.distributed as dist
     from lioncub import Lion, LionCub
+    from lioncub.testbed.launch import free_port
     backend = "nccl" if device == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         want = _run(lambda ps: Lion(ps, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1), device)
         out = {"backend": backend}

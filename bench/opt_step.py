@@ -16,13 +16,10 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 
 def worker(rank, world, methods, steps, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29537")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # one CPU thread, in a gloo group (the launcher's default)
     from lioncub import LionCub
     from lioncub.harness.models.gpt import GPT, GPTConfig
     res = {}
@@ -62,7 +59,9 @@ def main(argv=None) -> int:
     if args.steps < 1:
         ap.error(f"--steps must be >= 1, got {args.steps}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    mp.spawn(worker, args=(2, METHODS, args.steps, args.out), nprocs=2)
+    from lioncub.testbed.launch import spawn
+
+    spawn(worker, 2, METHODS, args.steps, args.out, timeout_s=1800.0, deadline_s=float("inf"))
     with open(args.out) as f:
         r = json.load(f)
     for k, v in r.items():

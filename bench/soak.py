@@ -21,15 +21,11 @@ Prints a table and writes bench/results/soak.json. Not a unit test (minutes).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import pickle
 import platform
-import socket
 import statistics
 import sys
-import tempfile
 import time
 
 KiB = 1024
@@ -46,15 +42,12 @@ def _mem() -> dict:
     return {"rss_mib": out["VmRSS"], "peak_mib": out["VmHWM"]}
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: str) -> None:
+def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     import torch
     import torch.distributed as dist
 
     from lioncub import LionCub, guard
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=args.timeout))
     torch.manual_seed(0)  # same teacher and model init everywhere (LionCub broadcasts rank 0's anyway)
     teacher = torch.nn.Linear(args.dim, args.classes)
     model = torch.nn.Sequential(torch.nn.Linear(args.dim, args.hidden), torch.nn.GELU(),
@@ -101,29 +94,14 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir:
                   step_ms_p99=1e3 * sorted(step_s[args.warmup:])[int(0.99 * (len(step_s) - args.warmup)) - 1],
                   loss_first=losses[0][1], loss_last=losses[-1][1], losses=losses,
                   mem_start=mem_start, mem_end=mem_end, mem_trace=mem_trace)
-    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return result
 
 
 def run(args: argparse.Namespace) -> dict:
-    import torch.multiprocessing as mp
+    from lioncub.testbed.launch import spawn
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    t0 = time.time()
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(args.world, _free_port(), args, out_dir), nprocs=args.world,
-                           join=True, start_method="spawn")
-        ranks = []
-        for r in range(args.world):
-            with open(os.path.join(out_dir, f"{r}.pkl"), "rb") as f:
-                ranks.append(pickle.load(f))
+    t0 = time.time()  # one CPU thread and gloo per rank (the launcher's default)
+    ranks = spawn(_worker, args.world, args, timeout_s=args.timeout, deadline_s=float("inf"))
     growth = [r["mem_end"]["peak_mib"] - r["mem_start"]["peak_mib"] for r in ranks]
     summary = dict(
         wall_s=time.time() - t0,

@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 CONFIGS = [  # (label, method, kwargs)
     ("grad fp32 allreduce", "grad", dict(dtype=torch.float32)),
@@ -34,10 +31,7 @@ CONFIGS = [  # (label, method, kwargs)
 ]
 
 
-def _worker(rank, world, port, n, reps, out):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def _worker(rank, world, n, reps, out):  # one CPU thread, in a gloo group (the launcher's default)
     from lioncub.comm import CommStats, all_reduce
     from lioncub.cost import predicted_bytes
     from lioncub.vote import majority_vote
@@ -88,11 +82,9 @@ def main(argv=None):
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "vote_bench.json"))
     args = ap.parse_args(argv)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.spawn(_worker, args=(args.world, port, args.n, args.reps, args.out), nprocs=args.world)
+    from lioncub.testbed.launch import spawn
+
+    spawn(_worker, args.world, args.n, args.reps, args.out, timeout_s=1800.0, deadline_s=float("inf"))
     res = json.loads(Path(args.out).read_text())
     base = res["rows"][0]
     print(f"n={args.n:,} elements, {args.world} gloo workers on loopback, median of {args.reps} (slowest rank)")

@@ -22,14 +22,11 @@ import argparse
 import dataclasses
 import json
 import os
-import socket
-import tempfile
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from .. import LionCub
 from .. import instruments as ins
@@ -145,33 +142,19 @@ def _train(cfg: AnalyzeConfig, rank: int, world: int, *, measure: bool) -> dict:
     return out
 
 
-def _worker(rank: int, world: int, port: int, cfg: AnalyzeConfig, path: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        result = {"measured": _train(cfg, rank, world, measure=True)}
-        if cfg.adaptive_run:
-            result["adaptive"] = _train(cfg, rank, world, measure=False)
-        if rank == 0:
-            with open(path, "w") as f:
-                json.dump(result, f, default=float)
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world: int, cfg: AnalyzeConfig):
+    result = {"measured": _train(cfg, rank, world, measure=True)}
+    if cfg.adaptive_run:
+        result["adaptive"] = _train(cfg, rank, world, measure=False)
+    return json.loads(json.dumps(result, default=float)) if rank == 0 else None  # plain JSON values
 
 
 def run(cfg: AnalyzeConfig) -> dict:
     """Train on ``cfg.workers`` gloo processes; write JSON/CSV/PNGs to ``cfg.out``; return the record."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "rank0.json")
-        t0 = time.perf_counter()
-        mp.spawn(_worker, args=(cfg.workers, port, cfg, path), nprocs=cfg.workers, join=True)
-        with open(path) as f:
-            result = json.load(f)
+    from ..testbed.launch import spawn
+
+    t0 = time.perf_counter()  # one CPU thread and gloo per rank (the launcher's default)
+    result = spawn(_worker, cfg.workers, cfg, timeout_s=1800.0, deadline_s=float("inf"))[0]
     result["config"] = dataclasses.asdict(cfg)
     result["wall_s"] = time.perf_counter() - t0
     write_outputs(result, cfg.out)

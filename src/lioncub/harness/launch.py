@@ -15,14 +15,10 @@ from __future__ import annotations
 
 import datetime
 import os
-import pickle
-import signal
-import socket
 import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -83,37 +79,23 @@ def _init_under_torchrun(backend: str, timeout: datetime.timedelta) -> None:
                             world_size=world, timeout=timeout)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn_local(fn, config, nproc: int):
-    """Spawn ``nproc`` local workers running ``fn(config)``; return rank 0's result."""
-    port = _free_port()
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_worker, args=(nproc, port, fn, config, tmp), nprocs=nproc, join=False,
-                                 start_method="spawn")
-        previous = signal.signal(signal.SIGTERM, _raise_exit)  # a killed launcher takes its workers along
-        try:
-            while not ctx.join():
-                pass
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-            for proc in ctx.processes:
-                if proc.is_alive():
-                    proc.kill()
-        with open(os.path.join(tmp, "result.pkl"), "rb") as f:
-            return pickle.load(f)
+    """Spawn ``nproc`` local workers running ``fn(config)``; return rank 0's result.
+
+    Through the one local launcher (:func:`lioncub.testbed.launch.spawn`); each worker gets
+    torchrun's RANK/LOCAL_RANK/WORLD_SIZE, a share of the cores and its device first.
+    A failing worker raises :class:`lioncub.testbed.WorkerError` (a RuntimeError) with its traceback.
+    """
+    from functools import partial
+
+    from ..testbed.launch import spawn
+
+    return spawn(_call, nproc, fn, config, timeout_s=_timeout(config).total_seconds(),
+                 deadline_s=float("inf"), setup=partial(_prepare_rank, config), keep={0})[0]
 
 
-def _raise_exit(signum, frame):
-    raise SystemExit(128 + signum)
-
-
-def _worker(rank: int, world_size: int, port: int, fn, config, tmp: str) -> None:
+def _prepare_rank(config, rank: int, world_size: int) -> str:
+    """A spawned worker's setup before the rendezvous; returns the process group's backend."""
     # Share the cores: 4 workers on a 2-core laptop get one thread each.
     threads = max(1, (os.cpu_count() or 1) // world_size)
     os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -122,15 +104,11 @@ def _worker(rank: int, world_size: int, port: int, fn, config, tmp: str) -> None
     device = resolve_device(config.device, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(_backend(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=_timeout(config))
-    try:
-        result = fn(config)
-        if rank == 0:
-            with open(os.path.join(tmp, "result.pkl"), "wb") as f:
-                pickle.dump(result, f)
-    finally:
-        dist.destroy_process_group()
+    return _backend(device)
+
+
+def _call(rank: int, world_size: int, fn, config):
+    return fn(config)
 
 
 def run_in_testbed(argv: list[str], nproc: int, link, *, prefix: str = "lct", nodes: int | None = None) -> int:

@@ -2,10 +2,15 @@
 
 - :mod:`lioncub.testbed.netem`: an emulated slow cluster on one Linux host (network
   namespaces, veth pairs, ``tc tbf``), docs/design.md §8. Needs root, ``ip`` and ``tc``.
+- :mod:`lioncub.testbed.launch`: the one local launcher (``spawn``): a free loopback port,
+  ``nproc`` spawned workers in a process group, every rank's result or the failing rank's
+  traceback. The tests, the harness and the benchmarks all start their workers through it.
 
 Nothing in the optimizer imports this package; the harness (``--link``), the CLI's
 ``env`` report, the benchmarks and the tests do.
 """
+from .launch import WorkerError, free_port, spawn
 from .netem import Testbed, check_available, iface_bytes, parse_rate, setup_commands
 
-__all__ = ["Testbed", "check_available", "parse_rate", "setup_commands", "iface_bytes"]
+__all__ = ["Testbed", "check_available", "parse_rate", "setup_commands", "iface_bytes",
+           "spawn", "free_port", "WorkerError"]
