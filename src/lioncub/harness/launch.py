@@ -122,7 +122,7 @@ def run_in_testbed(argv: list[str], nproc: int, link, *, prefix: str = "lct", no
     import subprocess
     import sys
 
-    from ..testbed.netem import Testbed, _wait_all, check_available
+    from ..testbed.netem import Testbed, check_available, wait_all
 
     reason = check_available()
     if reason is not None:
@@ -132,7 +132,7 @@ def run_in_testbed(argv: list[str], nproc: int, link, *, prefix: str = "lct", no
         logs = [None] + [open(os.path.join(tmp, f"{r}.log"), "w+") for r in range(1, nproc)]
         try:
             procs = tb.launch([cmd] * nproc, stdout=logs, stderr=[None] + logs[1:])
-            _wait_all(procs, timeout=7 * 24 * 3600.0)
+            wait_all(procs, timeout=7 * 24 * 3600.0)
             codes = [p.returncode for p in procs]
             for r, code in enumerate(codes):
                 if code and r:

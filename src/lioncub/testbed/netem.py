@@ -45,7 +45,7 @@ import tempfile
 import threading
 import time
 
-__all__ = ["Testbed", "check_available", "parse_rate", "setup_commands", "iface_bytes"]
+__all__ = ["Testbed", "check_available", "parse_rate", "setup_commands", "iface_bytes", "wait_all"]
 
 _RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit)$", re.IGNORECASE)
 _UNIT = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}  # tc's SI units
@@ -249,7 +249,7 @@ class Testbed:
             errs = [open(os.path.join(d, f"{r}.err"), "w+") for r in range(self.n_workers)]
             try:
                 procs = self.launch(argv_per_rank, env, stdout=outs, stderr=errs)
-                _wait_all(procs, timeout)
+                wait_all(procs, timeout)
                 done = []
                 for r, p in enumerate(procs):
                     outs[r].seek(0), errs[r].seek(0)
@@ -280,7 +280,9 @@ def _kill_group(pid: int, group: bool = True) -> None:
         pass
 
 
-def _wait_all(procs, timeout: float) -> None:
+def wait_all(procs, timeout: float) -> None:
+    """Wait for every process; when one fails, give the others 10 s, then kill them (they would wait
+    for it forever). Past ``timeout`` seconds: kills them all and raises TimeoutError."""
     deadline, failed_at = time.monotonic() + timeout, None
     while any(p.poll() is None for p in procs):
         now = time.monotonic()
