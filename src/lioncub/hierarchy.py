@@ -178,6 +178,11 @@ class NodeCub(torch.optim.Optimizer):
                              f"{len(self.params)}; pass shard=False")
         self.owners = owners
         self._mine = [i for i, j in enumerate(owners) if j == layout.local_rank]
+        # shard=True: per dtype, each local rank's parameter indices and their element count (fixed)
+        self._share_plan = []
+        for dtype in sorted({p.dtype for p in self.params}, key=str):
+            idx = [[i for i, p in enumerate(self.params) if p.dtype == dtype and owners[i] == j] for j in range(local)]
+            self._share_plan.append((dtype, idx, [sum(self.params[i].numel() for i in ids) for ids in idx]))
         with torch.no_grad():
             comm.broadcast_from_first(self.params, None)  # every rank of every node starts from rank 0's
         # the vote's param groups: this rank's shard of each group, the group's settings
@@ -219,11 +224,7 @@ class NodeCub(torch.optim.Optimizer):
 
     def _share_in_node(self, stats: CommStats) -> None:
         """shard=True: every rank gets every shard's updated values; one all-gather per dtype."""
-        local = self.layout.local_size
-        for dtype in sorted({p.dtype for p in self.params}, key=str):
-            idx = [[i for i, p in enumerate(self.params) if p.dtype == dtype and self.owners[i] == j]
-                   for j in range(local)]
-            sizes = [sum(self.params[i].numel() for i in ids) for ids in idx]
+        for dtype, idx, sizes in self._share_plan:
             mine = idx[self.layout.local_rank]
             send = torch.zeros(max(sizes), dtype=dtype, device=self.params[0].device)
             if mine:
