@@ -7,6 +7,15 @@ Parts (docs/design.md §2, §4, §5; the paper's Table 2 / Figs. 4, 5, 9, 10, 14
    peak): AdamW at nanoGPT's settings (lr 1e-3, wd 0.1) as the reference row; Lion on a grid of
    (lr, wd) with lr·wd = 1e-4 (``LION_GRID``; the edges on seed 0 only); Lion Cub 1-bit, 4-bit
    binary and 8-bit L1 lanes at Lion's best. Written to its own JSONL (``--out``).
+0b. ``batch`` — the recipe's token budget (~1.5M tokens) at global batches of 12, 48 and 192
+   sequences (``BATCH_POINTS``: 2000 / 500 / 125 steps, warm-up 5% of them): AdamW, Lion, Lion
+   Cub 1-bit and 4-bit binary, each on its own 3-point lr grid around a centre that grows as the
+   square root of the batch (``batch_lrs``). The grid runs on the first seed; later seeds run only
+   each optimizer's best lr of the first seed, read from the records (``best_batch_lrs``).
+0c. ``ablate`` — the paper's ablations at the recipe's scale, at Lion's best recipe settings:
+   8-bit L1 / L0 / L∞ and 4-bit binary / L∞ / L1 lanes; the 1-bit vote's tie rules; 4-bit
+   lanes with momentum sync none / all / io / adaptive at β2 = 0.99 and 0.95. Runs equal to a
+   recipe run (Lion, 1-bit, 4-bit binary, 8-bit L1) are the same experiment and reuse its record.
 
 1. ``quant``  — the vote through sign / Linf / L1 / L0 in 4- and 8-bit p-bit lanes vs Lion.
 2. ``ties``   — the 1-bit vote (``onebit``) whose ties and zeros go to +1, to -1, or alternate
@@ -49,7 +58,7 @@ from lioncub.harness.models.gpt import GPT, GPTConfig
 from lioncub.harness.models.resnet import BasicBlock, ResNet
 from lioncub.harness.models.vit import ViT
 
-PARTS = ("recipe", "quant", "ties", "msync", "tied", "vision")
+PARTS = ("recipe", "batch", "ablate", "quant", "ties", "msync", "tied", "vision")
 BLOCK = 32  # GPT context; with width 32 and 2 layers the GPT has ~35k params (CPU is scarce)
 TIE_RULES = ("plus", "minus", "alternate")  # the library's lioncub.vote.TIE_RULES, in table order
 
@@ -114,9 +123,89 @@ def recipe_plan(seeds, steps: int = RECIPE["steps"]) -> list[Spec]:
     return out
 
 
-def plan(parts, seeds, gpt_steps: int, img_steps: int, recipe_steps: int = RECIPE["steps"]) -> list[Spec]:
+# (sequences per worker, steps, warm-up steps): global batches of 12, 48, 192 at 12·64·2000 tokens
+BATCH_POINTS = ((3, 2000, 100), (12, 500, 25), (48, 125, 6))
+BATCH_OPTS = ("AdamW", "Lion", "1-bit", "4-bit")
+BATCH_WD = {"AdamW": 0.1, "Lion": 1.0}  # nanoGPT's AdamW; the recipe grid's best Lion decay (lion family)
+
+
+def batch_lrs(opt: str, per_worker: int) -> tuple[float, ...]:
+    """The 3-point lr grid of ``opt`` at ``per_worker`` sequences: the batch-12 centre (AdamW 1e-3,
+    the Lion family 1e-4) times sqrt(batch / 12), times 1/2, 1, 2."""
+    centre = (1e-3 if opt == "AdamW" else 1e-4) * (per_worker / 3) ** 0.5
+    return tuple(float(f"{centre * f:.3g}") for f in (0.5, 1.0, 2.0))
+
+
+def _batch_spec(opt: str, per_worker: int, steps: int, warmup: int, lr: float, seed: int) -> Spec:
+    shape = dict(RECIPE, batch=per_worker, steps=steps, warmup=warmup)
+    wd = BATCH_WD["AdamW" if opt == "AdamW" else "Lion"]
+    label = f"B={4 * per_worker} {opt} lr={lr:g}"
+    extra = {"AdamW": dict(optimizer="adamw"), "Lion": {}, "1-bit": dict(vote="onebit"),
+             "4-bit": dict(vote="pbit", bits=4)}[opt]
+    return Spec("batch", label, seed=seed, **dict(shape, lr=lr, weight_decay=wd), **extra)
+
+
+def batch_plan(seeds, best: dict | None = None, full: bool = False) -> list[Spec]:
+    """The ``batch`` part. The first seed runs every grid point; a later seed runs each
+    (per-worker batch, optimizer)'s lr from ``best`` (absent: not yet known, so not planned),
+    or, with ``full``, every grid point (what the report matches records against)."""
+    out = []
+    for i, seed in enumerate(seeds):
+        for per_worker, steps, warmup in BATCH_POINTS:
+            for opt in BATCH_OPTS:
+                grid = batch_lrs(opt, per_worker)
+                lrs = grid if i == 0 or full else [v for v in [(best or {}).get((per_worker, opt))] if v is not None]
+                out += [_batch_spec(opt, per_worker, steps, warmup, lr, seed) for lr in lrs]
+    return out
+
+
+def best_batch_lrs(records: list[dict], seed: int) -> dict:
+    """{(per-worker batch, optimizer): lr} with the lowest final val loss among ``seed``'s records
+    of the ``batch`` grid (matched by experiment key, so reused recipe runs count)."""
+    got = {r["key"]: r for r in records if r["seed"] == seed}
+    best = {}
+    for per_worker, steps, warmup in BATCH_POINTS:
+        for opt in BATCH_OPTS:
+            runs = [(got[s.key()]["final"]["val_loss"], s.lr) for s in
+                    (_batch_spec(opt, per_worker, steps, warmup, lr, seed) for lr in batch_lrs(opt, per_worker))
+                    if s.key() in got]
+            if runs:
+                best[(per_worker, opt)] = min(runs)[1]
+    return best
+
+
+def ablate_plan(seeds) -> list[Spec]:
+    """The ``ablate`` part: the paper's ablations at the recipe's shape, at Lion's best (lr, wd)."""
+    lr, wd = LION_GRID[0]
+    out = []
+    for seed in seeds:
+        g = dict(RECIPE, lr=lr, weight_decay=wd, seed=seed)
+        out.append(Spec("ablate", f"Lion lr={lr:g} wd={wd:g}", **g))
+        for bits, quants in ((8, ("l1", "l0", "linf")), (4, (None, "linf", "l1"))):
+            for q in quants:
+                name = "binary" if q is None else {"l1": "L1", "l0": "L0", "linf": "Linf"}[q]
+                out.append(Spec("ablate", f"{bits}-bit {name}", vote="pbit", bits=bits, quantizer=q, **g))
+        out.append(Spec("ablate", "1-bit, ties alternate (default)", vote="onebit", **g))
+        for rule in ("plus", "minus"):
+            out.append(Spec("ablate", f"1-bit, ties {rule}", vote="onebit", tie_rule=rule, **g))
+        for b2 in (0.99, 0.95):
+            if b2 != 0.99:
+                out.append(Spec("ablate", f"Lion b2={b2}", beta2=b2, **g))
+            for sync in ("none", "all", "io", "adaptive"):
+                if not (b2 == 0.99 and sync == "none"):  # = "4-bit binary" above
+                    out.append(Spec("ablate", f"4-bit, sync {sync}, b2={b2}", vote="pbit", bits=4, beta2=b2,
+                                    sync=sync, **g))
+    return out
+
+
+def plan(parts, seeds, gpt_steps: int, img_steps: int, recipe_steps: int = RECIPE["steps"],
+         batch_best: dict | None = None) -> list[Spec]:
     """Every run of the requested parts (a run shared by two parts appears once per part)."""
     out = recipe_plan(seeds, recipe_steps) if "recipe" in parts else []
+    if "batch" in parts:
+        out += batch_plan(seeds, batch_best)
+    if "ablate" in parts:
+        out += ablate_plan(seeds)
     for seed in seeds:
         g = dict(seed=seed, steps=gpt_steps)
         if "quant" in parts:
@@ -267,6 +356,7 @@ def train_one(spec: Spec, cache_dir: str, eval_every: int) -> dict:
     kw = dict(lr=spec.lr, betas=(0.9, spec.beta2), seed=spec.seed, model=model,
               momentum_sync=spec.sync, sync_every=10, nonfinite="skip_step")
     opt = make_optimizer(spec, groups, **kw)
+    every = max(1, spec.steps // 20) if spec.part == "batch" else eval_every  # 20 points on every batch's curve
     curve, losses, t0 = [], [], time.perf_counter()
     for step in range(spec.steps):
         for g, b in zip(opt.param_groups, base):
@@ -278,7 +368,7 @@ def train_one(spec: Spec, cache_dir: str, eval_every: int) -> dict:
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
         done = step + 1
-        if done % eval_every == 0 or done == spec.steps:
+        if done % every == 0 or done == spec.steps:
             curve.append({"step": done, **_evaluate(model, val, is_gpt)})
     train_loss = torch.tensor(sum(losses[-20:]) / len(losses[-20:]), dtype=torch.float64)
     dist.all_reduce(train_loss)
@@ -286,7 +376,7 @@ def train_one(spec: Spec, cache_dir: str, eval_every: int) -> dict:
            "train_loss_last20": train_loss.item() / world, "curve": curve,
            "skipped_steps": opt.skipped_steps, "wall_s": time.perf_counter() - t0,
            "params": sum(p.numel() for p in model.parameters())}
-    if spec.vote != "grad" and spec.part in ("msync", "tied"):
+    if spec.vote != "grad" and (spec.part in ("msync", "tied") or (spec.part == "ablate" and "sync" in spec.label)):
         rec["momentum_spread"] = _momentum_spread(opt, model)
     return rec
 
@@ -336,14 +426,18 @@ def run_study(parts, seeds, *, gpt_steps=150, img_steps=100, nproc=4, out="bench
         raise ValueError(f"parts must be among {PARTS}, got {bad}")
     cache_dir = cache_dir or default_cache_dir()
     ensure_prepared("shakespeare", cache_dir)  # tokenise once, before the workers start
-    have = {r["key"] for r in load_records(out) if r.get("world") == nproc}
-    todo, seen = [], set(have)
-    for spec in plan(parts, seeds, gpt_steps, img_steps, recipe_steps):
-        if spec.key() not in seen and (only is None or spec.label in only):
-            seen.add(spec.key())
-            todo.append(spec)
-    if todo:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    # Two rounds: the batch part's later seeds need the first seed's best lrs, known after round one.
+    for _ in range(2):
+        records = [r for r in load_records(out) if r.get("world") == nproc]
+        best = best_batch_lrs(records, seeds[0]) if "batch" in parts else None
+        todo, seen = [], {r["key"] for r in records}
+        for spec in plan(parts, seeds, gpt_steps, img_steps, recipe_steps, batch_best=best):
+            if spec.key() not in seen and (only is None or spec.label in only):
+                seen.add(spec.key())
+                todo.append(spec)
+        if not todo:
+            break
         spawn_local(study_worker, Job(todo, out, cache_dir, eval_every), nproc)
     return load_records(out)
 

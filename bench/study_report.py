@@ -27,10 +27,11 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from study import LION_GRID, PARTS, plan, recipe_plan  # noqa: E402
+from study import BATCH_OPTS, BATCH_POINTS, LION_GRID, PARTS, ablate_plan, batch_plan, plan, recipe_plan  # noqa: E402
 
 RECIPE_LION = f"Lion lr={LION_GRID[0][0]:g} wd={LION_GRID[0][1]:g}"  # recipe_plan's label of the best grid point
 RECIPE_ADAMW = "AdamW (nanoGPT)"
+SCALE_PARTS = ("recipe", "batch", "ablate")  # the runs at the recipe's shape, planned apart from the tiny study
 NOISE_RULE = ("Δ = mean − mean of the reference row; beyond noise when |Δ| > 2·sqrt(sd_a²/n_a + sd_b²/n_b) "
               "(sample std sd over n seeds), else within noise; n/a (one seed) when either row has fewer than "
               "2 seeds")
@@ -76,13 +77,16 @@ def _specs(records: list[dict]):
     recipe grid's edges too) and per step count found (recipe runs apart from the others)."""
     seeds = sorted({r["seed"] for r in records})
     recipe = sorted({r["steps"] for r in records if r.get("part") == "recipe"})
-    other = [r for r in records if r.get("part") != "recipe"]
+    other = [r for r in records if r.get("part") not in SCALE_PARTS]
     gpt = sorted({r["steps"] for r in other if r["model"] == "gpt"}) or [0]
     img = sorted({r["steps"] for r in other if r["model"] != "gpt"}) or [0]
-    rest = [p for p in PARTS if p != "recipe"]
+    rest = [p for p in PARTS if p not in SCALE_PARTS]
     for steps in recipe:
         for seed in seeds:
             yield from recipe_plan([seed], steps)
+    for seed in seeds:  # the batch grid in full for every seed: a record matches whichever lr it ran
+        yield from batch_plan([seed], full=True)
+        yield from ablate_plan([seed])
     for g in gpt:
         for i in img:
             for seed in seeds:
@@ -103,6 +107,8 @@ def _reference(row: dict, rows: list[dict], everything: list[dict]) -> dict | No
     β2, steps and tying in the same part, else in another part."""
     if row["part"] == "recipe":
         return next((x for x in rows if x["label"] == RECIPE_LION and x["steps"] == row["steps"]), None)
+    if row["part"] == "batch":
+        return best_batch_row(rows, row["label"].split()[0], "Lion")
 
     def lion(x):
         return (x["vote"] == "grad" and x["optimizer"] == "lion" and "Lion" in x["label"] and x["model"] == row["model"]
@@ -147,10 +153,36 @@ def summarize(records: list[dict]) -> dict[str, list[dict]]:
             ref = _reference(row, rows_, everything)
             row["vs_ref"] = None if ref is None else compare(row, ref)
             row["gap_to_lion"] = None if ref is None else row["vs_ref"]["delta"]
-            if row["part"] == "recipe":
-                adamw = next((x for x in rows_ if x["label"] == RECIPE_ADAMW and x["steps"] == row["steps"]), None)
+            if row["part"] in ("recipe", "batch"):
+                adamw = best_batch_row(rows_, row["label"].split()[0], "AdamW") if row["part"] == "batch" else \
+                    next((x for x in rows_ if x["label"] == RECIPE_ADAMW and x["steps"] == row["steps"]), None)
                 row["vs_adamw"] = None if adamw is None or adamw is row else compare(row, adamw)
     return out
+
+
+def best_batch_row(rows: list[dict], batch: str, opt: str) -> dict | None:
+    """The ``batch`` part's row of ``opt`` at global batch ``batch`` ("B=48") with the most seeds,
+    then the lowest mean final loss (later seeds run only the first seed's best lr)."""
+    mine = [r for r in rows if r["part"] == "batch" and r["label"].split()[:2] == [batch, opt]]
+    return min(mine, key=lambda r: (-len(r["seeds"]), r["val_loss"][0])) if mine else None
+
+
+def batch_table(rows: list[dict]) -> list[str]:
+    """Per global batch, each optimizer's best row: mean ± std (seeds), its lr, Δ vs AdamW's best."""
+    head = "| global batch (steps) | " + " | ".join(f"{o}: val loss (n) @ lr; Δ vs AdamW" for o in BATCH_OPTS) + " |"
+    lines = [head, "|" + "---|" * (len(BATCH_OPTS) + 1)]
+    for per_worker, steps, _ in BATCH_POINTS:
+        cells = [f"{4 * per_worker} ({steps})"]
+        for opt in BATCH_OPTS:
+            r = best_batch_row(rows, f"B={4 * per_worker}", opt)
+            if r is None:
+                cells.append("—")
+                continue
+            cmp = r.get("vs_adamw")
+            d = "" if opt == "AdamW" or cmp is None else f"; {cmp['delta']:+.3f} ({cmp['verdict']})"
+            cells.append(f"{_mean_std(r['val_loss'], digits=3)} ({len(r['seeds'])}) @ {r['lr']:g}{d}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def _mean_std(ms: tuple[float, float | None], scale: float = 1.0, digits: int = 4) -> str:
@@ -182,7 +214,7 @@ def markdown(summary: dict[str, list[dict]]) -> str:
         if not rows:
             continue
         acc = any("val_acc" in r for r in rows)
-        recipe = part == "recipe"
+        recipe = part in ("recipe", "batch")
         ref_name = "Lion"
         head = "| run | seeds | steps | val loss (mean ± std) | Δ vs Lion | vs noise |"
         if recipe:
@@ -193,7 +225,8 @@ def markdown(summary: dict[str, list[dict]]) -> str:
             cells = [r["label"], str(len(r["seeds"])), str(r["steps"]), _mean_std(r["val_loss"])]
             cells += _delta_cells(r, r.get("vs_ref"), ref_name)
             if recipe:
-                is_ref = r["label"] == RECIPE_ADAMW
+                is_ref = r["label"] == RECIPE_ADAMW if part == "recipe" else \
+                    r is best_batch_row(rows, r["label"].split()[0], "AdamW")
                 cells += ["0 (reference)", "—"] if is_ref else _delta_cells(r, r.get("vs_adamw"), "AdamW")
             if acc:
                 cells.append(_mean_std(r["val_acc"], 100, 1) + " %" if "val_acc" in r else "n/a")
@@ -202,11 +235,18 @@ def markdown(summary: dict[str, list[dict]]) -> str:
         refs = sorted({(r["vs_ref"]["ref_part"], r["vs_ref"]["ref"]) for r in rows if r.get("vs_ref")})
         lines.append("")
         if refs:
-            lines.append("Reference (Δ vs Lion): " + "; ".join(f"{lab} ({p})" if p != part else lab for p, lab in refs)
-                         + ("; Δ vs AdamW: " + RECIPE_ADAMW if recipe else "") + ". " + NOISE_RULE + ".")
+            if part == "batch":
+                lines.append("Reference: at each global batch, the Lion (Δ vs Lion) and AdamW (Δ vs AdamW) row "
+                             "with the most seeds, then the lowest mean. " + NOISE_RULE + ".")
+            else:
+                lines.append("Reference (Δ vs Lion): " + "; ".join(f"{lab} ({p})" if p != part else lab
+                                                                  for p, lab in refs)
+                             + ("; Δ vs AdamW: " + RECIPE_ADAMW if recipe else "") + ". " + NOISE_RULE + ".")
         else:
             lines.append(f"No Lion row to compare with. {NOISE_RULE}.")
-        best = best_recipe_lion(rows) if recipe else None
+        if part == "batch":
+            lines += ["", "Best lr per optimizer and global batch (the same ~1.5M tokens each):", ""] + batch_table(rows)
+        best = best_recipe_lion(rows) if part == "recipe" else None
         if best is not None and best["label"] != RECIPE_LION:
             lines.append(f"Note: the Lion grid point with the lowest mean is {best['label']} "
                          f"({_mean_std(best['val_loss'])}, {len(best['seeds'])} seeds), "
@@ -258,6 +298,8 @@ def plot(summary: dict[str, list[dict]], fig_dir: str, tag: str = "") -> list[st
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)
+    if summary.get("batch"):
+        paths.append(_plot_batch(summary["batch"], fig_dir, tag, plt))
     spread = [r for rows in summary.values() for r in rows if "momentum_spread" in r and "sync none" in r["label"]]
     if spread:
         fig, ax = plt.subplots(figsize=(11, 4))
@@ -276,6 +318,39 @@ def plot(summary: dict[str, list[dict]], fig_dir: str, tag: str = "") -> list[st
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def _plot_batch(rows: list[dict], fig_dir: str, tag: str, plt) -> str:
+    """Each optimizer's best row per global batch: validation loss against tokens seen and against
+    step (mean over seeds, band ± one std); one colour per optimizer, one line style per batch."""
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    colors = dict(zip(BATCH_OPTS, ("tab:orange", "tab:gray", "tab:blue", "tab:green")))
+    styles = ("-", "--", ":")
+    for (per_worker, _, _), ls in zip(BATCH_POINTS, styles):
+        seqs = 4 * per_worker
+        for opt in BATCH_OPTS:
+            r = best_batch_row(rows, f"B={seqs}", opt)
+            if r is None:
+                continue
+            c = r["curve"]
+            lo = [m - (s or 0.0) for m, s in zip(c["val_loss"], c["val_loss_std"])]
+            hi = [m + (s or 0.0) for m, s in zip(c["val_loss"], c["val_loss_std"])]
+            for ax, xs in ((axes[0], [st * seqs * 64 / 1e6 for st in c["step"]]), (axes[1], c["step"])):
+                ax.plot(xs, c["val_loss"], ls=ls, color=colors[opt],
+                        label=f"{opt}, {seqs} seqs, lr {r['lr']:g} ({len(r['seeds'])} seeds)")
+                ax.fill_between(xs, lo, hi, color=colors[opt], alpha=0.15)
+    axes[0].set_xlabel("tokens seen (millions)")
+    axes[1].set_xlabel("step")
+    axes[1].set_xscale("log")
+    for ax in axes:
+        ax.set_ylabel("validation loss")
+    axes[0].legend(fontsize=6)
+    fig.suptitle("study: batch size at the recipe's token budget (best lr per optimizer and batch)")
+    fig.tight_layout()
+    path = os.path.join(fig_dir, f"batch_tokens{tag}.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def main(argv=None) -> None:

@@ -269,3 +269,100 @@ def test_report_cli_writes_markdown_summary_and_png(tmp_path):
     summary = json.loads((tmp_path / "study_recipe_summary.json").read_text())
     assert [r["label"] for r in summary["recipe"]] == list(_RECIPE_FINAL)
     assert os.path.getsize(fig / "recipe.png") > 1000
+
+
+# ----------------------------------------------------------------------------- the batch and ablate parts
+def test_batch_plan_holds_the_token_budget_and_grows_the_lr():
+    """Fails if a batch point's shape, token budget, warm-up, weight decay or lr grid is not applied,
+    or if later seeds run anything but the first seed's best lr."""
+    specs = study.batch_plan([0])
+    assert len(specs) == 3 * 4 * 3  # batches x optimizers x lrs
+    tokens = {s.batch * 4 * s.steps * s.block for s in specs}
+    assert tokens == {12 * 64 * 2000}  # the recipe's ~1.5M tokens at every batch
+    assert {(s.batch, s.steps, s.warmup) for s in specs} == {(3, 2000, 100), (12, 500, 25), (48, 125, 6)}
+    assert all((s.layers, s.heads, s.embd, s.block) == (4, 4, 128, 64) for s in specs)
+    by = {(s.batch, s.label.split()[1]): [] for s in specs}
+    for s in specs:
+        by[(s.batch, s.label.split()[1])].append(s)
+    assert [s.lr for s in by[(3, "AdamW")]] == [5e-4, 1e-3, 2e-3]
+    assert [s.lr for s in by[(48, "Lion")]] == [2e-4, 4e-4, 8e-4]  # sqrt(16) = 4 times the batch-12 centre
+    assert all(s.optimizer == "adamw" and s.weight_decay == 0.1 for s in by[(12, "AdamW")])
+    assert all(s.vote == "onebit" and s.weight_decay == 1.0 for s in by[(12, "1-bit")])
+    assert all(s.vote == "pbit" and s.bits == 4 and s.quantizer is None for s in by[(12, "4-bit")])
+    assert all(s.vote == "grad" and s.optimizer == "lion" for s in by[(12, "Lion")])
+    # the batch-12 centres are the recipe's runs: the same experiments, so their records are reused
+    recipe = {s.key() for s in study.recipe_plan([0])}
+    shared = [s.label for s in specs if s.key() in recipe]
+    assert shared == ["B=12 AdamW lr=0.001", "B=12 Lion lr=0.0001", "B=12 1-bit lr=0.0001", "B=12 4-bit lr=0.0001"]
+    # later seeds: only the best lr of the first seed, and nothing where it is not known yet
+    later = study.batch_plan([0, 1], best={(12, "Lion"): 2e-4})
+    assert [(s.seed, s.label) for s in later[36:]] == [(1, "B=48 Lion lr=0.0002")]
+    assert len(study.batch_plan([0, 1], full=True)) == 72
+
+
+def test_best_batch_lrs_reads_the_first_seeds_records():
+    specs = study.batch_plan([0])
+    final = {s.label: 3.0 - (0.1 if s.lr == study.batch_lrs(s.label.split()[1], s.batch)[2] else 0) for s in specs}
+    final["B=48 AdamW lr=0.002"] = 1.0  # the AdamW centre wins at 192 sequences
+    records = [_fake_record(s, final[s.label]) for s in specs if not s.label.startswith("B=192 Lion")]
+    best = study.best_batch_lrs(records, 0)
+    assert best[(12, "AdamW")] == 2e-3 and best[(3, "1-bit")] == 2e-4
+    assert (48, "Lion") not in best  # no record of it: not known
+    assert study.best_batch_lrs(records, 1) == {}
+
+
+def test_ablate_plan_applies_each_variant():
+    """Fails if an ablation row's optimizer lacks its lanes, quantizer, tie rule, β2 or sync."""
+    specs = study.ablate_plan([0])
+    want = {"8-bit L1": (8, "l1"), "8-bit L0": (8, "l0"), "8-bit Linf": (8, "linf"), "4-bit binary": (4, None),
+            "4-bit Linf": (4, "linf"), "4-bit L1": (4, "l1")}
+    model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8))
+    seen = set()
+    for s in specs:
+        assert (s.lr, s.weight_decay, s.steps, s.batch) == (1e-4, 1.0, 2000, 3)
+        opt = study.make_optimizer(s, model.parameters(), lr=s.lr, betas=(0.9, s.beta2), model=model,
+                                   momentum_sync=s.sync)
+        if s.label in want:
+            assert (opt.vote, opt.bits, opt.quantizer) == ("pbit", *want[s.label]), s.label
+            seen.add(s.label)
+        if "ties" in s.label:
+            assert opt.vote == "onebit" and opt.tie == s.label.split()[2]
+            seen.add(s.label)
+        if "sync" in s.label:
+            assert opt.vote == "pbit" and opt.bits == 4 and s.sync == s.label.split()[2].rstrip(",")
+            assert opt.defaults["betas"] == (0.9, float(s.label.split("b2=")[1]))
+            seen.add(s.label)
+    assert len(seen) == 6 + 3 + 7
+    recipe = {s.key() for s in study.recipe_plan([0])}
+    assert sorted(s.label for s in specs if s.key() in recipe) == [
+        "1-bit, ties alternate (default)", "4-bit binary", "8-bit L1", "Lion lr=0.0001 wd=1"]
+
+
+def test_report_batch_and_ablate_parts(tmp_path):
+    """Batch rows compare with the best AdamW and Lion of their own global batch; reused recipe
+    records appear in the recipe, batch and ablate tables alike; no nan."""
+    records = _recipe_records(steps=2000)
+    grid = study.batch_plan([0])
+    for s in grid:
+        if s.batch == 12:  # 48 sequences: the 1e-3-family centre is best for AdamW, 2e-4 for Lion
+            final = {"AdamW": 2.0, "Lion": 2.2, "1-bit": 2.3, "4-bit": 2.4}[s.label.split()[1]]
+            records.append(_fake_record(s, final + (0.0 if s.lr in (2e-3, 2e-4) else 0.1)))
+    for seed in (1, 2):
+        for s in study.batch_plan([0, seed], best={(12, "AdamW"): 2e-3, (12, "Lion"): 2e-4})[36:]:
+            records.append(_fake_record(s, {"AdamW": 2.0, "Lion": 2.2}[s.label.split()[1]] + 0.01 * seed))
+    summary = study_report.summarize(records)
+    rows = {r["label"]: r for r in summary["batch"]}
+    lion48 = rows["B=48 Lion lr=0.0002"]
+    assert lion48["seeds"] == [0, 1, 2] and lion48["vs_adamw"]["ref"] == "B=48 AdamW lr=0.002"
+    assert math.isclose(lion48["vs_adamw"]["delta"], 0.2, abs_tol=1e-12)
+    assert rows["B=48 1-bit lr=0.0002"]["vs_ref"]["ref"] == "B=48 Lion lr=0.0002"
+    assert rows["B=12 Lion lr=0.0001"]["seeds"] == [0, 1, 2]  # the recipe's Lion records, reused
+    assert rows["B=12 Lion lr=0.0001"]["vs_adamw"]["ref"] == "B=12 AdamW lr=0.001"
+    text = study_report.markdown(summary)
+    assert _no_nan(text) and "### batch" in text
+    assert "| 48 (500) | 2.010 ± 0.010 (3) @ 0.002 | 2.210 ± 0.010 (3) @ 0.0002; +0.200 (beyond noise) |" in text
+    abl = {r["label"]: r for r in summary["ablate"]}
+    assert abl["8-bit L1"]["seeds"] == [0, 1, 2] and abl["8-bit L1"]["vs_ref"]["ref"] == "Lion lr=0.0001 wd=1"
+    paths = study_report.plot(summary, str(tmp_path / "fig"))
+    assert str(tmp_path / "fig" / "batch_tokens.png") in paths
+    json.dumps(summary, allow_nan=False)
