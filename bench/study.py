@@ -271,6 +271,13 @@ def make_optimizer(spec: Spec, params, **kw) -> torch.optim.Optimizer:
     return LionCub(params, vote=spec.vote, **extra, **kw)
 
 
+def run_optimizer(spec: Spec, params, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The optimizer a run trains with: ``make_optimizer`` with the spec's lr, β2, seed and
+    momentum sync (every 10 steps), skipping non-finite steps."""
+    return make_optimizer(spec, params, lr=spec.lr, betas=(0.9, spec.beta2), seed=spec.seed, model=model,
+                          momentum_sync=spec.sync, sync_every=10, nonfinite="skip_step")
+
+
 # ----------------------------------------------------------------------------- one run, per rank
 def _model(spec: Spec, info: dict) -> torch.nn.Module:
     if spec.model == "gpt":  # default: 2 layers, 4 heads, width 32: 35k params tied (8k the byte embedding)
@@ -353,9 +360,7 @@ def train_one(spec: Spec, cache_dir: str, eval_every: int) -> dict:
     is_gpt = spec.model == "gpt"
     groups = param_groups(model, lr=spec.lr, weight_decay=spec.weight_decay)
     base = [g["lr"] for g in groups]
-    kw = dict(lr=spec.lr, betas=(0.9, spec.beta2), seed=spec.seed, model=model,
-              momentum_sync=spec.sync, sync_every=10, nonfinite="skip_step")
-    opt = make_optimizer(spec, groups, **kw)
+    opt = run_optimizer(spec, groups, model)
     every = max(1, spec.steps // 20) if spec.part == "batch" else eval_every  # 20 points on every batch's curve
     curve, losses, t0 = [], [], time.perf_counter()
     for step in range(spec.steps):
@@ -376,7 +381,7 @@ def train_one(spec: Spec, cache_dir: str, eval_every: int) -> dict:
            "train_loss_last20": train_loss.item() / world, "curve": curve,
            "skipped_steps": opt.skipped_steps, "wall_s": time.perf_counter() - t0,
            "params": sum(p.numel() for p in model.parameters())}
-    if spec.vote != "grad" and (spec.part in ("msync", "tied") or (spec.part == "ablate" and "sync" in spec.label)):
+    if spec.vote != "grad" and spec.part in ("msync", "tied", "ablate"):
         rec["momentum_spread"] = _momentum_spread(opt, model)
     return rec
 
