@@ -10,7 +10,8 @@ learning rate is constant (``--schedule constant``) or follows a cosine to ``--m
 of the peak over the budget (``--schedule cosine``: over the agreed training seconds, or over
 ``--steps``); weight decay 0; betas (0.9, 0.99).
 
-With several seeds a method's best lr is the one with the lowest mean final loss; its row
+With several seeds a method's best lr is the one with the lowest mean final loss over the seeds
+all its lrs ran (the tuning seed, when later seeds ran at the best lr only); its row
 gives the mean ± std over seeds of the final loss and of the time and bytes to each target
 (and how many seeds reached it), and the plot its mean curve with a band of ± one std.
 
@@ -184,14 +185,25 @@ def _loss_at(run: dict, t: float) -> float:
 
 
 def summarize(runs: list[dict], budget: float) -> dict:
-    """Per method: its best lr by mean final loss over seeds, and mean ± std over those seeds."""
+    """Per method: its best lr by mean final loss over the seeds all its lrs ran, and mean ± std over
+    every seed of that lr."""
     by: dict[tuple, list] = {}
     for r in runs:
         by.setdefault((r["method"], r["lr"]), []).append(r)
     mean_final = {k: sum(final_loss(r, budget) for r in rs) / len(rs) for k, rs in by.items()}
+    # lrs are compared on the seeds every lr of the method ran (the tuning seed, when later seeds ran
+    # only at the best lr); a 3-seed mean is not set against one seed's luck
+    shared: dict[str, set] = {}
+    for (name, lr), rs in by.items():
+        seeds = {r.get("seed", 0) for r in rs}
+        shared[name] = shared[name] & seeds if name in shared else seeds
+    tuned = {}
+    for (name, lr), rs in by.items():
+        on = [r for r in rs if r.get("seed", 0) in shared[name]] or rs
+        tuned[(name, lr)] = sum(final_loss(r, budget) for r in on) / len(on)
     best = {}
-    for (name, lr), m in mean_final.items():
-        if name not in best or m < mean_final[best[name]]:
+    for (name, lr), m in tuned.items():
+        if name not in best or m < tuned[best[name]]:
             best[name] = (name, lr)
     # two targets, both set by Lion fp32 alone (mean over its seeds): its loss at the end of the budget,
     # and at half of it
@@ -217,7 +229,7 @@ def summarize(runs: list[dict], budget: float) -> dict:
                    steps=round(sum(p["steps"] for p in per) / len(per)),
                    step_s=sum(p["step_s"] for p in per) / len(per),
                    bytes_per_step=sum(p["bytes_per_step"] for p in per) / len(per),
-                   lrs_tried={lr: mean_final[(n, lr)] for n, lr in by if n == name})
+                   lrs_tried={lr: tuned[(n, lr)] for n, lr in by if n == name})
         for which in ("target", "half"):
             hits = [p[which] for p in per if p[which] is not None]
             row[f"reached_{which}"] = len(hits)

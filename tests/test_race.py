@@ -52,6 +52,17 @@ def test_summary_picks_the_best_lr_by_mean_over_seeds_and_reports_mean_and_std()
     assert "2.100 ± 0.141" in table and "(2/2)" in table and "not reached" in table
 
 
+def test_best_lr_is_chosen_on_the_seeds_every_lr_ran():
+    # the protocol: an lr grid on seed 0, then seeds 1 and 2 at seed 0's best only; the later seeds
+    # (worse here) must not hand the win to an lr that ran one seed
+    runs = [_run("m", 1e-3, 0, [3.0, 2.0]), _run("m", 1e-3, 1, [3.0, 2.5]), _run("m", 1e-3, 2, [3.0, 2.5]),
+            _run("m", 2e-3, 0, [3.0, 2.1])]
+    row = race.summarize(runs, budget=10.0)["rows"][0]
+    assert row["lr"] == 1e-3 and row["seeds"] == 3
+    assert row["final_val"] == pytest.approx(7.0 / 3)
+    assert row["lrs_tried"] == {1e-3: pytest.approx(2.0), 2e-3: pytest.approx(2.1)}
+
+
 def test_mean_curve_bands_the_seeds_on_a_common_grid():
     a, b = _run("m", 1e-3, 0, [3.0, 2.0, 1.0]), _run("m", 1e-3, 1, [3.0, 2.4, 1.4])
     grid, mean, std, mb = race.mean_curve([a, b], budget=20.0, every=10.0)
