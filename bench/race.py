@@ -185,8 +185,8 @@ def _loss_at(run: dict, t: float) -> float:
 
 
 def summarize(runs: list[dict], budget: float) -> dict:
-    """Per method: its best lr by mean final loss over the seeds all its lrs ran, and mean ± std over
-    every seed of that lr."""
+    """Per method: its best lr by mean final loss over the seeds all its lrs ran (each lr's own seeds
+    where they share none), and mean ± std over every seed of that lr."""
     by: dict[tuple, list] = {}
     for r in runs:
         by.setdefault((r["method"], r["lr"]), []).append(r)
