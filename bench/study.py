@@ -10,8 +10,10 @@ Parts (docs/design.md §2, §4, §5; the paper's Table 2 / Figs. 4, 5, 9, 10, 14
 0b. ``batch`` — the recipe's token budget (~1.5M tokens) at global batches of 12, 48 and 192
    sequences (``BATCH_POINTS``: 2000 / 500 / 125 steps, warm-up 5% of them): AdamW, Lion, Lion
    Cub 1-bit and 4-bit binary, each on its own 3-point lr grid around a centre that grows as the
-   square root of the batch (``batch_lrs``). The grid runs on the first seed; later seeds run only
-   each optimizer's best lr of the first seed, read from the records (``best_batch_lrs``).
+   square root of the batch (``batch_lrs``), extended by doubling or halving where the first seed's
+   best sat on an edge (``BATCH_EXTEND``; ``batch_grid``). The grid runs on the first seed; later
+   seeds run only each optimizer's best lr of the first seed, read from the records
+   (``best_batch_lrs``).
 0c. ``ablate`` — the paper's ablations at the recipe's scale, at Lion's best recipe settings:
    8-bit L1 / L0 / L∞ and 4-bit binary / L∞ / L1 lanes; the 1-bit vote's tie rules; 4-bit
    lanes with momentum sync none / all / io / adaptive at β2 = 0.99 and 0.95. Runs equal to a
@@ -136,6 +138,20 @@ def batch_lrs(opt: str, per_worker: int) -> tuple[float, ...]:
     return tuple(float(f"{centre * f:.3g}") for f in (0.5, 1.0, 2.0))
 
 
+# Grid points added on the first seed because its best sat on an edge of ``batch_lrs``:
+# {(sequences per worker, optimizer): (lr, ...)}.
+BATCH_EXTEND: dict[tuple[int, str], tuple[float, ...]] = {
+    (48, "AdamW"): (1e-3,),  # 2e-3 best of 2e-3 / 4e-3 / 8e-3 at 192 sequences
+    (48, "4-bit"): (1.6e-3,),  # 8e-4 best of 2e-4 / 4e-4 / 8e-4
+}
+
+
+def batch_grid(opt: str, per_worker: int) -> tuple[float, ...]:
+    """Every lr the first seed runs for ``opt`` at ``per_worker`` sequences: ``batch_lrs`` and its
+    extensions, ascending."""
+    return tuple(sorted(batch_lrs(opt, per_worker) + BATCH_EXTEND.get((per_worker, opt), ())))
+
+
 def _batch_spec(opt: str, per_worker: int, steps: int, warmup: int, lr: float, seed: int) -> Spec:
     shape = dict(RECIPE, batch=per_worker, steps=steps, warmup=warmup)
     wd = BATCH_WD["AdamW" if opt == "AdamW" else "Lion"]
@@ -153,7 +169,7 @@ def batch_plan(seeds, best: dict | None = None, full: bool = False) -> list[Spec
     for i, seed in enumerate(seeds):
         for per_worker, steps, warmup in BATCH_POINTS:
             for opt in BATCH_OPTS:
-                grid = batch_lrs(opt, per_worker)
+                grid = batch_grid(opt, per_worker)
                 lrs = grid if i == 0 or full else [v for v in [(best or {}).get((per_worker, opt))] if v is not None]
                 out += [_batch_spec(opt, per_worker, steps, warmup, lr, seed) for lr in lrs]
     return out
@@ -167,7 +183,7 @@ def best_batch_lrs(records: list[dict], seed: int) -> dict:
     for per_worker, steps, warmup in BATCH_POINTS:
         for opt in BATCH_OPTS:
             runs = [(got[s.key()]["final"]["val_loss"], s.lr) for s in
-                    (_batch_spec(opt, per_worker, steps, warmup, lr, seed) for lr in batch_lrs(opt, per_worker))
+                    (_batch_spec(opt, per_worker, steps, warmup, lr, seed) for lr in batch_grid(opt, per_worker))
                     if s.key() in got]
             if runs:
                 best[(per_worker, opt)] = min(runs)[1]

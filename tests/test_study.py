@@ -276,7 +276,8 @@ def test_batch_plan_holds_the_token_budget_and_grows_the_lr():
     """Fails if a batch point's shape, token budget, warm-up, weight decay or lr grid is not applied,
     or if later seeds run anything but the first seed's best lr."""
     specs = study.batch_plan([0])
-    assert len(specs) == 3 * 4 * 3  # batches x optimizers x lrs
+    n_extra = sum(map(len, study.BATCH_EXTEND.values()))
+    assert len(specs) == 3 * 4 * 3 + n_extra  # batches x optimizers x lrs, plus the edge extensions
     tokens = {s.batch * 4 * s.steps * s.block for s in specs}
     assert tokens == {12 * 64 * 2000}  # the recipe's ~1.5M tokens at every batch
     assert {(s.batch, s.steps, s.warmup) for s in specs} == {(3, 2000, 100), (12, 500, 25), (48, 125, 6)}
@@ -286,6 +287,8 @@ def test_batch_plan_holds_the_token_budget_and_grows_the_lr():
         by[(s.batch, s.label.split()[1])].append(s)
     assert [s.lr for s in by[(3, "AdamW")]] == [5e-4, 1e-3, 2e-3]
     assert [s.lr for s in by[(48, "Lion")]] == [2e-4, 4e-4, 8e-4]  # sqrt(16) = 4 times the batch-12 centre
+    assert [s.lr for s in by[(48, "AdamW")]] == [1e-3, 2e-3, 4e-3, 8e-3]  # extended below its edge
+    assert [s.lr for s in by[(48, "4-bit")]] == [2e-4, 4e-4, 8e-4, 1.6e-3]  # and above
     assert all(s.optimizer == "adamw" and s.weight_decay == 0.1 for s in by[(12, "AdamW")])
     assert all(s.vote == "onebit" and s.weight_decay == 1.0 for s in by[(12, "1-bit")])
     assert all(s.vote == "pbit" and s.bits == 4 and s.quantizer is None for s in by[(12, "4-bit")])
@@ -296,8 +299,8 @@ def test_batch_plan_holds_the_token_budget_and_grows_the_lr():
     assert shared == ["B=12 AdamW lr=0.001", "B=12 Lion lr=0.0001", "B=12 1-bit lr=0.0001", "B=12 4-bit lr=0.0001"]
     # later seeds: only the best lr of the first seed, and nothing where it is not known yet
     later = study.batch_plan([0, 1], best={(12, "Lion"): 2e-4})
-    assert [(s.seed, s.label) for s in later[36:]] == [(1, "B=48 Lion lr=0.0002")]
-    assert len(study.batch_plan([0, 1], full=True)) == 72
+    assert [(s.seed, s.label) for s in later[len(specs):]] == [(1, "B=48 Lion lr=0.0002")]
+    assert len(study.batch_plan([0, 1], full=True)) == 2 * len(specs)
 
 
 def test_best_batch_lrs_reads_the_first_seeds_records():
@@ -348,7 +351,7 @@ def test_report_batch_and_ablate_parts(tmp_path):
             final = {"AdamW": 2.0, "Lion": 2.2, "1-bit": 2.3, "4-bit": 2.4}[s.label.split()[1]]
             records.append(_fake_record(s, final + (0.0 if s.lr in (2e-3, 2e-4) else 0.1)))
     for seed in (1, 2):
-        for s in study.batch_plan([0, seed], best={(12, "AdamW"): 2e-3, (12, "Lion"): 2e-4})[36:]:
+        for s in study.batch_plan([0, seed], best={(12, "AdamW"): 2e-3, (12, "Lion"): 2e-4})[len(grid):]:
             records.append(_fake_record(s, {"AdamW": 2.0, "Lion": 2.2}[s.label.split()[1]] + 0.01 * seed))
     summary = study_report.summarize(records)
     rows = {r["label"]: r for r in summary["batch"]}
