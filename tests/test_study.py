@@ -289,6 +289,7 @@ def test_batch_plan_holds_the_token_budget_and_grows_the_lr():
     assert [s.lr for s in by[(48, "Lion")]] == [2e-4, 4e-4, 8e-4]  # sqrt(16) = 4 times the batch-12 centre
     assert [s.lr for s in by[(48, "AdamW")]] == [1e-3, 2e-3, 4e-3, 8e-3]  # extended below its edge
     assert [s.lr for s in by[(48, "4-bit")]] == [2e-4, 4e-4, 8e-4, 1.6e-3]  # and above
+    assert [s.lr for s in by[(12, "Lion")]] == [1e-4, 2e-4, 4e-4, 8e-4]
     assert all(s.optimizer == "adamw" and s.weight_decay == 0.1 for s in by[(12, "AdamW")])
     assert all(s.vote == "onebit" and s.weight_decay == 1.0 for s in by[(12, "1-bit")])
     assert all(s.vote == "pbit" and s.bits == 4 and s.quantizer is None for s in by[(12, "4-bit")])
@@ -306,10 +307,12 @@ def test_batch_plan_holds_the_token_budget_and_grows_the_lr():
 def test_best_batch_lrs_reads_the_first_seeds_records():
     specs = study.batch_plan([0])
     final = {s.label: 3.0 - (0.1 if s.lr == study.batch_lrs(s.label.split()[1], s.batch)[2] else 0) for s in specs}
-    final["B=48 AdamW lr=0.002"] = 1.0  # the AdamW centre wins at 192 sequences
+    final["B=48 AdamW lr=0.002"] = 1.0  # the AdamW centre wins at 48 sequences
+    final["B=192 AdamW lr=0.001"] = 0.5  # an edge extension wins at 192: it must be read too
     records = [_fake_record(s, final[s.label]) for s in specs if not s.label.startswith("B=192 Lion")]
     best = study.best_batch_lrs(records, 0)
     assert best[(12, "AdamW")] == 2e-3 and best[(3, "1-bit")] == 2e-4
+    assert best[(48, "AdamW")] == 1e-3
     assert (48, "Lion") not in best  # no record of it: not known
     assert study.best_batch_lrs(records, 1) == {}
 
