@@ -13,7 +13,8 @@ Parts (docs/design.md §2, §4, §5; the paper's Table 2 / Figs. 4, 5, 9, 10, 14
    square root of the batch (``batch_lrs``), extended by doubling or halving where the first seed's
    best sat on an edge (``BATCH_EXTEND``; ``batch_grid``). The grid runs on the first seed; later
    seeds run only each optimizer's best lr of the first seed, read from the records
-   (``best_batch_lrs``).
+   (``best_batch_lrs``). Beyond the budget (``BATCH_LONG``), 48 sequences for 2000 steps at
+   each optimizer's best 500-step lr compare the optimizers per step (labels "B=48@2000 ...").
 0c. ``ablate`` — the paper's ablations at the recipe's scale, at Lion's best recipe settings:
    8-bit L1 / L0 / L∞ and 4-bit binary / L∞ / L1 lanes; the 1-bit vote's tie rules; 4-bit
    lanes with momentum sync none / all / io / adaptive at β2 = 0.99 and 0.95. Runs equal to a
@@ -129,6 +130,15 @@ def recipe_plan(seeds, steps: int = RECIPE["steps"]) -> list[Spec]:
 BATCH_POINTS = ((3, 2000, 100), (12, 500, 25), (48, 125, 6))
 BATCH_OPTS = ("AdamW", "Lion", "1-bit", "4-bit")
 BATCH_WD = {"AdamW": 0.1, "Lion": 1.0}  # nanoGPT's AdamW; the recipe grid's best Lion decay (lion family)
+# Beyond the token budget: 48 sequences for the recipe's 2000 steps (4x the tokens), to compare the
+# optimizers per step. Each runs only its best lr of the 500-step grid (no grid of its own).
+BATCH_LONG = ((12, 2000, 100),)
+
+
+def batch_name(per_worker: int, steps: int) -> str:
+    """The label prefix of a batch point: "B=48" at the token budget, "B=48@2000" beyond it."""
+    budget = any((per_worker, steps) == (p, n) for p, n, _ in BATCH_POINTS)
+    return f"B={4 * per_worker}" if budget else f"B={4 * per_worker}@{steps}"
 
 
 def batch_lrs(opt: str, per_worker: int) -> tuple[float, ...]:
@@ -156,7 +166,7 @@ def batch_grid(opt: str, per_worker: int) -> tuple[float, ...]:
 def _batch_spec(opt: str, per_worker: int, steps: int, warmup: int, lr: float, seed: int) -> Spec:
     shape = dict(RECIPE, batch=per_worker, steps=steps, warmup=warmup)
     wd = BATCH_WD["AdamW" if opt == "AdamW" else "Lion"]
-    label = f"B={4 * per_worker} {opt} lr={lr:g}"
+    label = f"{batch_name(per_worker, steps)} {opt} lr={lr:g}"
     extra = {"AdamW": dict(optimizer="adamw"), "Lion": {}, "1-bit": dict(vote="onebit"),
              "4-bit": dict(vote="pbit", bits=4)}[opt]
     return Spec("batch", label, seed=seed, **dict(shape, lr=lr, weight_decay=wd), **extra)
@@ -165,14 +175,16 @@ def _batch_spec(opt: str, per_worker: int, steps: int, warmup: int, lr: float, s
 def batch_plan(seeds, best: dict | None = None, full: bool = False) -> list[Spec]:
     """The ``batch`` part. The first seed runs every grid point; a later seed runs each
     (per-worker batch, optimizer)'s lr from ``best`` (absent: not yet known, so not planned),
-    or, with ``full``, every grid point (what the report matches records against)."""
+    or, with ``full``, every grid point (what the report matches records against). The
+    ``BATCH_LONG`` points run, on every seed, the best lr of the same per-worker batch only."""
     out = []
     for i, seed in enumerate(seeds):
-        for per_worker, steps, warmup in BATCH_POINTS:
-            for opt in BATCH_OPTS:
-                grid = batch_grid(opt, per_worker)
-                lrs = grid if i == 0 or full else [v for v in [(best or {}).get((per_worker, opt))] if v is not None]
-                out += [_batch_spec(opt, per_worker, steps, warmup, lr, seed) for lr in lrs]
+        for long, points in ((False, BATCH_POINTS), (True, BATCH_LONG)):
+            for per_worker, steps, warmup in points:
+                for opt in BATCH_OPTS:
+                    known = [v for v in [(best or {}).get((per_worker, opt))] if v is not None]
+                    lrs = batch_grid(opt, per_worker) if full or (i == 0 and not long) else known
+                    out += [_batch_spec(opt, per_worker, steps, warmup, lr, seed) for lr in lrs]
     return out
 
 

@@ -27,7 +27,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from study import BATCH_OPTS, BATCH_POINTS, LION_GRID, PARTS, ablate_plan, batch_plan, plan, recipe_plan  # noqa: E402
+from study import BATCH_LONG, BATCH_OPTS, BATCH_POINTS, LION_GRID, PARTS, ablate_plan, batch_name, batch_plan, plan, recipe_plan  # noqa: E402
 
 RECIPE_LION = f"Lion lr={LION_GRID[0][0]:g} wd={LION_GRID[0][1]:g}"  # recipe_plan's label of the best grid point
 RECIPE_ADAMW = "AdamW (nanoGPT)"
@@ -171,10 +171,10 @@ def batch_table(rows: list[dict]) -> list[str]:
     """Per global batch, each optimizer's best row: mean ± std (seeds), its lr, Δ vs AdamW's best."""
     head = "| global batch (steps) | " + " | ".join(f"{o}: val loss (n) @ lr; Δ vs AdamW" for o in BATCH_OPTS) + " |"
     lines = [head, "|" + "---|" * (len(BATCH_OPTS) + 1)]
-    for per_worker, steps, _ in BATCH_POINTS:
+    for per_worker, steps, _ in BATCH_POINTS + BATCH_LONG:
         cells = [f"{4 * per_worker} ({steps})"]
         for opt in BATCH_OPTS:
-            r = best_batch_row(rows, f"B={4 * per_worker}", opt)
+            r = best_batch_row(rows, batch_name(per_worker, steps), opt)
             if r is None:
                 cells.append("—")
                 continue
@@ -245,7 +245,8 @@ def markdown(summary: dict[str, list[dict]]) -> str:
         else:
             lines.append(f"No Lion row to compare with. {NOISE_RULE}.")
         if part == "batch":
-            lines += ["", "Best lr per optimizer and global batch (the same ~1.5M tokens each):", ""] + batch_table(rows)
+            lines += ["", "Best lr per optimizer and global batch (the same ~1.5M tokens each; "
+                                  "the 2000-step row at 48 sequences has 4x the tokens):", ""] + batch_table(rows)
         best = best_recipe_lion(rows) if part == "recipe" else None
         if best is not None and best["label"] != RECIPE_LION:
             lines.append(f"Note: the Lion grid point with the lowest mean is {best['label']} "
@@ -325,11 +326,11 @@ def _plot_batch(rows: list[dict], fig_dir: str, tag: str, plt) -> str:
     step (mean over seeds, band ± one std); one colour per optimizer, one line style per batch."""
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     colors = dict(zip(BATCH_OPTS, ("tab:orange", "tab:gray", "tab:blue", "tab:green")))
-    styles = ("-", "--", ":")
-    for (per_worker, _, _), ls in zip(BATCH_POINTS, styles):
+    styles = ("-", "--", ":", "-.")
+    for (per_worker, steps, _), ls in zip(BATCH_POINTS + BATCH_LONG, styles):
         seqs = 4 * per_worker
         for opt in BATCH_OPTS:
-            r = best_batch_row(rows, f"B={seqs}", opt)
+            r = best_batch_row(rows, batch_name(per_worker, steps), opt)
             if r is None:
                 continue
             c = r["curve"]
@@ -337,7 +338,7 @@ def _plot_batch(rows: list[dict], fig_dir: str, tag: str, plt) -> str:
             hi = [m + (s or 0.0) for m, s in zip(c["val_loss"], c["val_loss_std"])]
             for ax, xs in ((axes[0], [st * seqs * 64 / 1e6 for st in c["step"]]), (axes[1], c["step"])):
                 ax.plot(xs, c["val_loss"], ls=ls, color=colors[opt],
-                        label=f"{opt}, {seqs} seqs, lr {r['lr']:g} ({len(r['seeds'])} seeds)")
+                        label=f"{opt}, {seqs} seqs x {steps} steps, lr {r['lr']:g} ({len(r['seeds'])} seeds)")
                 ax.fill_between(xs, lo, hi, color=colors[opt], alpha=0.15)
     axes[0].set_xlabel("tokens seen (millions)")
     axes[1].set_xlabel("step")
@@ -345,7 +346,8 @@ def _plot_batch(rows: list[dict], fig_dir: str, tag: str, plt) -> str:
     for ax in axes:
         ax.set_ylabel("validation loss")
     axes[0].legend(fontsize=6)
-    fig.suptitle("study: batch size at the recipe's token budget (best lr per optimizer and batch)")
+    fig.suptitle("study: batch size at the recipe's token budget, and 48 sequences for 2000 steps "
+                 "(best lr per optimizer and batch)")
     fig.tight_layout()
     path = os.path.join(fig_dir, f"batch_tokens{tag}.png")
     fig.savefig(path, dpi=110)

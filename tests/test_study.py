@@ -299,9 +299,15 @@ def test_batch_plan_holds_the_token_budget_and_grows_the_lr():
     shared = [s.label for s in specs if s.key() in recipe]
     assert shared == ["B=12 AdamW lr=0.001", "B=12 Lion lr=0.0001", "B=12 1-bit lr=0.0001", "B=12 4-bit lr=0.0001"]
     # later seeds: only the best lr of the first seed, and nothing where it is not known yet
+    # and 48 sequences for 2000 steps, on every seed, at that best lr only
     later = study.batch_plan([0, 1], best={(12, "Lion"): 2e-4})
-    assert [(s.seed, s.label) for s in later[len(specs):]] == [(1, "B=48 Lion lr=0.0002")]
-    assert len(study.batch_plan([0, 1], full=True)) == 2 * len(specs)
+    assert [(s.seed, s.label) for s in later[len(specs):]] == [
+        (0, "B=48@2000 Lion lr=0.0002"), (1, "B=48 Lion lr=0.0002"), (1, "B=48@2000 Lion lr=0.0002")]
+    long = later[len(specs)]
+    assert (long.batch, long.steps, long.warmup, long.lr, long.weight_decay) == (12, 2000, 100, 2e-4, 1.0)
+    assert long.key() != later[len(specs) + 1].key()  # not the 500-step run
+    n_long = sum(len(study.batch_grid(o, 12)) for o in study.BATCH_OPTS)
+    assert len(study.batch_plan([0, 1], full=True)) == 2 * (len(specs) + n_long)
 
 
 def test_best_batch_lrs_reads_the_first_seeds_records():
@@ -355,6 +361,8 @@ def test_report_batch_and_ablate_parts(tmp_path):
             records.append(_fake_record(s, final + (0.0 if s.lr in (2e-3, 2e-4) else 0.1)))
     for seed in (1, 2):
         for s in study.batch_plan([0, seed], best={(12, "AdamW"): 2e-3, (12, "Lion"): 2e-4})[len(grid):]:
+            if "@" in s.label:  # the 2000-step runs come below
+                continue
             records.append(_fake_record(s, {"AdamW": 2.0, "Lion": 2.2}[s.label.split()[1]] + 0.01 * seed))
     summary = study_report.summarize(records)
     rows = {r["label"]: r for r in summary["batch"]}
@@ -367,6 +375,17 @@ def test_report_batch_and_ablate_parts(tmp_path):
     text = study_report.markdown(summary)
     assert _no_nan(text) and "### batch" in text
     assert "| 48 (500) | 2.010 ± 0.010 (3) @ 0.002 | 2.210 ± 0.010 (3) @ 0.0002; +0.200 (beyond noise) |" in text
+    assert "| 192 (125) | — | — | — | — |" in text
+    assert "| 48 (2000) | — | — | — | — |" in text  # no long record yet
+    long = [s for s in study.batch_plan([0], best={(12, "AdamW"): 2e-3, (12, "Lion"): 2e-4}) if s.steps == 2000
+            and s.batch == 12]
+    records += [_fake_record(s, {"AdamW": 1.8, "Lion": 1.85}[s.label.split()[1]]) for s in long]
+    rows = {r["label"]: r for r in study_report.summarize(records)["batch"]}
+    assert rows["B=48@2000 Lion lr=0.0002"]["vs_adamw"]["ref"] == "B=48@2000 AdamW lr=0.002"
+    assert rows["B=48@2000 Lion lr=0.0002"]["vs_ref"]["ref"] == "B=48@2000 Lion lr=0.0002"
+    assert rows["B=48 Lion lr=0.0002"]["vs_adamw"]["ref"] == "B=48 AdamW lr=0.002"  # not the long row
+    text = study_report.markdown(study_report.summarize(records))
+    assert "| 48 (2000) | 1.800 ± n/a (1) @ 0.002 | 1.850 ± n/a (1) @ 0.0002; +0.050 (n/a (one seed)) |" in text
     abl = {r["label"]: r for r in summary["ablate"]}
     assert abl["8-bit L1"]["seeds"] == [0, 1, 2] and abl["8-bit L1"]["vs_ref"]["ref"] == "Lion lr=0.0001 wd=1"
     paths = study_report.plot(summary, str(tmp_path / "fig"))
