@@ -36,6 +36,9 @@ NOISE_RULE = ("Δ = mean − mean of the reference row; beyond noise when |Δ| >
               "(sample std sd over n seeds), else within noise; n/a (one seed) when either row has fewer than "
               "2 seeds")
 ONE_SEED = "n/a (one seed)"
+# The byte-unigram plateau of the recipe-scale runs sits near 3.3 nats; a run has "left" it at its
+# first evaluation below this loss.
+PLATEAU_EXIT = 3.0
 
 
 def load_records(path: str) -> list[dict]:
@@ -140,6 +143,7 @@ def summarize(records: list[dict]) -> dict[str, list[dict]]:
         row["val_loss"] = _ms([r["final"]["val_loss"] for r in runs])
         if "val_acc" in runs[0]["final"]:
             row["val_acc"] = _ms([r["final"]["val_acc"] for r in runs])
+        row["left_plateau"] = [left_plateau(r["curve"]) for r in runs]
         row["wall_s"] = statistics.fmean(r["wall_s"] for r in runs)
         row["params"] = runs[0]["params"]
         row["curve"] = _curve(runs)
@@ -158,6 +162,11 @@ def summarize(records: list[dict]) -> dict[str, list[dict]]:
                     next((x for x in rows_ if x["label"] == RECIPE_ADAMW and x["steps"] == row["steps"]), None)
                 row["vs_adamw"] = None if adamw is None or adamw is row else compare(row, adamw)
     return out
+
+
+def left_plateau(curve: list[dict]) -> int | None:
+    """The first evaluated step whose validation loss is below ``PLATEAU_EXIT`` (None: never)."""
+    return next((c["step"] for c in curve if c["val_loss"] < PLATEAU_EXIT), None)
 
 
 def best_batch_row(rows: list[dict], batch: str, opt: str) -> dict | None:
@@ -219,7 +228,9 @@ def markdown(summary: dict[str, list[dict]]) -> str:
         head = "| run | seeds | steps | val loss (mean ± std) | Δ vs Lion | vs noise |"
         if recipe:
             head += " Δ vs AdamW | vs noise |"
-        head += (" val acc |" if acc else "") + " s/run |"
+        at_scale = part in SCALE_PARTS
+        head += (" val acc |" if acc else "") + (" left the plateau (step, per seed) |" if at_scale else "")
+        head += " s/run |"
         lines += [f"### {part}", "", head, "|" + "---|" * (head.count("|") - 1)]
         for r in rows:
             cells = [r["label"], str(len(r["seeds"])), str(r["steps"]), _mean_std(r["val_loss"])]
@@ -230,6 +241,8 @@ def markdown(summary: dict[str, list[dict]]) -> str:
                 cells += ["0 (reference)", "—"] if is_ref else _delta_cells(r, r.get("vs_adamw"), "AdamW")
             if acc:
                 cells.append(_mean_std(r["val_acc"], 100, 1) + " %" if "val_acc" in r else "n/a")
+            if at_scale:
+                cells.append(" / ".join("never" if v is None else str(v) for v in r["left_plateau"]))
             cells.append(f"{r['wall_s']:.0f}")
             lines.append("| " + " | ".join(cells) + " |")
         refs = sorted({(r["vs_ref"]["ref_part"], r["vs_ref"]["ref"]) for r in rows if r.get("vs_ref")})
@@ -244,6 +257,9 @@ def markdown(summary: dict[str, list[dict]]) -> str:
                              + ("; Δ vs AdamW: " + RECIPE_ADAMW if recipe else "") + ". " + NOISE_RULE + ".")
         else:
             lines.append(f"No Lion row to compare with. {NOISE_RULE}.")
+        if at_scale:
+            lines.append(f"Left the plateau: the first evaluated step with validation loss below {PLATEAU_EXIT} "
+                         "(the byte-unigram plateau is near 3.3); never: not within the run.")
         if part == "batch":
             lines += ["", "Best lr per optimizer and global batch (the same ~1.5M tokens each; "
                                   "the 2000-step row at 48 sequences has 4x the tokens):", ""] + batch_table(rows)

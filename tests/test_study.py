@@ -323,6 +323,13 @@ def test_best_batch_lrs_reads_the_first_seeds_records():
     assert study.best_batch_lrs(records, 1) == {}
 
 
+def test_left_plateau_is_the_first_evaluation_below_the_exit_loss():
+    curve = [{"step": 50, "val_loss": 3.3}, {"step": 100, "val_loss": 3.0}, {"step": 150, "val_loss": 2.99},
+             {"step": 200, "val_loss": 3.1}]
+    assert study_report.left_plateau(curve) == 150  # below 3.0, not at it; a later rise does not matter
+    assert study_report.left_plateau(curve[:2]) is None
+
+
 def test_ablate_plan_applies_each_variant():
     """Fails if an ablation row's optimizer lacks its lanes, quantizer, tie rule, β2 or sync."""
     specs = study.ablate_plan([0])
@@ -371,11 +378,13 @@ def test_report_batch_and_ablate_parts(tmp_path):
     assert math.isclose(lion48["vs_adamw"]["delta"], 0.2, abs_tol=1e-12)
     assert rows["B=48 1-bit lr=0.0002"]["vs_ref"]["ref"] == "B=48 Lion lr=0.0002"
     assert rows["B=12 Lion lr=0.0001"]["seeds"] == [0, 1, 2]  # the recipe's Lion records, reused
+    assert lion48["left_plateau"] == [500, 500, 500]  # 3.2 at step 200, 2.2 at 500: below 3.0 only at 500
     assert rows["B=12 Lion lr=0.0001"]["vs_adamw"]["ref"] == "B=12 AdamW lr=0.001"
     text = study_report.markdown(summary)
     assert _no_nan(text) and "### batch" in text
     assert "| 48 (500) | 2.010 ± 0.010 (3) @ 0.002 | 2.210 ± 0.010 (3) @ 0.0002; +0.200 (beyond noise) |" in text
     assert "| 192 (125) | — | — | — | — |" in text
+    assert "| B=48 Lion lr=0.0002 | 3 | 500 |" in text and "| 500 / 500 / 500 |" in text
     assert "| 48 (2000) | — | — | — | — |" in text  # no long record yet
     long = [s for s in study.batch_plan([0], best={(12, "AdamW"): 2e-3, (12, "Lion"): 2e-4}) if s.steps == 2000
             and s.batch == 12]
