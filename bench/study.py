@@ -14,7 +14,8 @@ Parts (docs/design.md §2, §4, §5; the paper's Table 2 / Figs. 4, 5, 9, 10, 14
    best sat on an edge (``BATCH_EXTEND``; ``batch_grid``). The grid runs on the first seed; later
    seeds run only each optimizer's best lr of the first seed, read from the records
    (``best_batch_lrs``). Beyond the budget (``BATCH_LONG``), 48 sequences for 2000 steps at
-   each optimizer's best 500-step lr compare the optimizers per step (labels "B=48@2000 ...").
+   each optimizer's best lrs at 48 sequences (500 steps) and at 12 (2000 steps) compare the
+   optimizers per step (labels "B=48@2000 ...").
 0c. ``ablate`` — the paper's ablations at the recipe's scale, at Lion's best recipe settings:
    8-bit L1 / L0 / L∞ and 4-bit binary / L∞ / L1 lanes; the 1-bit vote's tie rules; 4-bit
    lanes with momentum sync none / all / io / adaptive at β2 = 0.99 and 0.95. Runs equal to a
@@ -131,7 +132,8 @@ BATCH_POINTS = ((3, 2000, 100), (12, 500, 25), (48, 125, 6))
 BATCH_OPTS = ("AdamW", "Lion", "1-bit", "4-bit")
 BATCH_WD = {"AdamW": 0.1, "Lion": 1.0}  # nanoGPT's AdamW; the recipe grid's best Lion decay (lion family)
 # Beyond the token budget: 48 sequences for the recipe's 2000 steps (4x the tokens), to compare the
-# optimizers per step. Each runs only its best lr of the 500-step grid (no grid of its own).
+# optimizers per step. Each runs only its best lr of the 500-step grid at 48 sequences and its best
+# lr at 12 sequences (2000 steps), no grid of its own.
 BATCH_LONG = ((12, 2000, 100),)
 
 
@@ -176,13 +178,18 @@ def batch_plan(seeds, best: dict | None = None, full: bool = False) -> list[Spec
     """The ``batch`` part. The first seed runs every grid point; a later seed runs each
     (per-worker batch, optimizer)'s lr from ``best`` (absent: not yet known, so not planned),
     or, with ``full``, every grid point (what the report matches records against). The
-    ``BATCH_LONG`` points run, on every seed, the best lr of the same per-worker batch only."""
+    ``BATCH_LONG`` points run, on every seed, the best lrs of the same per-worker batch and of the
+    budget point with the same step count only."""
     out = []
     for i, seed in enumerate(seeds):
         for long, points in ((False, BATCH_POINTS), (True, BATCH_LONG)):
             for per_worker, steps, warmup in points:
                 for opt in BATCH_OPTS:
-                    known = [v for v in [(best or {}).get((per_worker, opt))] if v is not None]
+                    # a long point: the best lr at its batch, and the best at the budget point of its
+                    # step count (Lion's 500-step best need not suit 2000 steps)
+                    same_steps = [p for p, n, _ in BATCH_POINTS if n == steps and long]
+                    known = sorted({v for v in [(best or {}).get(k) for k in [(per_worker, opt)] +
+                                                [(p, opt) for p in same_steps]] if v is not None})
                     lrs = batch_grid(opt, per_worker) if full or (i == 0 and not long) else known
                     out += [_batch_spec(opt, per_worker, steps, warmup, lr, seed) for lr in lrs]
     return out

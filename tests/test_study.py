@@ -303,6 +303,10 @@ def test_batch_plan_holds_the_token_budget_and_grows_the_lr():
     later = study.batch_plan([0, 1], best={(12, "Lion"): 2e-4})
     assert [(s.seed, s.label) for s in later[len(specs):]] == [
         (0, "B=48@2000 Lion lr=0.0002"), (1, "B=48 Lion lr=0.0002"), (1, "B=48@2000 Lion lr=0.0002")]
+    # with the 12-sequence best known too, the long point runs it as well (2000 steps, like it)
+    both = study.batch_plan([0], best={(12, "Lion"): 2e-4, (3, "Lion"): 1e-4, (3, "AdamW"): 1e-3})[len(specs):]
+    assert [s.label for s in both] == ["B=48@2000 AdamW lr=0.001", "B=48@2000 Lion lr=0.0001",
+                                       "B=48@2000 Lion lr=0.0002"]
     long = later[len(specs)]
     assert (long.batch, long.steps, long.warmup, long.lr, long.weight_decay) == (12, 2000, 100, 2e-4, 1.0)
     assert long.key() != later[len(specs) + 1].key()  # not the 500-step run
