@@ -330,7 +330,9 @@ def plot(summary: dict[str, list[dict]], fig_dir: str, tag: str = "") -> list[st
         ax.set_title("momentum spread per tensor at the end, no sync (paper Fig. 6); tied: wte = head; mean over seeds")
         ax.legend(fontsize=7)
         fig.tight_layout()
-        path = os.path.join(fig_dir, f"momentum_spread{tag}.png")
+        # the recipe-scale runs get their own name, so their report leaves the tiny study's plot alone
+        scale = "_recipe" if all(r["part"] in SCALE_PARTS for r in spread) else ""
+        path = os.path.join(fig_dir, f"momentum_spread{scale}{tag}.png")
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)
