@@ -188,9 +188,8 @@ def batch_plan(seeds, best: dict | None = None, full: bool = False) -> list[Spec
                 for opt in BATCH_OPTS:
                     # a long point: the best lr at its batch, and the best at the budget point of its
                     # step count (Lion's 500-step best need not suit 2000 steps)
-                    same_steps = [p for p, n, _ in BATCH_POINTS if n == steps and long]
-                    known = sorted({v for v in [(best or {}).get(k) for k in [(per_worker, opt)] +
-                                                [(p, opt) for p in same_steps]] if v is not None})
+                    keys = [(per_worker, opt)] + [(p, opt) for p, n, _ in BATCH_POINTS if long and n == steps]
+                    known = sorted({(best or {})[k] for k in keys if k in (best or {})})
                     lrs = batch_grid(opt, per_worker) if full or (i == 0 and not long) else known
                     out += [_batch_spec(opt, per_worker, steps, warmup, lr, seed) for lr in lrs]
     return out
