@@ -156,7 +156,7 @@ BATCH_EXTEND: dict[tuple[int, str], tuple[float, ...]] = {
     (48, "AdamW"): (1e-3,),  # 2e-3 best of 2e-3 / 4e-3 / 8e-3 at 192 sequences
     (48, "4-bit"): (1.6e-3,),  # 8e-4 best of 2e-4 / 4e-4 / 8e-4
     (12, "Lion"): (8e-4,),  # 4e-4 best of 1e-4 / 2e-4 / 4e-4 at 48 sequences
-    (48, "Lion"): (1.6e-3,),  # 8e-4 best of 2e-4 / 4e-4 / 8e-4 (all three on the plateau at 125 steps)
+    (48, "Lion"): (1.6e-3, 3.2e-3),  # 8e-4 best of 2e-4 / 4e-4 / 8e-4 (on the plateau at 125 steps); then 1.6e-3
 }
 
 
