@@ -1,13 +1,13 @@
 """Tables and plots from the study's raw records (``bench/study.py`` -> ``study.jsonl``).
 
-Each row of the plan (``study.plan``, with ``study.recipe_plan`` for the ``recipe`` part) is
+Each row of the plan (``study_plan.plan``, with ``study_plan.recipe_plan`` for the ``recipe`` part) is
 matched to its records by experiment key, so a run shared by two parts (e.g. Lion at β2 = 0.99)
 is counted in both; the plan is rebuilt for every seed, step count and recipe step count found
 in the records. Per row: final validation loss (and accuracy for images) as mean ± sample std
 over seeds, the number of seeds, its Δ to the part's reference row with a verdict (``NOISE_RULE``),
 and the mean wall time of one run. The reference row is the part's Lion row (same model, β2,
 steps and embedding tying; a part without one, e.g. ``ties``, uses such a Lion row of another
-part); for ``recipe`` it is Lion at the grid's best point (``study.LION_GRID[0]``), and every
+part); for ``recipe`` it is Lion at the grid's best point (``study_plan.LION_GRID[0]``), and every
 other recipe row also gets its Δ to the AdamW reference row. Writes the summary JSON, one PNG
 per part (final loss bars; mean validation-loss curves with a ± one std band over seeds) and
 prints Markdown tables (also to ``--markdown FILE``).
@@ -27,7 +27,8 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from study import BATCH_LONG, BATCH_OPTS, BATCH_POINTS, LION_GRID, PARTS, ablate_plan, batch_name, batch_plan, plan, recipe_plan  # noqa: E402
+from study_plan import (BATCH_LONG, BATCH_OPTS, BATCH_POINTS, LION_GRID, PARTS, ablate_plan, batch_name,  # noqa: E402
+                        batch_plan, plan, recipe_plan)
 
 RECIPE_LION = f"Lion lr={LION_GRID[0][0]:g} wd={LION_GRID[0][1]:g}"  # recipe_plan's label of the best grid point
 RECIPE_ADAMW = "AdamW (nanoGPT)"

@@ -16,6 +16,7 @@ from tests.dist import run_workers
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 import study  # noqa: E402
+import study_plan  # noqa: E402
 import study_report  # noqa: E402
 
 
@@ -26,7 +27,7 @@ def _tie_steps(rank, world):
 
     from lioncub.vote import reference_vote
 
-    specs = [s for s in study.plan(["ties"], [0], 2, 2) if s.tie_rule is not None]
+    specs = [s for s in study_plan.plan(["ties"], [0], 2, 2) if s.tie_rule is not None]
     out = {}
     for spec in specs:
         for step in range(2):
@@ -55,21 +56,21 @@ def test_tie_runs_apply_their_rule():
     'plus' differs from the default on odd steps and 'minus' on even ones, and every run's u
     must match the reference of its own rule."""
     for res in run_workers(_tie_steps, 2):
-        assert set(res) == {(r, s) for r in study.TIE_RULES for s in (0, 1)}, res
+        assert set(res) == {(r, s) for r in study_plan.TIE_RULES for s in (0, 1)}, res
         assert all(ok for ok, _ in res.values()), res
         assert min(ties for _, ties in res.values()) > 100  # two workers tie often: the rule is exercised
 
 
 def test_plan_and_errors():
-    specs = study.plan(study.PARTS, [0, 1], 5, 3)
+    specs = study_plan.plan(study_plan.PARTS, [0, 1], 5, 3)
     keys = [s.key() for s in specs]
     assert len(specs) > len(set(keys))  # shared runs (Lion at β2=0.99, 4-bit no sync) are planned twice
-    assert {s.part for s in specs} == set(study.PARTS)
+    assert {s.part for s in specs} == set(study_plan.PARTS)
     assert all(s.steps == 3 for s in specs if s.model != "gpt")
     ties = [s for s in specs if s.part == "ties" and s.tie_rule is not None]
-    assert {s.tie_rule for s in ties} == set(study.TIE_RULES) and all(s.vote == "onebit" for s in ties)
+    assert {s.tie_rule for s in ties} == set(study_plan.TIE_RULES) and all(s.vote == "onebit" for s in ties)
     try:
-        study.make_optimizer(study.Spec("ties", "bad", vote="onebit", tie_rule="random"),
+        study.make_optimizer(study_plan.Spec("ties", "bad", vote="onebit", tie_rule="random"),
                              [torch.nn.Parameter(torch.zeros(3))])
     except ValueError as e:
         assert "tie must be one of" in str(e)
@@ -102,7 +103,7 @@ def test_study_end_to_end(tmp_path):
 def _adamw_step(rank, world):
     """The recipe's AdamW reference: one step after the gradient all-reduce equals torch's AdamW
     on the mean gradient (two ranks: (a + b) / 2 is the same sum in either order, so exactly)."""
-    spec = [s for s in study.recipe_plan([0], steps=4) if s.optimizer == "adamw"][0]
+    spec = [s for s in study_plan.recipe_plan([0], steps=4) if s.optimizer == "adamw"][0]
     p = torch.nn.Parameter(torch.ones(64))
     opt = study.make_optimizer(spec, [p], lr=spec.lr, betas=(0.9, 0.99))
     grads = [torch.randn(64, generator=torch.Generator().manual_seed(r)) for r in range(world)]
@@ -116,7 +117,7 @@ def _adamw_step(rank, world):
 
 def test_recipe_part_applies_its_shape_schedule_and_optimizers():
     """Fails if the recipe's shape, weight decay, warm-up or AdamW reference are not applied."""
-    specs = study.recipe_plan([0, 1])
+    specs = study_plan.recipe_plan([0, 1])
     assert [s.label for s in specs][:7] == ["AdamW (nanoGPT)", "Lion lr=0.0001 wd=1", "Lion lr=3e-05 wd=3",
                                             "Lion lr=0.0003 wd=0.3", "1-bit (onebit)", "4-bit binary (pbit)",
                                             "8-bit L1 (pbit)"]
@@ -164,7 +165,7 @@ def _fake_record(spec, final: float, wall: float = 10.0) -> dict:
 
 def _recipe_records(steps: int = 400) -> list[dict]:
     out = []
-    for spec in study.recipe_plan([0, 1, 2], steps=steps):
+    for spec in study_plan.recipe_plan([0, 1, 2], steps=steps):
         final = _RECIPE_FINAL[spec.label].get(spec.seed)
         if final is not None:
             out.append(_fake_record(spec, final))
@@ -186,10 +187,10 @@ def test_report_recipe_rows_means_deltas_and_verdicts(tmp_path):
 
     records = _recipe_records()
     # a decoy: a recipe-labelled record of another experiment (other lr) must not join the Lion row
-    decoy = dataclasses.replace(study.recipe_plan([0], steps=400)[1], lr=5e-4)
+    decoy = dataclasses.replace(study_plan.recipe_plan([0], steps=400)[1], lr=5e-4)
     records.append(_fake_record(decoy, 9.0))
     # tiny-study records in the same file, first, so the first gpt record is not a recipe one
-    lion = study.Spec("quant", "Lion (grad all-reduce)", seed=0, steps=150)
+    lion = study_plan.Spec("quant", "Lion (grad all-reduce)", seed=0, steps=150)
     records.insert(0, _fake_record(lion, 3.3))
     path = _write_jsonl(tmp_path / "recipe.jsonl", records)
     summary = study_report.summarize(study_report.load_records(path))
@@ -238,7 +239,7 @@ def test_report_recipe_rows_means_deltas_and_verdicts(tmp_path):
 def test_report_no_nan_without_lion_or_with_one_seed(tmp_path):
     """The old '+nan' Δ: a ties part without its own Lion row borrows the quant part's Lion
     (same shape); with no Lion at all, or one seed, the cells say n/a, never nan."""
-    ties = [s for s in study.plan(["ties"], [0, 1], 150, 60)]
+    ties = [s for s in study_plan.plan(["ties"], [0, 1], 150, 60)]
     final = {"1-bit, ties plus": 3.30, "1-bit, ties minus": 3.29, "1-bit, ties alternate": 3.31,
              "ties -> 0 (4-bit pbit)": 3.28}
     records = [_fake_record(s, final[s.label] + 0.01 * s.seed) for s in ties]
@@ -246,7 +247,7 @@ def test_report_no_nan_without_lion_or_with_one_seed(tmp_path):
     text = study_report.markdown(alone)
     assert _no_nan(text) and "n/a (no Lion row)" in text
     assert all(r["gap_to_lion"] is None for r in alone["ties"])
-    lion = [study.Spec("quant", "Lion (grad all-reduce)", seed=0, steps=150)]  # one seed of Lion
+    lion = [study_plan.Spec("quant", "Lion (grad all-reduce)", seed=0, steps=150)]  # one seed of Lion
     summary = study_report.summarize(records + [_fake_record(s, 3.25) for s in lion])
     text = study_report.markdown(summary)
     assert _no_nan(text)
@@ -275,8 +276,8 @@ def test_report_cli_writes_markdown_summary_and_png(tmp_path):
 def test_batch_plan_holds_the_token_budget_and_grows_the_lr():
     """Fails if a batch point's shape, token budget, warm-up, weight decay or lr grid is not applied,
     or if later seeds run anything but the first seed's best lr."""
-    specs = study.batch_plan([0])
-    n_extra = sum(map(len, study.BATCH_EXTEND.values()))
+    specs = study_plan.batch_plan([0])
+    n_extra = sum(map(len, study_plan.BATCH_EXTEND.values()))
     assert len(specs) == 3 * 4 * 3 + n_extra  # batches x optimizers x lrs, plus the edge extensions
     tokens = {s.batch * 4 * s.steps * s.block for s in specs}
     assert tokens == {12 * 64 * 2000}  # the recipe's ~1.5M tokens at every batch
@@ -295,36 +296,36 @@ def test_batch_plan_holds_the_token_budget_and_grows_the_lr():
     assert all(s.vote == "pbit" and s.bits == 4 and s.quantizer is None for s in by[(12, "4-bit")])
     assert all(s.vote == "grad" and s.optimizer == "lion" for s in by[(12, "Lion")])
     # the batch-12 centres are the recipe's runs: the same experiments, so their records are reused
-    recipe = {s.key() for s in study.recipe_plan([0])}
+    recipe = {s.key() for s in study_plan.recipe_plan([0])}
     shared = [s.label for s in specs if s.key() in recipe]
     assert shared == ["B=12 AdamW lr=0.001", "B=12 Lion lr=0.0001", "B=12 1-bit lr=0.0001", "B=12 4-bit lr=0.0001"]
     # later seeds: only the best lr of the first seed, and nothing where it is not known yet
     # and 48 sequences for 2000 steps, on every seed, at that best lr only
-    later = study.batch_plan([0, 1], best={(12, "Lion"): 2e-4})
+    later = study_plan.batch_plan([0, 1], best={(12, "Lion"): 2e-4})
     assert [(s.seed, s.label) for s in later[len(specs):]] == [
         (0, "B=48@2000 Lion lr=0.0002"), (1, "B=48 Lion lr=0.0002"), (1, "B=48@2000 Lion lr=0.0002")]
     # with the 12-sequence best known too, the long point runs it as well (2000 steps, like it)
-    both = study.batch_plan([0], best={(12, "Lion"): 2e-4, (3, "Lion"): 1e-4, (3, "AdamW"): 1e-3})[len(specs):]
+    both = study_plan.batch_plan([0], best={(12, "Lion"): 2e-4, (3, "Lion"): 1e-4, (3, "AdamW"): 1e-3})[len(specs):]
     assert [s.label for s in both] == ["B=48@2000 AdamW lr=0.001", "B=48@2000 Lion lr=0.0001",
                                        "B=48@2000 Lion lr=0.0002"]
     long = later[len(specs)]
     assert (long.batch, long.steps, long.warmup, long.lr, long.weight_decay) == (12, 2000, 100, 2e-4, 1.0)
     assert long.key() != later[len(specs) + 1].key()  # not the 500-step run
-    n_long = sum(len(study.batch_grid(o, 12)) for o in study.BATCH_OPTS)
-    assert len(study.batch_plan([0, 1], full=True)) == 2 * (len(specs) + n_long)
+    n_long = sum(len(study_plan.batch_grid(o, 12)) for o in study_plan.BATCH_OPTS)
+    assert len(study_plan.batch_plan([0, 1], full=True)) == 2 * (len(specs) + n_long)
 
 
 def test_best_batch_lrs_reads_the_first_seeds_records():
-    specs = study.batch_plan([0])
-    final = {s.label: 3.0 - (0.1 if s.lr == study.batch_lrs(s.label.split()[1], s.batch)[2] else 0) for s in specs}
+    specs = study_plan.batch_plan([0])
+    final = {s.label: 3.0 - (0.1 if s.lr == study_plan.batch_lrs(s.label.split()[1], s.batch)[2] else 0) for s in specs}
     final["B=48 AdamW lr=0.002"] = 1.0  # the AdamW centre wins at 48 sequences
     final["B=192 AdamW lr=0.001"] = 0.5  # an edge extension wins at 192: it must be read too
     records = [_fake_record(s, final[s.label]) for s in specs if not s.label.startswith("B=192 Lion")]
-    best = study.best_batch_lrs(records, 0)
+    best = study_plan.best_batch_lrs(records, 0)
     assert best[(12, "AdamW")] == 2e-3 and best[(3, "1-bit")] == 2e-4
     assert best[(48, "AdamW")] == 1e-3
     assert (48, "Lion") not in best  # no record of it: not known
-    assert study.best_batch_lrs(records, 1) == {}
+    assert study_plan.best_batch_lrs(records, 1) == {}
 
 
 def test_left_plateau_is_the_first_evaluation_below_the_exit_loss():
@@ -336,7 +337,7 @@ def test_left_plateau_is_the_first_evaluation_below_the_exit_loss():
 
 def test_ablate_plan_applies_each_variant():
     """Fails if an ablation row's optimizer lacks its lanes, quantizer, tie rule, β2 or sync."""
-    specs = study.ablate_plan([0])
+    specs = study_plan.ablate_plan([0])
     want = {"8-bit L1": (8, "l1"), "8-bit L0": (8, "l0"), "8-bit Linf": (8, "linf"), "4-bit binary": (4, None),
             "4-bit Linf": (4, "linf"), "4-bit L1": (4, "l1")}
     model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8))
@@ -356,7 +357,7 @@ def test_ablate_plan_applies_each_variant():
             assert opt.defaults["betas"] == (0.9, float(s.label.split("b2=")[1]))
             seen.add(s.label)
     assert len(seen) == 6 + 3 + 7
-    recipe = {s.key() for s in study.recipe_plan([0])}
+    recipe = {s.key() for s in study_plan.recipe_plan([0])}
     assert sorted(s.label for s in specs if s.key() in recipe) == [
         "1-bit, ties alternate (default)", "4-bit binary", "8-bit L1", "Lion lr=0.0001 wd=1"]
 
@@ -365,13 +366,13 @@ def test_report_batch_and_ablate_parts(tmp_path):
     """Batch rows compare with the best AdamW and Lion of their own global batch; reused recipe
     records appear in the recipe, batch and ablate tables alike; no nan."""
     records = _recipe_records(steps=2000)
-    grid = study.batch_plan([0])
+    grid = study_plan.batch_plan([0])
     for s in grid:
         if s.batch == 12:  # 48 sequences: the 1e-3-family centre is best for AdamW, 2e-4 for Lion
             final = {"AdamW": 2.0, "Lion": 2.2, "1-bit": 2.3, "4-bit": 2.4}[s.label.split()[1]]
             records.append(_fake_record(s, final + (0.0 if s.lr in (2e-3, 2e-4) else 0.1)))
     for seed in (1, 2):
-        for s in study.batch_plan([0, seed], best={(12, "AdamW"): 2e-3, (12, "Lion"): 2e-4})[len(grid):]:
+        for s in study_plan.batch_plan([0, seed], best={(12, "AdamW"): 2e-3, (12, "Lion"): 2e-4})[len(grid):]:
             if "@" in s.label:  # the 2000-step runs come below
                 continue
             records.append(_fake_record(s, {"AdamW": 2.0, "Lion": 2.2}[s.label.split()[1]] + 0.01 * seed))
@@ -390,7 +391,7 @@ def test_report_batch_and_ablate_parts(tmp_path):
     assert "| 192 (125) | — | — | — | — |" in text
     assert "| B=48 Lion lr=0.0002 | 3 | 500 |" in text and "| 500 / 500 / 500 |" in text
     assert "| 48 (2000) | — | — | — | — |" in text  # no long record yet
-    long = [s for s in study.batch_plan([0], best={(12, "AdamW"): 2e-3, (12, "Lion"): 2e-4}) if s.steps == 2000
+    long = [s for s in study_plan.batch_plan([0], best={(12, "AdamW"): 2e-3, (12, "Lion"): 2e-4}) if s.steps == 2000
             and s.batch == 12]
     records += [_fake_record(s, {"AdamW": 1.8, "Lion": 1.85}[s.label.split()[1]]) for s in long]
     rows = {r["label"]: r for r in study_report.summarize(records)["batch"]}
