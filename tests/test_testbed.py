@@ -119,7 +119,9 @@ _GLOO = textwrap.dedent("""
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     x = torch.full((1 << 18,), float(dist.get_rank() + 1))
     dist.all_reduce(x)
-    print(int(x.min()), int(x.max()))
+    print(int(x.min()), int(x.max()), flush=True)
+    dist.barrier()  # neither rank exits while the other still talks to it
+    dist.destroy_process_group()  # exiting with a live gloo group once aborted a worker in its destructor
 """)
 
 
@@ -201,7 +203,9 @@ _NODES = textwrap.dedent("""
     x = torch.full((1 << 20,), float(rank + 1))  # 4 MiB
     dist.all_reduce(x, group=intra if sys.argv[1] == "intra" else inter)
     dist.barrier()
-    print(os.environ["LOCAL_RANK"], os.environ["GROUP_RANK"], local, int(x[0]))
+    print(os.environ["LOCAL_RANK"], os.environ["GROUP_RANK"], local, int(x[0]), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
 """)
 
 
