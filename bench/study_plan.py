@@ -5,8 +5,8 @@ Parts (docs/design.md §2, §4, §5; the paper's Table 2 / Figs. 4, 5, 9, 10, 14
 0. ``recipe`` — the shape of nanoGPT's CPU recipe for Shakespeare (``RECIPE``: 4 layers, 4 heads,
    width 128, block 64, 4 workers x 3 sequences, 2000 steps, warm-up 100, cosine to 0.1 of the
    peak): AdamW at nanoGPT's settings (lr 1e-3, wd 0.1) as the reference row; Lion on a grid of
-   (lr, wd) with lr·wd = 1e-4 (``LION_GRID``; the edges on seed 0 only); Lion Cub 1-bit, 4-bit
-   binary and 8-bit L1 lanes at Lion's best. Written to its own JSONL (``--out``).
+   (lr, wd) with lr·wd = 1e-4 and of wd alone at the best lr (``LION_GRID``; all but the best on the
+   first seed only); Lion Cub 1-bit, 4-bit binary and 8-bit L1 lanes at Lion's best. Written to its own JSONL (``--out``).
 0b. ``batch`` — the recipe's token budget (~1.5M tokens) at global batches of 12, 48 and 192
    sequences (``BATCH_POINTS``: 2000 / 500 / 125 steps, warm-up 5% of them): AdamW, Lion, Lion
    Cub 1-bit and 4-bit binary, each on its own 3-point lr grid around a centre that grows as the
@@ -82,7 +82,8 @@ _LATER_FIELDS = dict(optimizer="lion", layers=2, heads=4, embd=32, block=BLOCK, 
 # nanoGPT's CPU recipe for Shakespeare: gpt-mini's shape, a global batch of 12 sequences of 64 tokens
 RECIPE = dict(layers=4, heads=4, embd=128, block=64, batch=3, warmup=100, steps=2000)
 ADAMW = dict(optimizer="adamw", lr=1e-3, weight_decay=0.1)
-LION_GRID = ((1e-4, 1.0), (3e-5, 3.0), (3e-4, 0.3))  # (lr, wd), the best first; lr·wd = 1e-4
+# Lion (lr, wd), the best first: lr·wd = 1e-4 along the first three, then the decay alone at the best lr
+LION_GRID = ((1e-4, 1.0), (3e-5, 3.0), (3e-4, 0.3), (1e-4, 0.3), (1e-4, 3.0))
 
 
 def recipe_plan(seeds, steps: int = RECIPE["steps"]) -> list[Spec]:
@@ -93,7 +94,7 @@ def recipe_plan(seeds, steps: int = RECIPE["steps"]) -> list[Spec]:
     lion = dict(shape, lr=best_lr, weight_decay=best_wd)
     for seed in seeds:
         out.append(Spec("recipe", "AdamW (nanoGPT)", seed=seed, **dict(shape, **ADAMW)))
-        for lr, wd in LION_GRID[: 3 if seed == seeds[0] else 1]:
+        for lr, wd in LION_GRID if seed == seeds[0] else LION_GRID[:1]:
             out.append(Spec("recipe", f"Lion lr={lr:g} wd={wd:g}", seed=seed, **dict(shape, lr=lr, weight_decay=wd)))
         out.append(Spec("recipe", "1-bit (onebit)", vote="onebit", seed=seed, **lion))
         out.append(Spec("recipe", "4-bit binary (pbit)", vote="pbit", bits=4, seed=seed, **lion))

@@ -118,10 +118,13 @@ def _adamw_step(rank, world):
 def test_recipe_part_applies_its_shape_schedule_and_optimizers():
     """Fails if the recipe's shape, weight decay, warm-up or AdamW reference are not applied."""
     specs = study_plan.recipe_plan([0, 1])
-    assert [s.label for s in specs][:7] == ["AdamW (nanoGPT)", "Lion lr=0.0001 wd=1", "Lion lr=3e-05 wd=3",
-                                            "Lion lr=0.0003 wd=0.3", "1-bit (onebit)", "4-bit binary (pbit)",
-                                            "8-bit L1 (pbit)"]
-    assert len(specs) == 7 + 5  # the grid's edges on the first seed only
+    assert [s.label for s in specs][:9] == ["AdamW (nanoGPT)", "Lion lr=0.0001 wd=1", "Lion lr=3e-05 wd=3",
+                                            "Lion lr=0.0003 wd=0.3", "Lion lr=0.0001 wd=0.3", "Lion lr=0.0001 wd=3",
+                                            "1-bit (onebit)", "4-bit binary (pbit)", "8-bit L1 (pbit)"]
+    assert len(specs) == 9 + 5  # the grid's edges on the first seed only
+    assert [(s.lr, s.weight_decay) for s in specs[1:6]] == [(1e-4, 1.0), (3e-5, 3.0), (3e-4, 0.3), (1e-4, 0.3),
+                                                          (1e-4, 3.0)]
+    assert [s.label for s in specs[9:]][:2] == ["AdamW (nanoGPT)", "Lion lr=0.0001 wd=1"]
     assert all((s.layers, s.heads, s.embd, s.block, s.batch, s.steps, s.warmup) == (4, 4, 128, 64, 3, 2000, 100)
                for s in specs)
     from lioncub.harness.models import build_gpt
@@ -143,6 +146,8 @@ _RECIPE_FINAL = {
     "Lion lr=0.0001 wd=1": {0: 2.10, 1: 2.12, 2: 2.14},  # the reference: mean 2.12, std 0.02
     "Lion lr=3e-05 wd=3": {0: 2.50},  # the grid's edges: seed 0 only
     "Lion lr=0.0003 wd=0.3": {0: 2.30},
+    "Lion lr=0.0001 wd=0.3": {0: 2.40},  # the decay alone at the best lr: seed 0 only
+    "Lion lr=0.0001 wd=3": {0: 2.60},
     "1-bit (onebit)": {0: 2.20, 1: 2.22, 2: 2.24},  # +0.10 vs Lion: beyond noise (2σ = 0.0327)
     "4-bit binary (pbit)": {0: 2.13, 1: 2.17},  # two seeds: +0.03, std 0.0283 -> 2σ = 0.0462: within
     "8-bit L1 (pbit)": {0: 2.11, 1: 2.13, 2: 2.15},  # +0.01: within noise
@@ -228,6 +233,8 @@ def test_report_recipe_rows_means_deltas_and_verdicts(tmp_path):
     assert ("| Lion lr=0.0001 wd=1 | 3 | 400 | 2.1200 ± 0.0200 | 0 (reference) | — | +0.2200 (2σ 0.1178) "
             "| beyond noise |") in text
     assert "| Lion lr=3e-05 wd=3 | 1 | 400 | 2.5000 ± n/a | +0.3800 | n/a (one seed) |" in text
+    assert "| Lion lr=0.0001 wd=0.3 | 1 | 400 | 2.4000 ± n/a | +0.2800 | n/a (one seed) |" in text
+    assert "not the planned best" not in text
     assert "| 8-bit L1 (pbit) | 3 | 400 | 2.1300 ± 0.0200 | +0.0100 (2σ 0.0327) | within noise |" in text
     assert "2·sqrt(sd_a²/n_a + sd_b²/n_b)" in text
     paths = study_report.plot(summary, str(tmp_path / "fig"))
