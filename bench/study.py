@@ -148,8 +148,10 @@ def _lr_scale(step: int, steps: int, warmup: int = 10, floor: float = 0.1) -> fl
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def train_one(spec: Spec, cache_dir: str, eval_every: int) -> dict:
-    """Train ``spec`` on this rank (inside the process group); every rank returns the same record."""
+def train_one(spec: Spec, cache_dir: str, eval_every: int, probe=None) -> dict:
+    """Train ``spec`` on this rank (inside the process group); every rank returns the same record.
+    ``probe(step, opt)``, if given, runs on every rank after ``backward()`` and before ``opt.step()``
+    (an instrument; it must not touch the model, the optimizer or the global RNG)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(spec.seed)
     loader, val, info = _data(spec, rank, world, cache_dir)
@@ -166,6 +168,8 @@ def train_one(spec: Spec, cache_dir: str, eval_every: int) -> dict:
         x, y = loader.next_batch()
         loss, _ = _loss(model, x, y, is_gpt)
         loss.backward()
+        if probe is not None:
+            probe(step, opt)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
