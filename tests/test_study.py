@@ -118,13 +118,14 @@ def _adamw_step(rank, world):
 def test_recipe_part_applies_its_shape_schedule_and_optimizers():
     """Fails if the recipe's shape, weight decay, warm-up or AdamW reference are not applied."""
     specs = study_plan.recipe_plan([0, 1])
-    assert [s.label for s in specs][:9] == ["AdamW (nanoGPT)", "Lion lr=0.0001 wd=1", "Lion lr=3e-05 wd=3",
+    assert [s.label for s in specs][:10] == ["AdamW (nanoGPT)", "Lion lr=0.0001 wd=1", "Lion lr=3e-05 wd=3",
                                             "Lion lr=0.0003 wd=0.3", "Lion lr=0.0001 wd=0.3", "Lion lr=0.0001 wd=3",
-                                            "1-bit (onebit)", "4-bit binary (pbit)", "8-bit L1 (pbit)"]
-    assert len(specs) == 9 + 5  # the grid's edges on the first seed only
-    assert [(s.lr, s.weight_decay) for s in specs[1:6]] == [(1e-4, 1.0), (3e-5, 3.0), (3e-4, 0.3), (1e-4, 0.3),
-                                                          (1e-4, 3.0)]
-    assert [s.label for s in specs[9:]][:2] == ["AdamW (nanoGPT)", "Lion lr=0.0001 wd=1"]
+                                            "Lion lr=0.0001 wd=0.1", "1-bit (onebit)", "4-bit binary (pbit)",
+                                            "8-bit L1 (pbit)"]
+    assert len(specs) == 10 + 5  # the grid's edges on the first seed only
+    assert [(s.lr, s.weight_decay) for s in specs[1:7]] == [(1e-4, 1.0), (3e-5, 3.0), (3e-4, 0.3), (1e-4, 0.3),
+                                                          (1e-4, 3.0), (1e-4, 0.1)]
+    assert [s.label for s in specs[10:]][:2] == ["AdamW (nanoGPT)", "Lion lr=0.0001 wd=1"]
     assert all((s.layers, s.heads, s.embd, s.block, s.batch, s.steps, s.warmup) == (4, 4, 128, 64, 3, 2000, 100)
                for s in specs)
     from lioncub.harness.models import build_gpt
@@ -148,6 +149,7 @@ _RECIPE_FINAL = {
     "Lion lr=0.0003 wd=0.3": {0: 2.30},
     "Lion lr=0.0001 wd=0.3": {0: 2.40},  # the decay alone at the best lr: seed 0 only
     "Lion lr=0.0001 wd=3": {0: 2.60},
+    "Lion lr=0.0001 wd=0.1": {0: 2.70},
     "1-bit (onebit)": {0: 2.20, 1: 2.22, 2: 2.24},  # +0.10 vs Lion: beyond noise (2σ = 0.0327)
     "4-bit binary (pbit)": {0: 2.13, 1: 2.17},  # two seeds: +0.03, std 0.0283 -> 2σ = 0.0462: within
     "8-bit L1 (pbit)": {0: 2.11, 1: 2.13, 2: 2.15},  # +0.01: within noise
