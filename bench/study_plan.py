@@ -129,7 +129,7 @@ def batch_lrs(opt: str, per_worker: int) -> tuple[float, ...]:
 # Grid points added on the first seed because its best sat on an edge of ``batch_lrs``:
 # {(sequences per worker, optimizer): (lr, ...)}.
 BATCH_EXTEND: dict[tuple[int, str], tuple[float, ...]] = {
-    (3, "AdamW"): (4e-3,),  # 2e-3 best of 5e-4 / 1e-3 / 2e-3 at 12 sequences (nanoGPT's 1e-3 is not AdamW's best)
+    (3, "AdamW"): (4e-3, 8e-3),  # 2e-3 best of 5e-4 / 1e-3 / 2e-3 at 12 sequences (not nanoGPT's 1e-3); then 4e-3
     (48, "AdamW"): (1e-3,),  # 2e-3 best of 2e-3 / 4e-3 / 8e-3 at 192 sequences
     (48, "4-bit"): (1.6e-3,),  # 8e-4 best of 2e-4 / 4e-4 / 8e-4
     (12, "Lion"): (8e-4,),  # 4e-4 best of 1e-4 / 2e-4 / 4e-4 at 48 sequences

@@ -295,7 +295,7 @@ def test_batch_plan_holds_the_token_budget_and_grows_the_lr():
     by = {(s.batch, s.label.split()[1]): [] for s in specs}
     for s in specs:
         by[(s.batch, s.label.split()[1])].append(s)
-    assert [s.lr for s in by[(3, "AdamW")]] == [5e-4, 1e-3, 2e-3, 4e-3]  # extended above its edge
+    assert [s.lr for s in by[(3, "AdamW")]] == [5e-4, 1e-3, 2e-3, 4e-3, 8e-3]  # extended above its edge
     assert [s.lr for s in by[(48, "Lion")]] == [2e-4, 4e-4, 8e-4, 1.6e-3, 3.2e-3]  # 4x the batch-12 centre, extended
     assert [s.lr for s in by[(48, "AdamW")]] == [1e-3, 2e-3, 4e-3, 8e-3]  # extended below its edge
     assert [s.lr for s in by[(48, "4-bit")]] == [2e-4, 4e-4, 8e-4, 1.6e-3]  # and above
