@@ -45,6 +45,7 @@ def test_hf_trainer_example_learns(tmp_path):
     _falls(_run(_torchrun("hf_trainer_lioncub.py"), tmp_path), 0.3)
 
 
+@pytest.mark.slow  # ~23 s of Lightning start-up
 def test_lightning_example_sends_the_vote_and_learns(tmp_path):
     """Lightning's DDP strategy with Lion Cub's comm hook: 4-bit lanes instead of fp32 gradients."""
     pytest.importorskip("lightning")

@@ -85,7 +85,8 @@ def test_default_comparison_writes_wellformed_outputs(tmp_path):
 
 @pytest.mark.parametrize("model_args", [
     ["--vote", "onebit", *TINY],
-    ["--vote", "pbit", "--model", "resnet18", "--width", "8", "--batch-size", "8", "--no-progress"],
+    pytest.param(["--vote", "pbit", "--model", "resnet18", "--width", "8", "--batch-size", "8", "--no-progress"],
+                 marks=pytest.mark.slow),  # ~20 s; the GPT case runs the same resume path
 ], ids=["gpt-onebit", "resnet-bn"])
 def test_resume_reproduces_uninterrupted_run_bit_for_bit(tmp_path, model_args):
     common = [*model_args, "--steps", "6", "--eval-every", "3", "--cache-dir", str(tmp_path / "cache")]
@@ -129,6 +130,7 @@ def _resumed_from(full, step: int, resumed, common) -> list:
     return _losses(read_jsonl(resumed / "metrics.jsonl"))
 
 
+@pytest.mark.slow  # ~20 s; tests/test_local_steps.py resumes LocalCub bit for bit in-process
 def test_local_steps_train_and_resume_mid_round_bit_for_bit(tmp_path):
     """--local-steps 2: bytes travel only at the end of a round; a run resumed from a checkpoint
     taken inside a round (step 3) reproduces the uninterrupted one exactly (residuals, θ_start,
@@ -169,6 +171,7 @@ sys.exit(cli.main(sys.argv[2:]))
 """
 
 
+@pytest.mark.slow  # ~17 s of torchrun restarts; tests/test_checkpoint_trust.py covers --auto-resume
 def test_elastic_restart_auto_resumes_from_latest_checkpoint(tmp_path):
     """torchrun --max-restarts=1 + --auto-resume: the restarted job continues from ckpt/latest."""
     out, log = tmp_path / "run", tmp_path / "attempts.txt"
@@ -228,6 +231,7 @@ def test_cli_env_reports_versions_backends_and_the_fused_loops(capsys):
     assert rows["fused CPU loops"] == fused.status()
 
 
+@pytest.mark.slow  # ~35 s; tests/test_hierarchy.py checks NodeCub's step on 4 ranks
 def test_nodes_train_and_resume_bit_for_bit(tmp_path):
     """--nodes 2 on 4 workers (NodeCub, sharded): replicas checked every step, each rank's
     momentum shard is checkpointed, and a resumed run reproduces the uninterrupted one exactly."""

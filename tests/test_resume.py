@@ -133,6 +133,7 @@ def _resume_on_two(rank, world, model_state, new_states, old_rank0_state, expect
     return refused, momenta_ok, opt.steps, start, end, all(torch.equal(e, flat) for e in everyone)
 
 
+@pytest.mark.slow  # ~20 s (two spawned groups)
 def test_resume_from_four_ranks_on_two_trains_on():
     old = run_workers(_train_on_four, 4)
     states = [sd for _, sd in old]
@@ -177,6 +178,7 @@ def _resume_pbit_on_four(rank, world, model_state, new_states):
             all(torch.equal(e, flat) for e in everyone))
 
 
+@pytest.mark.slow  # ~19 s (two spawned groups)
 def test_pbit_lanes_are_chosen_again_when_resuming_on_more_ranks():
     """2-bit lanes hold a 2-rank vote but overflow with 4 ranks: the resumed run picks 4-bit
     lanes (bits=None is what the checkpoint stores), sends their bytes, and stays in sync."""

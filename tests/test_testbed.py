@@ -219,6 +219,7 @@ def test_nodes_must_divide_workers():
         ("1", "2", "1", "veth1")
 
 
+@pytest.mark.slow  # ~14 s; the two-namespace test above covers shaping and teardown
 @needs_root
 def test_live_two_nodes_of_two_ranks_keep_in_node_traffic_off_the_link():
     payload = 4 << 20
