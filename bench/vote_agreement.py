@@ -54,9 +54,8 @@ def agreement(cs: list[torch.Tensor], step: int) -> dict:
     exact, mass = torch.sign(total), total.abs()
     whole = float(mass.sum()) or 1.0
     out = {"ties": tie_rate(cs)}
-    for name, kw in PROBE_VOTES.items():
-        gens = [torch.Generator().manual_seed(i) for i in range(len(cs))]
-        u = torch.sign(reference_vote(cs, step=step, generators=gens, **kw).double())
+    for name, kw in PROBE_VOTES.items():  # deterministic quantizers: no generators needed
+        u = reference_vote(cs, step=step, **kw).double()  # -1 / 0 / +1
         flip, zero = u * exact < 0, (u == 0) & (exact != 0)
         out[name] = {"flip": float(flip.double().mean()), "zero": float(zero.double().mean()),
                      "flip_mass": float(mass[flip].sum()) / whole, "zero_mass": float(mass[zero].sum()) / whole}

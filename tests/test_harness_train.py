@@ -86,7 +86,7 @@ def test_default_comparison_writes_wellformed_outputs(tmp_path):
 @pytest.mark.parametrize("model_args", [
     ["--vote", "onebit", *TINY],
     pytest.param(["--vote", "pbit", "--model", "resnet18", "--width", "8", "--batch-size", "8", "--no-progress"],
-                 marks=pytest.mark.slow),  # ~20 s; the GPT case runs the same resume path
+                 marks=pytest.mark.slow),  # ~20 s; the GPT case runs the same resume path (BN buffers: here only)
 ], ids=["gpt-onebit", "resnet-bn"])
 def test_resume_reproduces_uninterrupted_run_bit_for_bit(tmp_path, model_args):
     common = [*model_args, "--steps", "6", "--eval-every", "3", "--cache-dir", str(tmp_path / "cache")]

@@ -237,6 +237,10 @@ def test_report_recipe_rows_means_deltas_and_verdicts(tmp_path):
     assert "| Lion lr=3e-05 wd=3 | 1 | 400 | 2.5000 ± n/a | +0.3800 | n/a (one seed) |" in text
     assert "| Lion lr=0.0001 wd=0.3 | 1 | 400 | 2.4000 ± n/a | +0.2800 | n/a (one seed) |" in text
     assert "not the planned best" not in text
+    # a grid point with a lower mean than the planned best is named under the table
+    better = [dict(r, final={"val_loss": 2.0}) if r["label"] == "Lion lr=0.0001 wd=0.1" else r for r in records]
+    note = study_report.markdown(study_report.summarize(better))
+    assert "lowest mean is Lion lr=0.0001 wd=0.1 (2.0000 ± n/a, 1 seeds), not the planned best" in note
     assert "| 8-bit L1 (pbit) | 3 | 400 | 2.1300 ± 0.0200 | +0.0100 (2σ 0.0327) | within noise |" in text
     assert "2·sqrt(sd_a²/n_a + sd_b²/n_b)" in text
     paths = study_report.plot(summary, str(tmp_path / "fig"))
