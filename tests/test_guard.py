@@ -36,7 +36,7 @@ def test_grads_finite_matches_isfinite_at_every_position(dtype):
             for bad in (math.nan, math.inf, -math.inf):
                 p.grad = torch.randn(n).to(dtype)
                 p.grad[pos] = bad
-                assert grads_finite([q, p]) is False, (n, pos, bad)
+                assert not bool(grads_finite([q, p])), (n, pos, bad)
 
 
 # ----------------------------------------------------------------------------- validation, one process

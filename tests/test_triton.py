@@ -4,6 +4,7 @@ By default on CPU tensors, run by Triton's interpreter (TRITON_INTERPRET=1; smal
 the interpreter is slow). With ``LIONCUB_TEST_DEVICE=cuda`` (what ``make gpu-check`` does)
 the same tests run the compiled kernels on CUDA copies of the inputs against the same CPU
 references: the GPU must give the CPU path's bits."""
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -19,8 +20,10 @@ if DEVICE == "cpu":
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
 
 from lioncub import fused, kernels  # noqa: E402
 from lioncub.lion import apply_update_, interpolate  # noqa: E402
@@ -57,6 +60,15 @@ def _same(got, want) -> bool:
                                            b.view(torch.int32) if b.dtype == torch.float32 else b)
         for a, b in zip(got, want))
 
+
+def _flag(finite, out) -> bool:
+    """The kernels' finite report: a 0-dim bool tensor on ``out``'s device (never read back by
+    the kernels); here read as a bool."""
+    assert isinstance(finite, torch.Tensor) and finite.dim() == 0 and finite.dtype == torch.bool, finite
+    assert finite.device == out.device, (finite.device, out.device)
+    return bool(finite)
+
+
 ROOT = Path(__file__).resolve().parents[1]
 # odd sizes; bytes shared by two tensors at every lane width; an empty tensor; > one program (1024)
 SIZES = [[1], [3, 21, 0, 5, 17], [1001, 2, 1030]]
@@ -77,13 +89,14 @@ def test_encode_equals_interpolate_sign_bits_pack(sizes):
             for bits in (1, 2, 4, 8):
                 want = kernels.pack_bytes(kernels.sign_bits(c, step), n, bits)
                 got = _d(torch.full((-(-n * bits // 8),), 0xAA, dtype=torch.uint8))
-                assert tk.encode(_d(ms), _d(gs), beta1, maximize, got, bits=bits, step=step) is True
+                assert _flag(tk.encode(_d(ms), _d(gs), beta1, maximize, got, bits=bits, step=step), got) is True
                 assert _same(got, want), (beta1, maximize, step, bits)
         got = _d(torch.full((n,), 7, dtype=torch.uint8))
-        assert tk.encode(_d(ms), _d(gs), beta1, maximize, got, bits=8, step=0, signs=True) is True
+        assert _flag(tk.encode(_d(ms), _d(gs), beta1, maximize, got, bits=8, step=0, signs=True), got) is True
         assert _same(got.view(torch.int8), torch.sign(c).to(torch.int8))
         values = _d(torch.full((n,), float("nan")))
-        assert tk.interpolate(_d(ms), _d(gs), [beta1] * len(sizes), [maximize] * len(sizes), values) is True
+        assert _flag(tk.interpolate(_d(ms), _d(gs), [beta1] * len(sizes), [maximize] * len(sizes), values),
+                     values) is True
         assert _same(values, c)  # bit for bit, -0.0 too
     betas, maxi = [0.9, 0.5, 0.99, 0.0, 0.7][:len(sizes)], [False, True, False, True, True][:len(sizes)]
     c = torch.cat([interpolate([m], [g], b, maximize=x)[0] for m, g, b, x in zip(ms, gs, betas, maxi)])
@@ -106,12 +119,165 @@ def test_encode_reports_nonfinite_gradients():
         c = _flat_c(ms, g2, 0.9, False)
         for bits, signs in ((1, False), (4, False), (8, True)):
             out = _d(torch.empty(n if signs else -(-n * bits // 8), dtype=torch.uint8))
-            assert tk.encode(_d(ms), _d(gs), 0.9, False, out, bits=bits, step=0, signs=signs) is True
-            assert tk.encode(_d(ms), _d(g2), 0.9, False, out, bits=bits, step=1, signs=signs) is False, (t, i, bits)
+            assert _flag(tk.encode(_d(ms), _d(gs), 0.9, False, out, bits=bits, step=0, signs=signs), out) is True
+            assert _flag(tk.encode(_d(ms), _d(g2), 0.9, False, out, bits=bits, step=1, signs=signs), out) is False, \
+                (t, i, bits)
             want = torch.sign(c).to(torch.int8).view(torch.uint8) if signs else \
                 kernels.pack_bytes(kernels.sign_bits(c, 1), n, bits)
             assert _same(out, want)
-        assert tk.interpolate(_d(ms), _d(g2), 0.9, False, _d(torch.empty(n))) is False
+        values = _d(torch.empty(n))
+        assert _flag(tk.interpolate(_d(ms), _d(g2), 0.9, False, values), values) is False
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts ``aten._local_scalar_dense``: the op behind ``.item()`` / ``bool()`` / ``int()`` of
+    a tensor, i.e. every read of a tensor's value back to the host (a sync on CUDA)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_finite_flag_is_a_device_tensor_read_without_a_host_sync(monkeypatch):
+    """encode (lanes, signs) and interpolate, straight and through fused's switch, return a 0-dim
+    bool tensor on the output's device (True: all finite; False for a NaN / +Inf gradient)
+    without reading anything back to the host: no ``_local_scalar_dense`` while they run."""
+    real = fused._gpu
+    monkeypatch.setattr(fused, "_gpu", lambda t: tk if DEVICE == "cpu" else real(t))
+    sizes = [3, 21, 0, 5]
+    n = sum(sizes)
+    ms, gs = _tensors(sizes, seed=4)
+    nan, inf = [x.clone() for x in gs], [x.clone() for x in gs]
+    nan[1][7], inf[3][4] = float("nan"), float("inf")
+    lanes, signs, values = (_d(torch.empty(-(-n * 4 // 8), dtype=torch.uint8)),
+                            _d(torch.empty(n, dtype=torch.uint8)), _d(torch.empty(n)))
+    calls = [(lambda g: tk.encode(_d(ms), _d(g), 0.9, False, lanes, bits=4, step=0), lanes),
+             (lambda g: tk.encode(_d(ms), _d(g), 0.9, True, signs, bits=8, step=1, signs=True), signs),
+             (lambda g: tk.interpolate(_d(ms), _d(g), 0.9, False, values), values),
+             (lambda g: fused.encode(_d(ms), _d(g), 0.9, False, lanes, bits=4, step=1), lanes),
+             (lambda g: fused.interpolate(_d(ms), _d(g), 0.9, False, values), values)]
+    with _HostReads() as mode:
+        flags = [(call(g), out, want) for call, out in calls for g, want in ((gs, True), (nan, False), (inf, False))]
+    assert mode.reads == 0
+    assert [_flag(flag, out) for flag, out, _ in flags] == [want for _, _, want in flags]
+    empty = _d(torch.empty(0, dtype=torch.uint8))  # no element: nothing launched, still a device flag
+    assert _flag(tk.encode([_d(torch.zeros(0))], [_d(torch.zeros(0))], 0.9, False, empty, bits=1, step=0),
+                 empty) is True
+    with _HostReads() as mode:  # the counter does see a read
+        flags[0][0].item()
+    assert mode.reads == 1
+
+
+# The offset helpers every kernel takes its indices from, run for a program id (an int32
+# argument standing in for tl.program_id: the interpreter cannot run 2^21 programs) and a start
+# past 2^31, as the kernels compute them: int32 arithmetic would wrap there.
+_block_offsets, _lane_indices, _stream_indices = tk._block_offsets, tk._lane_indices, tk._stream_indices
+
+
+@triton.jit(do_not_specialize=["pid", "start", "n"])
+def _offsets_probe_kernel(block_ptr, byte_ptr, lane_ptr, ends_ptr, i_ptr, j_ptr, pid, start, n,
+                          PER: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.arange(0, BLOCK)
+    tl.store(block_ptr + r, _block_offsets(pid, BLOCK))
+    byte, lanes, first, last = _lane_indices(pid, start, n, PER, BLOCK)
+    tl.store(byte_ptr + r, byte)
+    tl.store(lane_ptr + r[:, None] * PER + tl.arange(0, PER)[None, :], lanes)
+    tl.store(ends_ptr, first)
+    tl.store(ends_ptr + 1, last)
+    i, j = _stream_indices(pid, start, BLOCK)
+    tl.store(i_ptr + r, i)
+    tl.store(j_ptr + r, j)
+
+
+def test_offsets_are_int64_past_2_31():
+    """pid·BLOCK, start + i, start // PER, (start + n − 1) // PER and the lanes' element index
+    i = byte·PER + lane − start: exact for program ids whose pid·BLOCK passes 2^31 (up to the
+    largest grid, 2^31 − 1 programs) and starts past 2^31 / 2^32."""
+    B = tk._BLOCK
+    assert (2 ** 21) * B == 2 ** 31  # the first program id past int32 at this block size
+    r = torch.arange(B, dtype=torch.int64)
+    # (pid, start, n). Not start and n both in [2^31, 2^32): the interpreter holds such an
+    # argument as uint32 (typed i64), and two of them add in uint32; compiled, both are i64.
+    cases = [(0, 0, 10), (3, 5, 1030), (2 ** 21 - 1, 2 ** 31 - 3, 10), (1, 2 ** 31 - 1, 2 ** 31 - 1),
+             (2 ** 21, 2 ** 31 + 5, 2 ** 33), (2 ** 21 + 7, 2 ** 32 + 7, 2 ** 31 + 3), (2 ** 31 - 1, 3 * 2 ** 33 + 1, 5)]
+    for pid, start, n in cases:
+        for per in (1, 2, 4, 8):
+            got = [_d(torch.full((B,), -1, dtype=torch.int64)) for _ in range(2)]
+            lanes, ends = _d(torch.full((B, per), -1, dtype=torch.int64)), _d(torch.full((2,), -1, dtype=torch.int64))
+            i, j = _d(torch.full((B,), -1, dtype=torch.int64)), _d(torch.full((B,), -1, dtype=torch.int64))
+            _offsets_probe_kernel[(1,)](got[0], got[1], lanes, ends, i, j, pid, start, n, PER=per, BLOCK=B)
+            first, last = start // per, (start + n - 1) // per
+            byte = first + pid * B + r
+            assert torch.equal(got[0].cpu(), pid * B + r), (pid, start, per)
+            assert torch.equal(got[1].cpu(), byte), (pid, start, per)
+            assert torch.equal(lanes.cpu(), byte[:, None] * per + torch.arange(per)[None, :] - start), (pid, start, per)
+            assert ends.cpu().tolist() == [first, last], (pid, start, n, per)
+            assert torch.equal(i.cpu(), pid * B + r) and torch.equal(j.cpu(), start + pid * B + r), (pid, start)
+
+
+_KERNELS = ("_encode_lanes_kernel", "_encode_values_kernel", "_quantize_lanes_kernel", "_apply_kernel")
+
+
+def test_every_launch_runs_under_its_tensors_device(monkeypatch):
+    """Each kernel launch happens inside ``torch.cuda.device(<the tensors' device>)`` for CUDA
+    tensors (Triton launches on the current device) and, for CPU tensors (the interpreter),
+    without touching ``torch.cuda.device`` at all."""
+    guard = tk._device_guard(torch.device("cuda", 1))  # built, not entered: no CUDA needed
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1
+    assert isinstance(tk._device_guard(torch.device("cpu")), contextlib.nullcontext)
+    cuda_device, active, launches = torch.cuda.device, [], []
+
+    class Recorder:
+        def __init__(self, device):
+            self.inner, self.device = cuda_device(device), torch.device(device)
+
+        def __enter__(self):
+            self.inner.__enter__()
+            active.append(self.device)
+
+        def __exit__(self, *exc):
+            active.pop()
+            return self.inner.__exit__(*exc)
+
+    class Kernel:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                devices = {a.device for a in args if isinstance(a, torch.Tensor)}
+                launches.append((self.name, list(active), devices))
+                return self.kernel[grid](*args, **meta)
+            return launch
+
+    monkeypatch.setattr(torch.cuda, "device", Recorder)
+    for name in _KERNELS:
+        monkeypatch.setattr(tk, name, Kernel(name, getattr(tk, name)))
+    sizes = [5, 0, 11]
+    n = sum(sizes)
+    ms, gs = _tensors(sizes, seed=7)
+    ps, ms2, gs2 = _apply_case(sizes, seed=8)
+    hp = dict(lr=1e-3, beta2=0.99, weight_decay=0.1)
+    tk.encode(_d(ms), _d(gs), 0.9, False, _d(torch.empty(-(-n // 8), dtype=torch.uint8)), bits=1, step=0)
+    tk.encode(_d(ms), _d(gs), 0.9, False, _d(torch.empty(n, dtype=torch.uint8)), bits=8, step=0, signs=True)
+    values = _d(torch.empty(n))
+    tk.interpolate(_d(ms), _d(gs), 0.9, False, values)
+    tk.quantize_lanes(values, 3.0, 7, 4, _d(torch.empty(-(-n * 4 // 8), dtype=torch.uint8)))
+    ps, ms2, gs2 = _d(ps), _d(ms2), _d(gs2)
+    tk.apply(ps, ms2, gs2, _d(torch.ones(n, dtype=torch.int8)), **hp)
+    tk.apply_bits(ps, ms2, gs2, _d(torch.zeros(-(-n // 8), dtype=torch.uint8)), None, **hp)
+    tk.apply_lanes(ps, ms2, gs2, _d(torch.zeros(-(-n * 4 // 8), dtype=torch.uint8)), 4, 7, 7, **hp)
+    assert {name for name, _, _ in launches} == set(_KERNELS)
+    assert len(launches) == 6 * 2 + 1  # one per non-empty tensor and call; quantize_lanes: one for c
+    device = torch.device(DEVICE) if DEVICE == "cpu" else ps[0].device
+    for name, entered, devices in launches:
+        assert devices == {device}, (name, devices)
+        assert entered == ([device] if device.type == "cuda" else []), (name, entered)
 
 
 @pytest.mark.parametrize("n", [1, 13, 1031])
@@ -215,10 +381,10 @@ def test_fused_switch_sends_cuda_tensors_to_the_kernels(monkeypatch):
     if DEVICE != "cpu":
         assert fused.usable(_d(ms), _d(gs)) and not fused.usable(_d(ms), gs)
     out = _d(torch.empty(-(-n * 4 // 8), dtype=torch.uint8))
-    assert fused.encode(_d(ms), _d(gs), [0.9, 0.9], [False, False], out, bits=4, step=1) is True
+    assert _flag(fused.encode(_d(ms), _d(gs), [0.9, 0.9], [False, False], out, bits=4, step=1), out) is True
     assert _same(out, kernels.pack_bytes(kernels.sign_bits(c, 1), n, 4))
     values = _d(torch.empty(n))
-    assert fused.interpolate(_d(ms), _d(gs), 0.9, False, values) and _same(values, c)
+    assert _flag(fused.interpolate(_d(ms), _d(gs), 0.9, False, values), values) and _same(values, c)
     fused.quantize_lanes(values, 10.0, 7, 4, out)
     lanes = kernels.pack_bytes(torch.round(c * 10.0).clamp_(-7, 7).to(torch.uint8) + 7, n, 4)
     assert _same(out, lanes)

@@ -110,21 +110,24 @@ def choose_vote(bucket_sizes: Sequence[int], world_size: int, alpha: float, beta
 
 
 def agree_on_vote(bucket_sizes: Sequence[int], world_size: int, group, alpha, beta, *,
-                  gamma: Mapping | None = None) -> tuple[str, int | None, tuple[float, float]]:
+                  gamma: Mapping | None = None, device=None) -> tuple[str, int | None, tuple[float, float]]:
     """:func:`choose_vote` on every rank, with (α, β) measured by :func:`lioncub.cost.calibrate`
     when both are None; rank 0's pick is broadcast, so every rank runs the same method even
-    if their inputs differ. Returns ``(method, bits, (alpha, beta))``. Collective."""
+    if their inputs differ. ``device``: the optimizer's communication device (the probe's
+    and the broadcast's tensors live there; default CPU). Returns ``(method, bits, (alpha,
+    beta))``. Collective; set-up only (one host read)."""
     import torch
-    import torch.distributed as dist
 
+    from . import comm
     from .cost import calibrate
 
+    device = torch.device("cpu") if device is None else torch.device(device)
     if alpha is None:
-        alpha, beta = (0.0, 0.0) if world_size == 1 else calibrate(group)
+        alpha, beta = (0.0, 0.0) if world_size == 1 else calibrate(group, device=device)
     method, bits = choose_vote(bucket_sizes, world_size, alpha, beta, gamma=gamma)
     if world_size > 1:
-        pick = torch.tensor([AUTO_CANDIDATES.index(method)], dtype=torch.int64)
-        dist.broadcast(pick, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-        method = AUTO_CANDIDATES[int(pick)]
+        pick = torch.tensor([AUTO_CANDIDATES.index(method)], dtype=torch.int64).to(device)
+        comm.broadcast(pick, group)
+        method = AUTO_CANDIDATES[int(pick.item())]
         bits = _bits(method, world_size)
     return method, bits, (float(alpha), float(beta))

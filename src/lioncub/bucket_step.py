@@ -17,13 +17,12 @@ method's ``exchange`` and ``apply_bucket``, so all three paths give the same bit
 """
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from . import comm, fused
+from . import comm, fused, guard
 from .comm import CommStats
 from .lion import apply_update_, interpolate, lion
 from .votes import VoteMethod
@@ -155,16 +154,16 @@ class BucketStep:
         None when the torch ops did."""
         method = self.method
         if bucket.fused and method.one_pass:  # c never stored: one pass
-            t0 = time.perf_counter()
+            t0 = comm.clock(stats)
             finite = method.encode_fused(self.momenta(bucket), self.grads(bucket), bucket.beta1(),
                                          bucket.maximize(), dst, step)
-            stats.t_quantize_pack += time.perf_counter() - t0
+            stats.t_quantize_pack += comm.clock(stats) - t0
             return finite
         c, finite = self._c_checked(bucket, stats, key, "t_quantize_pack")  # quantizers: c first
-        t0 = time.perf_counter()
+        t0 = comm.clock(stats)
         work = self.buffer("abs", c.numel(), torch.float32, c.device) if bucket.fused else None
         method.encode(c, dst, step, self.generator, work=work, use_fused=bucket.fused)
-        stats.t_quantize_pack += time.perf_counter() - t0
+        stats.t_quantize_pack += comm.clock(stats) - t0
         return finite
 
     def apply_bucket(self, bucket: Bucket, voted: Tensor, offset: int, stats: CommStats,
@@ -174,15 +173,15 @@ class BucketStep:
         method, n = self.method, bucket.numel
         whole = keep is None or len(keep) == len(bucket.entries)
         if bucket.fused and whole:
-            t0 = time.perf_counter()
+            t0 = comm.clock(stats)
             part = voted[..., offset:offset + method.part_nbytes(n)]
             if method.apply_fused(bucket.params, self.momenta(bucket), self.grads(bucket), part, bucket.hyper()):
-                stats.t_apply += time.perf_counter() - t0  # u straight from the voted bytes
+                stats.t_apply += comm.clock(stats) - t0  # u straight from the voted bytes
                 return
-        t0 = time.perf_counter()
+        t0 = comm.clock(stats)
         u = method.decode(voted, offset, n, self.buffer("u8", n, torch.int8, bucket.device) if bucket.fused
                           else self.buffer("c", n, torch.float32, bucket.device))
-        stats.t_unpack_vote += time.perf_counter() - t0
+        stats.t_unpack_vote += comm.clock(stats) - t0
         if not whole:
             pieces = u.split(bucket.sizes)
             bucket = bucket.only(keep)
@@ -190,9 +189,9 @@ class BucketStep:
         if not bucket.entries:
             return
         if bucket.fused:
-            t0 = time.perf_counter()
+            t0 = comm.clock(stats)
             fused.apply(bucket.params, self.momenta(bucket), self.grads(bucket), u, **bucket.hyper())
-            stats.t_apply += time.perf_counter() - t0
+            stats.t_apply += comm.clock(stats) - t0
         else:
             self.apply_u(bucket, u, stats)
 
@@ -238,7 +237,7 @@ class BucketStep:
                 encoded.append((msg, None))
                 continue
             buf, ok = self._encode_message(buckets, msg, ("msg", k), stats, step)
-            finite = None if ok is None or finite is None else finite and ok
+            finite = guard.all_finite(finite, ok)
             encoded.append((msg, buf))
         return encoded, finite
 
@@ -252,7 +251,7 @@ class BucketStep:
         offset, finite = 0, True
         for b, nb in zip(msg, nbs):
             ok = self.encode_bucket(buckets[b], buf[offset:offset + nb], step, stats)
-            finite = None if ok is None or finite is None else finite and ok
+            finite = guard.all_finite(finite, ok)
             offset += nb
         return buf, finite
 
@@ -281,7 +280,7 @@ class BucketStep:
         """:meth:`bucket_c`, and whether the gradients read are all finite (None when the
         torch ops computed ``c``); the time goes to ``stats.<account>``."""
         grads, exp_avgs = self.grads(bucket), self.momenta(bucket)
-        t0 = time.perf_counter()
+        t0 = comm.clock(stats)
         flat = self.buffer(key, bucket.numel, torch.float32, bucket.device)
         finite = None
         if bucket.fused:  # one pass, the same values
@@ -291,36 +290,36 @@ class BucketStep:
             for g, ks in bucket.runs:
                 interpolate([exp_avgs[k] for k in ks], [grads[k] for k in ks], g["betas"][0],
                             maximize=g["maximize"], out=[views[k] for k in ks])
-        setattr(stats, account, getattr(stats, account) + time.perf_counter() - t0)
+        setattr(stats, account, getattr(stats, account) + comm.clock(stats) - t0)
         return flat, finite
 
     def apply_u(self, bucket: Bucket, u: Tensor, stats: CommStats) -> None:
         """θ ← θ(1-ηλ) - η·u and m ← β2·m + (1-β2)·g for a bucket, from its flat vote ``u``
         (torch ops)."""
         params, grads, exp_avgs = bucket.params, self.grads(bucket), self.momenta(bucket)
-        t0 = time.perf_counter()
+        t0 = comm.clock(stats)
         us = [piece.view_as(p).to(p.dtype) for piece, p in zip(u.split(bucket.sizes), params)]
         for g, ks in bucket.runs:
             apply_update_([params[k] for k in ks], [us[k] for k in ks], [exp_avgs[k] for k in ks],
                           [grads[k] for k in ks], lr=g["lr"], beta2=g["betas"][1],
                           weight_decay=g["weight_decay"], maximize=g["maximize"], foreach=True)
-        stats.t_apply += time.perf_counter() - t0
+        stats.t_apply += comm.clock(stats) - t0
 
     def step_grad(self, bucket: Bucket, grad_dtype: str, stats: CommStats) -> None:
         """Baseline: average gradients in ``grad_dtype`` with one all-reduce, then plain Lion."""
         params, grads, exp_avgs = bucket.params, self.grads(bucket), self.momenta(bucket)
         if self.world_size > 1:
-            t0 = time.perf_counter()
+            t0 = comm.clock(stats)
             flat = self.buffer("grad", bucket.numel, GRAD_DTYPES[grad_dtype], bucket.device)
             for piece, g in zip(flat.split(bucket.sizes), grads):
                 piece.view(g.shape).copy_(g)  # one pass, casting to the wire dtype
-            stats.t_quantize_pack += time.perf_counter() - t0
+            stats.t_quantize_pack += comm.clock(stats) - t0
             comm.all_reduce(flat, self.group, stats)
-            t0 = time.perf_counter()
+            t0 = comm.clock(stats)
             flat.div_(self.world_size)
             grads = [piece.view_as(p).to(p.dtype) for piece, p in zip(flat.split(bucket.sizes), params)]
-            stats.t_unpack_vote += time.perf_counter() - t0
-        t0 = time.perf_counter()
+            stats.t_unpack_vote += comm.clock(stats) - t0
+        t0 = comm.clock(stats)
         if bucket.fused:  # the same Lion, two fused passes (as the votes get)
             u = self.buffer("u8", bucket.numel, torch.int8, bucket.device)
             fused.encode(exp_avgs, grads, bucket.beta1(), bucket.maximize(), u.view(torch.uint8), bits=8, step=0,
@@ -331,4 +330,4 @@ class BucketStep:
                 lion([params[k] for k in ks], [grads[k] for k in ks], [exp_avgs[k] for k in ks],
                      lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1],
                      weight_decay=g["weight_decay"], maximize=g["maximize"], foreach=True)
-        stats.t_apply += time.perf_counter() - t0
+        stats.t_apply += comm.clock(stats) - t0

@@ -16,6 +16,20 @@ all_gather     (P-1) · B            (P-1) · B           (B = one rank's part)
 all_to_all     (P-1)/P · B          (P-1)/P · B         (B = the whole buffer)
 =============  ===================  ===================
 
+Devices: every tensor handed to a collective lives on the optimizer's *communication
+device*, the parameters' device (:func:`comm_device`): NCCL refuses CPU tensors, and under
+NCCL that device must be the current CUDA device (``torch.cuda.set_device(local_rank)``).
+Barriers pass ``device_ids`` where NCCL needs them, and the object collectives here
+(:func:`all_gather_object`, :func:`broadcast_object`, set-up only, never inside a step)
+travel as JSON bytes on that device, so nothing received from a peer can run code.
+
+Timings: NCCL calls return when the work is queued, not when it is done. A
+:class:`CommStats` made with ``sync=device`` (a CUDA device; the optimizers do this when
+``timing=True``) synchronises that device before every clock read (:func:`clock`), so its
+times are wire and kernel times; without it, CUDA times are launch times and the
+optimizers report them as 0 (bytes and counts are always exact). On CPU every call is
+blocking and times are measured as they are.
+
 Failures: when a peer dies or stalls, gloo raises once the process group's
 timeout (``init_process_group(timeout=...)`` or ``new_group(timeout=...)``)
 expires, or at once when the peer's socket closes. Every wrapper re-raises that
@@ -25,7 +39,9 @@ forever and its log says where it stopped.
 """
 from __future__ import annotations
 
+import json
 import time
+import weakref
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, fields
@@ -36,12 +52,21 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = ["CommStats", "CollectiveError", "step_context", "all_reduce", "all_gather", "all_to_all",
-           "broadcast_from_first"]
+           "broadcast", "broadcast_from_first", "barrier", "all_gather_object", "broadcast_object",
+           "device_of", "comm_device", "make_generator", "clock", "REDUCE_OPS"]
+
+
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+"""The reduce ops the library uses: both exist on NCCL for every dtype it sends."""
 
 
 @dataclass
 class CommStats:
-    """What one optimizer step (or one vote) cost. Times in seconds, sizes in bytes."""
+    """What one optimizer step (or one vote) cost. Times in seconds, sizes in bytes.
+
+    ``sync`` (not a field: not added, not reported): a CUDA device to synchronise before
+    every clock read, so times are those of finished work (see :func:`clock`); ``None``
+    reads the clock as it is (CPU: exact); ``False``: not timed, every time stays 0."""
 
     bytes_sent: float = 0.0
     bytes_recv: float = 0.0
@@ -51,6 +76,8 @@ class CommStats:
     t_unpack_vote: float = 0.0
     t_apply: float = 0.0
 
+    sync = None  # class default; an instance may set a torch.device
+
     def add(self, other: "CommStats") -> None:
         for f in fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
@@ -59,10 +86,21 @@ class CommStats:
         return asdict(self)
 
 
+def clock(stats: Optional[CommStats] = None) -> float:
+    """``time.perf_counter()``, after synchronising ``stats.sync`` when it is set (a CUDA
+    device: the optimizers set it only when timings are asked for, never by default)."""
+    sync = getattr(stats, "sync", None)
+    if sync is False:  # not timed (CUDA without timing=True): every time reads as 0
+        return 0.0
+    if sync is not None and sync.type == "cuda":
+        torch.cuda.synchronize(sync)
+    return time.perf_counter()
+
+
 def _record(stats: CommStats | None, sent: float, t0: float) -> None:
     if stats is None:
         return
-    stats.t_collective += time.perf_counter() - t0
+    stats.t_collective += clock(stats) - t0
     stats.bytes_sent += sent
     stats.bytes_recv += sent  # every ring collective here is symmetric
     stats.n_collectives += 1
@@ -94,12 +132,18 @@ def step_context(step: int) -> Iterator[None]:
         _STEP.reset(token)
 
 
-def _guarded(name: str, t: Tensor, step: Optional[int], call: Callable[[], None]) -> None:
-    """Run ``call``; re-raise a backend failure as :class:`CollectiveError` with context."""
+def _guarded(name: str, t: Tensor, step: Optional[int], call: Callable[[], object]):
+    """Run ``call``; re-raise a backend failure as :class:`CollectiveError` with context.
+    A tensor on a device the backend does not serve (a CPU tensor under NCCL) is a
+    ``ValueError`` naming the device, not a dead peer."""
     t0 = time.perf_counter()
     try:
-        call()
+        return call()
     except RuntimeError as exc:  # DistBackendError (a RuntimeError) on timeout / closed peer
+        if _wrong_device(exc):
+            raise ValueError(f"{name} got a tensor on {t.device} that the process group's backend does not "
+                             f"serve ({exc}); every tensor a collective sees must be on the parameters' device"
+                             ) from exc
         step = _STEP.get() if step is None else step
         where = f"at optimizer step {step}" if step is not None else "outside an optimizer step"
         nbytes = t.numel() * t.element_size()
@@ -110,20 +154,29 @@ def _guarded(name: str, t: Tensor, step: Optional[int], call: Callable[[], None]
         ) from exc
 
 
-def all_reduce(t: Tensor, group=None, stats: CommStats | None = None, *, step: Optional[int] = None) -> Tensor:
-    """In-place SUM all-reduce of ``t``."""
+def _wrong_device(exc: BaseException) -> bool:
+    text = str(exc)
+    return ("No backend type associated with device type" in text or "Tensors must be CUDA" in text
+            or "must be on the same device" in text)
+
+
+def all_reduce(t: Tensor, group=None, stats: CommStats | None = None, *, step: Optional[int] = None,
+               op: str = "sum", async_op: bool = False):
+    """In-place all-reduce of ``t`` (``op``: ``'sum'`` or ``'max'``). ``async_op=True``
+    returns the work handle (wait on it before reading ``t``; its time is not recorded)."""
     p = _size(group)
-    t0 = time.perf_counter()
-    _guarded("all_reduce", t, step, lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group))
+    t0 = clock(stats)
+    work = _guarded("all_reduce", t, step,
+                    lambda: dist.all_reduce(t, op=REDUCE_OPS[op], group=group, async_op=async_op))
     _record(stats, 2 * (p - 1) / p * t.numel() * t.element_size(), t0)
-    return t
+    return work if async_op else t
 
 
 def all_gather(t: Tensor, group=None, stats: CommStats | None = None, *, step: Optional[int] = None) -> Tensor:
     """Gather every rank's ``t`` (same shape) into a ``(P, *t.shape)`` tensor."""
     p = _size(group)
     out = torch.empty(p * t.numel(), dtype=t.dtype, device=t.device)
-    t0 = time.perf_counter()
+    t0 = clock(stats)
     _guarded("all_gather", t, step, lambda: _all_gather_flat(out, t.contiguous().reshape(-1), group=group))
     _record(stats, (p - 1) * t.numel() * t.element_size(), t0)
     return out.view((p,) + tuple(t.shape))
@@ -136,20 +189,147 @@ def all_to_all(t: Tensor, group=None, stats: CommStats | None = None, *, step: O
     """
     p = _size(group)
     out = torch.empty_like(t)
-    t0 = time.perf_counter()
+    t0 = clock(stats)
     _guarded("all_to_all", t, step, lambda: dist.all_to_all_single(out, t.contiguous(), group=group))
     _record(stats, (p - 1) / p * t.numel() * t.element_size(), t0)
     return out
 
 
+def _first(group) -> int:
+    """The global rank of ``group``'s first rank (the world's rank 0 without a group)."""
+    return dist.get_global_rank(group, 0) if group is not None else 0
+
+
+def broadcast(t: Tensor, group=None, stats: CommStats | None = None, *, src: int = 0,
+              step: Optional[int] = None) -> Tensor:
+    """In place: every rank's ``t`` becomes that of ``group``'s rank ``src`` (a group rank)."""
+    p = _size(group)
+    t0 = clock(stats)
+    root = dist.get_global_rank(group, src) if group is not None else src
+    _guarded("broadcast", t, step, lambda: dist.broadcast(t, src=root, group=group))
+    _record(stats, (p - 1) / p * t.numel() * t.element_size(), t0)
+    return t
+
+
 @torch.no_grad()
 def broadcast_from_first(tensors: list[Tensor], group=None) -> None:
     """In place: every rank's ``tensors`` become the group's first rank's (one float64 broadcast,
-    exact for every float dtype up to fp64). Collective."""
+    exact for every float dtype up to fp64, on the tensors' device). Collective."""
     if not tensors:
         return
-    src = dist.get_global_rank(group, 0) if group is not None else 0
     flat = torch.cat([t.detach().reshape(-1).double() for t in tensors])
-    dist.broadcast(flat, src=src, group=group)
+    broadcast(flat, group)
     for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
         t.copy_(piece.view_as(t))
+
+
+def _is_nccl(group) -> bool:
+    """Whether ``group`` sends CUDA tensors through NCCL (``'nccl'`` or a ``'cuda:nccl'`` part)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    return "nccl" in str(dist.get_backend(group)).lower()
+
+
+def barrier(group=None, device: Optional[torch.device] = None) -> None:
+    """A barrier over ``group``; under NCCL it names ``device`` (else NCCL guesses a GPU from
+    the rank, which is wrong when a process does not own GPU ``rank``)."""
+    if device is not None and torch.device(device).type == "cuda" and _is_nccl(group):
+        index = torch.device(device).index
+        dist.barrier(group=group, device_ids=[torch.cuda.current_device() if index is None else index])
+    else:
+        dist.barrier(group=group)
+
+
+def _encode_object(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
+
+
+def all_gather_object(obj, group=None, device: Optional[torch.device] = None) -> list:
+    """Every rank's ``obj`` (JSON-serialisable: lists, dicts, strings, numbers; tuples come
+    back as lists), in rank order. Two gathers of bytes on ``device``; set-up only, never in
+    a step. JSON, not pickle: bytes from a peer cannot run code here."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    raw = torch.tensor(list(_encode_object(obj)), dtype=torch.uint8).to(device)
+    size = torch.tensor([raw.numel()], dtype=torch.int64).to(device)
+    sizes = all_gather(size, group).reshape(-1).tolist()
+    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+    padded[:raw.numel()] = raw
+    everyone = all_gather(padded, group).cpu()
+    return [json.loads(bytes(everyone[r, :n].tolist()).decode()) for r, n in enumerate(sizes)]
+
+
+def broadcast_object(obj, group=None, device: Optional[torch.device] = None, *, src: int = 0):
+    """``group``'s rank ``src``'s ``obj`` (JSON-serialisable) on every rank; set-up only."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    mine = _encode_object(obj) if dist.get_rank(group) == src else b""
+    size = torch.tensor([len(mine)], dtype=torch.int64).to(device)
+    broadcast(size, group, src=src)
+    n = int(size.item())
+    buf = torch.zeros(n, dtype=torch.uint8, device=device)
+    if mine:
+        buf.copy_(torch.tensor(list(mine), dtype=torch.uint8))
+    broadcast(buf, group, src=src)
+    return json.loads(bytes(buf.cpu().tolist()).decode())
+
+
+def device_of(params, what: str = "parameter") -> torch.device:
+    """The one device every tensor of ``params`` lives on (CPU for none). ``ValueError``
+    naming the first tensor on another device: one optimizer communicates on one device."""
+    first = None
+    for i, p in enumerate(params):
+        if first is None:
+            first = (i, p.device)
+        elif p.device != first[1]:
+            raise ValueError(f"{what} {i} is on {p.device} but {what} {first[0]} is on {first[1]}; every "
+                             f"{what} of one optimizer must be on one device (one optimizer per device)")
+    return torch.device("cpu") if first is None else first[1]
+
+
+def comm_device(params, group=None) -> torch.device:
+    """The device the optimizer's collectives run on: the parameters' (:func:`device_of`).
+
+    Under NCCL it must be a CUDA device and the current one, since NCCL's communicator
+    and the object collectives follow ``torch.cuda.current_device()``; a ``ValueError``
+    says what to do otherwise."""
+    device = device_of(params)
+    if _is_nccl(group):
+        backend = str(dist.get_backend(group)).lower()
+        if device.type != "cuda" and (backend == "nccl" or f"{device.type}:" not in backend):
+            raise ValueError(f"the process group's backend is {backend!r} but the parameters are on {device}: "
+                             "NCCL sends CUDA tensors only; move the model to cuda:LOCAL_RANK "
+                             "(model.to(f'cuda:{local_rank}')) before building the optimizer")
+        if device.type == "cuda":
+            current = torch.cuda.current_device()
+            if device.index is not None and device.index != current:
+                raise ValueError(f"the parameters are on {device} but the current CUDA device is cuda:{current}; "
+                                 "call torch.cuda.set_device(local_rank) before building the model and the "
+                                 "optimizer (NCCL runs on the current device)")
+    return device
+
+
+_META_GENERATORS: "weakref.WeakSet[torch.Generator]" = weakref.WeakSet()
+
+
+def make_generator(device: torch.device, seed: int) -> torch.Generator:
+    """A generator on ``device`` seeded with ``seed`` (a CUDA generator for CUDA tensors, as
+    ``torch.rand(..., device=cuda, generator=g)`` requires). ``meta`` tensors have no
+    generators (no data to draw): a CPU generator stands in, which ``meta`` ops accept."""
+    device = torch.device(device)
+    if device.type == "meta":
+        gen = torch.Generator().manual_seed(seed)
+        _META_GENERATORS.add(gen)  # the device audit accepts these stand-ins, and only these
+        return gen
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def restore_generator(gen: torch.Generator, state: Tensor) -> None:
+    """``gen.set_state(state)`` from a saved state (a CPU byte tensor for every device's
+    generator; one loaded onto another device is brought back). ``ValueError`` when the state
+    is another kind of generator's (a CPU run's checkpoint resumed on CUDA, or back)."""
+    state = state.detach().to("cpu", torch.uint8) if state.device.type != "meta" else state
+    if gen.device.type == "meta" or state.device.type == "meta":
+        return
+    if state.numel() != gen.get_state().numel():
+        raise ValueError(f"the saved generator state ({state.numel()} bytes) is not a {gen.device.type} generator's "
+                         f"({gen.get_state().numel()} bytes): resume on the device type the run was saved on")
+    gen.set_state(state)

@@ -183,16 +183,22 @@ def fit_alpha_beta(nbytes: Sequence[int], seconds: Sequence[float], world_size: 
 
 
 def calibrate(group=None, sizes: Sequence[int] = DEFAULT_PROBE_SIZES, *, repeats: int = 3,
-              warmup: int = 1) -> tuple[float, float]:
+              warmup: int = 1, device=None) -> tuple[float, float]:
     """Measure (α, β) on a live process group with uint8 SUM allreduces of ``sizes`` bytes.
 
     Each size runs ``warmup`` + ``repeats`` times after a barrier; a rank keeps its
     median; a MAX allreduce makes every rank fit the same (slowest-rank) times, so
     all ranks get identical (α, β) and hence pick the same method. Collective: every
     rank of ``group`` must call it. One rank: returns (0.0, 0.0).
+
+    ``device``: where the probe buffers live (the optimizer's communication device;
+    default CPU). On CUDA each timed all-reduce is bracketed by device synchronises, so
+    the times are of finished transfers, not of NCCL's launch.
     """
     import torch
     import torch.distributed as dist
+
+    from . import comm
 
     if len(set(sizes)) < 2 or any(int(s) < 1 for s in sizes):
         raise ValueError(f"sizes must hold >= 2 distinct positive byte counts; got {sizes!r}")
@@ -201,17 +207,20 @@ def calibrate(group=None, sizes: Sequence[int] = DEFAULT_PROBE_SIZES, *, repeats
     P = dist.get_world_size(group)
     if P == 1:
         return 0.0, 0.0
+    device = torch.device("cpu") if device is None else torch.device(device)
+    timed = comm.CommStats()
+    timed.sync = device  # comm.clock synchronises a CUDA device before reading the clock
     medians = []
     for size in sizes:
-        buf = torch.zeros(int(size), dtype=torch.uint8)
+        buf = torch.zeros(int(size), dtype=torch.uint8, device=device)
         runs = []
         for i in range(warmup + repeats):
-            dist.barrier(group=group)
-            t0 = time.perf_counter()
-            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+            comm.barrier(group, device)
+            t0 = comm.clock(timed)
+            comm.all_reduce(buf, group)
             if i >= warmup:
-                runs.append(time.perf_counter() - t0)
+                runs.append(comm.clock(timed) - t0)
         medians.append(sorted(runs)[len(runs) // 2])
-    agreed = torch.tensor(medians, dtype=torch.float64)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+    agreed = torch.tensor(medians, dtype=torch.float64).to(device)
+    comm.all_reduce(agreed, group, op="max")
     return fit_alpha_beta([int(s) for s in sizes], agreed.tolist(), P)

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import auto, comm, fused, guard, momentum, resume, votes
+from . import amp, auto, comm, fused, guard, momentum, resume, votes
 from .bucket_step import GRAD_DTYPES, Bucket, BucketStep, choose_backend
 from .comm import CommStats
 from .lion import _validate_hyperparameters
@@ -115,7 +115,14 @@ class LionCub(torch.optim.Optimizer):
             the input/output layers.
         nonfinite: ``'raise'`` or ``'skip_step'`` when any rank's gradient holds NaN or
             Inf; the decision is agreed by all ranks (see :mod:`lioncub.guard`).
-        check_every: every k steps verify that replicas are identical (0 = never).
+        check_every: every k steps verify that replicas are identical (0 = never): the
+            checksums of the parameters after step k are gathered at the start of the next
+            ``step()`` and read with its one agreement (a divergence raises there).
+        timing: measure the time split of ``last_step_stats`` (``t_*``). None (default):
+            on CPU always (it costs nothing); on CUDA never (the times stay 0: NCCL calls
+            return at launch, so honest times need a device synchronise around every part).
+            True on CUDA synchronises before each clock read: exact wire and kernel times,
+            slower steps. Bytes and collective counts are always exact.
         overlap: launch each bucket's vote from backward hooks as soon as its last
             gradient is accumulated (:mod:`lioncub.overlap`); step() then waits only for
             votes still in flight and applies. Same parameters, bit for bit, for every
@@ -156,8 +163,11 @@ class LionCub(torch.optim.Optimizer):
         alpha: Optional[float] = None,
         beta: Optional[float] = None,
         gamma: Optional[dict] = None,
+        timing: Optional[bool] = None,
     ):
         _validate_hyperparameters(lr, betas, weight_decay)
+        if timing is not None and not isinstance(timing, bool):
+            raise TypeError(f"timing must be None, True or False, got {timing!r}")
         if vote not in OPTIMIZER_VOTES:
             raise ValueError(f"vote must be one of {OPTIMIZER_VOTES}, got {vote!r}")
         if grad_dtype not in GRAD_DTYPES:
@@ -195,12 +205,16 @@ class LionCub(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults)
         self._check_params()
+        self.device = comm.comm_device([p for g in self.param_groups for p in g["params"]], process_group)
+        """The one device of the parameters, momenta, messages and every collective."""
+        self.timing = self.device.type == "cpu" if timing is None else timing
         self.fused = fused
         self._plan()
         if fused is None:
             self._warn_if_slow_path()
-        self.generator = torch.Generator().manual_seed(seed + self.rank)
+        self.generator = comm.make_generator(self.device, seed + self.rank)  # on the device, saved
         self.steps = 0  # completed steps: sets the tie/zero parity of the 1-bit votes
+        self._checked = 0  # the step count whose replicas check_every last verified
         self.last_step_stats = CommStats()
         self._driver = None  # attached by lioncub.overlap (overlap=True) or lioncub.ddp_hook
         self.bucket_step = BucketStep(self, self.world_size, self.group, self.generator, self.message_mb)
@@ -326,7 +340,7 @@ class LionCub(torch.optim.Optimizer):
         pick is broadcast so every rank runs the same method even if inputs differ."""
         sizes = [b.numel for b in self.buckets]
         method, bits, self.auto_alpha_beta = auto.agree_on_vote(sizes, self.world_size, self.group, alpha, beta,
-                                                                gamma=gamma)
+                                                                gamma=gamma, device=self.device)
         return method, bits
 
     @torch.no_grad()
@@ -338,30 +352,70 @@ class LionCub(torch.optim.Optimizer):
             comm.broadcast_from_first(bucket.params, self.group)
 
     # ------------------------------------------------------------------ step
-    def _agree_active(self, params: list[Tensor], stats: CommStats,
-                      finite: Optional[bool] = None) -> tuple[list[bool], int]:
-        """One tiny all-reduce agrees on (a) which params have a gradient on at least one
-        rank and (b) how many ranks hold a non-finite gradient (0 = all finite).
-        ``finite``: this rank's answer when already known (the fused encode checks)."""
-        has = torch.tensor([p.grad is not None for p in params] + [0], dtype=torch.uint8)
-        has[-1] = int(not (guard.grads_finite(params) if finite is None else finite))
+    def new_stats(self) -> CommStats:
+        """A step's :class:`CommStats`, timed as ``timing`` says (see the class doc)."""
+        stats = CommStats()
+        if not self.timing:
+            stats.sync = False
+        elif self.device.type == "cuda":
+            stats.sync = self.device
+        return stats
+
+    def _agree(self, params: list[Tensor], stats: CommStats, finite=None, extra: Optional[Tensor] = None,
+               scaler_inf: Optional[Tensor] = None) -> tuple[list[bool], int, int]:
+        """The step's one small all-reduce and its one host read. Summed over ranks, on the
+        device: per parameter the number of ranks *without* a gradient, then the number of
+        ranks whose gradient holds a NaN/Inf, then ``extra`` (the replica check's flag), each
+        0 on the ordinary path. ``finite``: this rank's answer when already known (a bool, or
+        a 0-dim bool tensor from the fused encode), else checked here. ``scaler_inf``: the
+        loss scaler's found-inf of this rank (counted with the non-finite ranks).
+        Returns (active per parameter, non-finite ranks, extra's sum)."""
+        n = len(params)
+        counts = self.bucket_step.buffer("agree", n + 2, torch.uint8, self.device)
+        counts.zero_()
+        for i, p in enumerate(params):  # a missing gradient is rare: one scalar fill each
+            if p.grad is None:
+                counts[i] = 1
+        if finite is None:
+            finite = guard.grads_finite(params)
+        if isinstance(finite, bool):
+            if not finite:
+                counts[n] = 1
+        else:
+            counts[n:n + 1].copy_(torch.logical_not(finite).reshape(1))
+        if scaler_inf is not None:
+            counts[n:n + 1].add_((scaler_inf.to(self.device, non_blocking=True).reshape(1) > 0).to(torch.uint8))
+            counts[n:n + 1].clamp_(max=1)
+        if extra is not None:
+            counts[n + 1:].copy_(extra)
         if self.world_size > 1:
-            comm.all_reduce(has, self.group, stats)
-        return (has[:-1] > 0).tolist(), int(has[-1])
+            comm.all_reduce(counts, self.group, stats)
+        host = counts.tolist()  # the step's one host sync
+        return [c < self.world_size for c in host[:n]], host[n], host[n + 1]
 
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None):
-        """One step for every rank. Collective: every rank must call it every iteration."""
-        with comm.step_context(self.steps):  # a failed collective names this step
-            return self._step(closure)
+    def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler=None):
+        """One step for every rank. Collective: every rank must call it every iteration.
 
-    def _step(self, closure):
+        ``grad_scaler``: passed by ``torch.amp.GradScaler.step(opt)`` (this optimizer declares
+        ``_step_supports_amp_scaling``): the gradients are unscaled here, the scaler's found-inf
+        is agreed by all ranks in the step's one all-reduce, every rank skips or steps
+        together, and the agreed flag is written back so ``scaler.update()`` changes every
+        rank's scale alike (see :mod:`lioncub.amp`)."""
+        with comm.step_context(self.steps):  # a failed collective names this step
+            return self._step(closure, grad_scaler)
+
+    _step_supports_amp_scaling = True
+    """``GradScaler.step`` always calls :meth:`step` (on every rank) and hands it the scaler."""
+
+    def _step(self, closure, grad_scaler=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        stats = CommStats()
+        stats = self.new_stats()
         params = [p for _, p in self.param_entries]
+        scaler_inf = amp.unscale(self, grad_scaler, params)  # None without a scaler
         run, buckets = self.bucket_step, self.buckets
         driver = self._driver  # overlap / DDP hook: votes already launched during backward
         if driver is not None:
@@ -371,12 +425,24 @@ class LionCub(torch.optim.Optimizer):
         if driver is None and self.method is not None and run.encodes_ahead(buckets):
             early, finite = run.encode_messages(buckets, stats, self.steps, ahead=self.encode_ahead)
             rest = [p for msg, buf in early if buf is None for b in msg for p in buckets[b].params]
-            finite = finite and guard.grads_finite(rest)  # messages beyond the ones ahead
-        active, bad_ranks = self._agree_active(params, stats, finite=finite)
+            finite = guard.all_finite(finite, guard.grads_finite(rest))  # messages beyond the ones ahead
+        elif driver is not None:
+            finite = driver.finite() if callable(getattr(driver, "finite", None)) else None
+        check = None  # the replica check of the previous step's result, read with the agreement
+        if self.check_every and self.steps and self.steps % self.check_every == 0 and self._checked != self.steps:
+            check = guard.replicas_differ(params, self.group, self.world_size, step=self.steps, stats=stats)
+            self._checked = self.steps
+        active, bad_ranks, diverged = self._agree(params, stats, finite=finite,
+                                                  extra=None if check is None else check[0], scaler_inf=scaler_inf)
+        if diverged:
+            guard.report_replicas(check[1], params, step=self.steps, names=self._param_names)
+        if grad_scaler is not None:
+            amp.record_agreed(self, grad_scaler, bad_ranks)
         if bad_ranks:
             if driver is not None:
                 driver.discard()
-            guard.handle_nonfinite(self, params, bad_ranks)  # raises, or we skip this step
+            if grad_scaler is None:
+                guard.handle_nonfinite(self, params, bad_ranks)  # raises, or we skip this step
             self.skipped_steps += 1
             self.last_step_stats = stats
             return loss
@@ -395,11 +461,14 @@ class LionCub(torch.optim.Optimizer):
                 run.step_messages(parts, stats, self.steps)
         self.steps += 1
         self.momentum_sync.after_step(self, stats)
-        if self.check_every and self.steps % self.check_every == 0:
-            guard.check_replicas(params, self.group, self.world_size, step=self.steps,
-                                 names=self._param_names, stats=stats)
         self.last_step_stats = stats
         return loss
+
+    def check_replicas(self) -> None:
+        """Verify now (a collective: every rank calls it) that every rank holds the same
+        parameters; ``check_every`` does this at the start of the step after every k-th."""
+        guard.check_replicas([p for _, p in self.param_entries], self.group, self.world_size, step=self.steps,
+                             names=self._param_names, stats=self.new_stats())
 
     def messages(self) -> list[list[int]]:
         """How the buckets travel without overlap: bucket indices grouped into messages of
@@ -453,5 +522,5 @@ class LionCub(torch.optim.Optimizer):
         self._plan()  # torch made new param-group dicts
         self.steps = int(extra["steps"])
         self.skipped_steps = int(extra.get("skipped_steps", 0))
-        self.generator.set_state(extra["generator"])
+        comm.restore_generator(self.generator, extra["generator"])
         self.momentum_sync.load_state_dict(extra.get("momentum_sync", {}))

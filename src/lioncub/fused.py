@@ -13,7 +13,9 @@ arithmetic in two loops:
 Quantized ``pbit`` votes need the whole ``c`` for their scale: :func:`interpolate` writes it
 in one pass, :func:`quantize_lanes` rounds, clamps and packs it into lanes in another.
 The loops that read ``g`` also report whether it is finite (NaN/±Inf), so a step needs no
-separate read for :func:`lioncub.guard.grads_finite`.
+separate read for :func:`lioncub.guard.grads_finite`: a Python bool from the C loops, a 0-dim
+``torch.bool`` tensor on the tensors' device from the Triton kernels (not read back: no host
+sync; whoever combines several uses ``torch.logical_and``, never ``and`` / ``bool()``).
 
 The results are those of the torch ops bit for bit: the loops repeat torch's CPU
 arithmetic operation by operation (``mul`` by a float32 scalar, then ``add`` with
@@ -40,7 +42,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
@@ -182,15 +184,16 @@ def _per_tensor(value, k: int, ctype=ctypes.c_float) -> ctypes.Array:
 
 
 def encode(exp_avgs: list[Tensor], grads: list[Tensor], beta1, maximize, out: Tensor, *,
-           bits: int, step: int, signs: bool = False) -> bool:
+           bits: int, step: int, signs: bool = False) -> Union[bool, Tensor]:
     """This rank's part of the message for ``c = β1·m + (1-β1)·g`` of the tensors in
     order, written into the uint8 ``out``: ``bits``-wide lanes (1, 2, 4, 8) of ``c ≥ 0``
     (even ``step``) / ``c > 0`` (odd), as :func:`lioncub.kernels.sign_bits` +
     :func:`~lioncub.kernels.pack_bytes`; or, with ``signs``, one int8 ``sign(c)`` per element.
     ``beta1``, ``maximize``: one value, or one per tensor. Call only when :func:`usable`.
 
-    Returns whether every gradient element is finite (no NaN, no ±Inf): the check of
-    :func:`lioncub.guard.grads_finite`, made during the same read of ``g``."""
+    Returns whether every gradient is finite (no NaN, no ±Inf): a bool (C loops) or a 0-dim
+    bool tensor on the tensors' device (Triton: no host sync) — the check of
+    :func:`lioncub.guard.grads_finite`, made during the same read of ``g``, passed on as is."""
     k, n = len(exp_avgs), sum(t.numel() for t in exp_avgs)
     need = n if signs else -(-n * bits // 8)
     if out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() != need:
@@ -210,10 +213,13 @@ def _encode(exp_avgs, grads, beta1, maximize, out: Tensor, *, mode: int, bits: i
                                 _per_tensor(alphas, k), mode, bits, 1 if step % 2 == 0 else 0, out.data_ptr())
 
 
-def interpolate(exp_avgs: list[Tensor], grads: list[Tensor], beta1, maximize, out: Tensor) -> bool:
+def interpolate(exp_avgs: list[Tensor], grads: list[Tensor], beta1, maximize, out: Tensor) -> Union[bool, Tensor]:
     """``c = β1·m + (1-β1)·g`` of the tensors in order into the flat fp32 ``out``, as
-    :func:`lioncub.lion.interpolate` computes it (bit for bit), in one pass; returns whether
-    every gradient element is finite. Call only when :func:`usable`."""
+    :func:`lioncub.lion.interpolate` computes it (bit for bit), in one pass. Call only when
+    :func:`usable`.
+
+    Returns whether every gradient is finite: a bool (C loops) or a 0-dim bool tensor on the
+    tensors' device (Triton: no host sync), passed on as is."""
     n = sum(t.numel() for t in exp_avgs)
     if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != n:
         raise ValueError(f"out must be a contiguous fp32 tensor of {n} elements, got {out.dtype} {tuple(out.shape)}")

@@ -169,6 +169,7 @@ class NodeCub(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay,
                                       maximize=vote_args.get("maximize", False)))
         self.params = [p for g in self.param_groups for p in g["params"]]
+        self.device = comm.comm_device(self.params, None)
         self._param_names = guard.param_names(model, self.params)
         local = layout.local_size
         owners = shard_owners([p.numel() for p in self.params], local) if shard else [layout.local_rank] * len(
@@ -207,7 +208,10 @@ class NodeCub(torch.optim.Optimizer):
         local = self.layout.local_size
         parts = [(p.grad.detach().reshape(-1).float() if p.grad is not None else
                   torch.zeros(p.numel(), device=p.device)) for p in self.params]
-        has = torch.tensor([float(p.grad is not None) for p in self.params], device=parts[0].device)
+        has = torch.ones(len(self.params), device=parts[0].device)  # no host-to-device copy
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                has[i] = 0.0
         flat = torch.cat(parts + [has])
         if local > 1:
             comm.all_reduce(flat, self.layout.intra, stats)
@@ -254,10 +258,16 @@ class NodeCub(torch.optim.Optimizer):
             intra, inter = CommStats(), CommStats()
             self._average_in_node(intra)
             mine = [self.params[i] for i in self._mine]
-            bad = torch.tensor([float(not guard.grads_finite(mine))], device=self.params[0].device)
+            bad = torch.zeros(1, device=self.device)
+            finite = guard.grads_finite(mine)
+            if isinstance(finite, bool):
+                bad.fill_(float(not finite))
+            else:
+                bad.copy_(torch.logical_not(finite).reshape(1))
             comm.all_reduce(bad, None, inter)  # any non-finite node mean, on any shard of any node
-            if bad.item():
-                guard.handle_nonfinite(self, self.params, int(bad.item()))  # raises, or all ranks skip
+            n_bad = int(bad.item())  # one host read
+            if n_bad:
+                guard.handle_nonfinite(self, self.params, n_bad)  # raises, or all ranks skip
                 self.skipped_steps += 1
             else:
                 self._sync_settings()

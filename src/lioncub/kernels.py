@@ -122,14 +122,14 @@ def pack_bytes(values: Tensor, n: int, bits: int) -> Tensor:
 def _table(bits: int, kind: str, device: str) -> Tensor:
     """256-entry unpack table: entry b holds the 8/bits unpacked bytes of byte b, as one word."""
     per_byte = 8 // bits
-    b = torch.arange(256, dtype=torch.int64).unsqueeze(1)
-    shifts = torch.arange(0, 8, bits, dtype=torch.int64)
+    b = torch.arange(256, dtype=torch.int64, device=device).unsqueeze(1)  # made there: no host copy
+    shifts = torch.arange(0, 8, bits, dtype=torch.int64, device=device)
     lanes = (b >> shifts) & ((1 << bits) - 1)  # (256, per_byte)
     if kind == "pm1":  # sign bits as ±1 (int8)
         lanes = lanes * 2 - 1
     t = lanes.to(torch.int8).view(torch.uint8).contiguous()
     word = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[per_byte]
-    return t.view(word).reshape(256).to(device)
+    return t.view(word).reshape(256)
 
 
 def unpack_bytes(packed: Tensor, n: int, bits: int) -> Tensor:
@@ -170,8 +170,8 @@ _ONES = 0x0101010101010101  # 1 in every byte of an int64
 @functools.lru_cache(maxsize=None)
 def _float_table(dtype: torch.dtype, device: str) -> Tensor:
     """(256, 8): row b holds the 8 sign bits of byte b as ±1 in ``dtype``."""
-    bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
-    return (bits * 2 - 1).to(dtype).to(device)
+    bits = (torch.arange(256, device=device).unsqueeze(1) >> torch.arange(8, device=device)) & 1
+    return (bits * 2 - 1).to(dtype)
 
 
 def _as_words(packed: Tensor) -> Tensor:

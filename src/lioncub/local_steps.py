@@ -228,6 +228,9 @@ class LocalCub(torch.optim.Optimizer):
         self._restore_weight_decay()
         self.param_groups = self.inner.param_groups  # one set of groups: schedulers drive both loops
         self.params = [p for g in self.param_groups for p in g["params"]]
+        self.device = comm.comm_device(self.params, self.group)  # every collective's tensors live here
+        # a stochastic quantizer's (linf) draws: this rank's own generator, on the device, saved
+        self.generator = comm.make_generator(self.device, self.rank)
         self._names = guard.param_names(model, self.params)
         guard.check_same_params(self.params, self.group, self.world_size, names=self._names)
         if self.world_size > 1:  # every replica starts from rank 0's parameters
@@ -235,7 +238,8 @@ class LocalCub(torch.optim.Optimizer):
         self.vote_requested = vote
         if vote == "auto":  # one vote per round of H steps: the per-step price is the round's / H
             n = sum(p.numel() for p in self.params)
-            self.vote, self.bits, ab = agree_on_vote([n], self.world_size, self.group, alpha, beta, gamma=gamma)
+            self.vote, self.bits, ab = agree_on_vote([n], self.world_size, self.group, alpha, beta, gamma=gamma,
+                                                     device=self.device)
             self.auto_alpha_beta = ab
             costs = vote_costs([n], self.world_size, *ab, gamma=gamma)
             self.round_costs = {k: dict(v, per_step_s=v["total_s"] / self.H) for k, v in costs.items()}
@@ -270,9 +274,11 @@ class LocalCub(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if guard.grads_finite([p for p in self.params if p.grad is not None]):
+        # one host read per inner step on a GPU: a NaN must not reach the inner optimizer's state
+        # (the round's end then decides on every rank at once)
+        if bool(guard.grads_finite([p for p in self.params if p.grad is not None])):
             self.inner.step()
-        else:  # keep the inner state clean; the round's end decides, on every rank at once
+        else:
             self._bad_round = True
         self.local_step += 1
         self.synced = self.local_step == self.H
@@ -295,18 +301,21 @@ class LocalCub(torch.optim.Optimizer):
         # of every tensor
         head = torch.zeros(1 + (len(sizes) if self.aggregate == "mean" else 0), dtype=torch.float64,
                            device=v.device)  # NCCL takes device tensors only
-        head[0] = float(self._bad_round or not bool(torch.isfinite(delta).all()))
+        head[0:1].copy_(torch.logical_not(torch.isfinite(delta).all()).reshape(1))  # on the device
+        if self._bad_round:
+            head[0] = 1.0
         if self.aggregate == "mean":
             head[1:] = torch.stack([piece.abs().mean() for piece in v.split(sizes)]).double()
         self._bad_round = False
         if self.world_size > 1:
             comm.all_reduce(head, self.group, stats)
-        if head[0] > 0:
+        host = head.tolist()  # the round's one host read
+        if host[0] > 0:
             self.last_round_stats = stats
-            self._nonfinite(int(head[0]))
+            self._nonfinite(int(host[0]))
             return
         if self.aggregate == "mean":
-            d, sent = self._lane_mean(v, sizes, head[1:] / self.world_size, stats)
+            d, sent = self._lane_mean(v, sizes, [x / self.world_size for x in host[1:]], stats)
             d = d.split(sizes)
             signed = False
         elif self.vote == "grad":
@@ -331,7 +340,7 @@ class LocalCub(torch.optim.Optimizer):
         if self.check_every and self.rounds % self.check_every == 0:
             guard.check_replicas(self.params, self.group, self.world_size, step=self.rounds, names=self._names)
 
-    def _lane_mean(self, v: Tensor, sizes: list[int], norms: Tensor, stats: CommStats) -> tuple[Tensor, Tensor]:
+    def _lane_mean(self, v: Tensor, sizes: list[int], norms: list[float], stats: CommStats) -> tuple[Tensor, Tensor]:
         """The mean of the workers' quantized v through summed lanes (aggregate='mean').
 
         Per tensor t, one scale shared by the ranks: M_t, the ranks' mean of mean|v_i| over t,
@@ -344,7 +353,7 @@ class LocalCub(torch.optim.Optimizer):
         lanes = votes.make(self.vote, self.world_size, self.bits, self.quantizer)  # pbit with a quantizer
         w, levels = lanes.bits, lanes.levels
         P, n = self.world_size, v.numel()
-        units = (norms * (min(levels, MEAN_CLIP) / levels)).tolist()
+        units = (torch.tensor(norms, dtype=torch.float64) * (min(levels, MEAN_CLIP) / levels)).tolist()  # host
         q = torch.empty_like(v)
         for qt, vt, unit in zip(q.split(sizes), v.split(sizes), units):
             if unit > 0:
@@ -365,8 +374,8 @@ class LocalCub(torch.optim.Optimizer):
     def _vote(self, v: Tensor, stats: CommStats) -> Tensor:
         kw = dict(method=self.vote, bits=self.bits, quantizer=self.quantizer, step=self.rounds)
         if self.world_size == 1:  # no process group needed: the one rank's vote is its reference
-            return reference_vote([v], **kw)
-        return majority_vote(v, group=self.group, stats=stats, **kw)
+            return reference_vote([v], generators=[self.generator], **kw)
+        return majority_vote(v, group=self.group, stats=stats, generator=self.generator, **kw)
 
     def _outer_step(self, d: list[Tensor], signed: bool) -> None:
         """θ_s ← outer(θ_s, d), then every replica ← θ_s. ``signed``: d holds u (d = η·u)."""
@@ -414,7 +423,7 @@ class LocalCub(torch.optim.Optimizer):
         sd["local"] = {
             "inner": self.inner.state_dict(), "rounds": self.rounds, "local_step": self.local_step,
             "vote_requested": self.vote_requested, "skipped_rounds": self.skipped_rounds, "bad_round": self._bad_round, "world_size": self.world_size, "rank": self.rank,
-            "config": self._config(),
+            "config": self._config(), "generator": self.generator.get_state(),
             # inside a round every rank's parameters are its own (a model checkpoint holds one rank's)
             "params": [p.detach().clone() for p in self.params] if self.local_step else None,
         }
@@ -444,6 +453,8 @@ class LocalCub(torch.optim.Optimizer):
         self.param_groups = self.inner.param_groups
         self.rounds, self.local_step = int(extra["rounds"]), int(extra["local_step"])
         self.skipped_rounds, self._bad_round = int(extra["skipped_rounds"]), bool(extra["bad_round"])
+        if extra.get("generator") is not None:  # (checkpoints before the generator: global RNG)
+            comm.restore_generator(self.generator, extra["generator"])
         if extra.get("params") is not None:
             with torch.no_grad():
                 for p, saved in zip(self.params, extra["params"]):

@@ -136,9 +136,10 @@ def divergence_sketch(m: Tensor, buckets: int, generator: torch.Generator) -> Te
     n = flat.numel()
     if n <= buckets:
         return flat.clone()
-    signs = torch.randint(0, 2, (n,), generator=generator, dtype=torch.int8).double().mul_(2).sub_(1)
+    signs = torch.randint(0, 2, (n,), generator=generator, dtype=torch.int8, device=flat.device)
+    signs = signs.double().mul_(2).sub_(1)
     width = -(-n // buckets)  # elements per chunk; the last chunk is zero-padded
-    padded = torch.zeros(buckets * width, dtype=torch.float64)
+    padded = torch.zeros(buckets * width, dtype=torch.float64, device=flat.device)
     padded[:n] = flat * signs
     return padded.view(buckets, width).sum(dim=1)  # (buckets,)
 
@@ -232,20 +233,24 @@ class MomentumSync:
 
     def divergence(self, optimizer, idx: list[int], stats: CommStats | None = None) -> dict[int, float]:
         """Relative divergence r per param index, estimated with one small all-reduce (collective)."""
-        gen = torch.Generator().manual_seed(self.adaptive.seed * 1_000_003 + self.n_checks)
-        self.n_checks += 1
         params = _params(optimizer)
-        sk = [divergence_sketch(optimizer.state[params[i]]["exp_avg"], self.adaptive.buckets, gen) for i in idx]
-        if not sk:
+        if not idx:
+            self.n_checks += 1
             return {}
+        device = optimizer.state[params[idx[0]]]["exp_avg"].device
+        # the same seed on every rank: the same signs (a generator of the momenta's device)
+        gen = comm.make_generator(device, self.adaptive.seed * 1_000_003 + self.n_checks)
+        self.n_checks += 1
+        sk = [divergence_sketch(optimizer.state[params[i]]["exp_avg"], self.adaptive.buckets, gen) for i in idx]
         buf = torch.cat(sk + [torch.stack([z.square().sum() for z in sk])])  # [z_1 .. z_T, ||z_t||²]
         self._all_reduce(buf, optimizer, stats)
         sums = buf[: buf.numel() - len(idx)].split([z.numel() for z in sk])  # Σ_i z_i per tensor
         sq = buf[buf.numel() - len(idx):]  # Σ_i ||z_i||² per tensor
+        both = torch.stack([sq, torch.stack([z.square().sum() for z in sums])]).tolist()  # one host read
         out = {}
         for k, i in enumerate(idx):
-            den = float(sq[k])
-            num = den - float(sums[k].square().sum()) / optimizer.world_size
+            den = both[0][k]
+            num = den - both[1][k] / optimizer.world_size
             out[i] = max(0.0, num / den) if den > 0 else 0.0
             self.last_divergence[self.names[i]] = out[i]
         return out

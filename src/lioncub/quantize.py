@@ -75,6 +75,12 @@ def lp_norm(x: Tensor, p: float, work: Tensor | None = None) -> float:
     if p == math.inf:
         return float(a.max())
     if p == 0:
+        if a.device.type != "cpu":  # no data-dependent shape off the CPU (a[a > 0] would sync once more)
+            keep = a > 0
+            count = keep.sum()
+            logs = torch.where(keep, torch.log(torch.where(keep, a, torch.ones_like(a))), torch.zeros_like(a))
+            return float(torch.where(count > 0, torch.exp(logs.sum() / count.clamp_min(1)), torch.zeros_like(count,
+                                     dtype=a.dtype)))
         nz = a[a > 0]
         return float(torch.exp(torch.log(nz).mean())) if nz.numel() else 0.0
     if p == 1:

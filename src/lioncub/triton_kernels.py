@@ -5,7 +5,8 @@ these for CUDA tensors, the C loops for CPU tensors, the torch path otherwise):
 
 * :func:`encode` — ``c = β1·m + (1-β1)·g`` → this rank's packed sign lanes (1/2/4/8 bits,
   ``c ≥ 0`` on even steps, ``c > 0`` on odd) or int8 ``sign(c)``; :func:`interpolate` — ``c``
-  itself. Both report whether every gradient element is finite (read from its exponent bits).
+  itself. Both report whether every gradient element is finite (read from its exponent bits)
+  as a 0-dim ``torch.bool`` tensor on the tensors' device, never read back here (no host sync).
 * :func:`quantize_lanes` — ``round(c·mult)`` (half to even) clamped to ``±levels``, plus
   ``levels``, in 2/4/8-bit lanes.
 * :func:`apply` / :func:`apply_bits` / :func:`apply_lanes` — ``p ← p·decay − lr·u``,
@@ -25,13 +26,27 @@ on the GPU too and allows at most 1 ulp there.
 Tensors of one call form one stream (element ``j`` of the concatenation): one launch per
 tensor, in order on one CUDA stream. A packed byte shared by two tensors is stored whole
 by the first tensor's launch (its missing lanes zero) and OR-ed into by the next one.
-The finite report is one int32 flag on the device, read back once per call (a sync).
+The finite report is one int32 flag on the device that the launches OR into; the call returns
+``flag == 0`` (a 0-dim bool tensor, still on the device): nothing waits for the kernels, so an
+encode inside a backward hook does not stall the stream. Whoever needs the answer on the host
+reads it (one sync), once, where it decides.
+
+Every launch goes through :func:`_launch`: under ``torch.cuda.device(tensor.device)`` for a
+CUDA tensor (Triton launches on the *current* device and its current stream, so a tensor on
+another GPU would otherwise get the wrong one), with no guard for CPU tensors (the interpreter).
+
+Offsets are int64: each kernel takes its element / byte indices from :func:`_block_offsets`
+(``pid.to(int64)·BLOCK + arange``) and ``start`` as int64 (:func:`_lane_indices`,
+:func:`_stream_indices`), so tensors and streams past 2^31 elements index correctly (int32
+``pid·BLOCK`` wraps at 2^31). ``tests/test_triton.py`` runs these helpers in the interpreter
+with program ids and starts past 2^31.
 
 Import-time note: ``TRITON_INTERPRET=1`` must be set before this module is imported for
 the kernels to run on CPU tensors.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import Optional
@@ -85,15 +100,40 @@ if triton is not None:
         bits = g.to(tl.int32, bitcast=True)
         return tl.max(((bits & 0x7F800000) == 0x7F800000).to(tl.int32))
 
+    @triton.jit
+    def _block_offsets(pid, BLOCK: tl.constexpr):
+        """``pid·BLOCK + [0, BLOCK)`` in int64 (``pid``: the int32 program id; int32 would wrap
+        at 2^31)."""
+        return pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+
+    @triton.jit
+    def _lane_indices(pid, start, n, PER: tl.constexpr, BLOCK: tl.constexpr):
+        """Program ``pid`` of a lanes kernel, for a tensor of ``n`` elements from element ``start``
+        of the stream (``PER`` lanes a byte): ``(byte, i, first, last)``, all int64 — its BLOCK
+        output bytes (stream byte index, from the byte holding element ``start``), ``i`` the
+        [BLOCK, PER] element index in this tensor of each lane (outside [0, n) for lanes of
+        other tensors), and the tensor's first and last byte."""
+        start = tl.cast(start, tl.int64)
+        first = start // PER
+        last = (start + n - 1) // PER
+        byte = first + _block_offsets(pid, BLOCK)
+        i = byte[:, None] * PER + tl.arange(0, PER)[None, :] - start
+        return byte, i, first, last
+
+    @triton.jit
+    def _stream_indices(pid, start, BLOCK: tl.constexpr):
+        """Program ``pid`` of a per-element kernel: ``(i, j)`` in int64 — the element index in
+        this tensor and in the stream (``start + i``)."""
+        i = _block_offsets(pid, BLOCK)
+        return i, tl.cast(start, tl.int64) + i
+
     @triton.jit(do_not_specialize=["n", "start"])  # sizes: one compile per kind
     def _encode_lanes_kernel(m_ptr, g_ptr, out_ptr, bad_ptr, n, start, beta1, alpha,
                              EVEN: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
         # One program: BLOCK output bytes of the stream, from the byte holding element `start`.
         PER: tl.constexpr = 8 // BITS
-        first = start // PER
-        byte = first + tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        byte, i, first, last = _lane_indices(tl.program_id(0), start, n, PER, BLOCK)
         lane = tl.arange(0, PER)
-        i = byte[:, None] * PER + lane[None, :] - start  # element index in this tensor
         inside = (i >= 0) & (i < n)
         m = tl.load(m_ptr + i, mask=inside, other=0.0)
         g = tl.load(g_ptr + i, mask=inside, other=0.0)
@@ -104,7 +144,7 @@ if triton is not None:
             on = c > 0.0
         v = tl.where(inside & on, 1, 0) << (lane * BITS)[None, :]
         b = tl.sum(v, axis=1)
-        valid = byte <= (start + n - 1) // PER
+        valid = byte <= last
         shared = (byte == first) & (byte * PER != start)  # the previous tensor stored its lanes here
         b = b | tl.load(out_ptr + byte, mask=valid & shared, other=0).to(tl.int32)
         tl.store(out_ptr + byte, b.to(tl.uint8), mask=valid)
@@ -114,7 +154,7 @@ if triton is not None:
     def _encode_values_kernel(m_ptr, g_ptr, out_ptr, bad_ptr, n, beta1, alpha,
                               SIGNS: tl.constexpr, BLOCK: tl.constexpr):
         # out_ptr: this tensor's first element of the output (int8 signs or fp32 c).
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        i = _block_offsets(tl.program_id(0), BLOCK)
         mask = i < n
         m = tl.load(m_ptr + i, mask=mask, other=0.0)
         g = tl.load(g_ptr + i, mask=mask, other=0.0)
@@ -128,9 +168,9 @@ if triton is not None:
     @triton.jit(do_not_specialize=["n", "nbytes"])
     def _quantize_lanes_kernel(c_ptr, out_ptr, n, nbytes, mult, s, BITS: tl.constexpr, BLOCK: tl.constexpr):
         PER: tl.constexpr = 8 // BITS
-        byte = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        byte = _block_offsets(tl.program_id(0), BLOCK)
         lane = tl.arange(0, PER)
-        i = byte[:, None] * PER + lane[None, :]
+        i = byte[:, None] * PER + lane[None, :]  # int64, as byte
         inside = i < n
         c = tl.load(c_ptr + i, mask=inside, other=0.0)
         sf = s
@@ -145,21 +185,22 @@ if triton is not None:
     def _apply_kernel(p_ptr, m_ptr, g_ptr, u_ptr, neg_ptr, n, start, decay, neg_lr, beta2, alpha2, above, below,
                       HAS_DECAY: tl.constexpr, SOURCE: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
         # SOURCE 0: int8 u; 1: u = 2·bit − 1; 2: u = pos bit − neg bit; 3: u from BITS-wide lane sums.
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        i, j = _stream_indices(tl.program_id(0), start, BLOCK)  # element index in p / in the vote stream
         mask = i < n
-        j = start + i  # element index in the vote stream
         if SOURCE == 0:
             u = tl.load(u_ptr + j, mask=mask, other=0).to(tl.float32)
         elif SOURCE == 3:
             PER: tl.constexpr = 8 // BITS
-            k = (tl.load(u_ptr + j // PER, mask=mask, other=0).to(tl.int32) >> ((j % PER) * BITS)) & ((1 << BITS) - 1)
+            shift = ((j % PER) * BITS).to(tl.int32)
+            k = (tl.load(u_ptr + j // PER, mask=mask, other=0).to(tl.int32) >> shift) & ((1 << BITS) - 1)
             u = (k > above).to(tl.float32) - (k < below).to(tl.float32)
         else:
-            pb = (tl.load(u_ptr + j // 8, mask=mask, other=0).to(tl.int32) >> (j % 8)) & 1
+            bit = (j % 8).to(tl.int32)
+            pb = (tl.load(u_ptr + j // 8, mask=mask, other=0).to(tl.int32) >> bit) & 1
             if SOURCE == 1:
                 u = (2 * pb - 1).to(tl.float32)
             else:
-                nb = (tl.load(neg_ptr + j // 8, mask=mask, other=0).to(tl.int32) >> (j % 8)) & 1
+                nb = (tl.load(neg_ptr + j // 8, mask=mask, other=0).to(tl.int32) >> bit) & 1
                 u = (pb - nb).to(tl.float32)
         p = tl.load(p_ptr + i, mask=mask, other=0.0)
         m = tl.load(m_ptr + i, mask=mask, other=0.0)
@@ -181,10 +222,23 @@ def _grid(count: int) -> tuple[int]:
     return (triton.cdiv(count, _BLOCK),)
 
 
-def _encode(exp_avgs, grads, beta1, maximize, out: Tensor, *, mode: int, bits: int, step: int) -> bool:
+def _device_guard(device: torch.device):
+    """``torch.cuda.device(device)`` for a CUDA device; a null context otherwise (CPU tensors in
+    the interpreter: torch.cuda is never touched without CUDA)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _launch(kernel, count: int, tensor: Tensor, *args, **meta) -> None:
+    """``kernel`` over ``count`` indices (one program per ``_BLOCK``), launched with the current
+    device set to ``tensor``'s (:func:`_device_guard`), FMA contraction off. Every launch here."""
+    with _device_guard(tensor.device):
+        kernel[_grid(count)](*args, BLOCK=_BLOCK, **meta, **_NO_CONTRACTION)
+
+
+def _encode(exp_avgs, grads, beta1, maximize, out: Tensor, *, mode: int, bits: int, step: int) -> Tensor:
     k = len(exp_avgs)
     b1s, mxs = _per_tensor(beta1, k), _per_tensor(maximize, k)
-    bad = torch.zeros(1, dtype=torch.int32, device=out.device)
+    bad = torch.zeros((), dtype=torch.int32, device=out.device)  # 0-dim: `bad == 0` is the 0-dim answer
     start = 0
     for m, g, b1, mx in zip(exp_avgs, grads, b1s, mxs):
         n = m.numel()
@@ -195,25 +249,26 @@ def _encode(exp_avgs, grads, beta1, maximize, out: Tensor, *, mode: int, bits: i
         if mode == 0:
             per = 8 // bits
             nbytes = (start + n - 1) // per - start // per + 1
-            _encode_lanes_kernel[_grid(nbytes)](m, g, out, bad, n, start, b1, alpha,
-                                                EVEN=step % 2 == 0, BITS=bits, BLOCK=_BLOCK, **_NO_CONTRACTION)
+            _launch(_encode_lanes_kernel, nbytes, out, m, g, out, bad, n, start, b1, alpha,
+                    EVEN=step % 2 == 0, BITS=bits)
         else:
             dst = out.view(torch.int8)[start:start + n] if mode == 1 else out[start:start + n]
-            _encode_values_kernel[_grid(n)](m, g, dst, bad, n, b1, alpha, SIGNS=mode == 1, BLOCK=_BLOCK,
-                                            **_NO_CONTRACTION)
+            _launch(_encode_values_kernel, n, out, m, g, dst, bad, n, b1, alpha, SIGNS=mode == 1)
         start += n
-    return bad.item() == 0
+    return bad == 0  # on the device: no sync
 
 
 def encode(exp_avgs: list[Tensor], grads: list[Tensor], beta1, maximize, out: Tensor, *,
-           bits: int, step: int, signs: bool = False) -> bool:
+           bits: int, step: int, signs: bool = False) -> Tensor:
     """:func:`lioncub.fused.encode` on CUDA: lanes of ``c ≥ 0`` / ``c > 0`` or int8 signs into
-    the uint8 ``out``; returns whether every gradient element is finite."""
+    the uint8 ``out``; returns whether every gradient element is finite as a 0-dim
+    ``torch.bool`` tensor on ``out``'s device (True: all finite), computed without a host sync."""
     return _encode(exp_avgs, grads, beta1, maximize, out, mode=1 if signs else 0, bits=bits, step=step)
 
 
-def interpolate(exp_avgs: list[Tensor], grads: list[Tensor], beta1, maximize, out: Tensor) -> bool:
-    """:func:`lioncub.fused.interpolate` on CUDA: ``c`` into the flat fp32 ``out``."""
+def interpolate(exp_avgs: list[Tensor], grads: list[Tensor], beta1, maximize, out: Tensor) -> Tensor:
+    """:func:`lioncub.fused.interpolate` on CUDA: ``c`` into the flat fp32 ``out``; returns the
+    finite flag as :func:`encode` does (0-dim bool tensor on ``out``'s device, no host sync)."""
     return _encode(exp_avgs, grads, beta1, maximize, out, mode=2, bits=32, step=0)
 
 
@@ -221,8 +276,8 @@ def quantize_lanes(c: Tensor, mult: float, levels: int, bits: int, out: Tensor) 
     """:func:`lioncub.fused.quantize_lanes` on CUDA (arguments checked there)."""
     n = c.numel()
     if n:
-        _quantize_lanes_kernel[_grid(out.numel())](c, out, n, out.numel(), float(mult), float(levels),
-                                                   BITS=bits, BLOCK=_BLOCK, **_NO_CONTRACTION)
+        _launch(_quantize_lanes_kernel, out.numel(), out, c, out, n, out.numel(), float(mult), float(levels),
+                BITS=bits)
 
 
 def _apply(params, exp_avgs, grads, source: int, u: Tensor, neg: Optional[Tensor], bits: int, above: int,
@@ -235,9 +290,8 @@ def _apply(params, exp_avgs, grads, source: int, u: Tensor, neg: Optional[Tensor
         a, b2, wd = float(a), float(b2), float(wd)
         alpha2 = -(1.0 - b2) if mx else 1.0 - b2  # as lion.apply_update_
         if n:
-            _apply_kernel[_grid(n)](p, m, g, u, u if neg is None else neg, n, start, 1.0 - a * wd, -a, b2, alpha2,
-                                    above, below, HAS_DECAY=wd != 0, SOURCE=source, BITS=bits, BLOCK=_BLOCK,
-                                    **_NO_CONTRACTION)
+            _launch(_apply_kernel, n, p, p, m, g, u, u if neg is None else neg, n, start, 1.0 - a * wd, -a, b2,
+                    alpha2, above, below, HAS_DECAY=wd != 0, SOURCE=source, BITS=bits)
         start += n
 
 

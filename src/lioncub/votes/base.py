@@ -41,7 +41,7 @@ from typing import ClassVar, Optional
 import torch
 from torch import Tensor
 
-from .. import fused, kernels
+from .. import comm, fused, kernels
 from ..comm import CommStats
 from ..quantize import QUANTIZERS
 
@@ -210,16 +210,16 @@ class VoteMethod:
     def vote(self, c: Tensor, out: Tensor, step: int, group, stats: CommStats, generator=None) -> Tensor:
         """One part alone: encode, exchange, decode (``out`` may be ``c``)."""
         n = c.numel()
-        t0 = time.perf_counter()
+        t0 = comm.clock(stats)
         nb = self.part_nbytes(n)
         msg = torch.empty(self.message_nbytes(nb), dtype=torch.uint8, device=c.device)
         msg[nb:].zero_()
         self.encode(c, msg[:nb], step, generator, use_fused=fused.usable([c]))
-        stats.t_quantize_pack += time.perf_counter() - t0
+        stats.t_quantize_pack += comm.clock(stats) - t0
         voted = self.exchange(msg, nb, step, group, stats)
-        t0 = time.perf_counter()
+        t0 = comm.clock(stats)
         u = self.decode(voted, 0, n, out)
-        stats.t_unpack_vote += time.perf_counter() - t0
+        stats.t_unpack_vote += comm.clock(stats) - t0
         return u
 
     # ------------------------------------------------------------------ the reference

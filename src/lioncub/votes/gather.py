@@ -6,7 +6,6 @@ element per rank: (P−1) · 1/8 (docs/design.md §3). The local count grows wit
 """
 from __future__ import annotations
 
-import time
 
 import torch
 from torch import Tensor
@@ -29,13 +28,13 @@ class Gather(PackedSigns):
     def exchange(self, msg, m, step, group, stats) -> Tensor:
         """Voted bytes of shape (2, ·): row 0 the packed mask 2k > P, row 1 the mask 2k < P."""
         everyone = comm.all_gather(msg[:m], group, stats)  # (P, m)
-        t0 = time.perf_counter()
+        t0 = comm.clock(stats)
         gt, eq = kernels.vote_bits(everyone, self.world)  # packed words
         masks = torch.empty((2,) + gt.shape, dtype=gt.dtype, device=gt.device)
         masks[0].copy_(gt)
         torch.bitwise_or(gt, eq, out=masks[1])
         masks[1].bitwise_not_()  # 2k < P
-        stats.t_unpack_vote += time.perf_counter() - t0
+        stats.t_unpack_vote += comm.clock(stats) - t0
         return masks.view(torch.uint8)
 
     def decode(self, voted, offset, n, out):

@@ -7,7 +7,6 @@ rank: 2(P−1)/P · 1/8 (docs/design.md §3).
 """
 from __future__ import annotations
 
-import time
 
 from torch import Tensor
 
@@ -32,9 +31,9 @@ class OneBit(PackedSigns):
 
     def exchange(self, msg, m, step, group, stats) -> Tensor:
         mine = comm.all_to_all(msg[:self.message_nbytes(m)], group, stats)  # rank j gets everyone's chunk j
-        t0 = time.perf_counter()
+        t0 = comm.clock(stats)
         voted = kernels.majority_bits(mine.view(self.world, -1), self.world, self.parity(step))
-        stats.t_unpack_vote += time.perf_counter() - t0
+        stats.t_unpack_vote += comm.clock(stats) - t0
         return comm.all_gather(voted, group, stats).reshape(-1)
 
     def decode(self, voted, offset, n, out):

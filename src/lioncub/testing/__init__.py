@@ -1,0 +1,1 @@
+"""Tools for testing Lion Cub itself: the device audit and the optimizer paths it runs."""

@@ -1,0 +1,112 @@
+"""The device audit (issue 30): every optimizer path with its parameters on ``meta`` in a
+2-rank fake process group, every collective and host sync recorded (lioncub.testing.audit).
+
+The paths run in one subprocess (the fake group is process-global; the rest of the suite
+must not see an initialised default group). Then, per path: no collective tensor off the
+device, no dtype or reduce op NCCL lacks, no library draw from the global RNG, no host sync
+inside backward, and at most the path's budget of host syncs in any one step. A second group
+of tests shows the audit itself catches each kind of violation."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    out = tmp_path_factory.mktemp("audit") / "rows.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "device_audit.py"), "--out", str(out)],
+                          env=ENV, capture_output=True, text=True, timeout=600)
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {r["path"]: r for r in json.loads(out.read_text())}
+
+
+def _paths():
+    sys.path.insert(0, str(ROOT / "src"))
+    from lioncub.testing.paths import META_SKIP, PATHS, SYNC_BUDGET
+    return [n for n in PATHS if n not in META_SKIP], SYNC_BUDGET
+
+
+NAMES, BUDGET = _paths()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_path_keeps_every_collective_on_the_device_within_its_sync_budget(rows, name):
+    row = rows[name]
+    assert row["error"] is None, row
+    assert row["collectives"] > 0, row  # the path really communicated
+    assert row["violations"] == 0, row["violation_lines"]
+    assert row["syncs_in_backward"] == 0, row
+    assert row["max_syncs_per_step"] <= BUDGET[name], row["worst_step_syncs"]
+
+
+def test_every_binary_lioncub_step_reads_the_host_once(rows):
+    """The target: one host read per LionCub step (its agreement), for every binary vote,
+    with overlap, auto, check_every and the non-finite branch."""
+    for name in ("lioncub grad", "lioncub sign_allreduce", "lioncub gather", "lioncub onebit", "lioncub pbit",
+                 "lioncub pbit overlap", "lioncub onebit overlap", "lioncub auto (calibrated)",
+                 "lioncub check_every", "lioncub nonfinite skip", "lioncub momentum_sync all"):
+        assert rows[name]["max_syncs_per_step"] == 1, rows[name]["worst_step_syncs"]
+        assert rows[name]["worst_step_syncs"] == ["copy to cpu at distributed.py:" +
+                                                  rows[name]["worst_step_syncs"][0].split("distributed.py:")[1]]
+
+
+_CATCHES = r'''
+import torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from lioncub.testing.audit import DeviceAudit
+from lioncub import quantize
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+meta = torch.device("meta")
+out = {}
+def run(key, fn, drive=None):
+    a = DeviceAudit(meta, drive=drive)
+    try:
+        with a, a.phase("step 0"):
+            fn()
+    except Exception as e:
+        out[key + " error"] = type(e).__name__
+    out[key] = a.violations
+    out[key + " syncs"] = a.syncs_per_phase()
+    out[key + " backward"] = len(a.syncs_in_backward())
+run("cpu tensor", lambda: dist.all_reduce(torch.zeros(3)))
+run("band", lambda: dist.all_reduce(torch.zeros(3, dtype=torch.uint8, device=meta), op=dist.ReduceOp.BAND))
+run("bool", lambda: dist.all_reduce(torch.zeros(3, dtype=torch.bool, device=meta)))
+run("ok", lambda: dist.all_reduce(torch.zeros(3, dtype=torch.uint8, device=meta), op=dist.ReduceOp.MAX))
+run("item", lambda: torch.ones(2, device=meta).sum().item())
+run("tolist", lambda: torch.ones(2, device=meta).tolist())
+run("h2d", lambda: torch.tensor([1.0, 2.0]).to(meta))
+ones = lambda phase, t: torch.ones(t.shape, dtype=t.dtype)  # a norm of 1: the draw happens (0 skips it)
+run("global rng", lambda: quantize(torch.ones(8, device=meta), "linf", bits=4), drive=ones)
+run("barrier in step", lambda: dist.barrier())
+def backward_item():
+    w = torch.ones(3, device=meta, requires_grad=True)
+    w.register_post_accumulate_grad_hook(lambda p: p.grad.sum().item())
+    (w * 2).sum().backward()
+run("in backward", backward_item)
+print("JSON" + __import__("json").dumps(out))
+'''
+
+
+def test_the_audit_catches_each_kind_of_violation():
+    proc = subprocess.run([sys.executable, "-c", _CATCHES], env=ENV, capture_output=True, text=True, timeout=300)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("JSON")]
+    assert line, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = json.loads(line[0][4:])
+    assert any("cpu tensor" in v for v in out["cpu tensor"]), out
+    assert any("reduce op 5" in v for v in out["band"]), out
+    assert any("dtype torch.bool" in v for v in out["bool"]), out
+    assert out["ok"] == [] and out["ok syncs"] == {}, out
+    assert out["item syncs"] == {"step 0": 1} and out["tolist syncs"] == {"step 0": 1}, out
+    assert out["h2d syncs"] == {"step 0": 1}, out
+    assert any("global RNG" in v for v in out["global rng"]), out
+    assert any("barrier inside a step" in v for v in out["barrier in step"]), out
+    assert out["in backward backward"] == 1, out
