@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import comm, guard
+from . import amp, comm, guard
 from .comm import CommStats
 from .distributed import LionCub, NONFINITE_POLICIES
 from .lion import _validate_hyperparameters
@@ -247,15 +247,23 @@ class NodeCub(torch.optim.Optimizer):
                 if key != "params":
                     vote_group[key] = value
 
+    _step_supports_amp_scaling = True
+    """``GradScaler.step`` always calls :meth:`step` on every rank (see :mod:`lioncub.amp`)."""
+
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None):
-        """One step for every rank of every node. Collective: every rank calls it every iteration."""
+    def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler=None):
+        """One step for every rank of every node. Collective: every rank calls it every iteration.
+
+        ``grad_scaler`` (passed by ``GradScaler.step``): unscaled here; any rank's overflow
+        is agreed by the world's non-finite all-reduce, every rank skips together and every
+        scaler records the same verdict (:mod:`lioncub.amp`)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         with comm.step_context(self.steps):
             intra, inter = CommStats(), CommStats()
+            scaler_inf = amp.unscale(self, grad_scaler, self.params)
             self._average_in_node(intra)
             mine = [self.params[i] for i in self._mine]
             bad = torch.zeros(1, device=self.device)
@@ -264,9 +272,15 @@ class NodeCub(torch.optim.Optimizer):
                 bad.fill_(float(not finite))
             else:
                 bad.copy_(torch.logical_not(finite).reshape(1))
+            if scaler_inf is not None:
+                bad.add_((scaler_inf.to(self.device, non_blocking=True).reshape(1) > 0).float()).clamp_(max=1)
             comm.all_reduce(bad, None, inter)  # any non-finite node mean, on any shard of any node
             n_bad = int(bad.item())  # one host read
-            if n_bad:
+            if grad_scaler is not None:
+                amp.record_agreed(self, grad_scaler, n_bad)
+            if n_bad and grad_scaler is not None:
+                self.skipped_steps += 1
+            elif n_bad:
                 guard.handle_nonfinite(self, self.params, n_bad)  # raises, or all ranks skip
                 self.skipped_steps += 1
             else:

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import comm, guard, kernels, votes
+from . import amp, comm, guard, kernels, votes
 from .auto import agree_on_vote, vote_costs
 from .comm import CommStats
 from .lion import Lion, _validate_hyperparameters
@@ -267,16 +267,28 @@ class LocalCub(torch.optim.Optimizer):
         return state
 
     # ------------------------------------------------------------------ step
+    _step_supports_amp_scaling = True
+    """``GradScaler.step`` always calls :meth:`step` on every rank (see :mod:`lioncub.amp`)."""
+
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None):
-        """One inner step; when it completes a round of ``local_steps``, the outer step."""
+    def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler=None):
+        """One inner step; when it completes a round of ``local_steps``, the outer step.
+
+        ``grad_scaler`` (passed by ``GradScaler.step``): the gradients are unscaled here; an
+        overflow on this rank skips this rank's inner step only (inner steps are local, so
+        the ranks' loss scales need not agree, and agreeing would cost a collective per
+        step); the round's collectives run on every rank regardless."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        present = [p for p in self.params if p.grad is not None]
+        scaler_inf = amp.unscale(self, grad_scaler, self.params)
         # one host read per inner step on a GPU: a NaN must not reach the inner optimizer's state
         # (the round's end then decides on every rank at once)
-        if bool(guard.grads_finite([p for p in self.params if p.grad is not None])):
+        if scaler_inf is not None and bool(scaler_inf.sum() > 0):
+            pass  # the scaler's overflow: skip this inner step; update() backs off this rank's scale
+        elif bool(guard.grads_finite(present)):
             self.inner.step()
         else:
             self._bad_round = True
