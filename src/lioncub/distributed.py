@@ -365,13 +365,13 @@ class LionCub(torch.optim.Optimizer):
                scaler_inf: Optional[Tensor] = None) -> tuple[list[bool], int, int]:
         """The step's one small all-reduce and its one host read. Summed over ranks, on the
         device: per parameter the number of ranks *without* a gradient, then the number of
-        ranks whose gradient holds a NaN/Inf, then ``extra`` (the replica check's flag), each
-        0 on the ordinary path. ``finite``: this rank's answer when already known (a bool, or
+        ranks whose gradient holds a NaN/Inf, then ``extra`` (the replica check's flag, on the
+        steps that check), each 0 on the ordinary path. ``finite``: this rank's answer when already known (a bool, or
         a 0-dim bool tensor from the fused encode), else checked here. ``scaler_inf``: the
         loss scaler's found-inf of this rank (counted with the non-finite ranks).
         Returns (active per parameter, non-finite ranks, extra's sum)."""
         n = len(params)
-        counts = self.bucket_step.buffer("agree", n + 2, torch.uint8, self.device)
+        counts = self.bucket_step.buffer("agree", n + 1 + (extra is not None), torch.uint8, self.device)
         counts.zero_()
         for i, p in enumerate(params):  # a missing gradient is rare: one scalar fill each
             if p.grad is None:
@@ -391,7 +391,7 @@ class LionCub(torch.optim.Optimizer):
         if self.world_size > 1:
             comm.all_reduce(counts, self.group, stats)
         host = counts.tolist()  # the step's one host sync
-        return [c < self.world_size for c in host[:n]], host[n], host[n + 1]
+        return [c < self.world_size for c in host[:n]], host[n], host[n + 1] if extra is not None else 0
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler=None):

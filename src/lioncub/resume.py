@@ -97,11 +97,23 @@ def _mean_momenta(states: Sequence[dict]) -> dict:
 
 
 def _derived_generator_state(states: Sequence[dict], new_rank: int) -> torch.Tensor:
+    """A state for new rank ``new_rank``'s quantizer generator, of the old states' kind.
+
+    Generator states are CPU byte tensors, a CUDA generator's too (``.cpu()`` in case a
+    caller moved them). The new state is that of a generator like the saved one (a CPU one,
+    or a CUDA one when the saved state is not a CPU generator's) seeded from the hash."""
     h = hashlib.sha256(b"lioncub.reshard")
     for sd in states:
-        h.update(sd["lioncub"]["generator"].numpy().tobytes())
+        h.update(sd["lioncub"]["generator"].cpu().numpy().tobytes())
     h.update(new_rank.to_bytes(8, "little"))
-    return torch.Generator().manual_seed(int.from_bytes(h.digest()[:8], "little")).get_state()
+    seed = int.from_bytes(h.digest()[:8], "little")
+    cpu = torch.Generator()
+    if states[0]["lioncub"]["generator"].numel() == cpu.get_state().numel():
+        return cpu.manual_seed(seed).get_state()
+    if torch.cuda.is_available():  # a CUDA generator's state (its seed and offset)
+        return torch.Generator(device="cuda").manual_seed(seed).get_state()
+    raise ValueError("the saved quantizer generator state is not a CPU generator's and CUDA is not available "
+                     "here: reshard a checkpoint saved on CUDA where CUDA is available")
 
 
 def reshard_states(states: Sequence[dict], world_size: int) -> list[dict]:

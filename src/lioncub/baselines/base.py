@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import comm
+
 __all__ = ["Adapter", "broadcast_module", "set_lr"]
 
 
@@ -61,9 +63,9 @@ def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
 
 @torch.no_grad()
 def broadcast_module(module: nn.Module, group=None) -> None:
-    """Start every replica from rank 0's parameters (what DDP and LionCub do on construction)."""
+    """Start every replica from ``group``'s first rank's parameters (what DDP and LionCub do on
+    construction), one broadcast per parameter on its own device."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
-    src = dist.get_global_rank(group, 0) if group is not None else 0
     for p in module.parameters():
-        dist.broadcast(p.data, src=src, group=group)
+        comm.broadcast(p.data, group, src=0)  # src: a group rank

@@ -19,6 +19,10 @@ On the wire, per rank per step, one ``uint8`` message through ``all_gather``: ``
 values and ``k`` uint8 indices per row; with the defaults (``k=4``, ``chunk=64``)
 ``4·(32 + 8) / 64 = 2.5`` bits per element per step. Defaults ``beta=0.999`` (the
 paper's), decoupled weight decay as in AdamW. Replicas stay identical after every step.
+
+Devices: the DCT matrix, the momenta and every message live on the parameters' device
+(:func:`lioncub.comm.device_of`; the matrix is built on the CPU in float64 and moved, so it
+is the same on every device); the message travels through :func:`lioncub.comm.all_gather`.
 """
 from __future__ import annotations
 
@@ -28,19 +32,21 @@ import math
 import torch
 from torch import nn
 
+from .. import comm
 from .base import Adapter, broadcast_module
 from .wire import Packer, Reader, all_gather_bytes, check_config, check_float, check_int, rows, unrows
 
 __all__ = ["DeMo", "dct_matrix"]
 
 
-def dct_matrix(c: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The orthonormal DCT-II matrix of size ``c`` (rows: frequencies): ``D @ D.T = I``."""
+def dct_matrix(c: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
+    """The orthonormal DCT-II matrix of size ``c`` (rows: frequencies): ``D @ D.T = I``, on ``device``
+    (default CPU). Built on the CPU in float64 and cast there, so its values do not depend on ``device``."""
     j = torch.arange(c, dtype=torch.float64).view(-1, 1)
     t = torch.arange(c, dtype=torch.float64).view(1, -1)
     d = math.sqrt(2.0 / c) * torch.cos(math.pi * (2 * t + 1) * j / (2 * c))
     d[0] /= math.sqrt(2.0)
-    return d.to(dtype)
+    return d.to(dtype).to(device if device is not None else "cpu")
 
 
 class DeMo(Adapter):
@@ -62,13 +68,14 @@ class DeMo(Adapter):
         self.name = "demo"
         broadcast_module(module, group)
         self.params = list(module.parameters())
+        self.device = comm.device_of(self.params)
         self.momentum = [torch.zeros_like(p) for p in self.params]
-        self.dct = dct_matrix(self.chunk)
+        self.dct = dct_matrix(self.chunk, device=self.device)
         self.sent_bytes, self.last_message = 0, None
 
     @torch.no_grad()
     def step(self, lr: float) -> bool:
-        packer = Packer()
+        packer = Packer(self.device)
         for p, m in zip(self.params, self.momentum):
             m.mul_(self.beta)
             if p.grad is not None:
@@ -84,7 +91,7 @@ class DeMo(Adapter):
         readers = [Reader(msg) for msg in all_gather_bytes(msg, self.group, self.world)]
         for p in self.params:
             nrows = math.ceil(p.numel() / self.chunk)
-            total = torch.zeros(nrows, self.chunk)
+            total = torch.zeros(nrows, self.chunk, device=self.device)
             for reader in readers:  # rank order: the same sum on every rank; a rank's indices are distinct
                 val = reader.take(torch.float32, nrows * self.k).view(nrows, self.k)
                 total.scatter_add_(1, reader.take(torch.uint8, nrows * self.k).view(nrows, self.k).long(), val)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
+from .. import comm
 from .base import Adapter, broadcast_module, set_lr
 from .ddp import BETAS
 
@@ -101,7 +102,7 @@ class DiLoCo(Rounds):
         sizes = [p.numel() for p in self.params]
         delta = torch.cat([(g - p).reshape(-1) for g, p in zip(self.global_params, self.params)])  # (n,)
         if self.world > 1:
-            dist.all_reduce(delta, group=self.group)
+            comm.all_reduce(delta, self.group)  # on the parameters' device
             delta /= self.world
         for g, d in zip(self.global_params, delta.split(sizes)):
             g.grad = d.view_as(g)

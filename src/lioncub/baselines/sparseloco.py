@@ -29,6 +29,10 @@ defaults (``k=64``, ``chunk=4096``, 1.56% density) ``(32 + 64·18) / 4096 = 0.28
 element per round, ``0.289 / H`` per step. The inner AdamW moments persist across rounds (as
 in DiLoCo). Defaults ``beta=0.95``, ``outer_lr=1.0`` (plain SGD outer step: error feedback
 plays the part of DiLoCo's outer momentum).
+
+Devices: the round's start, the error-feedback buffers, every message and every decoded
+tensor live on the parameters' device (:func:`lioncub.comm.device_of`); the message travels
+through :func:`lioncub.comm.all_gather`.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ import math
 import torch
 from torch import nn
 
+from .. import comm
 from .base import broadcast_module
 from .ddp import BETAS
 from .local import Rounds, _check_period
@@ -63,7 +68,7 @@ def encode(x: torch.Tensor, chunk: int, k: int, packer: Packer) -> torch.Tensor:
     keep = (mag >= LO * scale) & (scale > 0)
     sign = torch.gather(r, 1, idx) < 0
     code = (mag >= HI * scale).to(torch.uint8) | (sign.to(torch.uint8) << 1)
-    sent = torch.where(keep, _values(scale, code), torch.zeros((), dtype=x.dtype))
+    sent = torch.where(keep, _values(scale, code), x.new_zeros(()))
     packer.add(scale.reshape(-1).float())
     packer.add(torch.where(keep, idx, DROP).to(torch.int16))
     flat = code.reshape(-1)
@@ -73,15 +78,16 @@ def encode(x: torch.Tensor, chunk: int, k: int, packer: Packer) -> torch.Tensor:
 
 
 def decode(reader: Reader, n: int, chunk: int, k: int) -> torch.Tensor:
-    """What :func:`encode` wrote for a flat tensor of ``n`` elements, as that tensor (fp32)."""
+    """What :func:`encode` wrote for a flat tensor of ``n`` elements, as that tensor (fp32, on the
+    message's device)."""
     nrows = math.ceil(n / chunk)
     scale = reader.take(torch.float32, nrows).view(-1, 1)
     idx = reader.take(torch.int16, nrows * k).view(nrows, k).long()
     packed = reader.take(torch.uint8, math.ceil(nrows * k / 4))
     code = torch.stack([(packed >> s) & 3 for s in (0, 2, 4, 6)], dim=1).reshape(-1)[:nrows * k].view(nrows, k)
-    val = torch.where(idx != DROP, _values(scale, code), torch.zeros(()))
+    val = torch.where(idx != DROP, _values(scale, code), scale.new_zeros(()))
     # an unsent entry adds 0.0 at index 0: harmless; the kept indices of a row are distinct
-    return unrows(torch.zeros(nrows, chunk).scatter_add_(1, idx.clamp(min=0), val), n)
+    return unrows(torch.zeros(nrows, chunk, device=scale.device).scatter_add_(1, idx.clamp(min=0), val), n)
 
 
 class SparseLoCo(Rounds):
@@ -107,6 +113,7 @@ class SparseLoCo(Rounds):
         self.name = f"sparseloco-h{H}"
         broadcast_module(module, group)
         self.params = list(module.parameters())
+        self.device = comm.device_of(self.params)
         self.inner = torch.optim.AdamW(self.params, lr=lr, betas=BETAS, weight_decay=weight_decay)
         self.start = [p.detach().clone() for p in self.params]
         self.error = [torch.zeros_like(p) for p in self.params]
@@ -119,7 +126,7 @@ class SparseLoCo(Rounds):
 
     @torch.no_grad()
     def outer_step(self) -> None:
-        packer = Packer()
+        packer = Packer(self.device)
         for p, start, e, (_, c, k) in zip(self.params, self.start, self.error, self.layout):
             e.mul_(self.beta).add_(start - p)  # e ← β·e + Δ
             e.sub_(encode(e.reshape(-1), c, k, packer).view_as(e))  # exact (module doc)
@@ -127,7 +134,7 @@ class SparseLoCo(Rounds):
         self.sent_bytes += msg.numel()
         readers = [Reader(m) for m in all_gather_bytes(msg, self.group, self.world)]
         for p, start, (n, c, k) in zip(self.params, self.start, self.layout):
-            total = torch.zeros(n)
+            total = torch.zeros(n, device=self.device)
             for reader in readers:  # rank order: the same sum on every rank
                 total += decode(reader, n, c, k)
             start.sub_(total.view_as(start), alpha=self.outer_lr / self.world)

@@ -3,13 +3,15 @@
 Both cut each parameter tensor, flattened, into rows of ``chunk`` elements (the last row
 zero-padded), pick ``k`` entries per row, and exchange one ``uint8`` message per rank
 through ``all_gather`` (every rank's message has the same length: ``k`` is fixed per row).
+Messages live on the parameters' device and travel through :func:`lioncub.comm.all_gather`.
 """
 from __future__ import annotations
 
 import math
 
 import torch
-import torch.distributed as dist
+
+from .. import comm
 
 __all__ = ["rows", "unrows", "Packer", "Reader", "all_gather_bytes", "check_int", "check_float", "check_config"]
 
@@ -29,16 +31,19 @@ def unrows(r: torch.Tensor, n: int) -> torch.Tensor:
 
 
 class Packer:
-    """Tensors of several dtypes laid end to end in one ``uint8`` message, and taken apart again."""
+    """Tensors of several dtypes laid end to end in one ``uint8`` message, and taken apart again.
 
-    def __init__(self):
+    ``device``: where an empty message is made (a message of parts lies on their device)."""
+
+    def __init__(self, device: torch.device | str | None = None):
         self.parts: list[torch.Tensor] = []
+        self.device = torch.device("cpu") if device is None else torch.device(device)
 
     def add(self, t: torch.Tensor) -> None:
         self.parts.append(t.contiguous().reshape(-1).view(torch.uint8))
 
     def message(self) -> torch.Tensor:
-        return torch.cat(self.parts) if self.parts else torch.zeros(0, dtype=torch.uint8)
+        return torch.cat(self.parts) if self.parts else torch.zeros(0, dtype=torch.uint8, device=self.device)
 
 
 class Reader:
@@ -55,12 +60,10 @@ class Reader:
 
 
 def all_gather_bytes(msg: torch.Tensor, group=None, world: int = 1) -> list[torch.Tensor]:
-    """Every rank's message (the same length on every rank), in rank order."""
+    """Every rank's message (the same length on every rank, on the parameters' device), in rank order."""
     if world == 1:
         return [msg]
-    out = [torch.empty_like(msg) for _ in range(world)]
-    dist.all_gather(out, msg, group=group)
-    return out
+    return list(comm.all_gather(msg, group).unbind(0))
 
 
 def check_int(name: str, value, low: int, high: int, what: str) -> int:

@@ -26,9 +26,8 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from .. import LionCub
+from .. import LionCub, comm
 from .. import instruments as ins
 from . import report
 from ..distributed import OPTIMIZER_VOTES
@@ -134,7 +133,7 @@ def _train(cfg: AnalyzeConfig, rank: int, world: int, *, measure: bool) -> dict:
         out["bytes_per_step"].append(opt.last_step_stats.bytes_sent)
         if step % 10 == 0 or step == cfg.steps - 1:
             mean = loss.detach().clone()
-            dist.all_reduce(mean)
+            comm.all_reduce(mean)  # on the model's device, as the loss is
             out["loss"].append({"step": step, "loss": float(mean) / world})
     out["wall_s"] = time.perf_counter() - t0
     out["momentum_sync"] = opt.momentum_sync.state_dict()

@@ -39,6 +39,12 @@ Resuming on another world size (:func:`load_checkpoint` reads every old
   its own shard. About as much data as was consumed is skipped, but not the very
   windows (each epoch's order is a fresh permutation of the new shard).
 - RNG (dropout masks): reseeded from ``(seed, rank, step)``, distinct per rank.
+
+Devices: every file is read with ``map_location="cpu"``. RNG states are CPU byte tensors
+(a CUDA generator's state too), which ``set_state`` and ``.numpy()`` need; the model's and the
+optimizer's ``load_state_dict`` copy the rest onto the parameters' device. The collectives of
+:func:`save_checkpoint` (barriers, the gathered file listing) run on the parameters' device
+through :mod:`lioncub.comm`, as NCCL requires.
 """
 from __future__ import annotations
 
@@ -55,6 +61,8 @@ import warnings
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from .. import comm
 
 
 class CheckpointError(ValueError):
@@ -75,30 +83,34 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
+    """Restore :func:`rng_state`'s states (its tensors are CPU tensors; moved there if not)."""
+    torch.set_rng_state(state["torch"].cpu())
     n, py = state["numpy"], state["python"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    np.random.set_state((n["kind"], n["keys"].cpu().numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["gauss"]))
     random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"].cpu())
 
 
 def save_checkpoint(run_dir: str, step: int, *, model, optimizer, loader, meta: dict, keep: int = 2) -> str:
-    """Collective: every rank writes its file; returns the checkpoint directory."""
+    """Collective: every rank writes its file; returns the checkpoint directory.
+
+    Its barriers and the gathered file listing run on the model's parameters' device."""
     rank = dist.get_rank()
+    device = comm.device_of(model.parameters())
     root = os.path.join(run_dir, "ckpt")
     final = os.path.join(root, f"step_{step:07d}")
     tmp = os.path.join(root, f".step_{step:07d}.tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    dist.barrier()
+    comm.barrier(device=device)
     files = _write(tmp, f"rank{rank}.pt", {"optimizer": optimizer.state_dict(), "buffers": dict(model.named_buffers()),
                                            "loader": loader.state_dict(), "rng": rng_state()})
     if rank == 0:
         files.update(_write(tmp, "model.pt", model.state_dict()))
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, files)  # after this every rank's file is on disk
+    gathered = comm.all_gather_object(files, device=device)  # after this every rank's file is on disk
     if rank == 0:
         listing = {name: entry for part in gathered for name, entry in sorted(part.items())}
         record = {"step": step, "world_size": dist.get_world_size(), **meta, "files": listing}
@@ -107,7 +119,7 @@ def save_checkpoint(run_dir: str, step: int, *, model, optimizer, loader, meta: 
             json.dump(record, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-    dist.barrier()
+    comm.barrier(device=device)
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -116,7 +128,7 @@ def save_checkpoint(run_dir: str, step: int, *, model, optimizer, loader, meta: 
         old = sorted(d for d in os.listdir(root) if d.startswith("step_"))[:-keep]
         for d in old:
             shutil.rmtree(os.path.join(root, d), ignore_errors=True)
-    dist.barrier()
+    comm.barrier(device=device)
     return final
 
 
@@ -174,9 +186,10 @@ def _check(path: str, entry: dict, size: int, sha256: str) -> None:
         raise CheckpointError(f"{path} is corrupt: its SHA-256 differs from meta.json's")
 
 
-def read_file(ckpt_dir: str, name: str, meta: dict, map_location=None):
+def read_file(ckpt_dir: str, name: str, meta: dict, map_location="cpu"):
     """One checkpoint file: its size and SHA-256 checked against ``meta``, then unpickled with
-    ``weights_only=True`` (tensors and plain Python values only). Raises CheckpointError naming the file."""
+    ``weights_only=True`` (tensors and plain Python values only). Raises CheckpointError naming the file.
+    Tensors land on ``map_location`` (CPU by default: RNG states must stay CPU tensors)."""
     path = os.path.join(ckpt_dir, name)
     entry = meta["files"].get(name)
     if entry is None:
@@ -238,16 +251,21 @@ def latest_checkpoint(run_dir: str) -> str | None:
     return None
 
 
-def load_checkpoint(ckpt_dir: str, *, model, optimizer, loader, device, seed: int = 0) -> dict:
+def load_checkpoint(ckpt_dir: str, *, model, optimizer, loader, device=None, seed: int = 0) -> dict:
     """Restore this rank's state in place; returns meta (``meta['step']`` steps are done).
 
     A checkpoint from another world size is re-sharded (rules in the module docstring);
-    ``meta['resharded_from']`` then holds the saved world size."""
+    ``meta['resharded_from']`` then holds the saved world size.
+
+    Files are read onto the CPU (``map_location="cpu"``): RNG states stay CPU tensors, and
+    ``model.load_state_dict`` / ``optimizer.load_state_dict`` / the buffer copies move the
+    rest onto the parameters' device. ``device`` (kept for callers) is not needed for that."""
     meta = read_meta(ckpt_dir)
     rank, world, old_world = dist.get_rank(), dist.get_world_size(), meta["world_size"]
-    model.load_state_dict(read_file(ckpt_dir, "model.pt", meta, device))
+    # assign=False (the default): copied into the existing parameters, which stay on their device
+    model.load_state_dict(read_file(ckpt_dir, "model.pt", meta, "cpu"))
     if old_world == world:
-        rank_state = read_file(ckpt_dir, f"rank{rank}.pt", meta, device)
+        rank_state = read_file(ckpt_dir, f"rank{rank}.pt", meta, "cpu")
         with torch.no_grad():
             for name, buf in model.named_buffers():
                 buf.copy_(rank_state["buffers"][name])
@@ -255,7 +273,7 @@ def load_checkpoint(ckpt_dir: str, *, model, optimizer, loader, device, seed: in
         loader.load_state_dict(rank_state["loader"])
         set_rng_state(rank_state["rng"])
         return meta
-    old = [read_file(ckpt_dir, f"rank{r}.pt", meta, device) for r in range(old_world)]
+    old = [read_file(ckpt_dir, f"rank{r}.pt", meta, "cpu") for r in range(old_world)]
     with torch.no_grad():
         for name, buf in model.named_buffers():
             saved = [s["buffers"][name] for s in old]

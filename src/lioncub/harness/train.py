@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .. import Lion, LionCub, LocalCub, NodeCub, node_groups
+from .. import Lion, LionCub, LocalCub, NodeCub, comm, node_groups
 from . import checkpoint
 from .config import TrainConfig
 from .data import (ImageLoader, TokenLoader, ensure_prepared, eval_batches, image_eval_batches,
@@ -126,14 +126,16 @@ def lr_factor(step: int, config: TrainConfig) -> float:
 
 
 class _Data:
-    """The rank's training loader, its fixed validation batches and what the model needs to know."""
+    """The rank's training loader, its fixed validation batches and what the model needs to know.
 
-    def __init__(self, config: TrainConfig, rank: int, world: int):
+    ``device``: the run's device, which the barrier names under NCCL."""
+
+    def __init__(self, config: TrainConfig, rank: int, world: int, device: torch.device | None = None):
         kw = dict(batch_size=config.batch_size, rank=rank, world_size=world, seed=config.seed)
         if config.is_gpt:
             if rank == 0:  # one rank tokenises; the others wait at the barrier
                 ensure_prepared(config.data, config.cache_dir)
-            dist.barrier()
+            comm.barrier(device=device)
             token_dir = ensure_prepared(config.data, config.cache_dir)
             self.info = read_meta(token_dir)
             self.loader = TokenLoader(os.path.join(token_dir, "train.bin"), block_size=config.block_size, **kw)
@@ -184,11 +186,12 @@ def make_optimizer(config: TrainConfig, groups: list[dict], model=None):
 
 
 def _allreduce_grads(params: list[torch.Tensor], world: int) -> tuple[float, float]:
-    """Average gradients with one fp32 SUM allreduce; returns (seconds, ring-model bytes sent)."""
+    """Average gradients with one fp32 SUM allreduce (on the gradients' device); returns
+    (seconds, ring-model bytes sent)."""
     grads = [p.grad for p in params if p.grad is not None]
     t0 = time.perf_counter()
     flat = torch.cat([g.reshape(-1) for g in grads]).float()
-    dist.all_reduce(flat)
+    comm.all_reduce(flat)
     flat /= world
     offset = 0
     for g in grads:
@@ -209,7 +212,7 @@ def evaluate(model, data: _Data, config: TrainConfig, device, autocast) -> dict:
         totals[0] += loss.double() * len(y)
         totals[1] += 0 if correct is None else correct.double()
         totals[2] += len(y)
-    dist.all_reduce(totals)
+    comm.all_reduce(totals)
     model.train()
     out = {"val_loss": (totals[0] / totals[2]).item()}
     if not config.is_gpt:
@@ -224,18 +227,18 @@ def train_worker(config: TrainConfig) -> dict:
     torch.manual_seed(config.seed)  # same init on every rank (LionCub also broadcasts rank 0's)
     np.random.seed(config.seed + rank)
     random.seed(config.seed + rank)
-    data = _Data(config, rank, world)
+    data = _Data(config, rank, world, device)
     model = build_model(config, data.info).to(device)
     torch.manual_seed(config.seed + 1000 + rank)  # dropout masks differ across ranks, as their data does
     if config.optimizer != "lioncub":
-        for t in model.state_dict().values():
-            dist.broadcast(t, src=0)
+        for t in model.state_dict().values():  # on ``device``, as the model is
+            comm.broadcast(t, src=0)
     groups = param_groups(model, lr=config.lr, weight_decay=config.weight_decay,
                           lr_embed=config.lr_embed, lr_head=config.lr_head)
     base_lrs = [g["lr"] for g in groups]
     opt = make_optimizer(config, groups, model)
     params = [p for g in groups for p in g["params"]]
-    start, resume_from = 0, _resume_path(config)
+    start, resume_from = 0, _resume_path(config, device)
     if resume_from:
         meta = checkpoint.load_checkpoint(resume_from, model=model, optimizer=opt, loader=data.loader,
                                           device=device, seed=config.seed)
@@ -270,12 +273,12 @@ def train_worker(config: TrainConfig) -> dict:
             opt.step()
             s = opt.last_step_stats
             t_vote = s.t_quantize_pack + s.t_collective + s.t_unpack_vote
-            comm = {"bytes_sent": s.bytes_sent, "bytes_recv": s.bytes_recv, "n_collectives": s.n_collectives,
-                    "skipped_steps": opt.skipped_rounds if isinstance(opt, LocalCub) else opt.skipped_steps}
+            traffic = {"bytes_sent": s.bytes_sent, "bytes_recv": s.bytes_recv, "n_collectives": s.n_collectives,
+                       "skipped_steps": opt.skipped_rounds if isinstance(opt, LocalCub) else opt.skipped_steps}
         else:
             t_vote, sent = _allreduce_grads(params, world)
             opt.step()
-            comm = {"bytes_sent": sent, "bytes_recv": sent, "n_collectives": 1}
+            traffic = {"bytes_sent": sent, "bytes_recv": sent, "n_collectives": 1}
         sync()
         t_step = time.perf_counter() - t0
         opt.zero_grad(set_to_none=True)
@@ -283,10 +286,10 @@ def train_worker(config: TrainConfig) -> dict:
         done = step + 1
         if done % config.log_every == 0 or done == config.steps:
             mean_loss = loss.detach().float().clone()
-            dist.all_reduce(mean_loss)
+            comm.all_reduce(mean_loss)
             record = {"kind": "step", "step": done, "loss": mean_loss.item() / world, "lr": base_lrs[-1] * lr_scale,
                       "t_step": t_step, "t_compute": t_compute, "t_vote": t_vote,
-                      "t_other": t_step - t_compute - t_vote, **comm,
+                      "t_other": t_step - t_compute - t_vote, **traffic,
                       "tokens_per_s" if config.is_gpt else "images_per_s": data.items_per_step / t_step,
                       "train_time": train_time, "elapsed": time.perf_counter() - t_begin}
             steps.append(record)
@@ -312,16 +315,16 @@ def train_worker(config: TrainConfig) -> dict:
     return summary
 
 
-def _resume_path(config: TrainConfig) -> str | None:
+def _resume_path(config: TrainConfig, device: torch.device | None = None) -> str | None:
     """The checkpoint to continue from: ``resume``, else with ``auto_resume`` ``out``'s newest valid one
-    (if any). Rank 0 decides (and warns about a corrupt newer checkpoint it skips); every rank gets its pick."""
+    (if any). Rank 0 decides (and warns about a corrupt newer checkpoint it skips); every rank gets its pick
+    (a JSON broadcast on ``device``, the run's device)."""
     if config.resume:
         return checkpoint.find_checkpoint(config.resume)
     if not config.auto_resume:
         return None
-    pick = [checkpoint.latest_checkpoint(config.out) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(pick, src=0)
-    return pick[0]
+    pick = checkpoint.latest_checkpoint(config.out) if dist.get_rank() == 0 else None
+    return comm.broadcast_object(pick, device=device, src=0)
 
 
 def summarize(config: TrainConfig, steps: list[dict], evals: list[dict], *, world: int, n_params: int,

@@ -63,12 +63,12 @@ def lioncub(device, audit, steps: int = 3, **kw) -> None:
 
 def _drive_bad_step(audit, phase: str) -> None:
     """On ``meta`` (no values) make the agreement read in ``phase`` say one rank saw a NaN:
-    LionCub's agreement is uint8 [ranks without a gradient per parameter, non-finite ranks,
-    replica flag]; on a real device the NaN itself drives it."""
+    LionCub's agreement is uint8 [ranks without a gradient per parameter, non-finite ranks(,
+    replica flag on checking steps)]; on a real device the NaN itself drives it."""
     def drive(current, t):
         if current == phase and t.dtype == torch.uint8 and t.dim() == 1 and t.numel() >= 2:
             out = torch.zeros(t.shape, dtype=t.dtype)
-            out[-2] = 1
+            out[-1] = 1  # (no replica check in these paths: the flag is last)
             return out
         return None
     audit.drive = drive
