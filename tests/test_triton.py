@@ -296,6 +296,9 @@ def test_quantize_lanes_equals_round_clamp_then_pack(n):
             got = _d(torch.full((-(-n * bits // 8),), 0xAA, dtype=torch.uint8))
             tk.quantize_lanes(_d(c), mult, levels, bits, got)
             assert _same(got, want), (bits, levels, mult)
+            got.fill_(0xAA)  # the multiplier as a device scalar (no host read of the scale): same bytes
+            tk.quantize_lanes(_d(c), _d(torch.tensor(mult, dtype=torch.float32)), levels, bits, got)
+            assert _same(got, want), ("tensor mult", bits, levels, mult)
 
 
 HYPER = [(1e-3, 0.0, 0.99, False), (0.7, 1.3, 0.5, True)]

@@ -228,11 +228,12 @@ def interpolate(exp_avgs: list[Tensor], grads: list[Tensor], beta1, maximize, ou
     return _encode(exp_avgs, grads, beta1, maximize, out, mode=2, bits=32, step=0)
 
 
-def quantize_lanes(c: Tensor, mult: float, levels: int, bits: int, out: Tensor) -> None:
+def quantize_lanes(c: Tensor, mult, levels: int, bits: int, out: Tensor) -> None:
     """``bits``-wide lanes (2, 4, 8) of ``q + levels``, ``q = round(c·mult)`` clamped to
     ``[-levels, levels]`` (half to even), into the uint8 ``out``: what
     ``quantize._scaled`` + :func:`lioncub.kernels.pack_bytes` make of the flat fp32 ``c``,
-    in one pass. ``mult``: ``levels / norm``, or 0 for an all-zero code."""
+    in one pass. ``mult``: ``levels / norm``, or 0 for an all-zero code: a float, or a 0-dim
+    fp32 tensor (on CUDA it stays there: the kernel loads it, no host read)."""
     if bits not in (2, 4, 8):
         raise ValueError(f"bits must be 2, 4 or 8, got {bits!r}")
     if not isinstance(levels, int) or not 1 <= levels or 2 * levels >= 1 << bits:  # q + levels fits a lane
@@ -245,7 +246,7 @@ def quantize_lanes(c: Tensor, mult: float, levels: int, bits: int, out: Tensor) 
         raise ValueError(f"out must be a contiguous uint8 tensor of {need} bytes, got {out.dtype} {tuple(out.shape)}")
     if _gpu(c) is not None:
         return _gpu(c).quantize_lanes(c, mult, levels, bits, out)
-    _lib().lc_quantize_lanes(c.data_ptr(), n, mult, levels, bits, out.data_ptr())
+    _lib().lc_quantize_lanes(c.data_ptr(), n, float(mult), levels, bits, out.data_ptr())  # CPU: free to read
 
 
 def apply(params: list[Tensor], exp_avgs: list[Tensor], grads: list[Tensor], u: Tensor, *, lr,

@@ -50,7 +50,7 @@ ROUNDED = ("l1", "l0", "lp")
 
 class Quantized(NamedTuple):
     values: Tensor  # int8, in [-levels, levels]
-    scale: float  # x ≈ values * scale
+    scale: float  # x ≈ values * scale (off the CPU a 0-dim tensor on the device: no host read)
 
 
 def levels_for_bits(bits: int) -> int:
@@ -60,32 +60,37 @@ def levels_for_bits(bits: int) -> int:
     return (1 << (bits - 1)) - 1
 
 
-def lp_norm(x: Tensor, p: float, work: Tensor | None = None) -> float:
-    """The normaliser :math:`M_p(x)`: p=inf is max|x|, p=0 the geometric mean of non-zero |x|.
-
-    ``work``: a kept fp32 tensor of ``x``'s numel to hold ``|x|`` (for an fp32 ``x``; saves
-    allocating it: the same values, so the same result)."""
+def norm_tensor(x: Tensor, p: float, work: Tensor | None = None) -> Tensor:
+    """:func:`lp_norm` as a 0-dim fp32 tensor on ``x``'s device (no host read): what the
+    quantizers use off the CPU, where reading it back would stall for the device."""
     x = x.detach().reshape(-1)
     if work is not None and x.dtype == torch.float32 and work.dtype == torch.float32 and work.numel() == x.numel():
         a = torch.abs(x, out=work.reshape(-1))
     else:
         a = x.abs().float()
     if a.numel() == 0:
-        return 0.0
+        return torch.zeros((), dtype=torch.float32, device=a.device)
     if p == math.inf:
-        return float(a.max())
+        return a.max()
     if p == 0:
-        if a.device.type != "cpu":  # no data-dependent shape off the CPU (a[a > 0] would sync once more)
+        if a.device.type != "cpu":  # no data-dependent shape off the CPU (a[a > 0] syncs)
             keep = a > 0
             count = keep.sum()
             logs = torch.where(keep, torch.log(torch.where(keep, a, torch.ones_like(a))), torch.zeros_like(a))
-            return float(torch.where(count > 0, torch.exp(logs.sum() / count.clamp_min(1)), torch.zeros_like(count,
-                                     dtype=a.dtype)))
+            return torch.where(count > 0, torch.exp(logs.sum() / count.clamp_min(1)), torch.zeros((), device=a.device))
         nz = a[a > 0]
-        return float(torch.exp(torch.log(nz).mean())) if nz.numel() else 0.0
+        return torch.exp(torch.log(nz).mean()) if nz.numel() else torch.zeros((), dtype=torch.float32)
     if p == 1:
-        return float(a.mean())
-    return float(a.pow(p).mean().pow(1.0 / p))
+        return a.mean()
+    return a.pow(p).mean().pow(1.0 / p)
+
+
+def lp_norm(x: Tensor, p: float, work: Tensor | None = None) -> float:
+    """The normaliser :math:`M_p(x)`: p=inf is max|x|, p=0 the geometric mean of non-zero |x|.
+
+    ``work``: a kept fp32 tensor of ``x``'s numel to hold ``|x|`` (for an fp32 ``x``; saves
+    allocating it: the same values, so the same result). A host read: see :func:`norm_tensor`."""
+    return float(norm_tensor(x, p, work))
 
 
 def _round(y: Tensor, stochastic: bool, generator: torch.Generator | None) -> Tensor:
@@ -95,20 +100,32 @@ def _round(y: Tensor, stochastic: bool, generator: torch.Generator | None) -> Te
     return torch.floor(y + noise)
 
 
-def multiplier(levels: int, norm: float) -> float:
+def multiplier(levels: int, norm):
     """What a scaled quantizer multiplies ``x`` by before rounding: ``levels / norm``, or
-    0.0 when ``norm`` is 0 or not finite (every code 0)."""
+    0.0 when ``norm`` is 0 or not finite (every code 0). ``norm`` a float, or a 0-dim tensor
+    (the result is then a 0-dim fp32 tensor on its device, equal to the float's: a float32
+    division is correctly rounded either way)."""
+    if isinstance(norm, Tensor):
+        norm = norm.float()
+        ok = torch.isfinite(norm) & (norm != 0)
+        return torch.where(ok, levels / torch.where(ok, norm, torch.ones_like(norm)), torch.zeros_like(norm))
     return 0.0 if norm == 0.0 or not math.isfinite(norm) else levels / norm
 
 
 def scale_norm(x: Tensor, method: str, p: float = 1.0, work: Tensor | None = None) -> float:
     """The normaliser a scaled quantizer (``l1``, ``l0``, ``lp`` with ``p``, ``linf``)
     divides ``x`` by: what :func:`quantize` uses, and the fused encode of :mod:`lioncub.votes.pbit`."""
+    if x.device.type != "cpu":  # off the CPU: a 0-dim tensor on the device, never read back
+        return norm_tensor(x, NORM_P.get(method, p), work)
     return lp_norm(x, NORM_P.get(method, p), work)
 
 
-def _scaled(x: Tensor, levels: int, norm: float, stochastic: bool, generator) -> Quantized:
+def _scaled(x: Tensor, levels: int, norm, stochastic: bool, generator) -> Quantized:
     mult = multiplier(levels, norm)
+    if isinstance(mult, Tensor):  # off the CPU: no branch on the value (a zero mult gives zero codes)
+        y = x.float() * mult
+        q = _round(y, stochastic, generator).clamp_(-levels, levels)
+        return Quantized(q.to(torch.int8), torch.where(mult != 0, norm.float() / levels, torch.zeros_like(mult)))
     if mult == 0.0:
         return Quantized(torch.zeros(x.shape, dtype=torch.int8, device=x.device), 0.0)
     y = x.float() * mult
@@ -118,6 +135,14 @@ def _scaled(x: Tensor, levels: int, norm: float, stochastic: bool, generator) ->
 
 def _log(x: Tensor, levels: int) -> Quantized:
     top = int(math.floor(math.log2(levels)))  # largest code is 2**top <= levels
+    if x.device.type != "cpu":  # the same codes, no host read of the norm
+        norm = norm_tensor(x, math.inf)
+        ok = torch.isfinite(norm) & (norm != 0)
+        a = x.float().abs() / torch.where(ok, norm, torch.ones_like(norm))
+        e = torch.round(torch.log2(a.clamp_min(1e-30))) + top
+        mag = torch.where((e >= 0) & ok, torch.exp2(e.clamp_min(0)), torch.zeros_like(e))
+        q = (torch.sign(x.float()) * mag).to(torch.int8)
+        return Quantized(q, torch.where(ok, norm / (1 << top), torch.zeros_like(norm)))
     norm = lp_norm(x, math.inf)
     if norm == 0.0 or not math.isfinite(norm):
         return Quantized(torch.zeros(x.shape, dtype=torch.int8, device=x.device), 0.0)

@@ -166,7 +166,7 @@ if triton is not None:
         tl.atomic_or(bad_ptr, _nonfinite_any(g))
 
     @triton.jit(do_not_specialize=["n", "nbytes"])
-    def _quantize_lanes_kernel(c_ptr, out_ptr, n, nbytes, mult, s, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    def _quantize_lanes_kernel(c_ptr, out_ptr, n, nbytes, mult_ptr, s, BITS: tl.constexpr, BLOCK: tl.constexpr):
         PER: tl.constexpr = 8 // BITS
         byte = _block_offsets(tl.program_id(0), BLOCK)
         lane = tl.arange(0, PER)
@@ -174,6 +174,7 @@ if triton is not None:
         inside = i < n
         c = tl.load(c_ptr + i, mask=inside, other=0.0)
         sf = s
+        mult = tl.load(mult_ptr)  # a device scalar: the scale is never read back to the host
         y = c * mult
         y = tl.where(y < -sf, -sf, tl.where(y > sf, sf, y))  # clamp first: rounding is monotone
         y = (y + _MAGIC) - _MAGIC  # half to even (|y| <= 127 here)
@@ -276,7 +277,11 @@ def quantize_lanes(c: Tensor, mult: float, levels: int, bits: int, out: Tensor) 
     """:func:`lioncub.fused.quantize_lanes` on CUDA (arguments checked there)."""
     n = c.numel()
     if n:
-        _launch(_quantize_lanes_kernel, out.numel(), out, c, out, n, out.numel(), float(mult), float(levels),
+        if isinstance(mult, Tensor):
+            mult_t = mult.to(device=c.device, dtype=torch.float32).reshape(1)
+        else:  # a Python float: filled on the device, no host-to-device copy
+            mult_t = torch.full((1,), float(mult), dtype=torch.float32, device=c.device)
+        _launch(_quantize_lanes_kernel, out.numel(), out, c, out, n, out.numel(), mult_t, float(levels),
                 BITS=bits)
 
 

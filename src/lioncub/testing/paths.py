@@ -200,14 +200,10 @@ PATHS: dict[str, Callable] = _paths()
 SYNC_BUDGET: dict[str, int] = {name: 1 for name in PATHS}
 """Host syncs one step may take: LionCub's one agreement read. The exceptions, and why:"""
 for _name in PATHS:
-    if any(_name == f"lioncub pbit {q}" for q in ("l1", "lp", "l0", "linf", "log")) or _name == "lioncub state_dict/load":
-        SYNC_BUDGET[_name] = 1 + 6  # + one per bucket (6 here): a quantizer's scale is read on the host
     if _name == "lioncub momentum_sync adaptive":
         SYNC_BUDGET[_name] = 2  # + the divergence estimate that chooses which momenta to average
     if _name.startswith("localcub"):
         SYNC_BUDGET[_name] = 2  # the inner step's NaN check (keeps it out of the inner state) + the round's read
-        if _name == "localcub pbit linf":
-            SYNC_BUDGET[_name] = 3  # + the quantizer scale
     if _name.startswith("nodecub"):
         SYNC_BUDGET[_name] = 3  # the node mean's gradient presence, the world's NaN verdict, the vote's read
 
