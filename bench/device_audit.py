@@ -21,13 +21,28 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 
-def audit_path(name: str, run, world_size: int = 2) -> dict:
+def _legacy_drive(phase, t):
+    """Values for code written before the zero-is-ordinary convention (the 'before' table of
+    issue 30): bool reads answer True (finite, equal), the old has-grad vector 1s with its
+    trailing non-finite count 0, everything else 0."""
+    import torch
+
+    if t.dtype == torch.bool:
+        return torch.ones(t.shape, dtype=t.dtype)
+    if t.dtype == torch.uint8 and t.dim() == 1 and t.numel() > 1:
+        out = torch.ones(t.shape, dtype=t.dtype)
+        out[-1] = 0
+        return out
+    return None
+
+
+def audit_path(name: str, run, world_size: int = 2, legacy: bool = False) -> dict:
     """One path under the audit; the row of the report."""
     import torch
 
     from lioncub.testing.audit import DeviceAudit
 
-    audit = DeviceAudit(torch.device("meta"))
+    audit = DeviceAudit(torch.device("meta"), drive=_legacy_drive if legacy else None)
     error = None
     try:
         with audit:
@@ -65,6 +80,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="JSON rows")
     ap.add_argument("--md", help="markdown table")
     ap.add_argument("--only", default="", help="comma-separated substrings of path names")
+    ap.add_argument("--legacy-values", action="store_true",
+                    help="answer host reads as code before issue 30 expects (for the 'before' table)")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     from lioncub.testing.paths import META_SKIP, PATHS, SYNC_BUDGET
@@ -77,7 +94,7 @@ def main(argv=None) -> int:
         if name in META_SKIP:
             print(f"{name:40s} not run on meta: {META_SKIP[name]}")
             continue
-        row = audit_path(name, run)
+        row = audit_path(name, run, legacy=args.legacy_values)
         rows.append(row)
         print(f"{name:40s} violations={row['violations']:3d} syncs/step={row['max_syncs_per_step']:2d} "
               f"(budget {SYNC_BUDGET.get(name)}) backward={row['syncs_in_backward']} {row['error'] or ''}", flush=True)
