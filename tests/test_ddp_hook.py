@@ -9,8 +9,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lioncub import LionCub
+from lioncub import overlap as overlap_mod
 from lioncub.ddp_hook import register
 from tests.dist import run_workers
+from tests.test_overlap import HostSyncs, no_cuda_calls
 
 
 class Net(torch.nn.Module):
@@ -94,6 +96,56 @@ def _ddp_worker(rank, world):
 
 def test_ddp_hook_matches_standalone_lioncub():
     assert all(run_workers(_ddp_worker, 2))
+
+
+def _ddp_run(cfg, rank, threaded, steps=3):
+    """DDP + the hook under :class:`~tests.test_overlap.HostSyncs`; ``threaded=False``: the
+    path CUDA takes (the votes' collectives issued from the comm hook, no vote thread)."""
+    saved = overlap_mod.THREADED_DEVICES
+    overlap_mod.THREADED_DEVICES = ("cpu",) if threaded else ()
+    try:
+        _, _, ddp, opt = _pair(cfg)
+        state = register(ddp, opt)
+    finally:
+        overlap_mod.THREADED_DEVICES = saved
+    assert (state._thread is not None) == threaded
+    counter, launched = HostSyncs(), []
+    with counter, no_cuda_calls():
+        for step in range(steps):
+            _loss(ddp, rank, step).backward()
+            launched.append(len(state._pending))
+            opt.step()
+            opt.zero_grad()
+    return [p.detach().clone() for p in ddp.module.parameters()], counter.where, launched
+
+
+def _ddp_sync_worker(rank, world):
+    for cfg in (dict(vote="pbit"), dict(vote="onebit"), dict(vote="gather"),
+                dict(vote="pbit", bits=8, quantizer="l1")):
+        quantized = cfg.get("quantizer") is not None
+        if quantized:  # DDP's buckets are not LionCub's: per-bucket scales differ; threaded is the reference
+            ref = _ddp_run(cfg, rank, True)[0]
+        else:
+            plain, opt, _, _ = _pair(cfg)
+            for step in range(3):
+                _loss(plain, rank, step).backward()
+                opt.step()
+                opt.zero_grad()
+            ref = [p.detach().clone() for p in plain.parameters()]
+        for threaded in (True, False):
+            got, syncs, launched = _ddp_run(cfg, rank, threaded)
+            assert syncs == [], (cfg, threaded, syncs)  # nothing in the comm hook waits for the device
+            assert all(torch.equal(a, b) for a, b in zip(ref, got)), (cfg, threaded)
+            # launched by DDP's hook during backward; without a vote thread an encode that reads
+            # its scale back waits for step() (in DDP's bucket order)
+            assert all(k == 0 for k in launched) if quantized and not threaded else all(k >= 1 for k in launched)
+    return True
+
+
+def test_ddp_hook_takes_no_host_sync_in_backward():
+    """The comm hook reads nothing back from the device, on the CPU's vote-thread path and on
+    the CUDA path (collectives from the hook, taken here on gloo), bit-identical to LionCub."""
+    assert all(run_workers(_ddp_sync_worker, 2))
 
 
 def _trainer_worker(rank, world, out_dir):

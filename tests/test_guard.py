@@ -175,17 +175,17 @@ def _on_group(rank, world):
     model = _net()
     opt = LionCub(model.parameters(), lr=0.01, model=model, check_every=2)
     n_coll = []
-    for step in range(2):
+    for step in range(3):  # the parameters after step 2 are checked at the start of the third step()
         _backward(model, rank, step)
         opt.step()
         n_coll.append(opt.last_step_stats.n_collectives)
     if rank == 3:
         with torch.no_grad():  # the smallest possible drift: one ulp of one element
             model[0].bias[1] = torch.nextafter(model[0].bias[1], torch.tensor(math.inf))
-    _backward(model, rank, 2)
-    opt.step()
     _backward(model, rank, 3)
-    out["replicas"] = (n_coll, _error(opt.step))
+    opt.step()  # (after 3 steps: no check)
+    _backward(model, rank, 4)
+    out["replicas"] = (n_coll, _error(opt.step))  # after 4: checked, with this step's agreement
     return out
 
 
@@ -211,7 +211,7 @@ def test_validation_nonfinite_and_replica_guard_on_four_ranks():
             assert "this rank's gradients are finite" in msg
         assert out["skip"] == (True, 1, 4, True, True)
         n_coll, err = out["replicas"]
-        assert n_coll[1] == n_coll[0] + 1  # the check at step 2 is one more collective
+        assert n_coll[1] == n_coll[0] and n_coll[2] == n_coll[0] + 1  # the check of step 2: one all-gather more
         assert err is not None and err[0] == "RuntimeError"
         assert ("replicas diverged at step 4: parameter 1 ('0.bias', shape (3,)) on rank(s) [3] "
                 "differs from rank 0") in err[1]

@@ -1,11 +1,19 @@
 """Overlapped votes (LionCub(overlap=True)) on real gloo groups: the same parameters, bit
 for bit, as votes after backward; gradient accumulation; missing gradients; votes really
-launched during backward; hooks removed cleanly."""
+launched during backward; hooks removed cleanly; no host sync inside a backward hook, on
+the CPU's vote-thread path and on the path CUDA takes (collectives issued from the hooks)."""
+import contextlib
+import traceback
+
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
-from lioncub import LionCub
+from lioncub import LionCub, fused
+from lioncub import overlap as overlap_mod
+from lioncub.comm import CommStats
 from lioncub.cost import predicted_bytes
 from tests.dist import run_workers
 
@@ -151,3 +159,125 @@ def test_single_process_overlap_is_lion_and_validates():
     with pytest.raises(TypeError, match="must be a lioncub.LionCub"):
         Overlap(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
     opt.remove_hooks()
+
+
+# ---------------------------------------------------------------- host syncs inside backward
+_DATA_DEPENDENT = {"nonzero", "masked_select", "unique", "_unique2", "unique_consecutive", "equal", "is_nonzero"}
+
+
+class HostSyncs(TorchDispatchMode):
+    """Counts the operators that make the host wait for the device, when they run inside
+    backward (``torch._C._current_graph_task_id() != -1``: an autograd hook, a DDP comm hook):
+    a read of a scalar (``aten._local_scalar_dense``: ``item``, ``bool``, ``int``, ``float``),
+    a copy from a non-CPU tensor to the CPU (``.cpu()``, ``.tolist()``), and ops whose output
+    size depends on the data. On CPU tensors a read of a scalar is still a dispatch call, so
+    this counts the syncs a CUDA run would take. ``where``: the library frame of each."""
+
+    def __init__(self):
+        super().__init__()
+        self.where: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch._C._current_graph_task_id() != -1:
+            name = func.__name__.split(".")[0]
+            tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+            to_cpu = (name == "_to_copy" and kwargs.get("device") is not None
+                      and torch.device(kwargs["device"]).type == "cpu" and args[0].device.type != "cpu") or (
+                name == "copy_" and args[0].device.type == "cpu" and args[1].device.type != "cpu")
+            if name == "_local_scalar_dense" or to_cpu or (name in _DATA_DEPENDENT and tensors):
+                frames = [f for f in traceback.extract_stack() if "lioncub" in f.filename]
+                last = frames[-1] if frames else None
+                self.where.append(f"{name} at {last.filename.rsplit('/', 1)[-1]}:{last.lineno} {last.name}"
+                                  if last else name)
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def no_cuda_calls():
+    """Any torch.cuda stream / event call inside fails: on CPU tensors the drivers make none."""
+    names = ("current_stream", "Stream", "Event", "stream", "synchronize")
+    saved = {n: getattr(torch.cuda, n) for n in names}
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a torch.cuda call on the CPU path")
+    try:
+        for n in names:
+            setattr(torch.cuda, n, refuse)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.cuda, n, f)
+
+
+def _counted(cfg, rank, threaded=True, steps=3):
+    """Train with overlap=True under :class:`HostSyncs`; the CUDA path (exchanges issued from
+    the hooks, no vote thread) when not ``threaded``. Returns (params, opt, syncs, launched)."""
+    saved = overlap_mod.THREADED_DEVICES
+    overlap_mod.THREADED_DEVICES = ("cpu",) if threaded else ()
+    try:
+        model, opt = _make(cfg, True)
+    finally:
+        overlap_mod.THREADED_DEVICES = saved
+    assert (opt.driver._thread is not None) == threaded
+    counter, launched = HostSyncs(), []
+    with counter, no_cuda_calls():
+        for step in range(steps):
+            _loss(model, rank, step).backward()
+            launched.append(len(opt.driver._pending))
+            opt.step()
+            opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()], opt, counter.where, launched
+
+
+QUANTIZED = [dict(vote="pbit", bits=8, quantizer="l1"), dict(vote="pbit", bits=8, quantizer="linf")]
+
+
+def _sync_worker(rank, world):
+    for cfg in VOTES + QUANTIZED:
+        ref, _ = _train(cfg, cfg.get("quantizer") is not None, rank, steps=3)
+        for threaded in (True, False):
+            got, opt, syncs, launched = _counted(cfg, rank, threaded)
+            assert syncs == [], (cfg, threaded, syncs)  # no host sync inside a backward hook
+            assert all(torch.equal(a, b) for a, b in zip(ref, got)), (cfg, threaded)
+            if cfg.get("quantizer") is None or threaded:  # votes launched by backward
+                assert launched[-1] == len(opt.buckets), (cfg, threaded, launched)
+            else:  # an encode that reads its scale back waits for step() when there is no vote thread
+                assert launched == [0] * len(launched), (cfg, launched)
+            opt.remove_hooks()
+    # the finite flag of the encodes, combined without a sync (the C loops: bools)
+    model, opt = _make(dict(vote="pbit"), True)
+    for bad in (False, True):
+        loss = _loss(model, rank, 0)
+        (loss * float("nan") if bad and rank == 1 else loss).backward()
+        opt.driver.finish_votes(CommStats())
+        flag = opt.driver.finite()
+        if fused.status().startswith("in use"):
+            assert flag is (not (bad and rank == 1)), (bad, flag)
+        else:  # the torch ops do not check: step() does
+            assert flag is None
+        opt.driver.discard()
+        opt.zero_grad()
+    opt.remove_hooks()
+    return True
+
+
+def test_no_host_sync_inside_backward_hooks():
+    """overlap=True: no hook reads a device value back to the host (counted with a dispatch
+    mode during backward), on the vote-thread path (CPU) and on the CUDA path (collectives
+    from the hooks, taken here on gloo), each bit-identical to votes after backward."""
+    assert all(run_workers(_sync_worker, 2))
+
+
+def test_finite_flags_combine_without_reading_them():
+    """VoteDriver.finite's AND: bools short-circuit, 0-dim tensors combine on the device,
+    one unchecked bucket (None) leaves the check to step()."""
+    and_ = overlap_mod._and
+    assert and_([True, True]) is True and and_([True, False]) is False and and_([True, None]) is None
+    t, f = torch.tensor(True), torch.tensor(False)
+    with HostSyncs() as counter:  # (outside backward nothing is counted: check the type instead)
+        out = and_([True, t, t])
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bool and out.dim() == 0 and bool(out)
+    assert not bool(and_([t, f, True])) and and_([t, False]) is False and and_([f, None]) is None
+    assert and_([None, False]) is False  # known non-finite: no need to check the rest
+    assert counter.where == []

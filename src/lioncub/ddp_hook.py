@@ -7,7 +7,8 @@ index order on every rank)::
 
     hook(bucket):  encode this rank's part from c = β1·m_i + (1-β1)·g_i (local g_i),
                    as LionCub.step does     (the :class:`~lioncub.overlap.VoteDriver` launch)
-                   queue its exchange         on a background thread (no fp32 allreduce)
+                   issue its exchange (no fp32 allreduce): CUDA, enqueued from the hook
+                   on the driver's side stream; CPU, on the driver's FIFO thread
                    return the bucket unchanged    → p.grad stays the LOCAL gradient
     opt.step():    wait for the votes; θ ← θ(1-ηλ) - η·u;  m_i ← β2·m_i + (1-β2)·g_i
 
@@ -17,6 +18,19 @@ driver until ``step()``. So the training loop does not change, DDP's ``no_sync()
 gradient accumulation works as usual (DDP calls no hook inside it), and for
 every binary-sign vote the parameters are bit-identical to LionCub without DDP
 (quantized ``pbit`` normalises per bucket, and DDP's buckets differ from LionCub's).
+
+Order and streams (docs/design.md §13): DDP calls the hook from its reducer during backward,
+bucket by bucket in DDP's bucket index order (the same on every rank: DDP broadcasts its
+bucket assignment), and the hook launches each vote at once, so the votes' collectives follow
+DDP's bucket order. On CUDA they are enqueued by the thread DDP calls the hook on, the thread
+that also enqueues DDP's own backward collectives (the unused-parameter map, after the last
+bucket), so the order of both process groups' NCCL calls is the same on every rank. The hook
+never waits for the device: the encode runs on the hook's current stream (the gradients'), the
+exchange on a side stream that waits on an event recorded after it, the returned future is
+device-aware (``Future(devices=[...])``: DDP's wait makes its stream wait, no host wait), and
+the finite flag of the encode is kept for ``step()``, not read. An encode that reads a number
+back to the host (a quantizer's scale) is not run in the hook: on CUDA its launch waits for
+``step()``, still in DDP's bucket order; on the CPU it runs on the vote thread.
 
 Gradient clipping between backward and ``step()`` (HF Trainer's ``max_grad_norm``)
 would reach the momentum but not the vote, which ran during backward: turn it off
@@ -81,10 +95,14 @@ class DDPVote(VoteDriver):
             idx.append(i)
         if self.accumulating:  # opt.no_sync() used instead of ddp.no_sync(): DDP still syncs
             raise RuntimeError("use the DDP model's no_sync() for gradient accumulation under DDP")
-        self.launch(idx)
+        self.launch(idx)  # DDP's bucket order; enqueues only (no host sync, see the module doc)
         self._covered.update(idx)
-        fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result(bucket.buffer())  # unchanged: p.grad keeps the local gradient
+        buffer = bucket.buffer()
+        # CUDA: a device-aware future (an event on the current stream; whoever waits, waits on
+        # the device, not the host); elsewhere a plain one, as before
+        fut: torch.futures.Future = (torch.futures.Future(devices=[buffer.device]) if buffer.device.type == "cuda"
+                                     else torch.futures.Future())
+        fut.set_result(buffer)  # unchanged: p.grad keeps the local gradient
         return fut
 
     def launch_rest(self) -> None:

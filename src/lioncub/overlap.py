@@ -1,4 +1,4 @@
-r"""Overlap the majority vote with backward (docs/design.md §9).
+r"""Overlap the majority vote with backward (docs/design.md §9, §13).
 
 Without overlap, :meth:`LionCub.step` computes every bucket's ``c``, votes and applies
 after backward has finished: step time ≈ compute + comm. With overlap a bucket's vote
@@ -10,17 +10,33 @@ Mechanism (one :class:`VoteDriver` per optimizer)::
 
     backward: grad of p accumulated ─► bucket b complete? ─► launch buckets in index order:
                  this rank's part of bucket b's message (BucketStep.encode_bucket, as
-                 LionCub.step writes it; caller thread)
-                 submit the vote method's exchange (the collectives) to one background
-                 thread (FIFO; torch ops and gloo release the GIL)
+                 LionCub.step writes it), then the vote method's exchange (the collectives):
+                 CUDA (and every device but the CPU): both in the hook, on the hook's
+                   thread; the exchange under the driver's side stream, which first waits
+                   on an event recorded on the hook's stream after the encode. NCCL only
+                   enqueues: the hook returns at once, nothing waits for the device.
+                 CPU: the exchange on one background FIFO thread (gloo blocks the caller
+                   until a collective is done; torch ops and gloo release the GIL).
     step():   launch buckets not launched yet (params without a gradient vote as zeros)
-              wait for every exchange ─► agree on active params / non-finite (as without
-              overlap) ─► per bucket BucketStep.apply_bucket: θ ← θ(1-ηλ) - η·u,
+              wait for every exchange (CPU: the thread's futures; CUDA: step's current stream
+              waits on each vote's done-event, no host wait) ─► agree on active params /
+              non-finite (as without overlap; :meth:`VoteDriver.finite` is this rank's finite
+              flag from the encodes) ─► per bucket BucketStep.apply_bucket: θ ← θ(1-ηλ) - η·u,
               m ← β2·m + (1-β2)·g (the same encode and apply as without overlap)
 
-Every rank launches buckets in the same order (bucket index order, like DDP: a bucket
-that completes early waits for its predecessors), so the collectives line up. All
-votes of a step run on the one FIFO thread, on the driver's own process group.
+Order: every rank launches buckets in the same order, bucket index order (like DDP: a bucket
+that completes early waits for its predecessors), so the collectives line up by construction.
+On CUDA they are enqueued by the one thread that runs the backward hooks, at points of its
+program fixed by the bucket index, so their order relative to every other collective of the
+job (DDP's, on other process groups) is the same on every rank too: no second host thread
+issues NCCL calls. On the CPU the one FIFO thread is the only user of the votes' own process
+group (see below), in submission order = index order.
+
+No host sync in a hook: a hook only counts gradients, encodes (the fused encodes return their
+finite flag as a Python bool or a 0-dim bool tensor on the device: kept, never read here) and
+enqueues. An encode that needs a number on the host (a quantizer's scale: ``quantizer`` other
+than None or ``'sign'``) does not run in the hook: on the CPU it runs on the vote thread before
+the exchange, elsewhere the bucket's launch waits for ``step()`` (still in index order).
 
 :class:`Overlap` is the driver for ``LionCub(..., overlap=True)``: it hooks every
 parameter with ``Tensor.register_post_accumulate_grad_hook`` and uses LionCub's own
@@ -33,10 +49,11 @@ gradient on some rank and the vote is per element (all binary-sign votes); quant
 ``pbit`` normalises per bucket, and a parameter with no gradient anywhere still takes
 part in its bucket's scale (its update is still skipped).
 
-The vote thread has its own process group (``dist.new_group`` over the optimizer's
-ranks, made when the driver is created: a collective call), so collectives the main
-thread issues meanwhile — DDP's unused-parameter all-reduce, a logged loss — cannot
-interleave with the votes and disagree on their order across ranks.
+The votes have their own process group (``dist.new_group`` over the optimizer's ranks, made
+when the driver is created: a set-up call, on every rank, in the same place; on CUDA its NCCL
+communicator is also created then, by one barrier, so no hook waits for it), so collectives
+the main thread issues meanwhile on other groups — a logged loss — never share a queue with
+the votes.
 
 Gradient accumulation: run every micro-batch but the last under ``opt.no_sync()``;
 only the last backward launches votes. A gradient accumulated after its bucket was
@@ -48,15 +65,29 @@ import queue
 import threading
 from concurrent.futures import Future
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from . import comm
 from .comm import CommStats
 
 __all__ = ["VoteDriver", "Overlap"]
+
+THREADED_DEVICES = ("cpu",)
+"""Device types whose exchanges run on the vote thread (gloo blocks the calling thread for
+the whole collective). Every other device type (CUDA; ``meta`` under the device audit)
+issues them from the hook itself, where NCCL only enqueues them."""
+
+HOST_FREE_QUANTIZERS = (None, "sign")
+"""Quantizers whose encode needs no number on the host (the others read their scale back:
+``quantize.scale_norm``), so it may run inside a backward hook."""
+
+Flag = Union[bool, Tensor, None]
+"""A finite flag: a Python bool, a 0-dim bool tensor on the device (not read back), or None
+(not checked by the encode)."""
 
 
 class _VoteThread:
@@ -90,12 +121,47 @@ class _VoteThread:
         self._thread.join(timeout=60)
 
 
+class _Vote:
+    """One launched bucket: parameter indices, its own stats (no ``sync``: nothing in a hook
+    synchronises), and once known its voted bytes and this rank's finite flag.
+
+    ``future``: CPU, the vote thread's job, resolving to ``(voted, finite)``; ``done``: CUDA,
+    the event after the vote's last kernel; ``waited``: the stream already made to wait on it."""
+
+    __slots__ = ("idx", "stats", "future", "voted", "finite", "done", "waited")
+
+    def __init__(self, idx: list[int]):
+        self.idx, self.stats = list(idx), CommStats()
+        self.future: Optional[Future] = None
+        self.voted: Optional[Tensor] = None
+        self.finite: Flag = None
+        self.done = None
+        self.waited = None
+
+
+def _and(flags: list[Flag]) -> Flag:
+    """AND of finite flags without a host sync: False if a bool is False, else None if one is
+    None (unchecked: the caller checks), else True or a 0-dim bool tensor (``torch.logical_and``
+    of the tensors, on their device)."""
+    if any(f is not None and not isinstance(f, Tensor) and not f for f in flags):  # host values only
+        return False
+    if any(f is None for f in flags):
+        return None
+    acc: Flag = True
+    for f in flags:
+        if isinstance(f, Tensor):
+            acc = f if acc is True else torch.logical_and(acc, f)
+    return acc
+
+
 class VoteDriver:
     """Launches bucket votes asynchronously and applies them in ``LionCub.step``.
 
     Subclasses decide *when* a bucket (a list of parameter indices into
-    ``opt.param_entries``) is launched; this class does the launch, the wait and the apply,
-    through the optimizer's public plan (``plan_bucket``) and ``bucket_step``.
+    ``opt.param_entries``) is launched, in the same order on every rank; this class does the
+    launch, the wait and the apply, through the optimizer's public plan (``plan_bucket``) and
+    ``bucket_step``. ``LionCub.step`` calls :meth:`finish_votes`, then (for the agreement)
+    :meth:`finite`, then :meth:`apply` or :meth:`discard`.
     """
 
     def __init__(self, opt):
@@ -107,39 +173,98 @@ class VoteDriver:
         self.opt = opt
         self.n_params = len(opt.param_entries)
         self._index = {id(p): i for i, (_, p) in enumerate(opt.param_entries)}
-        self.group = None  # the votes' own process group: no race with main-thread collectives
+        self.device = comm.device_of([p for _, p in opt.param_entries])
+        self._cuda = self.device.type == "cuda"  # every torch.cuda call below is behind this
+        self.group = None  # the votes' own process group
         if opt.world_size > 1:
             base = opt.group if opt.group is not None else dist.group.WORLD
             self.group = dist.new_group(dist.get_process_group_ranks(base), backend=dist.get_backend(base))
-        self._thread = _VoteThread()
-        self._pending: list[tuple[list[int], Future, CommStats]] = []
+            if self._cuda:  # NCCL makes a communicator on first use: here, not in the first hook
+                comm.barrier(self.group, self.device)
+        self._thread = _VoteThread() if self.device.type in THREADED_DEVICES else None
+        self._side = None  # CUDA: the stream the exchanges run on (made on first use)
+        self._applied = None  # CUDA: event after the last step's apply (or discard)
+        self._pending: list[_Vote] = []
+        self._deferred: list[list[int]] = []  # launches asked for in a hook, run by step()
+        self._stepping = False
         self.accumulating = False
 
     # ---------------------------------------------------------------- launching
+    def _host_encode(self) -> bool:
+        """Whether this step's encode reads a number back to the host (not in a hook)."""
+        return self.opt.world_size > 1 and getattr(self.opt.method, "quantizer", None) not in HOST_FREE_QUANTIZERS
+
     def launch(self, idx: list[int]) -> None:
-        """Encode params ``idx`` now (this rank's part: one message per bucket) and queue
-        the exchange. World size 1: c's sign, no message."""
+        """Launch the vote of params ``idx`` (called in launch order, the same on every rank).
+        World size 1: c's sign, no message. Where the encode needs the host and there is no
+        vote thread, the launch waits for step() (:meth:`finish_votes`), in the same order."""
+        if not self._stepping and self._thread is None and self._host_encode():
+            self._deferred.append(list(idx))
+            return
+        self._start(idx)
+
+    def _start(self, idx: list[int]) -> None:
         opt, run = self.opt, self.opt.bucket_step
         bucket = opt.plan_bucket(idx)
-        stats = CommStats()
+        vote = _Vote(idx)
         step, k = opt.steps, len(self._pending)  # one buffer per in-flight vote
+        self._pending.append(vote)
+        caller = torch.cuda.current_stream(self.device) if self._cuda else None  # the hook's stream
+        if caller is not None and self._applied is not None:
+            caller.wait_event(self._applied)  # the last apply (maybe another stream) read m, g, buffers
         if opt.world_size == 1:
             with torch.no_grad():
-                flat = run.bucket_c(bucket, stats, key=("launch", k)).sign_()
-            self._pending.append((idx, self._thread.submit(lambda: flat), stats))
+                vote.voted = run.bucket_c(bucket, vote.stats, key=("launch", k)).sign_()
+            vote.done = self._record(caller)
             return
         method = opt.method
         m = method.part_nbytes(bucket.numel)
         buf = run.buffer(("launch", k), method.message_nbytes(m), torch.uint8, bucket.device)
         buf[m:].zero_()
-        with torch.no_grad():
-            run.encode_bucket(bucket, buf[:m], step, stats)  # done here: "c" is free again
 
-        def vote():
+        def encode() -> Flag:
+            with torch.no_grad():
+                return run.encode_bucket(bucket, buf[:m], step, vote.stats)
+
+        def exchange() -> Tensor:
             with comm.step_context(step), torch.no_grad():
-                return method.exchange(buf, m, step, self.group, stats)
+                return method.exchange(buf, m, step, self.group, vote.stats)
 
-        self._pending.append((idx, self._thread.submit(vote), stats))
+        if self._thread is not None:  # CPU: the collectives (and a host-reading encode) on the thread
+            if self._host_encode():
+                def job():
+                    finite = encode()
+                    return exchange(), finite
+            else:
+                finite = encode()  # here: the thread's next job may reuse no scratch of ours
+
+                def job():
+                    return exchange(), finite
+            vote.future = self._thread.submit(job)
+            return
+        vote.finite = encode()  # on the hook's stream, where the gradients were made
+        if caller is None:  # no streams (meta under the device audit)
+            vote.voted = exchange()
+            return
+        side = self._side_stream()
+        side.wait_event(self._record(caller))  # the collective reads the message after the encode
+        buf.record_stream(side)  # made on the caller's stream, used on ours
+        with torch.cuda.stream(side):
+            vote.voted = exchange()
+            vote.done = self._record(side)
+
+    def _side_stream(self):
+        if self._side is None:
+            self._side = torch.cuda.Stream(device=self.device)
+        return self._side
+
+    @staticmethod
+    def _record(stream):
+        if stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
 
     def launch_rest(self) -> None:
         """Launch what backward did not (called by step(), before waiting)."""
@@ -148,16 +273,57 @@ class VoteDriver:
         """Per-step bookkeeping back to 'nothing launched'."""
 
     # ---------------------------------------------------------------- LionCub.step
+    def _settle(self, vote: _Vote, raise_errors: bool = True) -> None:
+        """The vote's bytes ready for the caller: CPU, its thread job done (its error raised
+        here, on the main thread); CUDA, the caller's current stream waits on its done-event
+        (no host wait) and its tensors are marked as used there (caching allocator)."""
+        if vote.future is not None:
+            if not raise_errors and vote.future.exception() is not None:
+                return
+            vote.voted, vote.finite = vote.future.result()
+            vote.future = None
+        if vote.done is not None:
+            current = torch.cuda.current_stream(self.device)
+            if vote.waited != current:
+                current.wait_event(vote.done)
+                for t in (vote.voted, vote.finite):
+                    if isinstance(t, Tensor) and t.is_cuda:
+                        t.record_stream(current)
+                vote.waited = current
+
     def finish_votes(self, stats: CommStats) -> None:
-        self.launch_rest()
-        for _, fut, st in self._pending:
-            fut.result()  # re-raises a failed vote here, on the main thread
-            stats.add(st)
+        """Launch the launches backward left (deferred ones first, then the rest, in order),
+        and make every vote's result ready for the caller (:meth:`_settle`)."""
+        self._stepping = True
+        try:
+            deferred, self._deferred = self._deferred, []
+            for idx in deferred:
+                self._start(idx)
+            self.launch_rest()
+        finally:
+            self._stepping = False
+        for vote in self._pending:
+            self._settle(vote)
+            stats.add(vote.stats)
+
+    def finite(self) -> Flag:
+        """This rank's answer to "are all gradients finite?" from this step's encodes, without
+        a host sync: the AND of every launched bucket's flag — a bool, a 0-dim bool tensor on
+        the device, or None when some gradients were not checked (an encode on the torch ops,
+        world size 1, a parameter in no launched bucket): the caller checks them itself. Call
+        after :meth:`finish_votes`."""
+        if not self._pending or self._deferred or sum(len(v.idx) for v in self._pending) < self.n_params:
+            return None
+        for vote in self._pending:
+            self._settle(vote)
+        return _and([v.finite for v in self._pending])
 
     def apply(self, active: list[bool], stats: CommStats) -> None:
         opt, run = self.opt, self.opt.bucket_step
-        for idx, fut, _ in self._pending:
-            voted = fut.result()
+        for vote in self._pending:  # all first: a vote thread's encode may still use the scratch
+            self._settle(vote)  # CUDA: the current stream waits on the exchange before reading it
+        for vote in self._pending:
+            idx, voted = vote.idx, vote.voted
             bucket = opt.plan_bucket(idx)
             keep = [k for k, i in enumerate(idx) if active[i]]  # no gradient on any rank: skipped
             if opt.world_size > 1:
@@ -165,13 +331,18 @@ class VoteDriver:
             elif keep:
                 pieces = voted.split(bucket.sizes)
                 run.apply_u(bucket.only(keep), torch.cat([pieces[k] for k in keep]), stats)
-        self._pending = []
-        self.reset()
+        self._finish()
 
     def discard(self) -> None:
         """Drop this step's votes (the step is skipped); waits for them first."""
-        for _, fut, _ in self._pending:
-            fut.exception()
+        for vote in self._pending:
+            self._settle(vote, raise_errors=False)
+        self._deferred = []
+        self._finish()
+
+    def _finish(self) -> None:
+        if self._cuda and self._pending:  # the next launches wait for what this stream did
+            self._applied = self._record(torch.cuda.current_stream(self.device))
         self._pending = []
         self.reset()
 
@@ -187,10 +358,11 @@ class VoteDriver:
 
     def remove_hooks(self) -> None:
         """Detach from the optimizer; its step() votes after backward again."""
-        if self._pending:
+        if self._pending or self._deferred:
             self.discard()
         self.opt.detach_driver(self)
-        self._thread.close()
+        if self._thread is not None:
+            self._thread.close()
 
 
 class Overlap(VoteDriver):
