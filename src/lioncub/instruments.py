@@ -100,14 +100,14 @@ def sign_match(cs: list[Tensor], *, quantizers=DEFAULT_QUANTIZERS, bits=DEFAULT_
     rows = []
     for q in quantizers:
         for b in ([1] if q == "sign" else bits):
-            gens = [torch.Generator().manual_seed(seed + i) for i in range(len(flat))]
+            gens = [comm.make_generator(flat[0].device, seed + i) for i in range(len(flat))]  # on their device
             kw = {} if q == "sign" else {"bits": b}
             qs = [quantize(c, q, generator=g, **kw).values.long() for c, g in zip(flat, gens)]
             kept = sum(float((torch.sign(x) == torch.sign(c).long()).double().mean()) for x, c in zip(qs, flat))
             rows.append({"name": f"{q}-{b}bit", "quantizer": q, "bits": b,
                          **_rates(torch.sign(sum(qs)), exact), "kept": kept / len(flat)})
     for v in votes:
-        gens = [torch.Generator().manual_seed(seed + i) for i in range(len(flat))]
+        gens = [comm.make_generator(flat[0].device, seed + i) for i in range(len(flat))]
         u = reference_vote(flat, step=step, generators=gens, **v)
         label = v["method"] + ("-" + v["quantizer"] if v.get("quantizer") else "")
         rows.append({"name": f"vote:{label}", "quantizer": v.get("quantizer"), "bits": v.get("bits"),
@@ -196,7 +196,7 @@ def live_sign_match(optimizer, *, max_elements: int = 65536, seed: int = 0, step
     shared by all ranks (all of them if fewer): one all-gather. Every rank gets the same rows."""
     c = torch.cat([x.reshape(-1).float() for x in update_vectors(optimizer)])
     if c.numel() > max_elements:
-        idx = torch.randperm(c.numel(), generator=torch.Generator().manual_seed(seed))[:max_elements]
+        idx = torch.randperm(c.numel(), generator=comm.make_generator(c.device, seed), device=c.device)[:max_elements]
         c = c[idx]
     everyone = comm.all_gather(c, getattr(optimizer, "group", None)) if _world(optimizer) > 1 else c[None]
     step = getattr(optimizer, "steps", 0) if step is None else step
