@@ -19,7 +19,9 @@ train: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
-# One-shot check of the CUDA path on a GPU machine (< 5 min): JSON report into OUT. Installs
-# nothing (no $(STAMP)): it runs the machine's own python3, torch and triton. Exit 3 = no CUDA.
+# One-shot check of the CUDA path on a GPU machine (< 5 min, the process tree killed at 280 s +
+# 10 s grace): JSON report into OUT. Installs nothing (no $(STAMP)): it runs the machine's own
+# python3, torch and triton. Exit 0 = all passed, 1 = a check failed or did not run, 3 = no CUDA,
+# 124/137 = killed at the time limit. ARGS: extra gpu_check.py options (e.g. ARGS=--dry-run).
 gpu-check:
-	PY=$(PY) bench/gpu_check.sh $(or $(OUT),bench/results/gpu_check)
+	PY=$(PY) bench/gpu_check.sh $(or $(OUT),bench/results/gpu_check) $(ARGS)

@@ -2,8 +2,12 @@
 """One-shot GPU check of Lion Cub's CUDA path: ``make gpu-check OUT=dir`` (or bench/gpu_check.sh).
 
 Writes ``DIR/gpu_check.json`` (rewritten after every check, so a run cut short still leaves
-what it did) and prints one line per check. On one GPU it takes about 1-2 minutes:
+what it did) and prints one line per check. Installs nothing. The whole run has a time budget
+(``--budget-s``, 270 s by default; bench/gpu_check.sh kills the process tree at 280 s): a check
+that cannot start in what is left is recorded as failed ("not run"), never skipped. The checks,
+in order:
 
+* ``backend`` — CUDA tensors take the Triton kernels (else every comparison tests torch ops);
 * ``kernels_vs_cpu_reference`` — ``tests/test_triton.py`` with ``LIONCUB_TEST_DEVICE=cuda``:
   every Triton kernel on CUDA copies of the inputs against the torch CPU path, bit for bit
   (odd sizes, every lane width, both tie parities, non-finite gradients);
@@ -11,10 +15,32 @@ what it did) and prints one line per check. On one GPU it takes about 1-2 minute
   Exact when torch's CUDA ``add(alpha=)`` is one FMA as on CPU; allowed: 1 ulp on ``c``/``m``;
 * ``lion_cuda_vs_cpu`` — :class:`lioncub.Lion` (torch ops) for 5 steps on CUDA and on CPU;
 * ``lioncub_ws1_nccl`` — a world-size-1 NCCL group: LionCub on CUDA for every vote against Lion;
+* ``nccl_ws1_calls`` — in a world-size-1 NCCL group (where LionCub itself issues no
+  collective), the library's collectives called directly on CUDA tensors, under the device
+  audit: every vote method's encode → ``exchange`` → decode (against its ``reference``), the
+  ``lioncub.comm`` wrappers, ``guard.check_same_params`` / ``check_replicas`` (with
+  ``world_size=2`` passed, so they take their collective path on the one rank),
+  ``guard.grads_finite`` (True, then False for a NaN) and ``cost.calibrate(device=cuda)`` (run
+  with ``torch.distributed.get_world_size`` reading 2: at one rank it returns (0, 0) without a
+  collective). Fails if a call raises, the audit records a violation, or a value is wrong;
+* ``device_paths_two_ranks`` — every path of :data:`lioncub.testing.paths.PATHS` (LionCub per
+  vote, quantizers, overlap, auto, check_every, momentum sync, non-finite skip, state_dict
+  resume, the DDP hook, LocalCub, NodeCub, the baselines) on two ranks with parameters on the
+  GPU, each path under :class:`~lioncub.testing.audit.DeviceAudit`. With one GPU both ranks
+  use ``cuda:0`` in a ``"cuda:gloo"`` group: gloo then serves CUDA tensors only and refuses
+  CPU ones, as NCCL does (NCCL itself refuses two ranks on one GPU). With two or more GPUs:
+  NCCL, rank r on ``cuda:r``. A path fails if it raises on a rank, the audit records a
+  violation (a collective tensor off the GPU, a dtype or reduce op NCCL lacks, a library draw
+  from the global RNG), a host sync happens inside backward, a step takes more host syncs than
+  :data:`~lioncub.testing.paths.SYNC_BUDGET` allows, it issues no collective, or the two
+  ranks' parameters afterwards differ (sha256 of every parameter's bytes, compared across the
+  ranks; both ranks draw the same data, so every path must keep the replicas bit-identical).
+  Process-group timeout 60 s; a rank that raises or dies gets the other killed at once (the
+  launcher), the path is recorded as failed and the remaining paths run in a fresh group;
 * ``gloo_two_ranks_cuda`` — 2 processes, one gloo group, CUDA tensors: every vote method
   (and pbit lane widths, L1 lanes, a NaN gradient skipped) against the same run on CPU
-  tensors, and each collective gloo is asked for on CUDA tensors (``gloo_cuda_collectives``:
-  ``ok`` or what gloo refused). NCCL refuses two ranks on one GPU, hence gloo;
+  tensors, and each collective LionCub uses asked of gloo on CUDA tensors
+  (``gloo_cuda_collectives``). A refusal is a failure, here as everywhere;
 * ``bandwidth`` — each kernel's GB/s (bytes read + written / time) on 64M elements next to
   a device-to-device copy moving the same bytes, and the torch path's time for the same pass.
 
@@ -24,32 +50,65 @@ its elements (a sign of ``c`` flipped where ``c`` is within an ulp of 0). The L1
 vote takes its scale from a torch reduction whose order differs between CPU and CUDA, so it
 gets the same tolerance.
 
-Exit codes: 0 all checks passed; 1 a check failed (CUDA present: loud, never a skip);
-3 CUDA is not available: nothing was checked (the report says so).
-``--dry-run`` runs everything on CPU tensors with Triton's interpreter and tiny sizes (to
-check this script without a GPU); ``--compile-only`` compiles every kernel for a GPU
-architecture without one (Triton's bundled ptxas).
+Exit codes: 0 every check ran and passed; 1 a check failed, was not run for lack of time, or
+the run was interrupted (SIGTERM/SIGINT: the report says so); 3 CUDA is not available:
+nothing was checked (the report says so). bench/gpu_check.sh adds 124/137: killed at its
+time limit.
+
+``--dry-run`` runs the same code on CPU to check this script without a GPU: device ``cpu``,
+plain gloo (2 ranks for the two-rank checks, 1 for the world-size-1 ones), Triton's
+interpreter (``TRITON_INTERPRET=1``) and tiny sizes. ``--checks`` and ``--only`` run a subset
+(tests; the report records it). ``--inject`` adds deliberately broken paths to
+``device_paths_two_ranks`` (tests of this script: each must be reported as failed).
+``--compile-only`` compiles every kernel for a GPU architecture without one (Triton's
+bundled ptxas).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import functools
+import hashlib
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT)]  # lioncub without installing it; tests.dist's launcher
+sys.path[:0] = [str(ROOT / "src"), str(ROOT)]  # lioncub without installing it
 
 STEPS = 4  # optimizer steps per compared run (both tie parities)
 VOTES = [("grad", None, None), ("sign_allreduce", None, None), ("gather", None, None), ("onebit", None, None),
          ("pbit", 2, None), ("pbit", 4, None), ("pbit", 8, None), ("pbit", 4, "l1"), ("pbit", 8, "l1")]
+PG_TIMEOUT_S = 60  # process-group timeout of every group this script makes
+_DEADLINE = [float("inf")]  # time.monotonic() at which the run's budget is spent (set by main)
+
+
+def _left(cap: float = float("inf")) -> float:
+    """Seconds left in the run's budget, at most ``cap``."""
+    return min(cap, _DEADLINE[0] - time.monotonic())
+
+
+def _err(exc: BaseException, n: int = 300) -> str:
+    """``Type: first line`` of an exception."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:n] if lines else ''}"
+
+
+def _tail(exc, lines: int = 12) -> str:
+    """``Type:`` and the last lines of an exception's message (a WorkerError carries a traceback)."""
+    if exc is None:
+        return "no exception recorded"
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: " + " | ".join(text[:1] + text[1:][-lines:])
 
 
 # ----------------------------------------------------------------------------- comparisons
@@ -121,9 +180,19 @@ def check_backend(device: str) -> dict:
 
 def check_kernels_vs_cpu_reference(device: str) -> dict:
     env = dict(os.environ, LIONCUB_TEST_DEVICE=device, PYTHONPATH=os.pathsep.join(sys.path[:2]))
-    env.pop("TRITON_INTERPRET", None)  # the test file sets it for cpu itself
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton.py"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+    if device == "cpu":  # the dry run: every kernel of the test file (its probes too) interpreted
+        env["TRITON_INTERPRET"] = "1"
+    else:
+        env.pop("TRITON_INTERPRET", None)  # compiled for the GPU
+    limit = _left(150)
+    if limit < 20:
+        return dict(ok=False, error=f"not run: {limit:.0f} s left of the run's budget")
+    try:
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton.py"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit)
+    except subprocess.TimeoutExpired as exc:  # subprocess.run has killed pytest
+        out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        return dict(ok=False, error=f"pytest ran past {limit:.0f} s; killed", output_tail=out.strip().splitlines()[-15:])
     tail = (r.stdout + r.stderr).strip().splitlines()[-15:]
     return dict(ok=r.returncode == 0, returncode=r.returncode, output_tail=tail)
 
@@ -160,14 +229,24 @@ def check_lion_cuda_vs_cpu(device: str) -> dict:
     return _compare(_run(make, device, steps=5), _run(make, "cpu", steps=5), 5)
 
 
-def check_lioncub_ws1(device: str) -> dict:
-    import torch
+@contextlib.contextmanager
+def _ws1_group(device: str):
+    """A world-size-1 group in this process: NCCL on CUDA, gloo in the dry run."""
     import torch.distributed as dist
-    from lioncub import Lion, LionCub
     from lioncub.testbed.launch import free_port
     backend = "nccl" if device == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")  # one machine, maybe without a network
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
     try:
+        yield backend
+    finally:
+        dist.destroy_process_group()
+
+
+def check_lioncub_ws1(device: str) -> dict:
+    from lioncub import Lion, LionCub
+    with _ws1_group(device) as backend:
         want = _run(lambda ps: Lion(ps, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1), device)
         out = {"backend": backend}
         for vote, bits, q in VOTES:
@@ -175,57 +254,468 @@ def check_lioncub_ws1(device: str) -> dict:
                                       vote=vote, bits=bits, quantizer=q)
             out[_name(vote, bits, q)] = _compare(_run(make, device), want, STEPS)
         out["ok"] = all(v["ok"] for k, v in out.items() if isinstance(v, dict))
-        try:  # not a pass/fail item: LionCub's has-grad/finite agreement is a CPU tensor (world > 1)
-            dist.all_reduce(torch.zeros(2, dtype=torch.uint8))
-            out["cpu_tensor_all_reduce"] = "ok"
-        except Exception as exc:  # noqa: BLE001
-            out["cpu_tensor_all_reduce"] = f"refused: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
         return out
-    finally:
-        dist.destroy_process_group()
 
 
 def _name(vote, bits, q) -> str:
     return vote + (f"-{bits}" if bits else "") + (f"-{q}" if q else "")
 
 
-def _refused_by_torch_distributed(exc: BaseException) -> bool:
-    """The exception, or the one it was raised from (lioncub.comm wraps backend errors), came
-    from inside torch.distributed (a backend's refusal), not from lioncub."""
-    while exc is not None:
-        frames = traceback.extract_tb(exc.__traceback__)
-        if frames and "torch/distributed" in frames[-1].filename.replace(os.sep, "/"):
-            return True
-        exc = exc.__cause__
-    return False
+# ----------------------------------------------------------------------------- the device audit
+@functools.lru_cache(maxsize=None)
+def _audit_class():
+    """:class:`~lioncub.testing.audit.DeviceAudit` with its "library frame" pinned to the
+    lioncub package itself. The audit attributes a random draw or a sync to the innermost
+    frame whose file name contains "lioncub" outside ``testing``; here the paths run under
+    the launcher (``lioncub/testbed/launch.py``) and from a checkout whose directory may
+    itself be called lioncub, which would make the paths' own data draws count as the
+    library's. Everything else is the audit's own."""
+    import lioncub
+    from lioncub.testing.audit import DeviceAudit
+    lib = os.path.realpath(os.path.dirname(lioncub.__file__)) + os.sep
+    own = tuple(lib + d + os.sep for d in ("testing", "testbed"))
+
+    @functools.lru_cache(maxsize=4096)
+    def library(filename: str) -> bool:
+        f = os.path.realpath(filename)
+        return f.startswith(lib) and not f.startswith(own)
+
+    class PathAudit(DeviceAudit):
+        def _where(self) -> str:
+            for frame in reversed(traceback.extract_stack()[:-3]):
+                if library(frame.filename):
+                    return f"{os.path.basename(frame.filename)}:{frame.lineno} {frame.name}"
+            return "?"
+
+    return PathAudit
 
 
+def _device(device: str):
+    import torch
+    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
+
+
+@contextlib.contextmanager
+def _world_size_reads(n: int):
+    """``torch.distributed.get_world_size()`` returns ``n`` inside the block (the collectives
+    still run on the real group): lets a function that returns early at one rank run its
+    collectives in a world-size-1 group."""
+    import torch.distributed as dist
+    real = dist.get_world_size
+    dist.get_world_size = lambda group=None: n
+    try:
+        yield
+    finally:
+        dist.get_world_size = real
+
+
+WS1_VOTES = [("sign_allreduce", None, None), ("gather", None, None), ("onebit", None, None), ("pbit", None, None),
+             ("pbit", 2, None), ("pbit", 4, None), ("pbit", 8, None), ("pbit", 4, "sign"), ("pbit", 8, "l1")]
+
+
+def _ws1_vote(dev, vote, bits, q) -> dict:
+    """One vote method at world size 1: encode → exchange → decode of 1001 elements (zeros
+    every 7th: ties), both step parities, against the method's own reference."""
+    import torch
+    from lioncub import comm, fused, votes
+    method = votes.make(vote, 1, bits, q)
+    n = 1001
+    c = torch.randn(n, generator=torch.Generator().manual_seed(5))
+    c[::7] = 0.0
+    c = c.to(dev)
+    stats = comm.CommStats()
+    out = {}
+    for step in (0, 1):
+        nb = method.part_nbytes(n)
+        msg = torch.zeros(method.message_nbytes(nb), dtype=torch.uint8, device=dev)
+        method.encode(c, msg[:nb], step, None, use_fused=fused.usable([c]))
+        voted = method.exchange(msg, nb, step, None, stats)
+        u = method.decode(voted, 0, n, torch.empty(n, device=dev))
+        want = method.reference([c], method.parity(step))
+        out[f"step{step}"] = dict(voted_device=str(voted.device), voted_dtype=str(voted.dtype),
+                                  u_device=str(u.device), equal=bool(torch.equal(u.cpu().long(), want.cpu().long())))
+    ok = all(v["equal"] and v["voted_device"] == str(dev) and v["u_device"] == str(dev) for v in out.values())
+    return dict(out, ok=ok and stats.n_collectives > 0, collectives_counted=stats.n_collectives)
+
+
+def _ws1_comm(dev) -> dict:
+    """The lioncub.comm wrappers LionCub, the guards and the harness use, on device tensors."""
+    import torch
+    from lioncub import comm
+    t = torch.arange(10, dtype=torch.float32, device=dev)
+    got = {
+        "all_reduce float32 sum": comm.all_reduce(t.clone()),
+        "all_reduce float32 max": comm.all_reduce(t.clone(), op="max"),
+        "all_reduce bfloat16 sum": comm.all_reduce(t.to(torch.bfloat16)).float(),
+        "all_reduce uint8 sum": comm.all_reduce(t.to(torch.uint8)).float(),
+        "all_reduce int8 sum": comm.all_reduce(t.to(torch.int8)).float(),
+        "all_gather uint8": comm.all_gather(t.to(torch.uint8)).reshape(-1).float(),
+        "all_to_all uint8": comm.all_to_all(t.to(torch.uint8)).float(),
+        "broadcast float32": comm.broadcast(t.clone()),
+    }
+    out = {k: dict(ok=v.device == dev and torch.equal(v.cpu(), t.cpu())) for k, v in got.items()}
+    flat = [t.clone(), t[:3].clone().to(torch.bfloat16)]
+    comm.broadcast_from_first(flat)
+    out["broadcast_from_first"] = dict(ok=torch.equal(flat[0].cpu(), t.cpu()))
+    out["all_gather_object"] = dict(ok=comm.all_gather_object({"a": [1, 2]}, device=dev) == [{"a": [1, 2]}])
+    out["broadcast_object"] = dict(ok=comm.broadcast_object({"b": 3}, device=dev) == {"b": 3})
+    comm.barrier(None, dev)
+    out["barrier"] = dict(ok=True)
+    return dict(out, ok=all(v["ok"] for v in out.values()))
+
+
+def _ws1_guard(dev) -> dict:
+    import torch
+    from lioncub import guard
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3)).to(dev)
+    params = list(model.parameters())
+    names = guard.param_names(model, params)
+    guard.check_same_params(params, None, 1, names=names)
+    guard.check_same_params(params, None, 2, names=names)  # 2: its gather and comparison, on the one rank
+    guard.check_replicas(params, None, 2, step=0, names=names)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    finite = guard.grads_finite(params)
+    on_device = isinstance(finite, torch.Tensor) and finite.device == dev
+    params[1].grad[0] = float("nan")
+    nan = guard.grads_finite(params)
+    return dict(ok=bool(finite) is True and bool(nan) is False and (on_device or dev.type == "cpu"),
+                finite_flag_on_device=on_device, all_finite=bool(finite), with_nan=bool(nan))
+
+
+def _ws1_calibrate(dev, dry_run: bool) -> dict:
+    import math
+    from lioncub import cost
+    sizes = (1 << 10, 1 << 14) if dry_run else cost.DEFAULT_PROBE_SIZES
+    with _world_size_reads(2):  # at one rank calibrate returns (0, 0) before its first collective
+        alpha, beta = cost.calibrate(device=dev, sizes=sizes)
+    return dict(ok=all(math.isfinite(x) and x > 0 for x in (alpha, beta)), alpha=alpha, beta=beta)
+
+
+def check_nccl_ws1_calls(device: str, dry_run: bool = False) -> dict:
+    """The library's collectives called directly at world size 1, each under the device audit."""
+    dev = _device(device)
+    Audit = _audit_class()
+    calls = [(f"vote {_name(v, b, q)}", functools.partial(_ws1_vote, dev, v, b, q)) for v, b, q in WS1_VOTES]
+    calls += [("comm", functools.partial(_ws1_comm, dev)), ("guard", functools.partial(_ws1_guard, dev)),
+              ("cost.calibrate", functools.partial(_ws1_calibrate, dev, dry_run))]
+    out = {}
+    with _ws1_group(device) as backend:
+        for name, call in calls:
+            audit = Audit(dev)
+            try:
+                with audit, audit.phase(name):
+                    res = call()
+            except Exception as exc:  # noqa: BLE001 - a call that raises fails the check
+                res = dict(ok=False, error=_err(exc), where=traceback.format_exc().strip().splitlines()[-8:])
+            res["collectives_seen"] = len(audit.collectives)
+            if audit.violations:
+                res.update(ok=False, violations=audit.violations[:8])
+            if not audit.collectives:  # each call communicates (guard: its two gathers); none seen: not checked
+                res.update(ok=False, error=res.get("error") or "the audit saw no collective")
+            out[name] = res
+    return dict(ok=all(v["ok"] for v in out.values()), backend=backend, device=str(dev), calls=out)
+
+
+# ----------------------------------------------------------------------------- every path, two ranks
+def _inject_off_device(device, audit, steps: int = 1) -> None:
+    """A collective on a tensor off the parameters' device: a CPU tensor on CUDA (NCCL and
+    cuda:gloo refuse it), a meta tensor in the CPU dry run (the audit records it)."""
+    import torch
+    import torch.distributed as dist
+    from lioncub.testing import paths
+    paths._model(device)
+    other = torch.device("meta") if device.type == "cpu" else torch.device("cpu")
+    with audit.phase("step 0"):
+        dist.all_reduce(torch.ones(4, device=other))
+
+
+def _inject_rank1_raises(device, audit, steps: int = 1) -> None:
+    """Rank 1 raises before a collective that rank 0 then waits in."""
+    import torch
+    import torch.distributed as dist
+    from lioncub.testing import paths
+    paths._model(device)
+    if dist.get_rank() == 1:
+        raise RuntimeError("injected: rank 1 fails before its collective")
+    with audit.phase("step 0"):
+        dist.all_reduce(torch.ones(4, device=device))
+
+
+def _inject_replicas_differ(device, audit, steps: int = 1) -> None:
+    """Rank 1 changes a parameter outside any optimizer: the replicas differ afterwards."""
+    import torch
+    import torch.distributed as dist
+    from lioncub.testing import paths
+    model = paths._model(device)
+    if dist.get_rank() == 1:
+        with torch.no_grad():
+            next(model.parameters()).add_(1.0)
+    with audit.phase("step 0"):
+        dist.all_reduce(torch.ones(4, device=device))
+
+
+def _inject_hang(device, audit, steps: int = 1) -> None:
+    """Both ranks stall where no collective notices (until the deadline or the time limit)."""
+    from lioncub.testing import paths
+    paths._model(device)
+    with audit.phase("step 0"):
+        time.sleep(3600)
+
+
+INJECT = {"off-device": _inject_off_device, "rank1-raises": _inject_rank1_raises,
+          "replicas-differ": _inject_replicas_differ, "hang": _inject_hang}
+"""Deliberately broken paths (``--inject``), for the tests of this script: each must fail."""
+
+
+def _path_table(inject=()) -> dict:
+    from lioncub.testing.paths import PATHS
+    table = dict(PATHS)
+    table.update({f"inject {k}": INJECT[k] for k in inject})
+    return table
+
+
+def _rank_setup(mode: str, rank: int, world: int) -> str:
+    """Per rank, before the rendezvous: one CPU thread; the GPU; the backend."""
+    import torch
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    if mode == "cpu":
+        return "gloo"
+    torch.cuda.set_device(0 if mode == "cuda:gloo" else rank)  # cuda:gloo: one GPU, both ranks on it
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")  # one machine, maybe without a network
+    return mode
+
+
+@contextlib.contextmanager
+def _recording_models(paths_module):
+    """Every TinyLM a path builds (the baselines' subclass too), to checksum afterwards."""
+    made = []
+    cls = paths_module.TinyLM
+    init = cls.__init__
+
+    def record(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    cls.__init__ = record
+    try:
+        yield made
+    finally:
+        cls.__init__ = init
+
+
+def _checksum(models) -> str:
+    """sha256 of every parameter's bytes (names, dtypes and shapes included), in build order."""
+    import torch
+    h = hashlib.sha256()
+    for i, model in enumerate(models):
+        for name, p in model.named_parameters():
+            data = p.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+            h.update(f"{i}.{name}:{p.dtype}:{tuple(p.shape)}|".encode())
+            h.update(data.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _log(fh, **row) -> None:
+    fh.write(json.dumps(row) + "\n")
+    fh.flush()
+
+
+def _paths_worker(rank: int, world: int, names: list, mode: str, log_dir: str, inject: tuple) -> None:
+    """Rank ``rank``: every path of ``names`` in order, each under the audit; one JSON line per
+    event into ``log_dir/rank{rank}.jsonl`` (start, then done or error). A path that raises
+    ends this rank (the launcher then kills the other: it may wait in a collective)."""
+    import warnings
+
+    import torch
+    from lioncub.testing import paths
+    warnings.filterwarnings("ignore")
+    device = torch.device("cpu") if mode == "cpu" else torch.device("cuda", torch.cuda.current_device())
+    table, Audit = _path_table(inject), _audit_class()
+    with open(Path(log_dir) / f"rank{rank}.jsonl", "a") as fh:
+        for name in names:
+            _log(fh, path=name, rank=rank, event="start")
+            audit = Audit(device)
+            t0 = time.perf_counter()
+            with _recording_models(paths) as models:
+                try:
+                    with audit:
+                        table[name](device, audit)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                except BaseException as exc:
+                    _log(fh, path=name, rank=rank, event="error", error=_err(exc), t=time.time(),
+                         where=traceback.format_exc().strip().splitlines()[-10:], violation_lines=audit.violations[:5])
+                    raise
+            steps = {k: n for k, n in audit.syncs_per_phase().items() if k.startswith("step")}
+            worst = max(steps, key=steps.get) if steps else None
+            _log(fh, path=name, rank=rank, event="done", seconds=round(time.perf_counter() - t0, 2),
+                 **audit.summary(), violation_lines=audit.violations[:8], worst_step=worst,
+                 worst_step_syncs=[f"{s.name} at {s.where}" for s in audit.syncs if s.phase == worst][:8],
+                 backward_syncs=[f"{s.phase}: {s.name} at {s.where}" for s in audit.syncs_in_backward()][:8],
+                 models=len(models), checksum=_checksum(models))
+
+
+def _judge(rows: list, budget: int) -> list:
+    """What is wrong with one path, from both ranks' rows (empty: it passed)."""
+    problems = []
+    for row in rows:
+        r = f"rank {row['rank']}"
+        if row["violations"]:
+            problems.append(f"{r}: {row['violations']} violation(s): {row['violation_lines']}")
+        if row["syncs_in_backward"]:
+            problems.append(f"{r}: {row['syncs_in_backward']} host sync(s) inside backward: {row['backward_syncs']}")
+        if row["max_syncs_per_step"] > budget:
+            problems.append(f"{r}: {row['max_syncs_per_step']} host syncs in {row['worst_step']} (budget {budget}): "
+                            f"{row['worst_step_syncs']}")
+        if not row["collectives"]:
+            problems.append(f"{r}: the audit saw no collective")
+        if not row["models"]:
+            problems.append(f"{r}: no model found to compare the replicas of")
+    if len({row["checksum"] for row in rows}) > 1:
+        problems.append("the replicas differ after the path: parameter checksums "
+                        + ", ".join(f"rank {row['rank']} {row['checksum']}" for row in rows))
+    return problems
+
+
+def _read_logs(log_dir: str, world: int) -> dict:
+    """{(path, rank): {event: row}} from the ranks' logs."""
+    events = {}
+    for r in range(world):
+        f = Path(log_dir) / f"rank{r}.jsonl"
+        if f.exists():
+            for line in f.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:  # a line cut by a kill
+                    continue
+                events.setdefault((row["path"], r), {})[row["event"]] = row
+    return events
+
+
+def _paths_mode(device: str):
+    """(mode, world size, what it is): the dry run's gloo on CPU, cuda:gloo on one GPU, NCCL on two."""
+    import torch
+    if device == "cpu":
+        return "cpu", 2, "2 ranks, gloo, CPU tensors (dry run)"
+    if torch.cuda.device_count() >= 2:
+        return "nccl", 2, "2 ranks, NCCL, rank r on cuda:r"
+    return "cuda:gloo", 2, "2 ranks on cuda:0, backend 'cuda:gloo' (gloo serving CUDA tensors only)"
+
+
+def check_device_paths_two_ranks(device: str, only=(), inject=()) -> dict:
+    from lioncub.testbed.launch import WorkerError, spawn
+    from lioncub.testing.paths import SYNC_BUDGET
+    mode, world, what = _paths_mode(device)
+    table = _path_table(inject)
+    names = [n for n in table if _selected(n, only)] + [n for n in table if n.startswith("inject ")
+                                                          and not _selected(n, only)]
+    if not names:
+        return dict(ok=False, error=f"no path matches --only {list(only)}")
+    results, pending, groups = {}, list(names), 0
+    end = time.monotonic() + _left(170)
+    while pending:
+        left = end - time.monotonic()
+        if left < 15:  # a group takes seconds to start: what is left is not run, and fails
+            for name in pending:
+                results[name] = dict(ok=False, problems=[f"not run: the check's time was spent ({left:.0f} s left)"])
+            break
+        groups += 1
+        failure = None
+        with tempfile.TemporaryDirectory(prefix="gpu-check-paths-") as log_dir:
+            try:
+                spawn(_paths_worker, world, pending, mode, log_dir, tuple(inject), timeout_s=PG_TIMEOUT_S,
+                      deadline_s=left, setup=functools.partial(_rank_setup, mode))
+            except (WorkerError, TimeoutError) as exc:
+                failure = exc
+            events = _read_logs(log_dir, world)
+        done_upto = 0
+        for name in pending:
+            per = [events.get((name, r), {}) for r in range(world)]
+            if not all("done" in e for e in per):
+                break
+            rows = [e["done"] for e in per]
+            problems = _judge(rows, SYNC_BUDGET.get(name, 1))
+            results[name] = dict(ok=not problems, problems=problems, ranks=rows)
+            done_upto += 1
+            _print_path(name, results[name], SYNC_BUDGET.get(name, 1))
+        if done_upto == len(pending):
+            if failure is not None:  # every path done, then the group failed (e.g. in its teardown)
+                results["(group teardown)"] = dict(ok=False, problems=[_tail(failure)])
+            break
+        if not any("start" in e for e in events.values()):  # the group itself failed (start-up, rendezvous)
+            for name in pending:
+                results[name] = dict(ok=False, problems=["not run: the group of ranks failed before its first path: "
+                                                         + _tail(failure)])
+            print(f"    FAIL the group of ranks failed before its first path: {_tail(failure)}", flush=True)
+            break
+        name = pending[done_upto]  # the first path not done on every rank: it failed
+        per = [events.get((name, r), {}) for r in range(world)]
+        reported = sorted((e["error"] for e in per if "error" in e), key=lambda row: row["t"])  # first failure first:
+        errors = [dict(rank=row["rank"], error=row["error"], where=row["where"],  # the others often fail in its wake
+                       violation_lines=row["violation_lines"]) for row in reported]
+        if not errors:  # no rank reported an exception: one crashed, was killed, or the group timed out
+            errors = [dict(error=_tail(failure) if failure is not None else "no record of the path's end")]
+        results[name] = dict(ok=False, problems=[f"rank {e['rank']}: {e['error']}" if "rank" in e else e["error"]
+                                                 for e in errors],
+                             errors=errors, started_on_ranks=[r for r, e in enumerate(per) if "start" in e])
+        _print_path(name, results[name], SYNC_BUDGET.get(name, 1))
+        pending = pending[done_upto + 1:]
+    passed = [n for n in names if results.get(n, {}).get("ok")]
+    failed = [n for n in results if not results[n]["ok"]]
+    return dict(ok=not failed and len(passed) == len(names), mode=mode, world_size=world, ranks=what,
+                paths_run=len(names), passed=passed, failed=failed, groups_started=groups, paths=results)
+
+
+def _selected(name: str, only) -> bool:
+    """``--only`` values: exact path names, or prefixes ending in ``*``; none: every path."""
+    if not only:
+        return not name.startswith("inject ")
+    return any(name == o or (o.endswith("*") and name.startswith(o[:-1])) for o in only)
+
+
+def _print_path(name: str, res: dict, budget: int) -> None:
+    if res["ok"]:
+        rows = res["ranks"]
+        print(f"    ok   {name:40s} collectives {rows[0]['collectives']:3d}  syncs/step "
+              f"{max(r['max_syncs_per_step'] for r in rows)} (budget {budget})  {rows[0]['seconds']} s", flush=True)
+    else:
+        print(f"    FAIL {name:40s} {'; '.join(res['problems'])[:1500]}", flush=True)
+
+
+# ----------------------------------------------------------------------------- gloo, CUDA tensors, values
 def _collectives(device: str) -> dict:
-    """Each collective LionCub uses, on ``device`` tensors in the current gloo group."""
+    """Each collective LionCub uses, on ``device`` tensors in the current gloo group: a
+    refusal (or a wrong result) fails the check."""
     import torch
     import torch.distributed as dist
     world = dist.get_world_size()
+    gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    ones = lambda dtype=torch.uint8, n=10: torch.ones(n, dtype=dtype, device=device)  # noqa: E731
     calls = {
-        "all_reduce uint8 SUM": lambda: dist.all_reduce(torch.ones(10, dtype=torch.uint8, device=device)),
-        "all_reduce int8 SUM": lambda: dist.all_reduce(torch.ones(10, dtype=torch.int8, device=device)),
-        "all_reduce float32 SUM": lambda: dist.all_reduce(torch.ones(10, device=device)),
-        "all_reduce bfloat16 SUM": lambda: dist.all_reduce(torch.ones(10, dtype=torch.bfloat16, device=device)),
-        "all_gather_into_tensor uint8": lambda: dist.all_gather_into_tensor(
-            torch.empty(10 * world, dtype=torch.uint8, device=device), torch.ones(10, dtype=torch.uint8, device=device)),
-        "all_gather list uint8": lambda: dist.all_gather(
-            [torch.empty(10, dtype=torch.uint8, device=device) for _ in range(world)],
-            torch.ones(10, dtype=torch.uint8, device=device)),
-        "all_to_all_single uint8": lambda: dist.all_to_all_single(
-            torch.empty(4 * world, dtype=torch.uint8, device=device), torch.ones(4 * world, dtype=torch.uint8, device=device)),
-        "broadcast float32": lambda: dist.broadcast(torch.ones(10, device=device), src=0),
+        "all_reduce uint8 SUM": lambda: (ones(), lambda t: dist.all_reduce(t)),
+        "all_reduce int8 SUM": lambda: (ones(torch.int8), lambda t: dist.all_reduce(t)),
+        "all_reduce float32 SUM": lambda: (ones(torch.float32), lambda t: dist.all_reduce(t)),
+        "all_reduce float32 MAX": lambda: (ones(torch.float32), lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX)),
+        "all_reduce bfloat16 SUM": lambda: (ones(torch.bfloat16), lambda t: dist.all_reduce(t)),
+        "all_gather_into_tensor uint8": lambda: (torch.empty(10 * world, dtype=torch.uint8, device=device),
+                                                 lambda t: gather_flat(t, ones())),
+        "all_to_all_single uint8": lambda: (torch.empty(4 * world, dtype=torch.uint8, device=device),
+                                            lambda t: dist.all_to_all_single(t, ones(n=4 * world))),
+        "broadcast float32": lambda: (ones(torch.float32), lambda t: dist.broadcast(t, src=0)),
     }
+    want = {"all_reduce uint8 SUM": world, "all_reduce int8 SUM": world, "all_reduce float32 SUM": world,
+            "all_reduce bfloat16 SUM": world}
     out = {}
-    for name, call in calls.items():
+    for name, make in calls.items():
         try:
-            call()
-            out[name] = "ok"
-        except Exception as exc:  # noqa: BLE001 - recorded: which collective gloo refuses on this device
-            out[name] = f"refused: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
+            t, call = make()
+            call(t)
+            good = t.device.type == torch.device(device).type and bool((t.float() == want.get(name, 1)).all())
+            out[name] = dict(ok=good, **({} if good else {"error": f"wrong result {t.float().tolist()[:4]}"}))
+        except Exception as exc:  # noqa: BLE001 - recorded, and a failure
+            out[name] = dict(ok=False, error=_err(exc, 200))
     return out
 
 
@@ -240,10 +730,8 @@ def _gloo_worker(rank: int, world: int, device: str) -> dict:
         want = _run(make, "cpu", rank, nan_step=2 if rank == 1 else -1)
         try:
             got = _run(make, device, rank, nan_step=2 if rank == 1 else -1)
-        except Exception as exc:  # noqa: BLE001
-            refused = _refused_by_torch_distributed(exc)
-            result["votes"][name] = dict(ok=refused, refused=refused,
-                                         error=f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}",
+        except Exception as exc:  # noqa: BLE001 - a refusal or a crash: a failure, with where
+            result["votes"][name] = dict(ok=False, error=_err(exc),
                                          where=traceback.format_exc().strip().splitlines()[-6:])
             continue
         result["votes"][name] = _compare(got, want, STEPS)
@@ -251,12 +739,20 @@ def _gloo_worker(rank: int, world: int, device: str) -> dict:
 
 
 def check_gloo_two_ranks(device: str) -> dict:
-    from tests.dist import run_workers
-    results = run_workers(_gloo_worker, 2, device, timeout_s=90)
+    from lioncub.testbed.launch import spawn
+    limit = _left(90)
+    if limit < 20:
+        return dict(ok=False, error=f"not run: {limit:.0f} s left of the run's budget")
+    results = spawn(_gloo_worker, 2, device, timeout_s=PG_TIMEOUT_S, deadline_s=limit)
     votes = {name: {f"rank{r}": res["votes"][name] for r, res in enumerate(results)} for name in results[0]["votes"]}
     for name, per in votes.items():
         per["ok"] = all(v["ok"] for v in per.values())
-    return dict(ok=all(v["ok"] for v in votes.values()), votes=votes, collectives=results[0]["collectives"])
+    collectives = {name: {f"rank{r}": res["collectives"][name] for r, res in enumerate(results)}
+                   for name in results[0]["collectives"]}
+    for name, per in collectives.items():
+        per["ok"] = all(v["ok"] for v in per.values())
+    return dict(ok=all(v["ok"] for v in votes.values()) and all(v["ok"] for v in collectives.values()),
+                votes=votes, collectives=collectives)
 
 
 def _time(fn, sync, reps: int) -> float:
@@ -340,7 +836,7 @@ def compile_all(arch: int, quick: bool = False) -> list:
         jobs.append((tk._encode_values_kernel, dict(m_ptr=P, g_ptr=P, out_ptr="*i8" if signs else P, bad_ptr="*i32",
                                                     n=I32, beta1=F, alpha=F), dict(SIGNS=signs)))
     for bits in ((4,) if quick else (2, 4, 8)):
-        jobs.append((tk._quantize_lanes_kernel, dict(c_ptr=P, out_ptr="*u8", n=I32, nbytes=I32, mult=F, s=F),
+        jobs.append((tk._quantize_lanes_kernel, dict(c_ptr=P, out_ptr="*u8", n=I32, nbytes=I32, mult_ptr=P, s=F),
                      dict(BITS=bits)))
     for source, bits in (((3, 4),) if quick else ((0, 8), (1, 1), (2, 1), (3, 2), (3, 4), (3, 8))):
         for decay in ((True,) if quick else (True, False)):
@@ -360,15 +856,35 @@ def compile_all(arch: int, quick: bool = False) -> list:
 
 
 # ----------------------------------------------------------------------------- main
+CHECKS = ("backend", "kernels_vs_cpu_reference", "kernels_vs_torch_cuda", "lion_cuda_vs_cpu", "lioncub_ws1_nccl",
+          "nccl_ws1_calls", "device_paths_two_ranks", "gloo_two_ranks_cuda", "bandwidth")
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="directory for gpu_check.json")
-    ap.add_argument("--dry-run", action="store_true", help="CPU tensors, Triton's interpreter, tiny sizes")
+    ap.add_argument("--dry-run", action="store_true", help="CPU tensors, gloo, Triton's interpreter, tiny sizes")
+    ap.add_argument("--budget-s", type=float, default=270.0, help="the whole run's time budget (default 270 s)")
+    ap.add_argument("--checks", default="", help=f"comma-separated subset of {', '.join(CHECKS)} (default: all)")
+    ap.add_argument("--only", action="append", default=[], metavar="PATH",
+                    help="device_paths_two_ranks: run this path (exact name, or a prefix ending in *); repeatable")
+    ap.add_argument("--inject", default="", help=f"tests of this script: comma-separated broken paths to add to "
+                                                 f"device_paths_two_ranks ({', '.join(INJECT)}); each must fail")
     ap.add_argument("--compile-only", type=int, metavar="ARCH", help="compile the kernels for sm_ARCH (e.g. 90) and stop")
     ap.add_argument("--quick", action="store_true", help="with --compile-only: one specialization per kernel")
     args = ap.parse_args(argv)
+    selected = [c for c in args.checks.split(",") if c] or list(CHECKS)
+    inject = tuple(k for k in args.inject.split(",") if k)
+    bad = [c for c in selected if c not in CHECKS] + [k for k in inject if k not in INJECT]
+    if bad:
+        ap.error(f"unknown check or injection: {', '.join(bad)}")
+    _DEADLINE[0] = time.monotonic() + args.budget_s
     if args.dry_run:
-        os.environ["TRITON_INTERPRET"] = "1"  # before lioncub.triton_kernels is imported
+        os.environ["TRITON_INTERPRET"] = "1"  # before lioncub.triton_kernels is imported (the ranks inherit it)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "gpu_check.json"
@@ -388,8 +904,10 @@ def main(argv=None) -> int:
                   started_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   commit=commit, host=platform.node(), python=platform.python_version(), torch=torch.__version__,
                   torch_cuda=torch.version.cuda, triton=triton_version, cuda_available=cuda,
+                  gpus=torch.cuda.device_count() if cuda else 0,
                   device_name=torch.cuda.get_device_name(0) if cuda else None, dry_run=args.dry_run,
-                  checks={}, result=None)
+                  budget_s=args.budget_s, subset=None if selected == list(CHECKS) else selected,
+                  paths_only=args.only or None, inject=list(inject) or None, checks={}, result=None)
 
     def write():
         path.write_text(json.dumps(report, indent=2) + "\n")
@@ -414,36 +932,57 @@ def main(argv=None) -> int:
         print("FAIL: triton is not importable", flush=True)
         return 1
     device = "cpu" if args.dry_run else "cuda"
+    if cuda and not args.dry_run:
+        torch.cuda.set_device(0)
     n_bw, reps = (1 << 12, 2) if args.dry_run else (1 << 26, 20)
     print(f"gpu-check on {report['device_name'] or 'CPU (dry run, Triton interpreter)'}: torch {torch.__version__}, "
-          f"triton {triton_version}; report: {path}", flush=True)
-    checks = [("backend", lambda: check_backend(device)),
-              ("kernels_vs_cpu_reference", lambda: check_kernels_vs_cpu_reference(device)),
-              ("kernels_vs_torch_cuda", lambda: check_kernels_vs_torch_cuda(device, n_bw >> 6)),
-              ("lion_cuda_vs_cpu", lambda: check_lion_cuda_vs_cpu(device)),
-              ("lioncub_ws1_nccl", lambda: check_lioncub_ws1(device)),
-              ("gloo_two_ranks_cuda", lambda: check_gloo_two_ranks(device)),
-              ("bandwidth", lambda: check_bandwidth(device, n_bw, reps))]
-    for name, fn in checks:
-        t0 = time.perf_counter()
-        try:
-            res = fn()
-        except Exception:  # noqa: BLE001 - a crashed check is a failed check, with its traceback
-            res = dict(ok=False, error=traceback.format_exc().strip().splitlines()[-12:])
-        res["seconds"] = round(time.perf_counter() - t0, 1)
-        report["checks"][name] = res
-        write()
-        print(f"{'ok  ' if res['ok'] else 'FAIL'} {name} ({res['seconds']} s)"
-              + ("" if res["ok"] else ": " + json.dumps({k: v for k, v in res.items() if k != 'rows'})[:3000]),
-              flush=True)
+          f"triton {triton_version}; budget {args.budget_s:.0f} s; report: {path}", flush=True)
+    runs = {"backend": lambda: check_backend(device),
+            "kernels_vs_cpu_reference": lambda: check_kernels_vs_cpu_reference(device),
+            "kernels_vs_torch_cuda": lambda: check_kernels_vs_torch_cuda(device, n_bw >> 6),
+            "lion_cuda_vs_cpu": lambda: check_lion_cuda_vs_cpu(device),
+            "lioncub_ws1_nccl": lambda: check_lioncub_ws1(device),
+            "nccl_ws1_calls": lambda: check_nccl_ws1_calls(device, args.dry_run),
+            "device_paths_two_ranks": lambda: check_device_paths_two_ranks(device, args.only, inject),
+            "gloo_two_ranks_cuda": lambda: check_gloo_two_ranks(device),
+            "bandwidth": lambda: check_bandwidth(device, n_bw, reps)}
+    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGINT)}
+    name = None
+    try:
+        for name in selected:
+            t0 = time.perf_counter()
+            if _left() < 5:
+                res = dict(ok=False, error=f"not run: the run's budget of {args.budget_s:.0f} s was spent")
+            else:
+                try:
+                    res = runs[name]()
+                except Exception:  # noqa: BLE001 - a crashed check is a failed check, with its traceback
+                    res = dict(ok=False, error=traceback.format_exc().strip().splitlines()[-12:])
+            res["seconds"] = round(time.perf_counter() - t0, 1)
+            report["checks"][name] = res
+            write()
+            brief = {k: v for k, v in res.items() if k not in ("rows", "paths", "passed")}
+            print(f"{'ok  ' if res['ok'] else 'FAIL'} {name} ({res['seconds']} s)"
+                  + ("" if res["ok"] else ": " + json.dumps(brief)[:3000]), flush=True)
+    except (KeyboardInterrupt, SystemExit) as exc:  # SIGTERM (the time limit) or ^C: children are gone
+        report["interrupted"] = f"{type(exc).__name__}: {exc} (during {name})"
+        if name is not None:
+            report["checks"][name] = dict(ok=False, error=f"interrupted: {type(exc).__name__}: {exc}")
+        print(f"INTERRUPTED during {name}: {exc}", flush=True)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
     if "gloo_two_ranks_cuda" in report["checks"]:
         report["gloo_cuda_collectives"] = report["checks"]["gloo_two_ranks_cuda"].get("collectives")
     failed = [k for k, v in report["checks"].items() if not v["ok"]]
-    report["result"] = "fail" if failed else "pass"
+    missing = [c for c in selected if c not in report["checks"]]
+    report["result"] = "fail" if failed or missing or "interrupted" in report else "pass"
     report["finished_utc"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     write()
-    print(("FAILED: " + ", ".join(failed)) if failed else "all checks passed", f"({path})", flush=True)
-    return 1 if failed else 0
+    summary = ("FAILED: " + ", ".join(failed + [f"{m} (not run)" for m in missing]) if report["result"] == "fail"
+               else "all checks passed" + (f" (subset: {', '.join(selected)})" if report["subset"] else ""))
+    print(summary, f"({path})", flush=True)
+    return 0 if report["result"] == "pass" else 1
 
 
 if __name__ == "__main__":

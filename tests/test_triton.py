@@ -179,7 +179,6 @@ def test_finite_flag_is_a_device_tensor_read_without_a_host_sync(monkeypatch):
 _block_offsets, _lane_indices, _stream_indices = tk._block_offsets, tk._lane_indices, tk._stream_indices
 
 
-@triton.jit(do_not_specialize=["pid", "start", "n"])
 def _offsets_probe_kernel(block_ptr, byte_ptr, lane_ptr, ends_ptr, i_ptr, j_ptr, pid, start, n,
                           PER: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.arange(0, BLOCK)
@@ -194,11 +193,17 @@ def _offsets_probe_kernel(block_ptr, byte_ptr, lane_ptr, ends_ptr, i_ptr, j_ptr,
     tl.store(j_ptr + r, j)
 
 
+def _offsets_probe():
+    """The probe, jitted when called: the module deletes TRITON_INTERPRET after its import, and
+    the test's fixture sets it again, so only now does the decorator pick the interpreter."""
+    return triton.jit(do_not_specialize=["pid", "start", "n"])(_offsets_probe_kernel)
+
+
 def test_offsets_are_int64_past_2_31():
     """pid·BLOCK, start + i, start // PER, (start + n − 1) // PER and the lanes' element index
     i = byte·PER + lane − start: exact for program ids whose pid·BLOCK passes 2^31 (up to the
     largest grid, 2^31 − 1 programs) and starts past 2^31 / 2^32."""
-    B = tk._BLOCK
+    B, probe = tk._BLOCK, _offsets_probe()
     assert (2 ** 21) * B == 2 ** 31  # the first program id past int32 at this block size
     r = torch.arange(B, dtype=torch.int64)
     # (pid, start, n). Not start and n both in [2^31, 2^32): the interpreter holds such an
@@ -210,7 +215,7 @@ def test_offsets_are_int64_past_2_31():
             got = [_d(torch.full((B,), -1, dtype=torch.int64)) for _ in range(2)]
             lanes, ends = _d(torch.full((B, per), -1, dtype=torch.int64)), _d(torch.full((2,), -1, dtype=torch.int64))
             i, j = _d(torch.full((B,), -1, dtype=torch.int64)), _d(torch.full((B,), -1, dtype=torch.int64))
-            _offsets_probe_kernel[(1,)](got[0], got[1], lanes, ends, i, j, pid, start, n, PER=per, BLOCK=B)
+            probe[(1,)](got[0], got[1], lanes, ends, i, j, pid, start, n, PER=per, BLOCK=B)
             first, last = start // per, (start + n - 1) // per
             byte = first + pid * B + r
             assert torch.equal(got[0].cpu(), pid * B + r), (pid, start, per)

@@ -42,6 +42,7 @@ never chose it. On a real device (``make gpu-check``) the same audit runs with r
 from __future__ import annotations
 
 import contextlib
+import os
 import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
@@ -51,6 +52,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 __all__ = ["DeviceAudit", "Collective", "Sync", "NCCL_DTYPES", "NCCL_OPS"]
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # .../lioncub/
+_NOT_LIBRARY = tuple(os.path.join(_PACKAGE, d) + os.sep for d in ("testing", "testbed"))
 
 NCCL_DTYPES = (torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16, torch.bfloat16,
                torch.float32, torch.float64)
@@ -136,9 +140,12 @@ class DeviceAudit(TorchDispatchMode):
         return d.type == self.device.type and (self.device.index is None or d.index == self.device.index)
 
     def _where(self) -> str:
+        """The innermost frame of the library's own code (not its testing tools or launcher),
+        or ``'?'`` when the caller's code asked."""
         for frame in reversed(traceback.extract_stack()[:-3]):
-            if "lioncub" in frame.filename and "testing" not in frame.filename:
-                return f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} {frame.name}"
+            path = os.path.abspath(frame.filename)
+            if path.startswith(_PACKAGE) and not path.startswith(_NOT_LIBRARY):
+                return f"{os.path.basename(path)}:{frame.lineno} {frame.name}"
         return "?"
 
     def _sync(self, name: str) -> None:

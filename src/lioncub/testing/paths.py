@@ -46,9 +46,8 @@ def _backward(model, device, audit, k: int, *, scale: float = 1.0) -> None:
 
 def _train(opt, model, device, audit, steps: int, *, bad_step: int = -1, first: int = 0) -> None:
     for k in range(first, first + steps):
-        _backward(model, device, audit, k)
-        if k == bad_step:  # a non-finite gradient: the skip branch
-            next(model.parameters()).grad.fill_(float("nan"))
+        # a NaN loss at bad_step: every gradient non-finite, seen by backward's hooks too (overlap)
+        _backward(model, device, audit, k, scale=float("nan") if k == bad_step else 1.0)
         with audit.phase(f"step {k}"):
             opt.step()
         opt.zero_grad(set_to_none=True)
