@@ -34,9 +34,11 @@ group (see below), in submission order = index order.
 
 No host sync in a hook: a hook only counts gradients, encodes (the fused encodes return their
 finite flag as a Python bool or a 0-dim bool tensor on the device: kept, never read here) and
-enqueues. An encode that needs a number on the host (a quantizer's scale: ``quantizer`` other
-than None or ``'sign'``) does not run in the hook: on the CPU it runs on the vote thread before
-the exchange, elsewhere the bucket's launch waits for ``step()`` (still in index order).
+enqueues. On the CPU a quantizer reads its scale as a float (free there), so a quantized encode
+(``quantizer`` other than None or ``'sign'``) does not run in the hook but on the vote thread
+before the exchange (or, without the thread, at ``step()``, still in index order); on other
+devices the scale stays a device tensor and the encode runs in the hook like any other.
+A gradient changed after backward (after its bucket launched) is not seen by the vote.
 
 :class:`Overlap` is the driver for ``LionCub(..., overlap=True)``: it hooks every
 parameter with ``Tensor.register_post_accumulate_grad_hook`` and uses LionCub's own
@@ -192,7 +194,9 @@ class VoteDriver:
     # ---------------------------------------------------------------- launching
     def _host_encode(self) -> bool:
         """Whether this step's encode reads a number back to the host (not in a hook)."""
-        return self.opt.world_size > 1 and getattr(self.opt.method, "quantizer", None) not in HOST_FREE_QUANTIZERS
+        # off the CPU a quantizer keeps its scale on the device (lioncub.quantize): no host read
+        return (self.opt.world_size > 1 and self.opt.device.type == "cpu"
+                and getattr(self.opt.method, "quantizer", None) not in HOST_FREE_QUANTIZERS)
 
     def launch(self, idx: list[int]) -> None:
         """Launch the vote of params ``idx`` (called in launch order, the same on every rank).

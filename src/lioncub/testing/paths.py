@@ -171,6 +171,8 @@ def _paths() -> dict[str, Callable]:
         out[f"lioncub pbit {q}"] = p(lioncub, vote="pbit", bits=8, quantizer=q)
     for vote in ("pbit", "onebit", "gather"):
         out[f"lioncub {vote} overlap"] = p(lioncub, vote=vote, overlap=True)
+    out["lioncub pbit l1 overlap"] = p(lioncub, vote="pbit", bits=8, quantizer="l1", overlap=True)
+    out["lioncub pbit linf overlap"] = p(lioncub, vote="pbit", bits=8, quantizer="linf", overlap=True)
     out["lioncub auto (given alpha, beta)"] = p(lioncub, vote="auto", alpha=1e-4, beta=1e-9)
     out["lioncub auto (calibrated)"] = p(lioncub, vote="auto")
     out["lioncub check_every"] = p(lioncub, vote="onebit", check_every=1)
