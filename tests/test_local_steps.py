@@ -140,6 +140,9 @@ CONFIGS = [
     dict(vote="pbit", outer="sgd", outer_lr=3.0, error_feedback=True),
     dict(vote="pbit", quantizer="l1", bits=8, outer="nesterov", outer_lr=2.0, error_feedback=True),
     dict(vote="grad", outer="nesterov", outer_lr=0.7, inner="adamw"),
+    # stochastic rounding from the optimizer's own generator, saved with it: resumes bit for bit
+    dict(vote="pbit", quantizer="linf", bits=4, outer="sgd", outer_lr=3.0, seed=7),
+    dict(vote="onebit", outer="sgd", outer_lr=3.0, tie="plus"),
 ]
 
 

@@ -137,6 +137,10 @@ class LocalCub(torch.optim.Optimizer):
             ``quantizer='l1'`` only): every rank quantizes v_i with one shared L1 scale, the
             lanes' SUM all-reduce returns Σ_i q_i exactly, and d is their dequantized mean
             (a 2-8-bit DiLoCo pseudo-gradient; ``outer_lr`` then scales Δ as DiLoCo's does).
+        tie: where zeros and tied votes go on the 1-bit paths, as in :class:`~lioncub.LionCub`
+            (``'alternate'``: the round's parity; ``'plus'``, ``'minus'``).
+        seed: seeds the stochastic quantizer's (``linf``) generator (``seed + rank``, on the
+            parameters' device, saved in ``state_dict``).
         process_group: the data-parallel group (default: the world).
         nonfinite: ``'raise'`` or ``'skip_round'`` (every rank drops the round's local
             progress) when any rank met a NaN/Inf gradient during the round (that inner
@@ -171,6 +175,8 @@ class LocalCub(torch.optim.Optimizer):
         outer_betas: tuple[float, float] = (0.9, 0.99),
         error_feedback: bool = False,
         aggregate: str = "vote",
+        tie: str = "alternate",
+        seed: int = 0,
         process_group=None,
         nonfinite: str = "raise",
         check_every: int = 0,
@@ -184,6 +190,9 @@ class LocalCub(torch.optim.Optimizer):
         if vote not in LOCAL_VOTES + ("auto",):
             raise ValueError(f"vote must be one of {LOCAL_VOTES + ('auto',)} with local steps, got {vote!r}")
         votes.check_lane_options(vote, bits, quantizer)
+        votes.check_tie(tie, vote, quantizer)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {seed!r}")
         if quantizer is not None and quantizer not in QUANTIZERS:
             raise ValueError(f"quantizer must be None or one of {QUANTIZERS}, got {quantizer!r}")
         if outer not in OUTER_RULES:
@@ -230,7 +239,8 @@ class LocalCub(torch.optim.Optimizer):
         self.params = [p for g in self.param_groups for p in g["params"]]
         self.device = comm.comm_device(self.params, self.group)  # every collective's tensors live here
         # a stochastic quantizer's (linf) draws: this rank's own generator, on the device, saved
-        self.generator = comm.make_generator(self.device, self.rank)
+        self.tie, self.seed = tie, seed
+        self.generator = comm.make_generator(self.device, seed + self.rank)
         self._names = guard.param_names(model, self.params)
         guard.check_same_params(self.params, self.group, self.world_size, names=self._names)
         if self.world_size > 1:  # every replica starts from rank 0's parameters
@@ -384,7 +394,7 @@ class LocalCub(torch.optim.Optimizer):
         return total, q
 
     def _vote(self, v: Tensor, stats: CommStats) -> Tensor:
-        kw = dict(method=self.vote, bits=self.bits, quantizer=self.quantizer, step=self.rounds)
+        kw = dict(method=self.vote, bits=self.bits, quantizer=self.quantizer, step=self.rounds, tie=self.tie)
         if self.world_size == 1:  # no process group needed: the one rank's vote is its reference
             return reference_vote([v], generators=[self.generator], **kw)
         return majority_vote(v, group=self.group, stats=stats, generator=self.generator, **kw)
@@ -442,7 +452,7 @@ class LocalCub(torch.optim.Optimizer):
         return sd
 
     def _config(self) -> dict:
-        return dict(local_steps=self.H, vote=self.vote, bits=self.bits, quantizer=self.quantizer,
+        return dict(local_steps=self.H, vote=self.vote, bits=self.bits, quantizer=self.quantizer, tie=self.tie,
                     outer=self.outer, error_feedback=self.error_feedback, aggregate=self.aggregate)
 
     def load_state_dict(self, state_dict: dict) -> None:
