@@ -69,3 +69,24 @@ def test_localcub_overflow_on_one_rank_skips_only_its_inner_step():
     assert a["stepped"][0] is False and b["stepped"][0] is True  # rank 0's own inner step skipped
     for p, q in zip(a["params"], b["params"]):
         assert torch.equal(p, q)  # after the last round (steps 2, 4) the replicas agree
+
+
+def _scaler_with_overlap(rank, world):
+    import lioncub
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3)
+    opt = lioncub.LionCub(model.parameters(), lr=1e-2, vote="pbit", overlap=True)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.randn(4, 6)).square().mean()).backward()
+    try:
+        scaler.step(opt)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_scaler_under_overlap_is_refused_on_every_rank():
+    """Overlap encodes the votes during backward, from the scaled gradients: refused, not wrong."""
+    for msg in run_workers(_scaler_with_overlap, 2):
+        assert msg is not None and "GradScaler" in msg and "overlap=True" in msg and "bf16" in msg

@@ -26,8 +26,12 @@ one read. Recipe (fp16 on older GPUs; bf16 autocast needs no scaler)::
     scaler.update()           # the same scale everywhere
 
 The scaler's ``step`` passes itself as a keyword argument, a contract torch has marked as
-going away (it warns ``FutureWarning`` each step); that warning is silenced here for the
-optimizers of this package, whose ``step`` uses the scaler on purpose.
+going away (it warns ``FutureWarning`` each step); importing ``lioncub`` silences that one
+warning, process-wide (a filter cannot tell whose optimizer the scaler steps). When torch
+moves to its newer contract (``opt.grad_scale`` and ``opt.found_inf`` set before ``step``),
+the step still unscales and agrees on the skip (:func:`unscale`). Not with ``overlap=True`` or
+the DDP hook: their votes are encoded during backward, from the scaled gradients, so the step
+refuses a scaler there (use bf16 autocast).
 """
 from __future__ import annotations
 
@@ -37,8 +41,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["unscale", "record_agreed"]
+__all__ = ["scaling", "unscale", "record_agreed"]
 
+# Process-wide (a warnings filter cannot tell whose optimizer the scaler steps): only this one
+# message of torch's GradScaler, about the keyword contract these optimizers use on purpose.
 warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
 
 
@@ -46,11 +52,33 @@ def _state(opt, scaler) -> dict:
     return scaler._per_optimizer_states[id(opt)]
 
 
+def scaling(opt, scaler) -> bool:
+    """Whether this step runs under loss scaling: a scaler handed over (``grad_scaler=``), or
+    the attributes of torch's newer contract (``opt.found_inf``) set by ``GradScaler.step``."""
+    if scaler is not None:
+        return scaler.is_enabled()
+    return getattr(opt, "found_inf", None) is not None
+
+
 def unscale(opt, scaler, params: list[Tensor]) -> Optional[Tensor]:
-    """Unscale ``opt``'s gradients with ``scaler`` (unless done) and return this rank's
-    found-inf as a 1-element tensor on the scaler's device (no host read); None without a
-    scaler or when the scaler is disabled."""
-    if scaler is None or not scaler.is_enabled():
+    """Unscale ``opt``'s gradients (unless done) and return this rank's found-inf as a
+    1-element tensor on the scaler's device (no host read); None without loss scaling.
+
+    With the scaler handed over: ``scaler.unscale_(opt)`` fills the scaler's per-device
+    found-inf tensors. Under torch's newer contract (``opt.grad_scale`` / ``opt.found_inf``
+    set on the optimizer, no scaler passed): the gradients are divided by ``grad_scale``
+    here and ``found_inf`` is taken as it is; the skip is still agreed, but the verdict cannot
+    reach the scaler's own tensors, so its scales may then drift apart across ranks."""
+    if scaler is None:
+        found = getattr(opt, "found_inf", None)
+        if found is None:
+            return None
+        scale = getattr(opt, "grad_scale", None)
+        grads = [p.grad for p in params if p.grad is not None]
+        if scale is not None and grads:
+            torch._foreach_mul_(grads, scale.double().reciprocal().float())
+        return found.detach().float().reshape(1)
+    if not scaler.is_enabled():
         return None
     from torch.amp.grad_scaler import OptState
 
@@ -68,9 +96,15 @@ def unscale(opt, scaler, params: list[Tensor]) -> Optional[Tensor]:
 
 def record_agreed(opt, scaler, bad_ranks: int) -> None:
     """Write the agreed verdict (``bad_ranks`` > 0: some rank overflowed) into every
-    per-device found-inf tensor of ``scaler`` for ``opt``: ``scaler.update()`` then moves
-    every rank's scale the same way. A Python int already on the host: no sync."""
-    if scaler is None or not scaler.is_enabled():
+    per-device found-inf tensor of ``scaler`` for ``opt`` (``scaler.update()`` then moves
+    every rank's scale the same way), or into ``opt.found_inf`` under the newer contract.
+    ``bad_ranks`` is a Python int already on the host: no sync."""
+    if scaler is None:
+        found = getattr(opt, "found_inf", None)
+        if found is not None:
+            found.fill_(1.0 if bad_ranks else 0.0)
+        return
+    if not scaler.is_enabled():
         return
     for f in _state(opt, scaler)["found_inf_per_device"].values():
         f.fill_(1.0 if bad_ranks else 0.0)

@@ -53,7 +53,8 @@ from torch import Tensor
 
 __all__ = ["CommStats", "CollectiveError", "step_context", "all_reduce", "all_gather", "all_to_all",
            "broadcast", "broadcast_from_first", "barrier", "all_gather_object", "broadcast_object",
-           "device_of", "comm_device", "make_generator", "clock", "REDUCE_OPS"]
+           "device_of", "comm_device", "make_generator", "restore_generator", "clock", "step_stats",
+           "REDUCE_OPS"]
 
 
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -79,11 +80,27 @@ class CommStats:
     sync = None  # class default; an instance may set a torch.device
 
     def add(self, other: "CommStats") -> None:
+        """Add ``other``'s counts, and its times unless this record is not timed (``sync is
+        False``: a part's launch times must not leak into an untimed step's record)."""
         for f in fields(self):
+            if self.sync is False and f.name.startswith("t_"):
+                continue
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def step_stats(device: torch.device, timing: Optional[bool] = None) -> CommStats:
+    """A step's record on ``device``: timed as ``timing`` says (None: on CPU only, where the
+    calls block; True on CUDA synchronises before each clock read; False: times stay 0)."""
+    stats = CommStats()
+    timed = device.type == "cpu" if timing is None else timing
+    if not timed:
+        stats.sync = False
+    elif device.type == "cuda":
+        stats.sync = device
+    return stats
 
 
 def clock(stats: Optional[CommStats] = None) -> float:
@@ -163,13 +180,21 @@ def _wrong_device(exc: BaseException) -> bool:
 def all_reduce(t: Tensor, group=None, stats: CommStats | None = None, *, step: Optional[int] = None,
                op: str = "sum", async_op: bool = False):
     """In-place all-reduce of ``t`` (``op``: ``'sum'`` or ``'max'``). ``async_op=True``
-    returns the work handle (wait on it before reading ``t``; its time is not recorded)."""
+    returns the work handle (wait on it before reading ``t``); its bytes are counted, its
+    time is not (the clock is not read, so nothing synchronises)."""
     p = _size(group)
-    t0 = clock(stats)
+    t0 = 0.0 if async_op else clock(stats)
     work = _guarded("all_reduce", t, step,
                     lambda: dist.all_reduce(t, op=REDUCE_OPS[op], group=group, async_op=async_op))
-    _record(stats, 2 * (p - 1) / p * t.numel() * t.element_size(), t0)
-    return work if async_op else t
+    nbytes = 2 * (p - 1) / p * t.numel() * t.element_size()
+    if async_op:
+        if stats is not None:
+            stats.bytes_sent += nbytes
+            stats.bytes_recv += nbytes
+            stats.n_collectives += 1
+        return work
+    _record(stats, nbytes, t0)
+    return t
 
 
 def all_gather(t: Tensor, group=None, stats: CommStats | None = None, *, step: Optional[int] = None) -> Tensor:
@@ -193,11 +218,6 @@ def all_to_all(t: Tensor, group=None, stats: CommStats | None = None, *, step: O
     _guarded("all_to_all", t, step, lambda: dist.all_to_all_single(out, t.contiguous(), group=group))
     _record(stats, (p - 1) / p * t.numel() * t.element_size(), t0)
     return out
-
-
-def _first(group) -> int:
-    """The global rank of ``group``'s first rank (the world's rank 0 without a group)."""
-    return dist.get_global_rank(group, 0) if group is not None else 0
 
 
 def broadcast(t: Tensor, group=None, stats: CommStats | None = None, *, src: int = 0,

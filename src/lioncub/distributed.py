@@ -243,6 +243,11 @@ class LionCub(torch.optim.Optimizer):
         g = self.param_groups[-1]  # now filled with defaults
         try:
             _validate_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
+            if hasattr(self, "device"):  # a group added after construction: the same one device
+                for i, p in enumerate(g["params"]):
+                    if p.device != self.device:
+                        raise ValueError(f"parameter {i} of the new group is on {p.device}, this optimizer's "
+                                         f"parameters on {self.device}: one optimizer communicates on one device")
         except (TypeError, ValueError) as exc:
             self.param_groups.pop()
             raise type(exc)(f"param group {len(self.param_groups)}: {exc}") from None
@@ -354,12 +359,7 @@ class LionCub(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
     def new_stats(self) -> CommStats:
         """A step's :class:`CommStats`, timed as ``timing`` says (see the class doc)."""
-        stats = CommStats()
-        if not self.timing:
-            stats.sync = False
-        elif self.device.type == "cuda":
-            stats.sync = self.device
-        return stats
+        return comm.step_stats(self.device, self.timing)
 
     def _agree(self, params: list[Tensor], stats: CommStats, finite=None, extra: Optional[Tensor] = None,
                scaler_inf: Optional[Tensor] = None) -> tuple[list[bool], int, int]:
@@ -371,7 +371,8 @@ class LionCub(torch.optim.Optimizer):
         loss scaler's found-inf of this rank (counted with the non-finite ranks).
         Returns (active per parameter, non-finite ranks, extra's sum)."""
         n = len(params)
-        counts = self.bucket_step.buffer("agree", n + 1 + (extra is not None), torch.uint8, self.device)
+        dtype = torch.uint8 if self.world_size <= 255 else torch.int32  # a sum of P flags must not wrap
+        counts = self.bucket_step.buffer("agree", n + 1 + (extra is not None), dtype, self.device)
         counts.zero_()
         for i, p in enumerate(params):  # a missing gradient is rare: one scalar fill each
             if p.grad is None:
@@ -382,9 +383,9 @@ class LionCub(torch.optim.Optimizer):
             if not finite:
                 counts[n] = 1
         else:
-            counts[n:n + 1].copy_(torch.logical_not(finite).reshape(1))
+            counts[n:n + 1].copy_(torch.logical_not(finite).reshape(1))  # (cast to the vector's dtype)
         if scaler_inf is not None:
-            counts[n:n + 1].add_((scaler_inf.to(self.device, non_blocking=True).reshape(1) > 0).to(torch.uint8))
+            counts[n:n + 1].add_((scaler_inf.to(self.device, non_blocking=True).reshape(1) > 0).to(dtype))
             counts[n:n + 1].clamp_(max=1)
         if extra is not None:
             counts[n + 1:].copy_(extra)
@@ -415,9 +416,13 @@ class LionCub(torch.optim.Optimizer):
                 loss = closure()
         stats = self.new_stats()
         params = [p for _, p in self.param_entries]
+        driver = self._driver  # overlap / DDP hook: votes already launched during backward
+        if driver is not None and amp.scaling(self, grad_scaler):
+            raise ValueError("fp16 loss scaling (GradScaler) with overlap=True or the DDP hook: the votes were "
+                             "encoded during backward from scaled gradients; use bf16 autocast (no scaler), or "
+                             "overlap=False without the DDP hook")
         scaler_inf = amp.unscale(self, grad_scaler, params)  # None without a scaler
         run, buckets = self.bucket_step, self.buckets
-        driver = self._driver  # overlap / DDP hook: votes already launched during backward
         if driver is not None:
             driver.finish_votes(stats)  # nothing in flight before the next collective
         early = None  # fused encode first: it checks every gradient in the same read
@@ -436,12 +441,11 @@ class LionCub(torch.optim.Optimizer):
                                                   extra=None if check is None else check[0], scaler_inf=scaler_inf)
         if diverged:
             guard.report_replicas(check[1], params, step=self.steps, names=self._param_names)
-        if grad_scaler is not None:
-            amp.record_agreed(self, grad_scaler, bad_ranks)
+        amp.record_agreed(self, grad_scaler, bad_ranks)
         if bad_ranks:
             if driver is not None:
                 driver.discard()
-            if grad_scaler is None:
+            if scaler_inf is None:
                 guard.handle_nonfinite(self, params, bad_ranks)  # raises, or we skip this step
             self.skipped_steps += 1
             self.last_step_stats = stats

@@ -208,18 +208,18 @@ class NodeCub(torch.optim.Optimizer):
         local = self.layout.local_size
         parts = [(p.grad.detach().reshape(-1).float() if p.grad is not None else
                   torch.zeros(p.numel(), device=p.device)) for p in self.params]
-        has = torch.ones(len(self.params), device=parts[0].device)  # no host-to-device copy
+        missing = torch.zeros(len(self.params), device=parts[0].device)  # ranks without a gradient: 0 usually
         for i, p in enumerate(self.params):
             if p.grad is None:
-                has[i] = 0.0
-        flat = torch.cat(parts + [has])
+                missing[i] = 1.0  # a scalar fill: no host-to-device copy
+        flat = torch.cat(parts + [missing])
         if local > 1:
             comm.all_reduce(flat, self.layout.intra, stats)
         flat[:-len(self.params)].div_(local)
         pieces = flat[:-len(self.params)].split([p.numel() for p in self.params])
-        present = flat[-len(self.params):]
-        for p, piece, n in zip(self.params, pieces, present.tolist()):
-            if n == 0:
+        absent = flat[-len(self.params):]
+        for p, piece, n in zip(self.params, pieces, absent.tolist()):  # one host read
+            if n == local:  # no rank of the node has one
                 p.grad = None
             elif p.grad is None:
                 p.grad = piece.view_as(p).to(p.dtype).clone()
@@ -262,7 +262,7 @@ class NodeCub(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         with comm.step_context(self.steps):
-            intra, inter = CommStats(), CommStats()
+            intra, inter = comm.step_stats(self.device), comm.step_stats(self.device)
             scaler_inf = amp.unscale(self, grad_scaler, self.params)
             self._average_in_node(intra)
             mine = [self.params[i] for i in self._mine]

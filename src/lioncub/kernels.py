@@ -159,7 +159,8 @@ def unpack_pm1(packed: Tensor, n: int, dtype: torch.dtype = torch.int8, out: Ten
     idx = flat[:-(-n // 8)].to(torch.int64)
     torch.index_select(table, 0, idx[:whole], out=out[:whole * 8].view(whole, 8))
     if n % 8:
-        out[whole * 8:] = table[idx[whole]][:n % 8]
+        # a one-row index_select: indexing with a 0-dim device tensor would read it on the host
+        out[whole * 8:] = table.index_select(0, idx[whole:whole + 1])[0, :n % 8]
     return out
 
 

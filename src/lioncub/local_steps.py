@@ -295,16 +295,17 @@ class LocalCub(torch.optim.Optimizer):
         present = [p for p in self.params if p.grad is not None]
         scaler_inf = amp.unscale(self, grad_scaler, self.params)
         # one host read per inner step on a GPU: a NaN must not reach the inner optimizer's state
-        # (the round's end then decides on every rank at once)
-        if scaler_inf is not None and bool(scaler_inf.sum() > 0):
-            pass  # the scaler's overflow: skip this inner step; update() backs off this rank's scale
-        elif bool(guard.grads_finite(present)):
+        # (the round's end then decides on every rank at once). Read as "how bad": 0 is ordinary.
+        if scaler_inf is not None:  # the scaler checked every gradient: an overflow (Inf or NaN)
+            if not bool(scaler_inf.sum() > 0):  # skips this rank's inner step; update() backs off its scale
+                self.inner.step()
+        elif not bool(torch.logical_not(torch.as_tensor(guard.grads_finite(present)))):
             self.inner.step()
         else:
             self._bad_round = True
         self.local_step += 1
         self.synced = self.local_step == self.H
-        self.last_step_stats = CommStats()
+        self.last_step_stats = comm.step_stats(self.device)
         if self.synced:
             self._round()
             self.local_step = 0
@@ -312,7 +313,7 @@ class LocalCub(torch.optim.Optimizer):
         return loss
 
     def _round(self) -> None:
-        stats = CommStats()
+        stats = comm.step_stats(self.device)
         sizes = [p.numel() for p in self.params]
         states = [self.state[p] for p in self.params]
         delta = torch.cat([(s["start"].float() - p.float()).reshape(-1) for s, p in zip(states, self.params)])

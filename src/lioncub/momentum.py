@@ -275,6 +275,7 @@ class MomentumSync:
 
     def _all_reduce(self, t: Tensor, optimizer, stats: CommStats | None) -> None:
         mine = CommStats()
+        mine.sync = getattr(stats, "sync", None)  # timed as the step is
         comm.all_reduce(t, optimizer.group, mine)
         self.bytes_sent += mine.bytes_sent
         if stats is not None:

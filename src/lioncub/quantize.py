@@ -62,7 +62,10 @@ def levels_for_bits(bits: int) -> int:
 
 def norm_tensor(x: Tensor, p: float, work: Tensor | None = None) -> Tensor:
     """:func:`lp_norm` as a 0-dim fp32 tensor on ``x``'s device (no host read): what the
-    quantizers use off the CPU, where reading it back would stall for the device."""
+    quantizers use off the CPU, where reading it back would stall for the device. The same
+    value as on the CPU except ``p=0`` off the CPU, which sums the logs over every element
+    (zeros masked) rather than over the compacted non-zeros: another reduction order, so
+    its last bits may differ from a CPU run's (every rank computes it the same way)."""
     x = x.detach().reshape(-1)
     if work is not None and x.dtype == torch.float32 and work.dtype == torch.float32 and work.numel() == x.numel():
         a = torch.abs(x, out=work.reshape(-1))
@@ -108,7 +111,9 @@ def multiplier(levels: int, norm):
     if isinstance(norm, Tensor):
         norm = norm.float()
         ok = torch.isfinite(norm) & (norm != 0)
-        return torch.where(ok, levels / torch.where(ok, norm, torch.ones_like(norm)), torch.zeros_like(norm))
+        # a true division (``levels / t`` would be t.reciprocal() * levels: two roundings)
+        quotient = torch.div(torch.full_like(norm, float(levels)), torch.where(ok, norm, torch.ones_like(norm)))
+        return torch.where(ok, quotient, torch.zeros_like(norm))
     return 0.0 if norm == 0.0 or not math.isfinite(norm) else levels / norm
 
 

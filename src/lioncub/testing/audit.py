@@ -192,7 +192,10 @@ class DeviceAudit(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def _from_cpu(self, name, args, kwargs) -> bool:
-        """A blocking copy of a CPU tensor (not a 0-dim scalar) onto the device."""
+        """A blocking copy of a CPU tensor onto the device (a 0-dim CPU tensor taken as an operand
+        of a device op is passed as a scalar, with no copy: that is not counted). Non-blocking
+        copies are not counted: from pinned memory they do not wait; from pageable memory they
+        may (the library uses them only for tensors already on the device)."""
         if kwargs.get("non_blocking") or (name == "copy_" and len(args) > 2 and args[2]):
             return False
         if name == "copy_":
@@ -200,7 +203,7 @@ class DeviceAudit(TorchDispatchMode):
         else:
             dst = kwargs.get("device")
             src, on = args[0], dst is not None and torch.device(dst).type == self.device.type
-        return on and isinstance(src, torch.Tensor) and src.device.type == "cpu" and src.dim() > 0
+        return on and isinstance(src, torch.Tensor) and src.device.type == "cpu"
 
     def _to_cpu(self, name, args, kwargs) -> bool:
         if name == "copy_":

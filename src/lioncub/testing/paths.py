@@ -22,7 +22,7 @@ class TinyLM(nn.Module):
     """Embedding → Linear → ReLU → Linear head: an input embedding and an output layer for
     ``momentum_sync='io'``, several buckets at ``bucket_mb=0.001``."""
 
-    def __init__(self, vocab: int = 32, width: int = 16):
+    def __init__(self, vocab: int = 37, width: int = 13):  # odd sizes: partial bytes and words
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.hidden = nn.Linear(width, width)
@@ -38,7 +38,7 @@ def _model(device) -> TinyLM:
 
 
 def _backward(model, device, audit, k: int, *, scale: float = 1.0) -> None:
-    x = torch.randint(0, 32, (4, 6), device=device)
+    x = torch.randint(0, 37, (4, 6), device=device)
     with audit.phase(f"backward {k}"):
         out = model(x)
         (out.float().square().mean() * scale).backward()
@@ -154,7 +154,7 @@ def baseline(device, audit, steps: int = 3, name: str = "demo") -> None:
     torch.manual_seed(0)
     method = build(name, LM().to(device), lr=1e-3)
     for k in range(steps):
-        x = torch.randint(0, 32, (4, 6), device=device)
+        x = torch.randint(0, 37, (4, 6), device=device)
         with audit.phase(f"backward {k}"):
             method.backward(x, x)
         with audit.phase(f"step {k}"):
