@@ -186,7 +186,7 @@ def _trainer_worker(rank, world, out_dir):
 
 
 @pytest.mark.slow  # ~13 s of transformers start-up
-@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
+@pytest.mark.requires("transformers")  # tests/conftest.py: skipped without, failed under LIONCUB_REQUIRE
 def test_hf_trainer_uses_the_hook(tmp_path):
     assert all(run_workers(_trainer_worker, 2, str(tmp_path)))
 

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from tests.conftest import require_module
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -40,15 +42,15 @@ def test_ddp_example_learns(tmp_path):
 
 @pytest.mark.slow  # ~60 s of transformers start-up; tests/test_ddp_hook.py runs the HF Trainer with our hook
 def test_hf_trainer_example_learns(tmp_path):
-    pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
+    require_module("transformers")
+    require_module("accelerate")
     _falls(_run(_torchrun("hf_trainer_lioncub.py"), tmp_path), 0.3)
 
 
 @pytest.mark.slow  # ~23 s of Lightning start-up
 def test_lightning_example_sends_the_vote_and_learns(tmp_path):
     """Lightning's DDP strategy with Lion Cub's comm hook: 4-bit lanes instead of fp32 gradients."""
-    pytest.importorskip("lightning")
+    require_module("lightning")
     printed: list[str] = []
     _falls(_run(_torchrun("lightning_lioncub.py"), tmp_path, printed=printed), 0.2)
     sent, collectives, fp32, same = re.search(r"vote: (\d+) B sent per step in (\d+) collectives "

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lioncub.lion import Lion, apply_update_, interpolate, lion
+from tests.conftest import require_module
 
 SHAPES = [(5, 3), (7,), (0,), (), (2, 2, 2)]  # includes an empty tensor and a scalar
 GROUP_HPARAMS = [  # different lr / betas / wd per group
@@ -109,8 +110,7 @@ def test_float64_matches_hand_formula(foreach):
 
 
 def test_matches_lion_pytorch():
-    lion_pytorch = pytest.importorskip("lion_pytorch", reason="lion-pytorch not installed "
-                                       "(pip install lion-pytorch)")
+    lion_pytorch = require_module("lion_pytorch", why="lion-pytorch not installed (pip install lion-pytorch)")
     dtype = torch.float64
     hps = GROUP_HPARAMS[:2] + [dict(lr=2e-2, betas=(0.95, 0.98), weight_decay=1.0)]
     ours, theirs = _make_params(dtype), _make_params(dtype)

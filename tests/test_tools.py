@@ -7,11 +7,12 @@ import pytest
 
 from lioncub.harness.metrics import ProgressBar
 
+from .conftest import require_module
 from .test_harness_train import TINY, lioncub, read_jsonl
 
 
 def test_progress_bar_is_tqdm_and_shows_step_and_text():
-    pytest.importorskip("tqdm")
+    require_module("tqdm")
     out = io.StringIO()
     bar = ProgressBar(4, label="lioncub-pbit", initial=1, file=out)
     for step in (2, 3, 4):
@@ -25,7 +26,7 @@ def test_progress_bar_is_tqdm_and_shows_step_and_text():
 
 
 def test_tensorboard_events_hold_the_metrics_jsonl_values(tmp_path):
-    pytest.importorskip("tensorboard")
+    require_module("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out, board = tmp_path / "run", tmp_path / "tb"
