@@ -28,9 +28,10 @@ bucket), so the order of both process groups' NCCL calls is the same on every ra
 never waits for the device: the encode runs on the hook's current stream (the gradients'), the
 exchange on a side stream that waits on an event recorded after it, the returned future is
 device-aware (``Future(devices=[...])``: DDP's wait makes its stream wait, no host wait), and
-the finite flag of the encode is kept for ``step()``, not read. An encode that reads a number
-back to the host (a quantizer's scale) is not run in the hook: on CUDA its launch waits for
-``step()``, still in DDP's bucket order; on the CPU it runs on the vote thread.
+the finite flag of the encode is kept for ``step()``, not read. A quantizer's scale stays on the
+device off the CPU, so quantized encodes run in the hook too; on the CPU (where the scale is
+read as a float) they run on the vote thread. A ``GradScaler`` is refused under the hook: the
+votes would be encoded from the scaled gradients (use bf16 autocast).
 
 Gradient clipping between backward and ``step()`` (HF Trainer's ``max_grad_norm``)
 would reach the momentum but not the vote, which ran during backward: turn it off
