@@ -84,9 +84,11 @@ def unscale(opt, scaler, params: list[Tensor]) -> Optional[Tensor]:
 
     if _state(opt, scaler)["stage"] is OptState.READY:
         scaler.unscale_(opt)
-    flags = list(_state(opt, scaler)["found_inf_per_device"].values())
-    if not flags:
-        return None
+    per_device = _state(opt, scaler)["found_inf_per_device"]
+    if not per_device:  # no gradient on this rank: give update() a verdict to read (the agreed one)
+        scale = scaler._scale if scaler._scale is not None else torch.ones(1)
+        per_device[scale.device] = torch.zeros(1, dtype=torch.float32, device=scale.device)
+    flags = list(per_device.values())
     device = flags[0].device
     total = flags[0].reshape(1).clone()
     for f in flags[1:]:
