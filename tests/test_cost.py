@@ -78,22 +78,26 @@ def test_lane_widths():
 
 @pytest.mark.parametrize(
     "call,needle",
-    [
-        (lambda: predicted_bytes("allgather", N, 4), "method"),
-        (lambda: predicted_bytes("grad", N, 4, grad_dtype="fp16"), "grad_dtype"),
-        (lambda: predicted_bytes("pbit", N, 4, bits=3), "bits"),
-        (lambda: predicted_bytes("pbit", N, 16, bits=4), "world_size=16"),
-        (lambda: predicted_bytes("sign_allreduce", N, 128), "world_size=128"),
-        (lambda: predicted_bytes("grad", -1, 4), "n"),
-        (lambda: predicted_bytes("grad", N, 0), "world_size"),
-        (lambda: predicted_bytes("pbit", N, 4, quantizer="l3"), "quantizer"),
-        (lambda: predicted_bytes("onebit", N, 4, quantizer="l1"), "quantizer='l1'"),
-        (lambda: predicted_time("grad", N, 4, -1.0, 1e-9), "alpha"),
-        (lambda: predicted_time("grad", N, 4, 1e-4, float("nan")), "beta"),
-        (lambda: choose_vote([N], 256, 1e-4, 1e-9, candidates=("pbit", "sign_allreduce")), "no candidate"),
+    [  # each message must start by naming the argument at fault (and say what it got)
+        (lambda: predicted_bytes("allgather", N, 4), r"^method must be one of .*; got 'allgather'$"),
+        (lambda: predicted_bytes("grad", N, 4, grad_dtype="fp16"), r"^grad_dtype must be one of .*; got 'fp16'$"),
+        (lambda: predicted_bytes("pbit", N, 4, bits=3), r"^bits must be None or one of \(2, 4, 8\) .*; got 3$"),
+        (lambda: predicted_bytes("pbit", N, 16, bits=4), r"^method='pbit' \(bits=4, .*not valid for world_size=16$"),
+        (lambda: predicted_bytes("sign_allreduce", N, 128),
+         r"^method='sign_allreduce' .*not valid for world_size=128$"),
+        (lambda: predicted_bytes("grad", -1, 4), r"^n must be an int >= 0; got -1$"),
+        (lambda: predicted_bytes("grad", N, 0), r"^world_size must be an int >= 1; got 0$"),
+        (lambda: predicted_bytes("pbit", N, 4, quantizer="l3"), r"^quantizer must be None or one of .*; got 'l3'$"),
+        (lambda: predicted_bytes("onebit", N, 4, quantizer="l1"), r"^method='onebit' .*quantizer='l1'\) is not valid"),
+        (lambda: predicted_time("grad", N, 4, -1.0, 1e-9), r"^alpha must be a finite number >= 0; got -1\.0$"),
+        (lambda: predicted_time("grad", N, 4, 1e-4, float("nan")), r"^beta must be a finite number >= 0; got nan$"),
+        (lambda: choose_vote([N], 256, 1e-4, 1e-9, candidates=("pbit", "sign_allreduce")),
+         r"^no candidate in \('pbit', 'sign_allreduce'\) is valid for world_size=256$"),
     ],
 )
 def test_bad_input_names_argument(call, needle):
+    """A bare ``match="n"`` would pass for any message holding the letter n: anchored at the
+    start, each pattern needs the message to name the argument at fault first."""
     with pytest.raises(ValueError, match=needle):
         call()
 

@@ -5,10 +5,12 @@ momentum, then ``reference_vote`` over the nodes' ``c``. The update each rank ap
 read back from its parameters, ``u = (θ·(1-ηλ) - θ') / η``, rounded to the nearest
 integer (|error| < 1e-3 with η = 1e-2), and compared with the reference exactly.
 """
+import math
+
 import pytest
 import torch
 
-from lioncub import Lion, LionCub, NodeCub, node_groups, reference_vote
+from lioncub import Lion, LionCub, NodeCub, cost, node_groups, reference_vote
 from lioncub.hierarchy import shard_owners
 from tests.dist import run_workers
 
@@ -38,13 +40,15 @@ def _params(seed: int):
     return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES]
 
 
-def _run(opt, params, rank, steps=STEPS, first=0):
+def _run(opt, params, rank, steps=STEPS, first=0, after_step=None):
     traj = [[p.detach().clone() for p in params]]
     for s in range(first, steps):
         for i, p in enumerate(params):
             p.grad = _grad(rank, s, i)
         opt.step()
         traj.append([p.detach().clone() for p in params])
+        if after_step is not None:
+            after_step()
     return traj
 
 
@@ -55,7 +59,8 @@ def _worker(rank, world):
     for name, kwargs in CONFIGS.items():
         params = _params(seed=rank)  # different on every rank: NodeCub starts all from rank 0's
         opt = NodeCub(params, lr=LR, betas=BETAS, weight_decay=WD, layout=layout, check_every=1, **kwargs)
-        out[name] = _run(opt, params, rank)
+        sent = out[name + "/vote_bytes"] = []  # per step, what the cross-node vote (its LionCub) sent
+        out[name] = _run(opt, params, rank, after_step=lambda: sent.append(opt.vote.last_step_stats.bytes_sent))
         out[name + "/owners"] = opt.owners
         out[name + "/inter_bytes"] = opt.last_step_stats.bytes_sent
     # resume: a fresh optimizer loaded with step 2's state continues bit for bit
@@ -151,11 +156,41 @@ def test_replicas_identical_on_all_four_ranks(results, name):
 
 
 def test_shards_split_the_model_and_each_node_sends_one_voters_bytes(results):
-    assert results[0]["onebit-shard/owners"] == shard_owners([40, 90, 17, 25], 2) == [1, 0, 1, 1]
-    # sharded: a rank votes on its shard only; unsharded: on all 172 elements
-    sharded = [results[r]["onebit-shard/inter_bytes"] for r in range(4)]
-    full = [results[r]["onebit-all/inter_bytes"] for r in range(4)]
-    assert sharded[0] < full[0] and sharded[1] < full[1]
+    """Per rank and step, the exact bytes of the cross-node vote: its agreement all-reduce (one
+    uint8 count per parameter it holds, plus one) and one vote of the elements it holds that
+    have a gradient somewhere (lioncub.cost, 2 voters). Sharded, a node's two ranks together
+    send one voter's vote of the whole model (up to rounding each shard to whole lanes);
+    unsharded, each of them sends it."""
+    sizes = [math.prod(s) for s in SHAPES]
+    assert results[0]["onebit-shard/owners"] == shard_owners(sizes, 2) == [1, 0, 1, 1]
+    for name, kwargs in CONFIGS.items():
+        method, shard = kwargs["vote"], kwargs.get("shard", True)
+
+        def one_voter(n):
+            return cost.predicted_bytes(method, n, 2)["bytes_sent"]
+
+        for s in range(STEPS):
+            active = [i for i in range(len(SHAPES)) if any(_grad(r, s, i) is not None for r in range(4))]
+            whole = one_voter(sum(sizes[i] for i in active))
+            for node in range(2):
+                payload = []
+                for r in (2 * node, 2 * node + 1):
+                    owners = results[r][name + "/owners"]
+                    assert owners == ([1, 0, 1, 1] if shard else [r % 2] * len(SHAPES)), (name, r)
+                    mine = [i for i, j in enumerate(owners) if j == r % 2]
+                    agree = len(mine) + 1  # P = 2: an all-reduce sends 2(P-1)/P = 1x its bytes
+                    n = sum(sizes[i] for i in mine if i in active)
+                    assert results[r][name + "/vote_bytes"][s] == agree + one_voter(n), (name, s, r)
+                    payload.append(results[r][name + "/vote_bytes"][s] - agree)
+                if shard:  # each shard rounds up to whole bytes/lanes: at most one element's vote more
+                    assert whole <= sum(payload) <= whole + one_voter(1), (name, s, payload, whole)
+                else:
+                    assert payload == [whole, whole], (name, s)
+        last = [results[r][name + "/inter_bytes"] for r in range(4)]
+        assert all(b > results[r][name + "/vote_bytes"][-1] for r, b in enumerate(last))  # + flag, replica check
+    sharded = [results[r]["onebit-shard/vote_bytes"][-1] for r in range(4)]
+    full = [results[r]["onebit-all/vote_bytes"][-1] for r in range(4)]
+    assert all(a < b for a, b in zip(sharded, full))
 
 
 def test_resume_is_bit_exact(results):

@@ -125,9 +125,13 @@ def _check_sync(rank, world, tied, dtype):
         post = _gathered(opt.state[p]["exp_avg"])
         before = _gathered(pre[i])
         key = "synced" if i in sync.selected else "unsynced"
+        mean = before.double().mean(0)  # the exact mean (float64: no rounding at these sizes)
         out[key][names[i]] = dict(
             identical=bool((post == post[0]).all()),
-            err=float((post[rank] - before.mean(0)).abs().max() / before.abs().max()),
+            err=float((post[rank].double() - mean).abs().max() / before.abs().max()),
+            # per element, the error over the bound's scale Σ_j |m_j| (see _rounding_bound)
+            err_elem=float(((post[rank].double() - mean).abs()
+                            / before.double().abs().sum(0).clamp_min(1e-300)).max()),
             untouched=bool(torch.equal(post[rank], before[rank])),
             ranks_differ=bool((before != before[0]).any()),
         )
@@ -163,12 +167,62 @@ def _check_adaptive(rank, world):
                 stats=stats.as_dict(), counts=opt.momentum_sync.sync_counts)
 
 
+ADAPTIVE_STEPS = 2
+
+
+def _adaptive_grads(rank, step):
+    """Per parameter of _check_adaptive_step's model, this rank's gradient at ``step``:
+    '0.weight' and '1.bias' independent on every rank (r ≈ (P-1)/P; 10x larger each step, so
+    they dominate the momenta averaged the step before), '0.bias' the same on every rank
+    (identical momenta: r = 0), '1.weight' the same up to 5% noise (r ≈ 0.002)."""
+    own = torch.Generator().manual_seed(100 * step + rank)
+    common = torch.Generator().manual_seed(100 * step + 99)
+    return [10.0 ** step * torch.randn(20, 30, generator=own),
+            torch.randn(20, generator=common),
+            torch.randn(5, 20, generator=common) + 0.05 * torch.randn(5, 20, generator=own),
+            10.0 ** step * torch.randn(5, generator=own)]
+
+
+def _check_adaptive_step(rank, world):
+    """momentum_sync='adaptive' with sync_every=1, through LionCub.step(): which momenta each
+    step's check averaged, the divergences it measured and the exact ones (gathered here)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(30, 20), torch.nn.Linear(20, 5))
+    opt = LionCub(model.parameters(), lr=1e-3, vote="sign_allreduce", momentum_sync="adaptive", sync_every=1,
+                  model=model)
+    sync, params = opt.momentum_sync, list(model.parameters())
+    steps = []
+    for step in range(ADAPTIVE_STEPS):
+        for p, g in zip(params, _adaptive_grads(rank, step)):
+            p.grad = g
+        # the momenta the check sees: exp_avg before the step, then Lion's β2 update (as step() does)
+        b2 = opt.param_groups[0]["betas"][1]
+        pre = [(b2 * opt.state[p]["exp_avg"] if opt.state[p] else 0) + (1 - b2) * p.grad for p in params]
+        counts_before = dict(sync.sync_counts)
+        opt.step()
+        exact = []
+        for m in pre:
+            allm = _gathered(m).double()
+            exact.append(float((allm - allm.mean(0)).square().sum() / allm.square().sum()))
+        post = [opt.state[p]["exp_avg"] for p in params]
+        steps.append(dict(
+            exact=exact, est=dict(sync.last_divergence),
+            averaged=sorted(n for n, c in sync.sync_counts.items() if c > counts_before.get(n, 0)),
+            identical=[bool((_gathered(q) == q).all()) for q in post],
+            is_mean=[bool(torch.allclose(q, _gathered(m).mean(0), rtol=0, atol=1e-6)) for q, m in zip(post, pre)],
+            untouched=[bool(torch.allclose(q, m, rtol=0, atol=1e-7)) for q, m in zip(post, pre)],
+            bytes_sent=opt.last_step_stats.bytes_sent))
+    return dict(steps=steps, counts=dict(sync.sync_counts), n_checks=sync.n_checks, n_syncs=sync.n_syncs,
+                sync_bytes=sync.bytes_sent)
+
+
 def _workers(rank, world):
     return dict(
         untied=_check_sync(rank, world, tied=False, dtype="fp32"),
         tied=_check_sync(rank, world, tied=True, dtype="fp32"),
         bf16=_check_sync(rank, world, tied=False, dtype="bf16"),
         adaptive=_check_adaptive(rank, world),
+        adaptive_step=_check_adaptive_step(rank, world),
     )
 
 
@@ -177,9 +231,26 @@ def four_ranks():
     return run_workers(_workers, 4)
 
 
+def _rounding_bound(dtype: torch.dtype, world: int) -> float:
+    """|computed mean - exact mean| <= this · Σ_j |m_j|, per element, for the momentum sync.
+
+    In ``dtype`` the sync rounds each of the P inputs once (the cast; exact for fp32) and
+    each of the P-1 partial sums of the all-reduce once (whatever its order); dividing by
+    P = 4 and the cast back to fp32 are exact. With u = eps/2 (round to nearest), each
+    rounding errs by at most u times its value, and every partial sum is at most
+    (1+u)^P · Σ_j |m_j|, so the sum errs by at most (u + (P-1)·u·(1+u)^P)·Σ_j |m_j|, the mean by
+    a P-th of that: below u·(1+u)^P · Σ_j |m_j| = P·u·(1+u)^P · mean_j |m_j|.
+    bf16: u = 2^-8, bound 0.00397, so at most 0.0159 of the largest |m| (measured: 0.002 of it,
+    0.002 per element; the former tolerance 2e-2 of the largest |m| let through a sync with
+    4x bf16's rounding error); fp32: u = 2^-24, bound 6.0e-8 (measured 3.3e-8)."""
+    u = torch.finfo(dtype).eps / 2
+    return u * (1 + u) ** world
+
+
 @pytest.mark.parametrize("case", ["untied", "tied", "bf16"])
 def test_sync_averages_selected_momenta_only(four_ranks, case):
-    tol = 1e-6 if case != "bf16" else 2e-2
+    bound = _rounding_bound(torch.bfloat16 if case == "bf16" else torch.float32, 4)
+    tol = 4 * bound  # relative to the largest |m|: Σ_j |m_j| <= P·max|m|
     for r in four_ranks:
         res = r[case]
         want = ["wte.weight", "wpe.weight"] + ([] if case == "tied" else ["head.weight"])
@@ -188,7 +259,8 @@ def test_sync_averages_selected_momenta_only(four_ranks, case):
         for name, s in res["synced"].items():
             assert s["identical"], name
             assert s["ranks_differ"], name  # the momenta had drifted, so the sync did something
-            assert s["err"] < tol, (name, s["err"])
+            assert s["err"] < tol, (name, s["err"], tol)
+            assert s["err_elem"] <= bound, (name, s["err_elem"], bound)  # element for element
         for name, s in res["unsynced"].items():
             assert s["untouched"], name
         assert any(s["ranks_differ"] for s in res["unsynced"].values())
@@ -222,6 +294,35 @@ def test_adaptive_finds_diverged_tensors(four_ranks):
         assert res["stats"]["n_collectives"] == 2
         assert res["stats"]["bytes_sent"] == pytest.approx(1.5 * (8 * n_check + 4 * 200))
     assert len({tuple(r["adaptive"]["est"]) for r in four_ranks}) == 1  # every rank decides alike
+
+
+def test_adaptive_policy_through_step_averages_only_diverged_momenta(four_ranks):
+    """LionCub.step() on 4 gloo ranks with momentum_sync='adaptive' (threshold 0.25) and
+    sync_every=1: after every step the check measures each momentum's divergence; the two that
+    differ across ranks are averaged, the identical one and the nearly identical one are not."""
+    names = ["0.weight", "0.bias", "1.weight", "1.bias"]
+    for r in four_ranks:
+        res = r["adaptive_step"]
+        for s, st in enumerate(res["steps"]):
+            assert sorted(st["est"]) == sorted(names), (s, st["est"])  # every momentum was checked
+            exact, est = st["exact"], [st["est"][n] for n in names]
+            # far from the threshold 0.25 either way (r ≈ 0.75 for independent momenta; 5 elements: noisy)
+            assert exact[0] > 0.6 and exact[3] > 0.4 and exact[1] == 0.0 and exact[2] < 0.01, (s, exact)
+            assert est[1] == 0.0  # identical momenta: r = 0 exactly (20 elements <= 64 buckets: sent whole)
+            assert est[3] == pytest.approx(exact[3], abs=1e-6)  # 5 elements: exact (up to fp32 momenta here)
+            assert abs(est[0] - exact[0]) < 0.25 and abs(est[2] - exact[2]) < 0.05  # sketched
+            assert st["averaged"] == ["0.weight", "1.bias"], (s, st["averaged"])
+            assert st["is_mean"] == [True, True, False, True]  # (identical momenta are their mean)
+            assert st["untouched"] == [False, True, True, False]
+            assert all(st["identical"][k] for k in (0, 1, 3))
+            assert not st["identical"][2]  # nearly identical momenta stay each rank's own
+        assert res["counts"] == {"0.weight": ADAPTIVE_STEPS, "1.bias": ADAPTIVE_STEPS}
+        assert res["n_checks"] == res["n_syncs"] == ADAPTIVE_STEPS
+        # per step: one check all-reduce of (64+1) + (20+1) + (64+1) + (5+1) float64s, one fp32 sync of 600 + 5
+        per_step = 1.5 * (8 * ((64 + 1) + (20 + 1) + (64 + 1) + (5 + 1)) + 4 * (600 + 5))
+        assert res["sync_bytes"] == pytest.approx(ADAPTIVE_STEPS * per_step)
+        assert len({st["bytes_sent"] for st in res["steps"]}) == 1  # the same work every step
+    assert len({tuple(sorted(r["adaptive_step"]["steps"][-1]["est"].items())) for r in four_ranks}) == 1
 
 
 def test_state_dict_round_trip_through_lioncub():

@@ -10,6 +10,7 @@ import math
 import os
 import sys
 
+import pytest
 import torch
 
 from tests.dist import run_workers
@@ -93,7 +94,22 @@ def test_study_end_to_end(tmp_path):
     assert len(again) == len(records)  # a rerun skips finished runs
     summary = study_report.summarize(again)
     assert {"ties", "tied"} <= set(summary)
-    assert abs(summary["tied"][0]["gap_to_lion"]) < 1e-12  # the Lion row against itself
+    # Δ to Lion recomputed here from the raw records (not from summarize's rows): the 4-bit
+    # row's reference is the Lion row of its part (same model, β2 = 0.95, untied), and the
+    # ties row (β2 = 0.99, tied) has no Lion row with its β2 and tying among these records.
+    final = {r["label"]: r["final"]["val_loss"] for r in records}
+    tied = {row["label"]: row for row in summary["tied"]}
+    assert set(tied) == {"Lion b2=0.95", "4-bit, sync none, b2=0.95"}
+    assert tied["Lion b2=0.95"]["val_loss"] == (final["Lion b2=0.95"], None)  # one seed: no std
+    four = tied["4-bit, sync none, b2=0.95"]
+    assert four["val_loss"] == (final["4-bit, sync none, b2=0.95"], None)
+    assert (four["vs_ref"]["ref"], four["vs_ref"]["ref_part"]) == ("Lion b2=0.95", "tied")
+    want = final["4-bit, sync none, b2=0.95"] - final["Lion b2=0.95"]
+    assert want != 0.0  # two different optimizers: a row compared with itself would give 0
+    assert four["gap_to_lion"] == pytest.approx(want, rel=0, abs=1e-12)
+    assert tied["Lion b2=0.95"]["gap_to_lion"] == 0.0  # the reference row itself
+    ties = {row["label"]: row for row in summary["ties"]}
+    assert ties["1-bit, ties minus"]["gap_to_lion"] is None and ties["1-bit, ties minus"]["vs_ref"] is None
     paths = study_report.plot(summary, str(tmp_path / "fig"))
     assert all(os.path.getsize(p) > 1000 for p in paths)
     assert "| 1-bit, ties minus | 1 | 2 |" in study_report.markdown(summary)
