@@ -69,7 +69,8 @@ def _votes_and_replicas(rank, world):
                 for p in g["params"]:
                     u = (before[k] * (1 - g["lr"] * g["weight_decay"]) - p.detach()) / g["lr"]
                     if cfg.get("quantizer") is None:  # sign votes are per element: exact per param
-                        # (quantized votes normalise per bucket: checked bucket-wise in test_vote)
+                        # (quantized votes normalise per bucket: checked bucket by bucket, exactly,
+                        # in test_update_is_the_reference_for_every_vote_and_quantizer)
                         ref = reference_vote(all_c[k], method=cfg["vote"], step=step)
                         assert torch.allclose(u, ref, atol=1e-4), (cfg, step, k)
                         assert set(ref.unique().tolist()) <= {-1.0, 0.0, 1.0}
@@ -90,6 +91,85 @@ def _votes_and_replicas(rank, world):
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_votes_match_reference_and_replicas_stay_identical(world):
     reports = run_workers(_votes_and_replicas, world)
+    assert all(r == reports[0] for r in reports)
+
+
+SIGN_VOTES = [dict(vote="sign_allreduce"), dict(vote="gather"), dict(vote="onebit"), dict(vote="pbit")]
+QUANTIZED = [dict(vote="pbit", quantizer=q, bits=b) for q, b in (
+    ("sign", None), ("l1", None), ("l1", 4), ("lp", 8), ("l0", None), ("l0", 4),
+    ("linf", 8), ("linf", 4), ("log", None), ("log", 4))]
+
+
+def _lion_c(m, g, beta1, maximize):
+    """Lion's c = β1·m + (1-β1)·g (g negated when maximizing), in the op order both backends
+    round it: fma(1-β1, g, m·β1), i.e. torch's mul(m, β1).add_(g, alpha=1-β1) on CPU."""
+    return torch.mul(m, beta1).add_(-g if maximize else g, alpha=1 - beta1)
+
+
+def _update_is_the_reference(rank, world):
+    """Every vote and every quantizer through LionCub.step, against reference_vote on the
+    ranks' c, bucket by bucket: a quantizer scales each bucket's flat c once, so the reference
+    gets the bucket's c concatenated in the bucket's order (several small buckets, then one
+    bucket holding every parameter). Then θ ← θ(1-ηλ) - η·u and m ← β2·m + (1-β2)·g, exactly,
+    on both backends. The constructor's maximize=True holds for group 1, group 0 overrides it
+    with False: maximize must negate g in c and in m (a bug in both backends alike is caught
+    here, not by the fused == torch test). linf: the reference replays each rank's generator
+    from its state just before the step (gathered), and the generator starts at seed + rank."""
+    out = {}
+    small = 60 * 4 / 2**20  # several buckets
+    runs = [(cfg, small) for cfg in SIGN_VOTES] + [(cfg, mb) for cfg in QUANTIZED for mb in (small, 1.0)]
+    for cfg, bucket_mb in runs:  # (per-element sign votes: the bucket plan changes nothing)
+        for use in (None, False):
+            model = _model(seed=rank)
+            opt = LionCub([{"params": model[0].parameters(), "lr": 0.02, "betas": (0.8, 0.95), "maximize": False},
+                           {"params": list(model[2].parameters()) + list(model[4].parameters()),
+                            "weight_decay": 0.1}],
+                          lr=0.01, maximize=True, bucket_mb=bucket_mb, fused=use, seed=5, **cfg)
+            assert (len(opt.buckets) > 1) == (bucket_mb < 1), len(opt.buckets)
+            linf = cfg.get("quantizer") == "linf"
+            if linf:
+                assert torch.equal(opt.generator.get_state(), torch.Generator().manual_seed(5 + rank).get_state()), \
+                    "linf's generator must start seeded seed + rank"
+            entries, moved = opt.param_entries, 0
+            for step in range(3):
+                _grads_for(model, rank, step)
+                gens = None
+                if linf:  # drawn from bucket after bucket, as the step encodes them
+                    gens = [torch.Generator().set_state(s) for s in _all(opt.generator.get_state())]
+                before, moms, cs = [], [], []
+                for g, p in entries:
+                    m = opt.state[p]["exp_avg"].clone() if "exp_avg" in opt.state[p] else torch.zeros_like(p)
+                    before.append(p.detach().clone())
+                    moms.append(m)
+                    cs.append(_lion_c(m, p.grad, g["betas"][0], g["maximize"]))
+                sizes = [c.numel() for c in cs]
+                everyone = [x.split(sizes) for x in _all(torch.cat([c.reshape(-1) for c in cs]))]  # one gather
+                u = [None] * len(entries)
+                for bucket in opt.buckets:
+                    flats = [torch.cat([x[i] for i in bucket.index]) for x in everyone]
+                    ref = reference_vote(flats, method=cfg["vote"], bits=cfg.get("bits"),
+                                         quantizer=cfg.get("quantizer"), step=opt.steps, generators=gens)
+                    for i, piece in zip(bucket.index, ref.split(bucket.sizes)):
+                        u[i] = piece.view_as(cs[i])
+                assert all(x is not None for x in u)
+                opt.step()
+                for i, (g, p) in enumerate(entries):
+                    lr, b2 = g["lr"], g["betas"][1]
+                    where = (cfg, bucket_mb, use, step, i)
+                    assert torch.equal(p.detach(), before[i] * (1 - lr * g["weight_decay"]) - lr * u[i]), ("θ", where)
+                    grad = -p.grad if g["maximize"] else p.grad
+                    assert torch.equal(opt.state[p]["exp_avg"], torch.mul(moms[i], b2).add_(grad, alpha=1 - b2)), \
+                        ("m", where)
+                    moved += int(u[i].ne(0).sum())
+            assert moved > 0, cfg
+            out[str(cfg), bucket_mb, use] = moved
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_update_is_the_reference_for_every_vote_and_quantizer(world):
+    reports = run_workers(_update_is_the_reference, world)
+    assert len(reports[0]) == (len(SIGN_VOTES) + 2 * len(QUANTIZED)) * 2
     assert all(r == reports[0] for r in reports)
 
 
@@ -252,28 +332,76 @@ def _missing_and_resume(rank, world):
     return True
 
 
+def _bf16_ema(m, g, beta):
+    """β·m + (1-β)·g for bf16 m and g as the optimizer rounds it: m·β in fp32 (β not rounded
+    to bf16), rounded to bf16; then torch's bf16 add_(g, alpha=1-β), which rounds alpha to bf16
+    (and, in its scalar tail loop, alpha·g to bf16 before the add) -- so that one op is torch's
+    own rather than an fp32 imitation that would differ in the last bf16 bit."""
+    return (m.float() * beta).bfloat16().add_(g, alpha=1 - beta)
+
+
 def _bf16_and_empty(rank, world):
-    torch.manual_seed(rank)
-    params = [torch.nn.Parameter(torch.randn(37, dtype=torch.bfloat16)),
-              torch.nn.Parameter(torch.zeros(0)), torch.nn.Parameter(torch.randn(5, 3))]
-    opt = LionCub(params, lr=0.125, vote="pbit", quantizer="l1")
-    for step in range(4):
-        g = torch.Generator().manual_seed(10 * step + rank)
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
-        opt.step()
-    for p in params:
-        for other in _all(p.detach()):
-            assert torch.equal(other, p.detach())
-    assert params[0].dtype == torch.bfloat16 and opt.state[params[0]]["exp_avg"].dtype == torch.bfloat16
-    return params[0].detach().float().sum().item()
+    """A bf16, an empty and an fp32 parameter, in one bucket (the torch path: a bf16 tensor is
+    not fused) and in a bucket each (the empty one alone, the fp32 one fused): the expected
+    update is computed in fp32 and rounded to bf16 where the optimizer rounds it: θ·(1-ηλ) in
+    fp32 rounded, then - η·u in fp32 rounded (η = 2⁻³: η·u is exact); c and m by _bf16_ema. u is
+    reference_vote on each bucket's flat fp32 c. 1-ηλ = 0.9875 and β2 = 0.99 are no bf16
+    numbers (0.98828125 in bf16): the optimizer must multiply by them in fp32
+    (lion._foreach_scale_). The empty parameter raises nothing and stays an empty fp32 tensor."""
+    out = []
+    lr, wd, b1, b2 = 0.125, 0.1, 0.9, 0.99
+    for cfg in (dict(vote="pbit", quantizer="l1"), dict(vote="pbit", bits=8, quantizer="linf"), dict(vote="onebit")):
+        for bucket_mb in (25.0, 4 / 2**20):
+            torch.manual_seed(rank)
+            params = [torch.nn.Parameter(torch.randn(37, dtype=torch.bfloat16)),
+                      torch.nn.Parameter(torch.zeros(0)), torch.nn.Parameter(torch.randn(5, 3))]
+            empty = params[1]
+            opt = LionCub(params, lr=lr, betas=(b1, b2), weight_decay=wd, bucket_mb=bucket_mb, **cfg)
+            assert len(opt.buckets) == (1 if bucket_mb > 1 else 3)
+            start = [p.detach().clone() for p in params]  # rank 0's, broadcast
+            moms = [torch.zeros_like(p) for p in params]
+            for step in range(4):
+                g = torch.Generator().manual_seed(10 * step + rank)
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+                gens = [torch.Generator().set_state(x) for x in _all(opt.generator.get_state())]
+                cs = [_bf16_ema(moms[0], params[0].grad, b1).float(), torch.zeros(0),
+                      torch.mul(moms[2], b1).add_(params[2].grad, alpha=1 - b1)]
+                sizes = [c.numel() for c in cs]
+                everyone = [x.split(sizes) for x in _all(torch.cat([c.reshape(-1) for c in cs]))]
+                u = [None] * 3
+                for bucket in opt.buckets:
+                    ref = reference_vote([torch.cat([x[i].reshape(-1) for i in bucket.index]) for x in everyone],
+                                         step=step, generators=gens, method=cfg["vote"], bits=cfg.get("bits"),
+                                         quantizer=cfg.get("quantizer"))
+                    for i, piece in zip(bucket.index, ref.split(bucket.sizes)):
+                        u[i] = piece.view(params[i].shape)
+                before = [p.detach().clone() for p in params]
+                opt.step()
+                decayed = (before[0].float() * (1 - lr * wd)).bfloat16().float()
+                want = (decayed - lr * u[0]).bfloat16()
+                where = (cfg, bucket_mb, step)
+                assert params[0].dtype == torch.bfloat16 and torch.equal(params[0].detach(), want), ("bf16 θ", where)
+                moms[0] = _bf16_ema(moms[0], params[0].grad, b2)
+                assert torch.equal(opt.state[params[0]]["exp_avg"], moms[0]), ("bf16 m", where)
+                assert opt.state[params[0]]["exp_avg"].dtype == torch.bfloat16
+                assert torch.equal(params[2].detach(), before[2] * (1 - lr * wd) - lr * u[2]), ("fp32 θ", where)
+                moms[2] = torch.mul(moms[2], b2).add_(params[2].grad, alpha=1 - b2)
+                assert torch.equal(opt.state[params[2]]["exp_avg"], moms[2]), ("fp32 m", where)
+                assert params[1] is empty and empty.shape == (0,) and empty.dtype == torch.float32, where
+            assert not torch.equal(params[0].detach(), start[0]), ("bf16 params never moved", where)
+            for p in params:
+                for other in _all(p.detach()):
+                    assert torch.equal(other, p.detach())
+            out.append(params[0].detach().float().sum().item())
+    return out
 
 
 def test_missing_gradients_and_resume():
     assert all(run_workers(_missing_and_resume, 3))
 
 
-def test_bf16_and_empty_params_stay_identical():
+def test_bf16_params_move_as_rounded_fp32_and_empty_params_are_untouched():
     sums = run_workers(_bf16_and_empty, 2)
     assert sums[0] == sums[1]
 

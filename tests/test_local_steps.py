@@ -131,6 +131,75 @@ def test_sent_value_of_a_quantized_vote_is_the_dequantized_message():
     assert torch.allclose(sent, torch.tensor([0.2, -0.2, 0.0, 3.5 / 3, -3.5 / 3]), rtol=1e-6, atol=0)
 
 
+# ------------------------------------------------------------------ the outer rules by hand
+# Two ranks, two rounds of H = 2 inner SGD steps (lr η, so Δ_i = η·(g_a + g_b) exactly). Every
+# number is dyadic (θ0 in quarters, g in halves, η = 1/4, α = 2, λ = 1/2, μ = 1/2, β = (3/4, 1/2)),
+# so each product and sum below is exact in fp32 and the expected θ is exact whatever the op
+# order: the check is torch.equal. β1·(2 - β2) > 1, so the lion rule's momentum overturns a
+# vote that reverses (c2 = β1(1-β2)·d1 + (1-β1)·d2 has the sign of d1 when d2 = -d1), which
+# the default betas (0.9, 0.99) would not: non-default betas change θ.
+OUTER_THETA0 = [1.0, -0.5, 0.25, 2.0, -1.0, 0.75, 1.5, -2.0]
+OUTER_GRADS = {  # [rank][inner step]: round 1 is steps 0-1, round 2 steps 2-3
+    0: [[1.0, 0.5, -1.0, 0.5, 0.0, 1.0, -0.5, 1.0], [0.5, 0.0, -0.5, 0.5, 0.5, 0.5, -0.5, 0.5],
+        [-1.0, 0.5, 1.0, 0.0, 0.5, -1.0, 0.5, 1.0], [-0.5, 0.5, 0.5, 0.0, 0.0, -0.5, 1.0, 0.0]],
+    1: [[0.5, -1.0, -0.5, 1.0, 0.5, 0.5, -1.0, 0.5], [0.5, -0.5, 0.0, 0.0, 0.0, 0.5, 0.5, 0.0],
+        [-0.5, 1.0, 0.5, -1.0, 1.0, -0.5, 1.0, -1.0], [-1.0, 0.0, 0.5, -0.5, 0.5, -1.0, 0.5, -0.5]],
+}
+OUTER_HP = dict(lr=0.25, weight_decay=0.5, outer_lr=2.0, outer_momentum=0.5, outer_betas=(0.75, 0.5))
+
+
+def _outer_rounds(rank, world):
+    out = {}
+    for outer in ("nesterov", "lion"):
+        for vote in ("sign_allreduce", "grad"):
+            p = torch.nn.Parameter(torch.tensor(OUTER_THETA0))
+            opt = LocalCub([p], local_steps=2, inner=lambda groups: torch.optim.SGD(groups), vote=vote,
+                           outer=outer, **OUTER_HP)
+            for step in range(4):
+                p.grad = torch.tensor(OUTER_GRADS[rank][step])
+                opt.step()
+                assert opt.synced == (step % 2 == 1)
+            out[outer, vote] = (p.detach().clone(), opt.state[p]["outer_m"].clone(), opt.rounds)
+    return out
+
+
+def _outer_by_hand(outer, vote):
+    """θ and the outer momentum after two rounds, from the module docstring's rules."""
+    eta, lam, alpha = OUTER_HP["lr"], OUTER_HP["weight_decay"], OUTER_HP["outer_lr"]
+    mu, (b1, b2) = OUTER_HP["outer_momentum"], OUTER_HP["outer_betas"]
+    theta, m = torch.tensor(OUTER_THETA0), torch.zeros(len(OUTER_THETA0))
+    ds = []
+    for r in range(2):
+        deltas = [eta * (torch.tensor(OUTER_GRADS[i][2 * r]) + torch.tensor(OUTER_GRADS[i][2 * r + 1]))
+                  for i in range(2)]  # Δ_i = θ_s − θ_i after two SGD steps of lr η
+        if vote == "grad":
+            d = (deltas[0] + deltas[1]) / 2  # the mean Δ
+        else:
+            d = eta * torch.sign(torch.sign(deltas[0]) + torch.sign(deltas[1]))  # η·u, 2 voters: a tie is 0
+        ds.append(d)
+        theta = theta * (1 - alpha * eta * lam)
+        if outer == "nesterov":
+            m = mu * m + d
+            theta = theta - alpha * (d + mu * m)
+        else:
+            c = b1 * m + (1 - b1) * d
+            theta = theta - alpha * eta * torch.sign(c)
+            m = b2 * m + (1 - b2) * d
+    return theta, m, ds
+
+
+def test_nesterov_and_lion_outer_rules_by_hand_with_their_own_momentum_and_betas():
+    res = run_workers(_outer_rounds, 2)
+    for (outer, vote), (theta, m, rounds) in res[0].items():
+        want_theta, want_m, (d1, d2) = _outer_by_hand(outer, vote)
+        assert rounds == 2
+        assert torch.equal(theta, want_theta), (outer, vote, theta, want_theta)
+        assert torch.equal(m, want_m), (outer, vote, m, want_m)
+        assert torch.equal(res[1][outer, vote][0], theta)  # replicas identical
+        if vote == "sign_allreduce":  # the case covers a tie, a reversal and a kept direction
+            assert (d1 == 0).any() and ((d1 * d2) < 0).any() and ((d1 * d2) > 0).any(), (d1, d2)
+
+
 # ------------------------------------------------------------------ replicas and resume
 CONFIGS = [
     dict(vote="onebit", outer="sgd", outer_lr=3.0),

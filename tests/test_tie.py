@@ -1,7 +1,9 @@
 """The tie rule (``tie='alternate'|'plus'|'minus'``) through LionCub.step, element for element
 against reference_vote, on real gloo groups of 2 and 3 ranks, on the fused and the torch path,
 with and without overlap. Inputs hold exact zeros of c (on every rank and on one rank only)
-and tied votes, so a rule that is not applied changes u and fails the check."""
+and tied votes, so a rule that is not applied changes u and fails the check. The quantized
+pbit votes take no tie rule (a zero of c quantizes to 0, a tied sum votes 0): every
+quantizer goes through the same steps against reference_vote, with ``tie='alternate'``."""
 import pytest
 import torch
 
@@ -11,6 +13,9 @@ from tests.dist import run_workers
 
 N = 999  # not a multiple of 8: packed tails are exercised
 CASES = [("onebit", None), ("gather", None), ("pbit", None), ("pbit", 8)]
+QUANTIZED = [("pbit", None, "sign"), ("pbit", None, "l1"), ("pbit", 4, "l1"), ("pbit", 8, "lp"), ("pbit", None, "l0"),
+             ("pbit", 8, "linf"), ("pbit", 4, "linf"), ("pbit", None, "log")]
+RUNS = [(m, b, None, tie) for m, b in CASES for tie in TIE_RULES] + [(m, b, q, "alternate") for m, b, q in QUANTIZED]
 
 
 def _grad(rank, step):
@@ -29,40 +34,49 @@ def _tie_worker(rank, world):
     checked, ties = 0, 0
     for use_fused in (True, False):
         for overlap in (False, True):
-            for method, bits in CASES:
-                for tie in TIE_RULES:
-                    p = torch.nn.Parameter(torch.zeros(N))
-                    lr, beta1 = 0.5, 0.9
-                    opt = LionCub([p], lr=lr, betas=(beta1, 0.99), vote=method, bits=bits, tie=tie,
-                                  overlap=overlap, fused=None if use_fused else False)
-                    for step in range(3):
-                        g = _grad(rank, step)
-                        m = opt.state[p]["exp_avg"].clone() if "exp_avg" in opt.state[p] else torch.zeros(N)
-                        c = beta1 * m + (1 - beta1) * g  # Lion's c, zeros exactly where m and g are 0
-                        cs = [torch.empty_like(c) for _ in range(world)]
-                        dist.all_gather(cs, c)
-                        want = reference_vote(cs, method=method, bits=bits, step=step, tie=tie)
-                        before = p.detach().clone()
-                        p.grad = g
-                        opt.step()
-                        u = (before - p.detach()) / lr  # weight_decay 0: θ ← θ − η·u, exact for η = 0.5
-                        where = (method, bits, tie, step, use_fused, overlap)
-                        assert torch.equal(u, want), where
-                        zero = torch.stack(cs).eq(0).all(0)
-                        assert zero.any(), where
-                        if method == "onebit":  # zeros (and ties) follow the rule
-                            rule = {"plus": 1.0, "minus": -1.0}.get(tie, 1.0 if step % 2 == 0 else -1.0)
-                            assert (u[zero] == rule).all(), where
-                        ties += int((torch.stack([x.sign() for x in cs]).sum(0) == 0).sum())
-                        checked += 1
-                    opt.remove_hooks()
+            for method, bits, quantizer, tie in RUNS:
+                p = torch.nn.Parameter(torch.zeros(N))
+                lr, beta1 = 0.5, 0.9
+                opt = LionCub([p], lr=lr, betas=(beta1, 0.99), vote=method, bits=bits, quantizer=quantizer, tie=tie,
+                              overlap=overlap, fused=None if use_fused else False)
+                for step in range(3):
+                    g = _grad(rank, step)
+                    m = opt.state[p]["exp_avg"].clone() if "exp_avg" in opt.state[p] else torch.zeros(N)
+                    # Lion's c, zeros exactly where m and g are 0; in the optimizer's op order (fma), so a
+                    # quantizer's scale (one bucket: all of p) is the optimizer's to the last bit
+                    c = torch.mul(m, beta1).add_(g, alpha=1 - beta1)
+                    cs = [torch.empty_like(c) for _ in range(world)]
+                    dist.all_gather(cs, c)
+                    gens = None
+                    if quantizer == "linf":  # each rank's generator as the step will draw from it
+                        states = [torch.empty_like(opt.generator.get_state()) for _ in range(world)]
+                        dist.all_gather(states, opt.generator.get_state())
+                        gens = [torch.Generator().set_state(x) for x in states]
+                    want = reference_vote(cs, method=method, bits=bits, quantizer=quantizer, step=step, tie=tie,
+                                          generators=gens)
+                    before = p.detach().clone()
+                    p.grad = g
+                    opt.step()
+                    u = (before - p.detach()) / lr  # weight_decay 0: θ ← θ − η·u, exact for η = 0.5
+                    where = (method, bits, quantizer, tie, step, use_fused, overlap)
+                    assert torch.equal(u, want), ("u", where)
+                    zero = torch.stack(cs).eq(0).all(0)
+                    assert zero.any(), where
+                    if method == "onebit":  # zeros (and ties) follow the rule
+                        rule = {"plus": 1.0, "minus": -1.0}.get(tie, 1.0 if step % 2 == 0 else -1.0)
+                        assert (u[zero] == rule).all(), ("rule", where)
+                    if quantizer is not None:  # no rule: a zero everywhere quantizes to 0 and votes 0
+                        assert (u[zero] == 0).all(), ("zeros", where)
+                    ties += int((torch.stack([x.sign() for x in cs]).sum(0) == 0).sum())
+                    checked += 1
+                opt.remove_hooks()
     return checked, ties
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_lioncub_step_applies_the_tie_rule(world):
     results = run_workers(_tie_worker, world)
-    assert results[0][0] == 2 * 2 * len(CASES) * len(TIE_RULES) * 3
+    assert results[0][0] == 2 * 2 * len(RUNS) * 3
     assert results[0][1] > 100  # ties of the signs (with zeros) were exercised
 
 
