@@ -78,6 +78,7 @@ def main():
     ap.add_argument("--mib", type=float, default=64, help="size of c in MiB of fp32")
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default="bench/results/kernels.json", help="JSON output path")
     a = ap.parse_args()
     torch.set_num_threads(1)
     n, P = int(a.mib * 2**20) // 4, a.world
@@ -161,8 +162,8 @@ def main():
         rows.append(row)
         print(f"{name:24s} {nbytes / 1e6:6.1f} {row['gbps']:7.2f} {row['old_gbps']:9.2f} {row['copy_gbps']:10.2f} "
               f"{100 * row['frac_of_copy']:9.0f}% {100 * row['old_frac_of_copy']:5.0f}% {row['speedup']:6.1f}")
-    os.makedirs("bench/results", exist_ok=True)
-    with open("bench/results/kernels.json", "w") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
         json.dump(dict(n=n, world=P, threads=1, rows=rows, load=os.getloadavg()), f, indent=1)
 
 

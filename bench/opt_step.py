@@ -18,14 +18,15 @@ import torch
 import torch.distributed as dist
 
 
-def worker(rank, world, methods, steps, out):
+def worker(rank, world, methods, steps, out, gpt=None):
     # one CPU thread, in a gloo group (the launcher's default)
     from lioncub import LionCub
     from lioncub.harness.models.gpt import GPT, GPTConfig
     res = {}
     for label, kw in methods:
         torch.manual_seed(0)
-        model = GPT(GPTConfig(n_layer=6, n_head=6, n_embd=576, vocab_size=8192, block_size=64))
+        model = GPT(GPTConfig(**dict(dict(n_layer=6, n_head=6, n_embd=576, vocab_size=8192, block_size=64),
+                                     **(gpt or {}))))
         gen = torch.Generator().manual_seed(rank)
         for p in model.parameters():
             p.grad = torch.randn(p.shape, generator=gen)
@@ -55,13 +56,17 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="timed steps per method (after one warm-up)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "opt_step.json"))
+    ap.add_argument("--layers", type=int, default=6, help="GPT layers (smaller: a quicker, smaller run)")
+    ap.add_argument("--embd", type=int, default=576, help="GPT width (a multiple of 6)")
+    ap.add_argument("--vocab", type=int, default=8192, help="GPT vocabulary")
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error(f"--steps must be >= 1, got {args.steps}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     from lioncub.testbed.launch import spawn
 
-    spawn(worker, 2, METHODS, args.steps, args.out, timeout_s=1800.0, deadline_s=float("inf"))
+    gpt = dict(n_layer=args.layers, n_embd=args.embd, vocab_size=args.vocab)
+    spawn(worker, 2, METHODS, args.steps, args.out, gpt, timeout_s=1800.0, deadline_s=float("inf"))
     with open(args.out) as f:
         r = json.load(f)
     for k, v in r.items():
