@@ -202,7 +202,7 @@ def test_outer_rule_changes_the_rounds(runs):
     d, _ = runs
     nesterov, sgd, lion = (losses(d, f"outer_{k}") for k in ("nesterov", "sgd", "lion"))
     # local steps are on: the inner steps are each rank's own, not the allreduced-gradient run's
-    # (the label does not say so: --vote grad labels 'lion-grad-fp32' with or without --local-steps)
+    assert summary(d, "outer_sgd")["label"] == "lion-grad-fp32-h2"  # not the baseline's 'lion-grad-fp32'
     assert nesterov[0] == losses(d, "grad_fp32")[0] and nesterov[1:] != losses(d, "grad_fp32")[1:]
     assert nesterov[:2] == sgd[:2] == lion[:2]  # the first round's inner steps are the same
     assert len({tuple(nesterov[2:]), tuple(sgd[2:]), tuple(lion[2:])}) == 3  # then each outer step differs

@@ -237,8 +237,8 @@ class TrainConfig:
         if self.name:
             return self.name
         if self.optimizer == "lioncub":
-            if self.vote == "grad":
-                return f"lion-grad-{self.grad_dtype}"
+            if self.vote == "grad":  # with local steps: the mean of the pseudo-gradients (DiLoCo's)
+                return f"lion-grad-{self.grad_dtype}" + (f"-h{self.local_steps}" if self.local_steps > 1 else "")
             bits = f"-{self.bits}b" if self.bits else ""
             quant = f"-{self.quantizer}" if self.quantizer else ""
             local = f"-h{self.local_steps}-{self.aggregate}" if self.local_steps > 1 else ""
