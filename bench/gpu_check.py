@@ -15,28 +15,11 @@ in order:
   Exact when torch's CUDA ``add(alpha=)`` is one FMA as on CPU; allowed: 1 ulp on ``c``/``m``;
 * ``lion_cuda_vs_cpu`` — :class:`lioncub.Lion` (torch ops) for 5 steps on CUDA and on CPU;
 * ``lioncub_ws1_nccl`` — a world-size-1 NCCL group: LionCub on CUDA for every vote against Lion;
-* ``nccl_ws1_calls`` — in a world-size-1 NCCL group (where LionCub itself issues no
-  collective), the library's collectives called directly on CUDA tensors, under the device
-  audit: every vote method's encode → ``exchange`` → decode (against its ``reference``), the
-  ``lioncub.comm`` wrappers, ``guard.check_same_params`` / ``check_replicas`` (with
-  ``world_size=2`` passed, so they take their collective path on the one rank),
-  ``guard.grads_finite`` (True, then False for a NaN) and ``cost.calibrate(device=cuda)`` (run
-  with ``torch.distributed.get_world_size`` reading 2: at one rank it returns (0, 0) without a
-  collective). Fails if a call raises, the audit records a violation, or a value is wrong;
-* ``device_paths_two_ranks`` — every path of :data:`lioncub.testing.paths.PATHS` (LionCub per
-  vote, quantizers, overlap, auto, check_every, momentum sync, non-finite skip, state_dict
-  resume, the DDP hook, LocalCub, NodeCub, the baselines) on two ranks with parameters on the
-  GPU, each path under :class:`~lioncub.testing.audit.DeviceAudit`. With one GPU both ranks
-  use ``cuda:0`` in a ``"cuda:gloo"`` group: gloo then serves CUDA tensors only and refuses
-  CPU ones, as NCCL does (NCCL itself refuses two ranks on one GPU). With two or more GPUs:
-  NCCL, rank r on ``cuda:r``. A path fails if it raises on a rank, the audit records a
-  violation (a collective tensor off the GPU, a dtype or reduce op NCCL lacks, a library draw
-  from the global RNG), a host sync happens inside backward, a step takes more host syncs than
-  :data:`~lioncub.testing.paths.SYNC_BUDGET` allows, it issues no collective, or the two
-  ranks' parameters afterwards differ (sha256 of every parameter's bytes, compared across the
-  ranks; both ranks draw the same data, so every path must keep the replicas bit-identical).
-  Process-group timeout 60 s; a rank that raises or dies gets the other killed at once (the
-  launcher), the path is recorded as failed and the remaining paths run in a fresh group;
+* ``nccl_ws1_calls`` — the library's collectives called directly in a world-size-1 NCCL group,
+  under the device audit; ``device_paths_two_ranks`` — every path of
+  :data:`lioncub.testing.paths.PATHS` on two ranks with GPU parameters (``cuda:gloo`` on one GPU,
+  NCCL on two or more), each under the audit, the replicas compared (bench/gpu_check_ws1.py and
+  bench/gpu_check_paths.py: their docstrings say what each asserts);
 * ``gloo_two_ranks_cuda`` — 2 processes, one gloo group, CUDA tensors: every vote method
   (and pbit lane widths, L1 lanes, a NaN gradient skipped) against the same run on CPU
   tensors, and each collective LionCub uses asked of gloo on CUDA tensors
@@ -66,10 +49,7 @@ bundled ptxas).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
-import functools
-import hashlib
 import json
 import os
 import platform
@@ -77,40 +57,20 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT)]  # lioncub without installing it
+sys.path[:0] = [str(ROOT / "src"), str(ROOT), str(ROOT / "bench")]  # lioncub without installing it
+
+from gpu_check_paths import (INJECT, PG_TIMEOUT_S, _DEADLINE, _err, _left, _name, _ws1_group,  # noqa: E402
+                             check_device_paths_two_ranks)
+from gpu_check_ws1 import check_nccl_ws1_calls  # noqa: E402
 
 STEPS = 4  # optimizer steps per compared run (both tie parities)
 VOTES = [("grad", None, None), ("sign_allreduce", None, None), ("gather", None, None), ("onebit", None, None),
          ("pbit", 2, None), ("pbit", 4, None), ("pbit", 8, None), ("pbit", 4, "l1"), ("pbit", 8, "l1")]
-PG_TIMEOUT_S = 60  # process-group timeout of every group this script makes
-_DEADLINE = [float("inf")]  # time.monotonic() at which the run's budget is spent (set by main)
-
-
-def _left(cap: float = float("inf")) -> float:
-    """Seconds left in the run's budget, at most ``cap``."""
-    return min(cap, _DEADLINE[0] - time.monotonic())
-
-
-def _err(exc: BaseException, n: int = 300) -> str:
-    """``Type: first line`` of an exception."""
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0][:n] if lines else ''}"
-
-
-def _tail(exc, lines: int = 12) -> str:
-    """``Type:`` and the last lines of an exception's message (a WorkerError carries a traceback)."""
-    if exc is None:
-        return "no exception recorded"
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: " + " | ".join(text[:1] + text[1:][-lines:])
-
-
 # ----------------------------------------------------------------------------- comparisons
 def _ulps(a, b) -> int:
     """Largest distance in ulps between equal-shaped fp32 tensors (equal values: 0)."""
@@ -229,21 +189,6 @@ def check_lion_cuda_vs_cpu(device: str) -> dict:
     return _compare(_run(make, device, steps=5), _run(make, "cpu", steps=5), 5)
 
 
-@contextlib.contextmanager
-def _ws1_group(device: str):
-    """A world-size-1 group in this process: NCCL on CUDA, gloo in the dry run."""
-    import torch.distributed as dist
-    from lioncub.testbed.launch import free_port
-    backend = "nccl" if device == "cuda" else "gloo"
-    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")  # one machine, maybe without a network
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
-    try:
-        yield backend
-    finally:
-        dist.destroy_process_group()
-
-
 def check_lioncub_ws1(device: str) -> dict:
     from lioncub import Lion, LionCub
     with _ws1_group(device) as backend:
@@ -257,434 +202,6 @@ def check_lioncub_ws1(device: str) -> dict:
         return out
 
 
-def _name(vote, bits, q) -> str:
-    return vote + (f"-{bits}" if bits else "") + (f"-{q}" if q else "")
-
-
-# ----------------------------------------------------------------------------- the device audit
-@functools.lru_cache(maxsize=None)
-def _audit_class():
-    """:class:`~lioncub.testing.audit.DeviceAudit` with its "library frame" pinned to the
-    lioncub package itself. The audit attributes a random draw or a sync to the innermost
-    frame whose file name contains "lioncub" outside ``testing``; here the paths run under
-    the launcher (``lioncub/testbed/launch.py``) and from a checkout whose directory may
-    itself be called lioncub, which would make the paths' own data draws count as the
-    library's. Everything else is the audit's own."""
-    import lioncub
-    from lioncub.testing.audit import DeviceAudit
-    lib = os.path.realpath(os.path.dirname(lioncub.__file__)) + os.sep
-    own = tuple(lib + d + os.sep for d in ("testing", "testbed"))
-
-    @functools.lru_cache(maxsize=4096)
-    def library(filename: str) -> bool:
-        f = os.path.realpath(filename)
-        return f.startswith(lib) and not f.startswith(own)
-
-    class PathAudit(DeviceAudit):
-        def _where(self) -> str:
-            for frame in reversed(traceback.extract_stack()[:-3]):
-                if library(frame.filename):
-                    return f"{os.path.basename(frame.filename)}:{frame.lineno} {frame.name}"
-            return "?"
-
-    return PathAudit
-
-
-def _device(device: str):
-    import torch
-    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
-
-
-@contextlib.contextmanager
-def _world_size_reads(n: int):
-    """``torch.distributed.get_world_size()`` returns ``n`` inside the block (the collectives
-    still run on the real group): lets a function that returns early at one rank run its
-    collectives in a world-size-1 group."""
-    import torch.distributed as dist
-    real = dist.get_world_size
-    dist.get_world_size = lambda group=None: n
-    try:
-        yield
-    finally:
-        dist.get_world_size = real
-
-
-WS1_VOTES = [("sign_allreduce", None, None), ("gather", None, None), ("onebit", None, None), ("pbit", None, None),
-             ("pbit", 2, None), ("pbit", 4, None), ("pbit", 8, None), ("pbit", 4, "sign"), ("pbit", 8, "l1")]
-
-
-def _ws1_vote(dev, vote, bits, q) -> dict:
-    """One vote method at world size 1: encode → exchange → decode of 1001 elements (zeros
-    every 7th: ties), both step parities, against the method's own reference."""
-    import torch
-    from lioncub import comm, fused, votes
-    method = votes.make(vote, 1, bits, q)
-    n = 1001
-    c = torch.randn(n, generator=torch.Generator().manual_seed(5))
-    c[::7] = 0.0
-    c = c.to(dev)
-    stats = comm.CommStats()
-    out = {}
-    for step in (0, 1):
-        nb = method.part_nbytes(n)
-        msg = torch.zeros(method.message_nbytes(nb), dtype=torch.uint8, device=dev)
-        method.encode(c, msg[:nb], step, None, use_fused=fused.usable([c]))
-        voted = method.exchange(msg, nb, step, None, stats)
-        u = method.decode(voted, 0, n, torch.empty(n, device=dev))
-        want = method.reference([c], method.parity(step))
-        out[f"step{step}"] = dict(voted_device=str(voted.device), voted_dtype=str(voted.dtype),
-                                  u_device=str(u.device), equal=bool(torch.equal(u.cpu().long(), want.cpu().long())))
-    ok = all(v["equal"] and v["voted_device"] == str(dev) and v["u_device"] == str(dev) for v in out.values())
-    return dict(out, ok=ok and stats.n_collectives > 0, collectives_counted=stats.n_collectives)
-
-
-def _ws1_comm(dev) -> dict:
-    """The lioncub.comm wrappers LionCub, the guards and the harness use, on device tensors."""
-    import torch
-    from lioncub import comm
-    t = torch.arange(10, dtype=torch.float32, device=dev)
-    got = {
-        "all_reduce float32 sum": comm.all_reduce(t.clone()),
-        "all_reduce float32 max": comm.all_reduce(t.clone(), op="max"),
-        "all_reduce bfloat16 sum": comm.all_reduce(t.to(torch.bfloat16)).float(),
-        "all_reduce uint8 sum": comm.all_reduce(t.to(torch.uint8)).float(),
-        "all_reduce int8 sum": comm.all_reduce(t.to(torch.int8)).float(),
-        "all_gather uint8": comm.all_gather(t.to(torch.uint8)).reshape(-1).float(),
-        "all_to_all uint8": comm.all_to_all(t.to(torch.uint8)).float(),
-        "broadcast float32": comm.broadcast(t.clone()),
-    }
-    out = {k: dict(ok=v.device == dev and torch.equal(v.cpu(), t.cpu())) for k, v in got.items()}
-    flat = [t.clone(), t[:3].clone().to(torch.bfloat16)]
-    comm.broadcast_from_first(flat)
-    out["broadcast_from_first"] = dict(ok=torch.equal(flat[0].cpu(), t.cpu()))
-    out["all_gather_object"] = dict(ok=comm.all_gather_object({"a": [1, 2]}, device=dev) == [{"a": [1, 2]}])
-    out["broadcast_object"] = dict(ok=comm.broadcast_object({"b": 3}, device=dev) == {"b": 3})
-    comm.barrier(None, dev)
-    out["barrier"] = dict(ok=True)
-    return dict(out, ok=all(v["ok"] for v in out.values()))
-
-
-def _ws1_guard(dev) -> dict:
-    import torch
-    from lioncub import guard
-    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3)).to(dev)
-    params = list(model.parameters())
-    names = guard.param_names(model, params)
-    guard.check_same_params(params, None, 1, names=names)
-    guard.check_same_params(params, None, 2, names=names)  # 2: its gather and comparison, on the one rank
-    guard.check_replicas(params, None, 2, step=0, names=names)
-    for p in params:
-        p.grad = torch.ones_like(p)
-    finite = guard.grads_finite(params)
-    on_device = isinstance(finite, torch.Tensor) and finite.device == dev
-    params[1].grad[0] = float("nan")
-    nan = guard.grads_finite(params)
-    return dict(ok=bool(finite) is True and bool(nan) is False and (on_device or dev.type == "cpu"),
-                finite_flag_on_device=on_device, all_finite=bool(finite), with_nan=bool(nan))
-
-
-def _ws1_calibrate(dev, dry_run: bool) -> dict:
-    import math
-    from lioncub import cost
-    sizes = (1 << 10, 1 << 14) if dry_run else cost.DEFAULT_PROBE_SIZES
-    with _world_size_reads(2):  # at one rank calibrate returns (0, 0) before its first collective
-        alpha, beta = cost.calibrate(device=dev, sizes=sizes)
-    return dict(ok=all(math.isfinite(x) and x > 0 for x in (alpha, beta)), alpha=alpha, beta=beta)
-
-
-def check_nccl_ws1_calls(device: str, dry_run: bool = False) -> dict:
-    """The library's collectives called directly at world size 1, each under the device audit."""
-    dev = _device(device)
-    Audit = _audit_class()
-    calls = [(f"vote {_name(v, b, q)}", functools.partial(_ws1_vote, dev, v, b, q)) for v, b, q in WS1_VOTES]
-    calls += [("comm", functools.partial(_ws1_comm, dev)), ("guard", functools.partial(_ws1_guard, dev)),
-              ("cost.calibrate", functools.partial(_ws1_calibrate, dev, dry_run))]
-    out = {}
-    with _ws1_group(device) as backend:
-        for name, call in calls:
-            audit = Audit(dev)
-            try:
-                with audit, audit.phase(name):
-                    res = call()
-            except Exception as exc:  # noqa: BLE001 - a call that raises fails the check
-                res = dict(ok=False, error=_err(exc), where=traceback.format_exc().strip().splitlines()[-8:])
-            res["collectives_seen"] = len(audit.collectives)
-            if audit.violations:
-                res.update(ok=False, violations=audit.violations[:8])
-            if not audit.collectives:  # each call communicates (guard: its two gathers); none seen: not checked
-                res.update(ok=False, error=res.get("error") or "the audit saw no collective")
-            out[name] = res
-    return dict(ok=all(v["ok"] for v in out.values()), backend=backend, device=str(dev), calls=out)
-
-
-# ----------------------------------------------------------------------------- every path, two ranks
-def _inject_off_device(device, audit, steps: int = 1) -> None:
-    """A collective on a tensor off the parameters' device: a CPU tensor on CUDA (NCCL and
-    cuda:gloo refuse it), a meta tensor in the CPU dry run (the audit records it)."""
-    import torch
-    import torch.distributed as dist
-    from lioncub.testing import paths
-    paths._model(device)
-    other = torch.device("meta") if device.type == "cpu" else torch.device("cpu")
-    with audit.phase("step 0"):
-        dist.all_reduce(torch.ones(4, device=other))
-
-
-def _inject_rank1_raises(device, audit, steps: int = 1) -> None:
-    """Rank 1 raises before a collective that rank 0 then waits in."""
-    import torch
-    import torch.distributed as dist
-    from lioncub.testing import paths
-    paths._model(device)
-    if dist.get_rank() == 1:
-        raise RuntimeError("injected: rank 1 fails before its collective")
-    with audit.phase("step 0"):
-        dist.all_reduce(torch.ones(4, device=device))
-
-
-def _inject_replicas_differ(device, audit, steps: int = 1) -> None:
-    """Rank 1 changes a parameter outside any optimizer: the replicas differ afterwards."""
-    import torch
-    import torch.distributed as dist
-    from lioncub.testing import paths
-    model = paths._model(device)
-    if dist.get_rank() == 1:
-        with torch.no_grad():
-            next(model.parameters()).add_(1.0)
-    with audit.phase("step 0"):
-        dist.all_reduce(torch.ones(4, device=device))
-
-
-def _inject_hang(device, audit, steps: int = 1) -> None:
-    """Both ranks stall where no collective notices (until the deadline or the time limit)."""
-    from lioncub.testing import paths
-    paths._model(device)
-    with audit.phase("step 0"):
-        time.sleep(3600)
-
-
-INJECT = {"off-device": _inject_off_device, "rank1-raises": _inject_rank1_raises,
-          "replicas-differ": _inject_replicas_differ, "hang": _inject_hang}
-"""Deliberately broken paths (``--inject``), for the tests of this script: each must fail."""
-
-
-def _path_table(inject=()) -> dict:
-    from lioncub.testing.paths import PATHS
-    table = dict(PATHS)
-    table.update({f"inject {k}": INJECT[k] for k in inject})
-    return table
-
-
-def _rank_setup(mode: str, rank: int, world: int) -> str:
-    """Per rank, before the rendezvous: one CPU thread; the GPU; the backend."""
-    import torch
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    if mode == "cpu":
-        return "gloo"
-    torch.cuda.set_device(0 if mode == "cuda:gloo" else rank)  # cuda:gloo: one GPU, both ranks on it
-    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")  # one machine, maybe without a network
-    return mode
-
-
-@contextlib.contextmanager
-def _recording_models(paths_module):
-    """Every TinyLM a path builds (the baselines' subclass too), to checksum afterwards."""
-    made = []
-    cls = paths_module.TinyLM
-    init = cls.__init__
-
-    def record(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        made.append(self)
-
-    cls.__init__ = record
-    try:
-        yield made
-    finally:
-        cls.__init__ = init
-
-
-def _checksum(models) -> str:
-    """sha256 of every parameter's bytes (names, dtypes and shapes included), in build order."""
-    import torch
-    h = hashlib.sha256()
-    for i, model in enumerate(models):
-        for name, p in model.named_parameters():
-            data = p.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-            h.update(f"{i}.{name}:{p.dtype}:{tuple(p.shape)}|".encode())
-            h.update(data.numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def _log(fh, **row) -> None:
-    fh.write(json.dumps(row) + "\n")
-    fh.flush()
-
-
-def _paths_worker(rank: int, world: int, names: list, mode: str, log_dir: str, inject: tuple) -> None:
-    """Rank ``rank``: every path of ``names`` in order, each under the audit; one JSON line per
-    event into ``log_dir/rank{rank}.jsonl`` (start, then done or error). A path that raises
-    ends this rank (the launcher then kills the other: it may wait in a collective)."""
-    import warnings
-
-    import torch
-    from lioncub.testing import paths
-    warnings.filterwarnings("ignore")
-    device = torch.device("cpu") if mode == "cpu" else torch.device("cuda", torch.cuda.current_device())
-    table, Audit = _path_table(inject), _audit_class()
-    with open(Path(log_dir) / f"rank{rank}.jsonl", "a") as fh:
-        for name in names:
-            _log(fh, path=name, rank=rank, event="start")
-            audit = Audit(device)
-            t0 = time.perf_counter()
-            with _recording_models(paths) as models:
-                try:
-                    with audit:
-                        table[name](device, audit)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                except BaseException as exc:
-                    _log(fh, path=name, rank=rank, event="error", error=_err(exc), t=time.time(),
-                         where=traceback.format_exc().strip().splitlines()[-10:], violation_lines=audit.violations[:5])
-                    raise
-            steps = {k: n for k, n in audit.syncs_per_phase().items() if k.startswith("step")}
-            worst = max(steps, key=steps.get) if steps else None
-            _log(fh, path=name, rank=rank, event="done", seconds=round(time.perf_counter() - t0, 2),
-                 **audit.summary(), violation_lines=audit.violations[:8], worst_step=worst,
-                 worst_step_syncs=[f"{s.name} at {s.where}" for s in audit.syncs if s.phase == worst][:8],
-                 backward_syncs=[f"{s.phase}: {s.name} at {s.where}" for s in audit.syncs_in_backward()][:8],
-                 models=len(models), checksum=_checksum(models))
-
-
-def _judge(rows: list, budget: int) -> list:
-    """What is wrong with one path, from both ranks' rows (empty: it passed)."""
-    problems = []
-    for row in rows:
-        r = f"rank {row['rank']}"
-        if row["violations"]:
-            problems.append(f"{r}: {row['violations']} violation(s): {row['violation_lines']}")
-        if row["syncs_in_backward"]:
-            problems.append(f"{r}: {row['syncs_in_backward']} host sync(s) inside backward: {row['backward_syncs']}")
-        if row["max_syncs_per_step"] > budget:
-            problems.append(f"{r}: {row['max_syncs_per_step']} host syncs in {row['worst_step']} (budget {budget}): "
-                            f"{row['worst_step_syncs']}")
-        if not row["collectives"]:
-            problems.append(f"{r}: the audit saw no collective")
-        if not row["models"]:
-            problems.append(f"{r}: no model found to compare the replicas of")
-    if len({row["checksum"] for row in rows}) > 1:
-        problems.append("the replicas differ after the path: parameter checksums "
-                        + ", ".join(f"rank {row['rank']} {row['checksum']}" for row in rows))
-    return problems
-
-
-def _read_logs(log_dir: str, world: int) -> dict:
-    """{(path, rank): {event: row}} from the ranks' logs."""
-    events = {}
-    for r in range(world):
-        f = Path(log_dir) / f"rank{r}.jsonl"
-        if f.exists():
-            for line in f.read_text().splitlines():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:  # a line cut by a kill
-                    continue
-                events.setdefault((row["path"], r), {})[row["event"]] = row
-    return events
-
-
-def _paths_mode(device: str):
-    """(mode, world size, what it is): the dry run's gloo on CPU, cuda:gloo on one GPU, NCCL on two."""
-    import torch
-    if device == "cpu":
-        return "cpu", 2, "2 ranks, gloo, CPU tensors (dry run)"
-    if torch.cuda.device_count() >= 2:
-        return "nccl", 2, "2 ranks, NCCL, rank r on cuda:r"
-    return "cuda:gloo", 2, "2 ranks on cuda:0, backend 'cuda:gloo' (gloo serving CUDA tensors only)"
-
-
-def check_device_paths_two_ranks(device: str, only=(), inject=()) -> dict:
-    from lioncub.testbed.launch import WorkerError, spawn
-    from lioncub.testing.paths import SYNC_BUDGET
-    mode, world, what = _paths_mode(device)
-    table = _path_table(inject)
-    names = [n for n in table if _selected(n, only)] + [n for n in table if n.startswith("inject ")
-                                                          and not _selected(n, only)]
-    if not names:
-        return dict(ok=False, error=f"no path matches --only {list(only)}")
-    results, pending, groups = {}, list(names), 0
-    end = time.monotonic() + _left(170)
-    while pending:
-        left = end - time.monotonic()
-        if left < 15:  # a group takes seconds to start: what is left is not run, and fails
-            for name in pending:
-                results[name] = dict(ok=False, problems=[f"not run: the check's time was spent ({left:.0f} s left)"])
-            break
-        groups += 1
-        failure = None
-        with tempfile.TemporaryDirectory(prefix="gpu-check-paths-") as log_dir:
-            try:
-                spawn(_paths_worker, world, pending, mode, log_dir, tuple(inject), timeout_s=PG_TIMEOUT_S,
-                      deadline_s=left, setup=functools.partial(_rank_setup, mode))
-            except (WorkerError, TimeoutError) as exc:
-                failure = exc
-            events = _read_logs(log_dir, world)
-        done_upto = 0
-        for name in pending:
-            per = [events.get((name, r), {}) for r in range(world)]
-            if not all("done" in e for e in per):
-                break
-            rows = [e["done"] for e in per]
-            problems = _judge(rows, SYNC_BUDGET.get(name, 1))
-            results[name] = dict(ok=not problems, problems=problems, ranks=rows)
-            done_upto += 1
-            _print_path(name, results[name], SYNC_BUDGET.get(name, 1))
-        if done_upto == len(pending):
-            if failure is not None:  # every path done, then the group failed (e.g. in its teardown)
-                results["(group teardown)"] = dict(ok=False, problems=[_tail(failure)])
-            break
-        if not any("start" in e for e in events.values()):  # the group itself failed (start-up, rendezvous)
-            for name in pending:
-                results[name] = dict(ok=False, problems=["not run: the group of ranks failed before its first path: "
-                                                         + _tail(failure)])
-            print(f"    FAIL the group of ranks failed before its first path: {_tail(failure)}", flush=True)
-            break
-        name = pending[done_upto]  # the first path not done on every rank: it failed
-        per = [events.get((name, r), {}) for r in range(world)]
-        reported = sorted((e["error"] for e in per if "error" in e), key=lambda row: row["t"])  # first failure first:
-        errors = [dict(rank=row["rank"], error=row["error"], where=row["where"],  # the others often fail in its wake
-                       violation_lines=row["violation_lines"]) for row in reported]
-        if not errors:  # no rank reported an exception: one crashed, was killed, or the group timed out
-            errors = [dict(error=_tail(failure) if failure is not None else "no record of the path's end")]
-        results[name] = dict(ok=False, problems=[f"rank {e['rank']}: {e['error']}" if "rank" in e else e["error"]
-                                                 for e in errors],
-                             errors=errors, started_on_ranks=[r for r, e in enumerate(per) if "start" in e])
-        _print_path(name, results[name], SYNC_BUDGET.get(name, 1))
-        pending = pending[done_upto + 1:]
-    passed = [n for n in names if results.get(n, {}).get("ok")]
-    failed = [n for n in results if not results[n]["ok"]]
-    return dict(ok=not failed and len(passed) == len(names), mode=mode, world_size=world, ranks=what,
-                paths_run=len(names), passed=passed, failed=failed, groups_started=groups, paths=results)
-
-
-def _selected(name: str, only) -> bool:
-    """``--only`` values: exact path names, or prefixes ending in ``*``; none: every path."""
-    if not only:
-        return not name.startswith("inject ")
-    return any(name == o or (o.endswith("*") and name.startswith(o[:-1])) for o in only)
-
-
-def _print_path(name: str, res: dict, budget: int) -> None:
-    if res["ok"]:
-        rows = res["ranks"]
-        print(f"    ok   {name:40s} collectives {rows[0]['collectives']:3d}  syncs/step "
-              f"{max(r['max_syncs_per_step'] for r in rows)} (budget {budget})  {rows[0]['seconds']} s", flush=True)
-    else:
-        print(f"    FAIL {name:40s} {'; '.join(res['problems'])[:1500]}", flush=True)
-
-
-# ----------------------------------------------------------------------------- gloo, CUDA tensors, values
 def _collectives(device: str) -> dict:
     """Each collective LionCub uses, on ``device`` tensors in the current gloo group: a
     refusal (or a wrong result) fails the check."""

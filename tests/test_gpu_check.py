@@ -96,7 +96,8 @@ def test_a_broken_path_is_a_failure_and_exit_code_1(tmp_path):
 
 def test_judge_counts_syncs_backward_syncs_collectives_and_checksums():
     """The verdict on one path's rows (the CPU dry run records no host syncs: judged here)."""
-    judge = _module()._judge
+    _module()  # puts bench/ on sys.path
+    judge = importlib.import_module("gpu_check_paths")._judge
     row = dict(rank=0, violations=0, violation_lines=[], syncs_in_backward=0, backward_syncs=[],
                max_syncs_per_step=1, worst_step="step 0", worst_step_syncs=["item at x.py:1 f"], collectives=3,
                models=1, checksum="ab")
