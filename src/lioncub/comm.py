@@ -149,13 +149,13 @@ def step_context(step: int) -> Iterator[None]:
         _STEP.reset(token)
 
 
-def _guarded(name: str, t: Tensor, step: Optional[int], call: Callable[[], object]):
+def _guarded(name: str, t: Tensor, step: Optional[int], call: Callable[[], object]) -> None:
     """Run ``call``; re-raise a backend failure as :class:`CollectiveError` with context.
     A tensor on a device the backend does not serve (a CPU tensor under NCCL) is a
     ``ValueError`` naming the device, not a dead peer."""
     t0 = time.perf_counter()
     try:
-        return call()
+        call()
     except RuntimeError as exc:  # DistBackendError (a RuntimeError) on timeout / closed peer
         if _wrong_device(exc):
             raise ValueError(f"{name} got a tensor on {t.device} that the process group's backend does not "
@@ -178,22 +178,12 @@ def _wrong_device(exc: BaseException) -> bool:
 
 
 def all_reduce(t: Tensor, group=None, stats: CommStats | None = None, *, step: Optional[int] = None,
-               op: str = "sum", async_op: bool = False):
-    """In-place all-reduce of ``t`` (``op``: ``'sum'`` or ``'max'``). ``async_op=True``
-    returns the work handle (wait on it before reading ``t``); its bytes are counted, its
-    time is not (the clock is not read, so nothing synchronises)."""
+               op: str = "sum") -> Tensor:
+    """In-place all-reduce of ``t`` (``op``: ``'sum'`` or ``'max'``)."""
     p = _size(group)
-    t0 = 0.0 if async_op else clock(stats)
-    work = _guarded("all_reduce", t, step,
-                    lambda: dist.all_reduce(t, op=REDUCE_OPS[op], group=group, async_op=async_op))
-    nbytes = 2 * (p - 1) / p * t.numel() * t.element_size()
-    if async_op:
-        if stats is not None:
-            stats.bytes_sent += nbytes
-            stats.bytes_recv += nbytes
-            stats.n_collectives += 1
-        return work
-    _record(stats, nbytes, t0)
+    t0 = clock(stats)
+    _guarded("all_reduce", t, step, lambda: dist.all_reduce(t, op=REDUCE_OPS[op], group=group))
+    _record(stats, 2 * (p - 1) / p * t.numel() * t.element_size(), t0)
     return t
 
 

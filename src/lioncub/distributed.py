@@ -361,39 +361,6 @@ class LionCub(torch.optim.Optimizer):
         """A step's :class:`CommStats`, timed as ``timing`` says (see the class doc)."""
         return comm.step_stats(self.device, self.timing)
 
-    def _agree(self, params: list[Tensor], stats: CommStats, finite=None, extra: Optional[Tensor] = None,
-               scaler_inf: Optional[Tensor] = None) -> tuple[list[bool], int, int]:
-        """The step's one small all-reduce and its one host read. Summed over ranks, on the
-        device: per parameter the number of ranks *without* a gradient, then the number of
-        ranks whose gradient holds a NaN/Inf, then ``extra`` (the replica check's flag, on the
-        steps that check), each 0 on the ordinary path. ``finite``: this rank's answer when already known (a bool, or
-        a 0-dim bool tensor from the fused encode), else checked here. ``scaler_inf``: the
-        loss scaler's found-inf of this rank (counted with the non-finite ranks).
-        Returns (active per parameter, non-finite ranks, extra's sum)."""
-        n = len(params)
-        dtype = torch.uint8 if self.world_size <= 255 else torch.int32  # a sum of P flags must not wrap
-        counts = self.bucket_step.buffer("agree", n + 1 + (extra is not None), dtype, self.device)
-        counts.zero_()
-        for i, p in enumerate(params):  # a missing gradient is rare: one scalar fill each
-            if p.grad is None:
-                counts[i] = 1
-        if finite is None:
-            finite = guard.grads_finite(params)
-        if isinstance(finite, bool):
-            if not finite:
-                counts[n] = 1
-        else:
-            counts[n:n + 1].copy_(torch.logical_not(finite).reshape(1))  # (cast to the vector's dtype)
-        if scaler_inf is not None:
-            counts[n:n + 1].add_((scaler_inf.to(self.device, non_blocking=True).reshape(1) > 0).to(dtype))
-            counts[n:n + 1].clamp_(max=1)
-        if extra is not None:
-            counts[n + 1:].copy_(extra)
-        if self.world_size > 1:
-            comm.all_reduce(counts, self.group, stats)
-        host = counts.tolist()  # the step's one host sync
-        return [c < self.world_size for c in host[:n]], host[n], host[n + 1] if extra is not None else 0
-
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler=None):
         """One step for every rank. Collective: every rank must call it every iteration.
@@ -437,8 +404,9 @@ class LionCub(torch.optim.Optimizer):
         if self.check_every and self.steps and self.steps % self.check_every == 0 and self._checked != self.steps:
             check = guard.replicas_differ(params, self.group, self.world_size, step=self.steps, stats=stats)
             self._checked = self.steps
-        active, bad_ranks, diverged = self._agree(params, stats, finite=finite,
-                                                  extra=None if check is None else check[0], scaler_inf=scaler_inf)
+        active, bad_ranks, diverged = guard.agree(params, self.group, self.world_size, self.device, stats,
+                                                  finite=finite, extra=None if check is None else check[0],
+                                                  scaler_inf=scaler_inf)
         if diverged:
             guard.report_replicas(check[1], params, step=self.steps, names=self._param_names)
         amp.record_agreed(self, grad_scaler, bad_ranks)

@@ -31,7 +31,7 @@ from torch import Tensor
 from . import comm
 from .comm import CommStats
 
-__all__ = ["param_names", "check_same_params", "grads_finite", "all_finite", "handle_nonfinite",
+__all__ = ["param_names", "check_same_params", "grads_finite", "all_finite", "agree", "handle_nonfinite",
            "replicas_differ", "check_replicas"]
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -127,18 +127,54 @@ def grads_finite(params: list[Tensor]) -> Union[bool, Tensor]:
     return torch.isfinite(torch.stack(extremes)).all()
 
 
-def all_finite(a, b):
-    """``a and b`` for finite flags that are ``None`` (unknown), bools or 0-dim bool tensors,
-    without reading a tensor on the host (``None`` wins: the caller must check itself)."""
-    if a is None or b is None:
+def all_finite(*flags):
+    """The AND of finite flags — each ``None`` (unchecked), a bool, or a 0-dim bool tensor —
+    without reading a tensor on the host: ``False`` if a bool is False (known non-finite: no
+    need to check the rest), else ``None`` if one is unchecked (the caller must check), else
+    ``True`` or the tensors' ``torch.logical_and`` on their device."""
+    if any(f is not None and not isinstance(f, Tensor) and not f for f in flags):
+        return False
+    if any(f is None for f in flags):
         return None
-    if isinstance(a, bool) and isinstance(b, bool):
-        return a and b
-    if isinstance(a, bool):
-        return b if a else False
-    if isinstance(b, bool):
-        return a if b else False
-    return torch.logical_and(a, b)
+    acc = True
+    for f in flags:
+        if isinstance(f, Tensor):
+            acc = f if acc is True else torch.logical_and(acc, f)
+    return acc
+
+
+def agree(params: list[Tensor], group, world_size: int, device: torch.device, stats: Optional[CommStats] = None, *,
+          finite=None, extra: Optional[Tensor] = None, scaler_inf: Optional[Tensor] = None
+          ) -> tuple[list[bool], int, int]:
+    """A step's one small all-reduce and its one host read (``LionCub.step``). Summed over
+    ranks, on ``device``: per parameter the number of ranks *without* a gradient, then the
+    number of ranks whose gradient holds a NaN/Inf, then ``extra`` (the replica check's flag,
+    on the steps that check), each 0 on the ordinary path. ``finite``: this rank's answer when
+    already known (a bool, or a 0-dim bool tensor from the fused encode), else checked here.
+    ``scaler_inf``: the loss scaler's found-inf of this rank (counted with the non-finite
+    ranks). Returns (active per parameter, non-finite ranks, extra's sum)."""
+    n = len(params)
+    dtype = torch.uint8 if world_size <= 255 else torch.int32  # a sum of P flags must not wrap
+    counts = torch.zeros(n + 1 + (extra is not None), dtype=dtype, device=device)
+    for i, p in enumerate(params):  # a missing gradient is rare: one scalar fill each
+        if p.grad is None:
+            counts[i] = 1
+    if finite is None:
+        finite = grads_finite(params)
+    if isinstance(finite, bool):
+        if not finite:
+            counts[n] = 1
+    else:
+        counts[n:n + 1].copy_(torch.logical_not(finite).reshape(1))  # (cast to the vector's dtype)
+    if scaler_inf is not None:
+        counts[n:n + 1].add_((scaler_inf.to(device, non_blocking=True).reshape(1) > 0).to(dtype))
+        counts[n:n + 1].clamp_(max=1)
+    if extra is not None:
+        counts[n + 1:].copy_(extra)
+    if world_size > 1:
+        comm.all_reduce(counts, group, stats)
+    host = counts.tolist()  # the step's one host sync
+    return [c < world_size for c in host[:n]], host[n], host[n + 1] if extra is not None else 0
 
 
 def _first_nonfinite(params: list[Tensor]) -> Optional[int]:

@@ -73,7 +73,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import comm
+from . import comm, guard
 from .comm import CommStats
 
 __all__ = ["VoteDriver", "Overlap"]
@@ -139,21 +139,6 @@ class _Vote:
         self.finite: Flag = None
         self.done = None
         self.waited = None
-
-
-def _and(flags: list[Flag]) -> Flag:
-    """AND of finite flags without a host sync: False if a bool is False, else None if one is
-    None (unchecked: the caller checks), else True or a 0-dim bool tensor (``torch.logical_and``
-    of the tensors, on their device)."""
-    if any(f is not None and not isinstance(f, Tensor) and not f for f in flags):  # host values only
-        return False
-    if any(f is None for f in flags):
-        return None
-    acc: Flag = True
-    for f in flags:
-        if isinstance(f, Tensor):
-            acc = f if acc is True else torch.logical_and(acc, f)
-    return acc
 
 
 class VoteDriver:
@@ -320,7 +305,7 @@ class VoteDriver:
             return None
         for vote in self._pending:
             self._settle(vote)
-        return _and([v.finite for v in self._pending])
+        return guard.all_finite(*(v.finite for v in self._pending))
 
     def apply(self, active: list[bool], stats: CommStats) -> None:
         opt, run = self.opt, self.opt.bucket_step
