@@ -77,6 +77,7 @@ def run(key, fn, drive=None):
     out[key] = a.violations
     out[key + " syncs"] = a.syncs_per_phase()
     out[key + " backward"] = len(a.syncs_in_backward())
+    out[key + " dtypes"] = [d for c in a.collectives for _, d in c.tensors]
 run("cpu tensor", lambda: dist.all_reduce(torch.zeros(3)))
 run("band", lambda: dist.all_reduce(torch.zeros(3, dtype=torch.uint8, device=meta), op=dist.ReduceOp.BAND))
 run("bool", lambda: dist.all_reduce(torch.zeros(3, dtype=torch.bool, device=meta)))
@@ -92,6 +93,10 @@ def backward_item():
     w.register_post_accumulate_grad_hook(lambda p: p.grad.sum().item())
     (w * 2).sum().backward()
 run("in backward", backward_item)
+from lioncub import guard
+w = torch.nn.Parameter(torch.zeros(3, device=meta)); w.grad = torch.zeros(3, device=meta)
+run("agree 255", lambda: guard.agree([w], None, 255, meta))
+run("agree 256", lambda: guard.agree([w], None, 256, meta))
 print("JSON" + __import__("json").dumps(out))
 '''
 
@@ -110,6 +115,8 @@ def test_the_audit_catches_each_kind_of_violation():
     assert any("global RNG" in v for v in out["global rng"]), out
     assert any("barrier inside a step" in v for v in out["barrier in step"]), out
     assert out["in backward backward"] == 1, out
+    # the agreement's counts are sums over ranks: uint8 up to 255 ranks, int32 past (no wrap)
+    assert out["agree 255 dtypes"] == ["uint8"] and out["agree 256 dtypes"] == ["int32"], out
 
 
 def test_one_device_per_optimizer_and_the_error_names_the_parameter():

@@ -299,10 +299,13 @@ class LocalCub(torch.optim.Optimizer):
         if scaler_inf is not None:  # the scaler checked every gradient: an overflow (Inf or NaN)
             if not bool(scaler_inf.sum() > 0):  # skips this rank's inner step; update() backs off its scale
                 self.inner.step()
-        elif not bool(torch.logical_not(torch.as_tensor(guard.grads_finite(present)))):
-            self.inner.step()
         else:
-            self._bad_round = True
+            finite = guard.grads_finite(present)
+            bad = (not finite) if isinstance(finite, bool) else bool(torch.logical_not(finite))
+            if bad:
+                self._bad_round = True
+            else:
+                self.inner.step()
         self.local_step += 1
         self.synced = self.local_step == self.H
         self.last_step_stats = comm.step_stats(self.device)
