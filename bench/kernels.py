@@ -23,7 +23,8 @@ one), the memory-bandwidth yardstick. Times are the best of ``--repeats`` in thr
 time (the shared host runs at load 10-30). "old" is the previous implementation:
 for pack the pre-kernel shift + sum over lanes; for the votes the table kernels
 (``index_select`` unpack, uint8 counts, torch comparisons, ``.to(fp32)``) that the
-word votes (bit-sliced counter, SWAR compare, embedding decode) replaced.
+word votes (bit-sliced counter, SWAR compare, embedding decode) replaced, kept here as
+the ``_old_*`` functions.
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python3 bench/kernels.py [--mib 64] [--world 4]
 Writes bench/results/kernels.json.
@@ -63,6 +64,27 @@ def _old_unpack_pm1(packed, n):
     return torch.index_select(kernels._table(1, "pm1", "cpu"), 0, idx).view(torch.int8)[:n]
 
 
+def _old_count(packed, n):
+    """Per element, how many of the P rows of packed sign bits have it set (uint8, P ≤ 255):
+    each row unpacked by the 256-word table, the rows' words summed as int64 (8 byte counters)."""
+    idx = packed.reshape(-1).to(torch.int32)
+    words = torch.index_select(kernels._table(1, "lanes", "cpu"), 0, idx).view(packed.shape[0], -1)
+    total = words[0].clone()
+    for row in words[1:]:
+        total += row
+    return total.view(torch.uint8)[:n]
+
+
+def _old_decide(count, world):
+    """``sign(2k − P)`` as int8 from uint8 counts by two torch comparisons (ties → 0)."""
+    return (count > world // 2).view(torch.int8) - (count < (world + 1) // 2).view(torch.int8)
+
+
+def _old_majority(packed, n, world):
+    """The 1-bit vote of an even step, packed: 2k ≥ P by one comparison of the counts."""
+    return kernels.pack_bytes(_old_count(packed, n) >= (world + 1) // 2, n, 1)
+
+
 def _time(fn, repeats):
     fn()
     best = float("inf")
@@ -94,8 +116,8 @@ def main():
         gt, eq = kernels.vote_bits(packed_all, P)
         return kernels.spread_votes(gt, ~(gt | eq), n, dtype)
 
-    old_gather = lambda: kernels.decide_counts(kernels.count_bits(packed_all, n), P, 0, ties="zero")  # noqa: E731
-    old_lanes = lambda: kernels.decide_counts(kernels.unpack_bytes(lanes, n, 4), P, 0, ties="zero")  # noqa: E731
+    old_gather = lambda: _old_decide(_old_count(packed_all, n), P)  # noqa: E731
+    old_lanes = lambda: _old_decide(kernels.unpack_bytes(lanes, n, 4), P)  # noqa: E731
     stages = {  # name: (bytes of the largest buffer, new, old)
         "quantize+pack 1-bit": (4 * n, lambda: kernels.pack_bytes(kernels.sign_bits(c, 0), n, 1),
                                 lambda: _old_pack(binary_signs(c, 0).to(torch.uint8), 1)),
@@ -104,8 +126,7 @@ def main():
         "vote 1-bit x P -> int8": (n, lambda: gather_new(torch.int8), old_gather),
         "vote 1-bit x P -> fp32": (4 * n, lambda: gather_new(f32), lambda: old_gather().to(f32)),
         "onebit vote (chunk)": (P * chunk // 8, lambda: kernels.majority_bits(mine, P, 0),
-                                lambda: kernels.pack_bytes(kernels.parity_bits(kernels.count_bits(mine, chunk), P, 0),
-                                                           chunk, 1)),
+                                lambda: _old_majority(mine, chunk, P)),
         "onebit unpack -> int8": (n, lambda: kernels.unpack_pm1(voted, n), lambda: _old_unpack_pm1(voted, n)),
         "onebit unpack -> fp32": (4 * n, lambda: kernels.unpack_pm1(voted, n, f32),
                                   lambda: _old_unpack_pm1(voted, n).to(f32)),

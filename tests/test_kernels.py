@@ -66,32 +66,17 @@ def test_sign_bits_fuse_quantize_and_pack(n):
         assert padded.numel() >= n + 37 and not padded[n:].any()
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4, 7, 8, 16, 255])
-def test_count_and_decide_match_reference(world):
-    g = torch.Generator().manual_seed(world)
-    n = 1003
-    bits = torch.rand(world, n, generator=g) < 0.5
-    packed = torch.stack([ref_pack(b, 1) for b in bits])
-    count = kernels.count_bits(packed, n)
-    assert count.dtype == torch.uint8 and torch.equal(count.long(), bits.long().sum(0))
-    for step in (0, 1):
-        for ties in ("zero", "parity"):
-            u = kernels.decide_counts(count, world, step, ties=ties)
-            assert u.dtype == torch.int8
-            assert torch.equal(u, ref_decide(count, world, step, ties))
-            assert torch.equal(u, decide(count, world, step, ties=ties))
-        assert torch.equal(kernels.parity_bits(count, world, step),
-                           ref_decide(count, world, step, "parity") > 0)
-
-
-def test_every_count_value_decides_right():
-    """Exhaustive over k = 0..P for the small worlds where ties are common."""
-    for world in range(1, 17):
-        count = torch.arange(world + 1, dtype=torch.uint8)
+@pytest.mark.parametrize("world", list(range(1, 17)) + [255])
+def test_decide_matches_reference_for_every_count(world):
+    """votes.decide (the reference path's decode) over every k = 0..P, as uint8 counts
+    (2k overflows uint8 past P = 127) and int64 counts, both tie rules."""
+    for dtype in (torch.uint8, torch.int64):
+        count = torch.arange(world + 1, dtype=dtype)
         for step in (0, 1):
             for ties in ("zero", "parity"):
-                assert torch.equal(kernels.decide_counts(count, world, step, ties=ties),
-                                   ref_decide(count, world, step, ties)), (world, step, ties)
+                u = decide(count, world, step, ties=ties)
+                assert u.dtype == torch.int8
+                assert torch.equal(u, ref_decide(count, world, step, ties)), (world, dtype, step, ties)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8, 16, 31, 255])
@@ -145,11 +130,6 @@ def test_vote_lanes_matches_reference(bits):
                 assert torch.equal(buf[1:n + 1], u) and buf[0] == 7 and buf[n + 1] == 7
 
 
-def test_count_bits_refuses_carry():
-    with pytest.raises(ValueError, match="at most 255 rows"):
-        kernels.count_bits(torch.zeros(256, 4, dtype=torch.uint8), 32)
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none in this environment)")
 def test_cuda_kernels_match_cpu_reference():
     n, world = 100_003, 4
@@ -162,8 +142,8 @@ def test_cuda_kernels_match_cpu_reference():
         assert torch.equal(packed.cpu(), ref_pack(binary_signs(c, step), 1))
     bits = torch.rand(world, n) < 0.5
     packed = torch.stack([ref_pack(b, 1) for b in bits])
-    count = kernels.count_bits(packed.to(dev), n)
-    u = kernels.decide_counts(count, world, 0, ties="zero")
+    gt, eq = kernels.vote_bits(packed.to(dev), world)
+    u = kernels.spread_votes(gt, ~(gt | eq), n, torch.int8)
     assert torch.equal(u.cpu(), ref_decide(bits.long().sum(0), world, 0, "zero"))
     for w in (2, 4):
         v = torch.randint(0, 1 << w, (n,), dtype=torch.uint8)

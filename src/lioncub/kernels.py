@@ -15,11 +15,6 @@ The layouts of :mod:`lioncub.packing` (element ``8j+k`` is bit ``k`` of byte ``j
   torch's ``(lanes << shifts).sum(dim)`` over an int64 temporary.
 * **unpack** — one ``index_select`` into a 256-entry table whose entries are the
   8 (or 4, 2) unpacked bytes of a packed byte, read as one int64 (int32, int16).
-* **count** — summing the unpacked words of P ranks as int64 adds every byte
-  independently (each byte holds at most P ≤ 255, so no carry crosses a byte): the
-  vote's per-element count without an int16 temporary.
-* **decide** — ``u = (2k > P) - (2k < P)`` from uint8 counts with two comparisons;
-  the 1-bit wire's parity rule is one comparison against ⌈P/2⌉ or ⌊P/2⌋+1.
 * **vote on packed bits** (:func:`vote_bits`, :func:`majority_bits`) — the P rows of
   packed signs are never unpacked: a bit-sliced counter (plane ``j`` holds bit ``j`` of
   64 counts per int64 word; adding a row is a ripple of AND/XOR over ⌈log2(P+1)⌉
@@ -47,9 +42,6 @@ __all__ = [
     "sign_bits",
     "pack_bytes",
     "unpack_bytes",
-    "count_bits",
-    "decide_counts",
-    "parity_bits",
     "unpack_pm1",
     "vote_bits",
     "majority_bits",
@@ -229,7 +221,7 @@ def vote_bits(packed: Tensor, world: int) -> tuple[Tensor, Tensor]:
 def majority_bits(packed: Tensor, world: int, step: int) -> Tensor:
     """The 1-bit vote of the P rows, packed: 2k > P wins, ties follow the step parity.
 
-    Returns uint8 of the rows' byte length (:func:`parity_bits` + :func:`pack_bytes`)."""
+    Returns uint8 of the rows' byte length: bit set where 2k > P, or 2k = P on an even step."""
     gt, eq = vote_bits(packed, world)
     if step % 2 == 0:
         gt |= eq
@@ -287,43 +279,3 @@ def vote_lanes(packed: Tensor, n: int, bits: int, above: int, below: int,
     words *= 0xFF
     words |= pos
     return _as_dtype(words.view(torch.int8)[:n], dtype, out)
-
-
-def count_bits(packed: Tensor, n: int) -> Tensor:
-    """Per element, how many of the P rows of ``packed`` (P, nbytes) have its bit set.
-
-    Returns uint8 counts of length ``n``. Needs P ≤ 255 (no carry across bytes).
-    """
-    world = packed.shape[0]
-    if world > 255:
-        raise ValueError(f"count_bits needs at most 255 rows, got {world}")
-    idx = packed.reshape(-1).to(torch.int32)
-    words = torch.index_select(_table(1, "lanes", str(packed.device)), 0, idx).view(world, -1)
-    total = words[0].clone()
-    for r in range(1, world):  # int64 adds: 8 independent byte counters per word
-        total += words[r]
-    return total.view(torch.uint8)[:n]
-
-
-def decide_counts(count: Tensor, world: int, step: int, *, ties: str) -> Tensor:
-    """``u = sign(2k − P)`` as int8 from uint8 counts ``k``; ties → 0 or → step parity.
-
-    Same result as :func:`lioncub.votes.decide` without its int16 temporaries.
-    """
-    if ties == "parity":
-        return unpack_pm1_from_bool(parity_bits(count, world, step))
-    gt = count > world // 2  # 2k > P
-    lt = count < (world + 1) // 2  # 2k < P
-    return gt.view(torch.int8) - lt.view(torch.int8)
-
-
-def parity_bits(count: Tensor, world: int, step: int) -> Tensor:
-    """The 1-bit vote ``u > 0`` as bool: 2k > P wins, ties follow the step parity."""
-    if step % 2 == 0:
-        return count >= (world + 1) // 2  # 2k >= P
-    return count > world // 2  # 2k > P
-
-
-def unpack_pm1_from_bool(positive: Tensor) -> Tensor:
-    """bool → int8 ±1 in one pass (True → +1, False → −1)."""
-    return positive.view(torch.int8) * 2 - 1
