@@ -1,11 +1,12 @@
 """The α-β cost model: formulas against hand-computed values, method choice, calibration."""
 from __future__ import annotations
 
+import doctest
 import math
 
 import pytest
 
-from lioncub import cost
+from lioncub import cost, votes
 from lioncub.auto import AUTO_CANDIDATES, choose_vote
 from lioncub.cost import fit_alpha_beta, method_valid, predicted_bytes, predicted_time
 
@@ -62,6 +63,38 @@ def test_padding_and_single_worker():
         assert one["bytes_sent"] == 0 and one["n_collectives"] == (2 if m == "onebit" else 1)
         assert predicted_time(m, N, 1, 1e-3, 1e-9) == 0.0
         assert predicted_bytes(m, 0, 4)["n_collectives"] == 0  # empty tensors short-cut
+
+
+def test_methods_lists_the_registry_each_in_its_own_words():
+    """grad then every registered vote method, each described by its own docstring's first
+    paragraph, which names every collective its plan issues."""
+    listed = cost.methods()
+    assert tuple(listed) == cost.METHODS == ("grad", *votes.METHODS)
+    assert listed["grad"] == cost.GRAD_PLAN
+    assert listed["onebit"] == ("packed sign bits; all-to-all of P chunks, each rank votes its chunk, "
+                                "all-gather of the voted bits.")
+    for name, cls in votes.METHODS.items():
+        assert listed[name] and "\n" not in listed[name] and not listed[name].startswith("``"), name
+        for kind, _ in cls(4).plan(N):
+            assert kind.replace("_", "-").replace("allreduce", "all-reduce") in listed[name], (name, kind)
+
+
+def test_methods_lists_a_newly_registered_method_by_its_class_docstring(monkeypatch):
+    class Trial(votes.VoteMethod):
+        """``trial``: int8 signs, one all-gather;
+        summed on every rank.
+
+        Not a method anyone ships."""
+        name = "trial"
+
+    monkeypatch.setitem(votes.METHODS, "trial", Trial)
+    assert cost.methods()["trial"] == "int8 signs, one all-gather; summed on every rank."
+
+
+def test_the_module_examples_run():
+    """The doctests of cost.py (the suite does not collect --doctest-modules)."""
+    result = doctest.testmod(cost)
+    assert result.attempted >= 3 and result.failed == 0
 
 
 def test_lane_widths():

@@ -8,21 +8,18 @@ seconds per bit of one full-duplex link, the ring collectives cost::
     all_to_all of B bytes per rank    (P-1)·α +  (P-1)/P · 8B · β   sends  (P-1)/P · B
 
 and every method is a fixed composition of them, which the method object states
-(:meth:`lioncub.votes.VoteMethod.plan`); today:
-
-    grad            one allreduce of n·4 (fp32) or n·2 (bf16) bytes
-    sign_allreduce  one int8 allreduce of n bytes                          (P ≤ 127)
-    gather          one all_gather of ⌈n/8⌉ packed sign bytes per rank
-    onebit          N = ⌈n/(8P)⌉·P: all_to_all of N bytes, all_gather of N/P bytes
-    pbit            one uint8 allreduce of ⌈n·w/8⌉ bytes, w-bit lanes        (2s·P ≤ 2^w-1)
-
-``P == 1`` sends nothing and costs nothing. The same functions serve run time
+(:meth:`lioncub.votes.VoteMethod.plan`), within world-size limits of its own
+(:func:`method_valid`). :func:`methods` lists the methods, ``grad`` (the plain gradient
+all-reduce) and those of the registry :data:`lioncub.votes.METHODS`, each with what it sends
+in its own words. ``P == 1`` sends nothing and costs nothing. The same functions serve run time
 (:func:`lioncub.auto.choose_vote` adds each method's local cost to :func:`predicted_time`,
 with α and β from :func:`calibrate`) and benchmark reports.
 
 Example::
 
-    >>> from lioncub.cost import predicted_bytes, predicted_time
+    >>> from lioncub.cost import methods, predicted_bytes, predicted_time
+    >>> methods()['sign_allreduce']
+    'int8 signs, one SUM all-reduce; u = sign of the sum.'
     >>> predicted_bytes('onebit', 10**6, 4)['bytes_sent']
     187500.0
     >>> predicted_time('onebit', 10**6, 4, alpha=5e-5, beta=1e-9) < predicted_time('pbit', 10**6, 4, 5e-5, 1e-9)
@@ -31,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import math
+import sys
 import time
 from typing import Sequence
 
@@ -40,11 +38,13 @@ from .quantize import QUANTIZERS
 VOTE_METHODS = votes.VOTE_METHODS
 METHODS = ("grad",) + VOTE_METHODS
 GRAD_DTYPES = {"fp32": 4, "bf16": 2}
+GRAD_PLAN = "one all-reduce of the gradients: n·4 (fp32) or n·2 (bf16) bytes."
 DEFAULT_PROBE_SIZES = (4 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 
 __all__ = [
     "METHODS",
     "VOTE_METHODS",
+    "methods",
     "predicted_bytes",
     "predicted_time",
     "collective_time",
@@ -52,6 +52,21 @@ __all__ = [
     "calibrate",
     "fit_alpha_beta",
 ]
+
+
+def methods() -> dict[str, str]:
+    """Each method this model prices → what it sends: ``grad`` (:data:`GRAD_PLAN`), then the
+    vote methods in registry order, each by the first paragraph of its own docstring (the
+    class's, else its module's) without a leading ``name``: label. A method added to
+    :data:`lioncub.votes.METHODS` is listed here with no edit to this module."""
+    return {"grad": GRAD_PLAN, **{name: _summary(cls) for name, cls in votes.METHODS.items()}}
+
+
+def _summary(cls: type[votes.VoteMethod]) -> str:
+    """The first paragraph of the docstring of ``cls`` (else of its module) as one line."""
+    doc = cls.__doc__ or sys.modules[cls.__module__].__doc__ or ""
+    first = " ".join(doc.strip().split("\n\n")[0].split())
+    return first.removeprefix(f"``{cls.name}``: ")
 
 
 def _check_common(method: str, n: int, world_size: int) -> None:
