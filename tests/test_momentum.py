@@ -9,7 +9,7 @@ from lioncub import CommStats, LionCub
 from lioncub.harness.models.gpt import build_gpt
 from lioncub.harness.models.resnet import resnet18
 from lioncub.harness.models.vit import vit_tiny
-from lioncub.momentum import Adaptive, MomentumSync, divergence_sketch, io_parameters, param_names, sync_bytes
+from lioncub.momentum import Adaptive, MomentumSync, divergence_sketch, io_parameters, label_params, sync_bytes
 from tests.dist import run_workers
 
 
@@ -19,7 +19,7 @@ def _gpt(tied, seed=0):
 
 
 def _io_names(model):
-    return param_names(io_parameters(model), model)
+    return label_params(io_parameters(model), model)
 
 
 # ----------------------------------------------------------------------------- selection (one process)
@@ -118,7 +118,7 @@ def _check_sync(rank, world, tied, dtype):
         _train_step(opt, model, rank, step)
         bytes_.append(opt.last_step_stats.bytes_sent)
         colls.append(opt.last_step_stats.n_collectives)
-    names = param_names(params, model)
+    names = label_params(params, model)
     out = {"selected": sync.selected_names(), "bytes": bytes_, "colls": colls, "sync_bytes": sync.bytes_sent,
            "n_selected": sum(params[i].numel() for i in sync.selected), "synced": {}, "unsynced": {}}
     for i, p in enumerate(params):

@@ -40,7 +40,7 @@ from torch import Tensor
 
 from . import comm
 from .lion import interpolate
-from .momentum import param_names
+from .momentum import label_params
 from .quantize import quantize
 from .vote import reference_vote
 
@@ -154,7 +154,7 @@ def update_vectors(optimizer) -> list[Tensor]:
 
 
 def _names(optimizer, model) -> list[str]:
-    return param_names([p for _, p in _params(optimizer)], model)
+    return label_params([p for _, p in _params(optimizer)], model)
 
 
 def _world(optimizer) -> int:

@@ -57,7 +57,7 @@ from torch import Tensor
 from . import comm, cost
 from .comm import CommStats
 
-__all__ = ["Adaptive", "MomentumSync", "POLICIES", "SYNC_DTYPES", "io_parameters", "param_names",
+__all__ = ["Adaptive", "MomentumSync", "POLICIES", "SYNC_DTYPES", "io_parameters", "label_params",
            "divergence_sketch", "sync_bytes"]
 
 POLICIES = ("none", "all", "io", "adaptive")
@@ -83,8 +83,9 @@ class Adaptive:
             raise ValueError(f"buckets must be an int >= 1, got {self.buckets!r}")
 
 
-def param_names(params: list[Tensor], model: nn.Module | None) -> list[str]:
-    """A name per tensor: its first name in ``model`` (tied tensors are listed once), else ``param{i}``."""
+def label_params(params: list[Tensor], model: nn.Module | None) -> list[str]:
+    """A label per tensor of ``params`` for reports: its first name in ``model`` (tied tensors
+    are listed once), else ``param{i}``; never None, unlike :func:`lioncub.guard.param_names`."""
     names = {} if model is None else {id(p): n for n, p in model.named_parameters()}
     return [names.get(id(p), f"param{i}") for i, p in enumerate(params)]
 
@@ -216,7 +217,7 @@ class MomentumSync:
         self.kind, self.selected = _resolve(policy, params, model)
         self.adaptive = policy if isinstance(policy, Adaptive) else Adaptive() if self.kind == "adaptive" else None
         self.every, self.dtype = every, dtype
-        self.names = param_names(params, model)
+        self.names = label_params(params, model)
         self.n_syncs, self.n_checks, self.bytes_sent = 0, 0, 0.0
         self.sync_counts: dict[str, int] = {}
         self.last_divergence: dict[str, float] = {}
