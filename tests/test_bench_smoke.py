@@ -32,7 +32,8 @@ TINY_GPT = ["--layers", "1", "--embd", "64", "--vocab", "256", "--tokens", "8"] 
 
 
 def _bench(script: str, *args, timeout: float = 180) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, str(BENCH / script), *map(str, args)], env=ENV, cwd=ROOT,
+    """Run ``bench/<script>`` as bench/README.md does: ``python3 -m bench.<name>`` from the root."""
+    proc = subprocess.run([sys.executable, "-m", f"bench.{Path(script).stem}", *map(str, args)], env=ENV, cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{script} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc
@@ -311,3 +312,76 @@ def test_kernels(tmp_path):
         assert r["old_frac_of_copy"] == pytest.approx(r["old_gbps"] / r["copy_gbps"])
     by = {r["stage"]: r for r in data["rows"]}
     assert by["vote 1-bit x P -> int8"]["bytes"] == n and by["vote 1-bit x P -> fp32"]["bytes"] == 4 * n
+
+
+# --- the scripts behind hand-assembled result files (issue 36, item 5) --------------------------
+
+
+def _committed(name: str) -> dict:
+    return json.loads((BENCH / "results" / name).read_text())
+
+
+def test_nodes_convergence_dry_run_is_the_committed_command():
+    lines = _bench("nodes_convergence.py", "--dry-run").stdout.splitlines()
+    assert lines[0] == _committed("nodes_convergence.json")["command"]
+    runs = [(r["vote"], r["nodes"]) for r in _committed("nodes_convergence.json")["runs"]]
+    assert lines[1:] == [lines[0].replace("{onebit,pbit}", v).replace("{1,2}", str(n)) for v, n in runs]
+
+
+@pytest.mark.slow  # two 4-rank lioncub train runs: ~30 s on 2 shared cores
+def test_nodes_convergence_tiny(tmp_path):
+    out = tmp_path / "nc.json"
+    _bench("nodes_convergence.py", "--model", "gpt-tiny", "--steps", "2", "--eval-every", "1", "--eval-batches",
+           "1", "--votes", "pbit", "--nodes", "1,2", "--out", out, timeout=300)
+    data, committed = json.loads(out.read_text()), _committed("nodes_convergence.json")
+    assert list(data) == list(committed) and data["command"].endswith("--vote {pbit} --nodes {1,2} --nproc 4 "
+                                                                      "--eval-every 1 --eval-batches 1 --no-compare --seed 0")
+    assert [(r["label"], r["vote"], r["nodes"]) for r in data["runs"]] == [("lioncub-pbit", "pbit", 1),
+                                                                           ("lioncub-pbit-2nodes", "pbit", 2)]
+    for r in data["runs"]:
+        assert list(r) == list(committed["runs"][0])
+        assert [e["step"] for e in r["evals"]] == [1, 2]
+        assert r["final_val_loss"] == r["evals"][-1]["val_loss"]  # the summary's, exactly
+    flat, nodes = data["runs"]
+    # 2 voters (one per node) instead of 4: narrower lanes, and a rank votes on its half of the model
+    assert 0 < nodes["bytes_sent_per_step"] < flat["bytes_sent_per_step"] / 2
+
+
+def _flags(line: str) -> dict:
+    words = line.split()
+    return {w[2:].replace("-", "_"): v for w, v in zip(words, words[1:]) if w.startswith("--")}
+
+
+def test_local_grid_dry_run_is_the_committed_grids():
+    lines = _bench("local_grid.py", "--dry-run").stdout.splitlines()
+    grids = _committed("local_grid.json")["grids"]
+    assert len(lines) == len(grids) == 3
+    for line, grid in zip(lines, grids):
+        assert line.startswith("python3 -m bench.race ")
+        flags, recorded = _flags(line), grid["args"]
+        for key in ("methods", "lr_adamw", "lr_lion", "rate", "steps", "eval_batches", "warmup", "workers",
+                    "layers", "heads", "embd", "block", "batch"):
+            assert flags[key] == str(recorded[key]), (grid["name"], key)
+        assert float(flags["eval_every"]) == recorded["eval_every"] and int(flags["seeds"]) == recorded["seed"]
+        assert grid["name"].startswith(f"grid{lines.index(line) + 1} ")
+
+
+@pytest.mark.root
+def test_local_grid_tiny(tmp_path, netns_clean):
+    out = tmp_path / "grid.json"
+    _bench("local_grid.py", "--grids", "grid3", "--steps", "2", "--workers", "2", "--layers", "1", "--embd", "32",
+           "--block", "16", "--batch", "1", "--out", out, timeout=300)
+    netns_clean("lct")
+    data, committed = json.loads(out.read_text()), _committed("local_grid.json")
+    assert list(data) == list(committed) and len(data["grids"]) == 1
+    grid = data["grids"][0]
+    assert grid["name"] == committed["grids"][2]["name"]
+    assert grid["args"]["steps"] == 2 and grid["args"]["methods"] == committed["grids"][2]["args"]["methods"]
+    assert [r["method"] for r in grid["runs"]] == committed["grids"][2]["args"]["methods"].split(",")
+    for r in grid["runs"]:
+        assert set(committed["grids"][2]["runs"][0]) <= set(r) and r["status"] == "ok"
+        assert r["steps"] == 50 and r["evals"][-1]["step"] == 50  # H = 50: the first sync point at or after 2
+        assert set(r["evals"][-1]) == set(committed["grids"][2]["runs"][0]["evals"][-1])
+    # the grad vote with an AdamW inner loop is DiLoCo (the grid's sanity check), bit for bit
+    by = {r["method"]: r["evals"][-1]["val"] for r in grid["runs"]}
+    assert by["lcub-grad-h50-nest0.7-adamw"] == by["diloco-h50"]
