@@ -38,12 +38,13 @@ def _tiny_gpt(seed: int):
 
 def _train_all(rank, world):
     gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
-    out = {}
+    out, families = {}, {}
     for name in NAMES:
         model = _tiny_gpt(seed=rank)
         lr = 1e-3 if baselines.family(name) == "adamw" else 1e-4
         init = _digest(model)
         method = baselines.build(name, model, lr=lr)
+        families[name] = method.family
         start = _digest(model)
         log = []
         for _ in range(STEPS.get(name, 3)):
@@ -52,7 +53,7 @@ def _train_all(rank, world):
             synced = method.step(lr)
             log.append((synced, _digest(model), loss))
         out[name] = (init, start, log)
-    return out, _outer_step_by_hand(rank, world)
+    return out, _outer_step_by_hand(rank, world), families
 
 
 def _outer_step_by_hand(rank, world):
@@ -108,6 +109,15 @@ def test_every_step_methods_sync_every_step(runs):
         assert every == (name not in PERIOD), name
 
 
+def test_each_built_method_has_the_family_its_name_is_swept_by(runs):
+    """family(name), known before building, is the built adapter's own; the same in one
+    process that built every method in turn (building one never changed another's)."""
+    want = {name: ("adamw" if name.startswith(("adamw-", "local-", "diloco-", "sparseloco-"))
+                   or name.endswith("-adamw") else "lion") for name in NAMES}
+    assert {name: baselines.family(name) for name in NAMES} == want
+    assert runs[0][2] == runs[1][2] == want
+
+
 def test_diloco_outer_step_matches_definition(runs):
     (err0, spread0), (err1, _) = runs[0][1], runs[1][1]
     assert spread0 > 1e-6, "the ranks' inner models should differ before the outer step"
@@ -122,6 +132,22 @@ def test_local_cub_names_build_the_configuration_they_spell():
     opt = baselines.build("lcub-onebit-h10-nest3", _tiny_gpt(0), lr=1e-4).opt
     assert (opt.H, opt.vote, opt.outer, opt.outer_lr, opt.error_feedback) == (10, "onebit", "nesterov", 3.0, False)
     assert type(opt.inner).__name__ == "Lion" and baselines.family("lcub-onebit-h10-nest3") == "lion"
+
+
+def test_family_is_per_instance_and_never_changes_the_class():
+    adamw = baselines.build("lcub-onebit-h3-sgd1-adamw", _tiny_gpt(0), lr=1e-3)
+    lion = baselines.build("lcub-onebit-h3-sgd1", _tiny_gpt(0), lr=1e-4)
+    assert (adamw.family, lion.family) == ("adamw", "lion")
+    assert "family" not in vars(baselines.cub.LocalCubMethod) and baselines.cub.LocalCubMethod.family == "?"
+    assert baselines.cub.CubMethod.family == "lion" and baselines.local.DiLoCo.family == "adamw"
+
+
+def test_lion_cub_passes_bits_only_to_a_vote_with_lanes():
+    """The lane check is the vote method's own (``LANE_BITS``), not a test of its name."""
+    lanes = baselines.cub.CubMethod(_tiny_gpt(0), lr=1e-4, vote="pbit", bits=8)
+    signs = baselines.cub.CubMethod(_tiny_gpt(0), lr=1e-4, vote="onebit", bits=8)  # bits ignored
+    assert (lanes.opt.bits, lanes.name) == (8, "lioncub-pbit8")
+    assert (signs.opt.bits, signs.name) == (None, "lioncub-onebit")
 
 
 def test_build_rejects_bad_input():

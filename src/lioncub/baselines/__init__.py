@@ -49,19 +49,19 @@ from .base import Adapter
 
 __all__ = ["Adapter", "METHODS", "build", "family"]
 
-# name -> builder(module, *, lr, group, weight_decay) -> Adapter
+# name -> builder(module, *, lr, group, weight_decay) -> Adapter: an Adapter class, or a partial of one
 METHODS = {
-    "adamw-ddp": partial(ddp.adamw, compress="fp32"),
-    "adamw-bf16": partial(ddp.adamw, compress="bf16"),
-    "adamw-psgd-r1": partial(ddp.adamw, compress="powersgd", rank=1),
-    "adamw-psgd-r4": partial(ddp.adamw, compress="powersgd", rank=4),
+    "adamw-ddp": partial(ddp.AdamWDDP, compress="fp32"),
+    "adamw-bf16": partial(ddp.AdamWDDP, compress="bf16"),
+    "adamw-psgd-r1": partial(ddp.AdamWDDP, compress="powersgd", rank=1),
+    "adamw-psgd-r4": partial(ddp.AdamWDDP, compress="powersgd", rank=4),
     "local-adamw-h10": partial(local.LocalSGD, H=10),
     "diloco-h10": partial(local.DiLoCo, H=10),
     "diloco-h50": partial(local.DiLoCo, H=50),
     "sparseloco-h10": partial(sparseloco.SparseLoCo, H=10),
     "sparseloco-h50": partial(sparseloco.SparseLoCo, H=50),
     "demo": demo.DeMo,
-    "lion-ddp": ddp.lion,
+    "lion-ddp": ddp.LionDDP,
     "lioncub-pbit4": partial(cub.CubMethod, vote="pbit", bits=4),
     "lioncub-pbit4-overlap": partial(cub.CubMethod, vote="pbit", bits=4, overlap=True, bucket_mb=2.0),
     "lioncub-onebit": partial(cub.CubMethod, vote="onebit", bits=None),
@@ -89,24 +89,28 @@ def _local_builder(name: str):
 
 
 def family(name: str) -> str:
-    """'adamw' or 'lion': the learning-rate grid a method is swept over."""
-    _check(name)
-    if name.startswith("lcub-"):
-        return "adamw" if name.endswith("-adamw") else "lion"
-    return "lion" if name.startswith(("lion-", "lioncub-")) or name == "demo" else "adamw"  # DeMo: sign updates
+    """'adamw' or 'lion': the learning-rate grid method ``name`` is swept over, as its adapter
+    class states it for the options the name stands for (:meth:`Adapter.family_for`; nothing
+    is built). ``build(name, ...).family`` is the same."""
+    builder = _builder(name)
+    cls, options = (builder.func, builder.keywords) if isinstance(builder, partial) else (builder, {})
+    return cls.family_for(**options)
 
 
 def build(name: str, module: nn.Module, *, lr: float, group=None, weight_decay: float = 0.0) -> Adapter:
     """The method ``name`` (one of ``METHODS``) training ``module`` on this rank."""
-    _check(name)
+    builder = _builder(name)
     if not lr > 0:
         raise ValueError(f"lr must be > 0, got {lr!r}")
-    method = (METHODS.get(name) or _local_builder(name))(module, lr=lr, group=group, weight_decay=weight_decay)
-    method.name, method.family = name, family(name)
+    method = builder(module, lr=lr, group=group, weight_decay=weight_decay)
+    method.name = name
     return method
 
 
-def _check(name: str) -> None:
-    if name not in METHODS and _local_builder(name) is None:
+def _builder(name: str):
+    """The registry entry of ``name``, or the LocalCub configuration it spells; ValueError otherwise."""
+    builder = METHODS.get(name) or _local_builder(name)
+    if builder is None:
         raise ValueError(f"method must be one of {', '.join(METHODS)} or lcub-<vote>-h<H>-<outer><lr>[-ef][-adamw]; "
                          f"got {name!r}")
+    return builder

@@ -26,13 +26,21 @@ class Adapter:
     """Base class: ``module`` (the local replica) and the two calls above."""
 
     name: str = "?"
-    family: str = "?"  # 'adamw' or 'lion': which learning-rate grid the method sweeps
+    family: str = "?"
+    """'adamw' or 'lion': which learning-rate grid the method sweeps. A class states its own;
+    one whose family depends on its options sets it per instance (:meth:`family_for`)."""
 
     def __init__(self, module: nn.Module, *, group=None):
         self.module = module
         self.group = group
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.steps = 0
+
+    @classmethod
+    def family_for(cls, **options) -> str:
+        """The :attr:`family` of this method built with keyword arguments ``options``, known
+        before building it (the runner picks the learning rates first)."""
+        return cls.family
 
     def forward_module(self) -> nn.Module:
         """What ``backward`` runs the batch through (a DDP wrapper where there is one)."""

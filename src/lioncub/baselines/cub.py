@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from .. import votes
 from ..distributed import LionCub
 from ..local_steps import LocalCub
 from .base import Adapter, set_lr
@@ -24,21 +25,29 @@ class CubMethod(Adapter):
     def __init__(self, module: nn.Module, *, lr: float, vote: str = "pbit", bits: int | None = 4,
                  overlap: bool = False, bucket_mb: float = 25.0, group=None, weight_decay: float = 0.0):
         super().__init__(module, group=group)
-        kw = dict(bits=bits) if vote == "pbit" else {}
+        method = votes.METHODS.get(vote)  # None: 'grad' or 'auto', which LionCub checks itself
+        lanes = method is not None and bool(method.LANE_BITS)  # bits go only to a vote with lanes
+        kw = dict(bits=bits) if lanes else {}
         self.opt = LionCub(module.parameters(), lr=lr, betas=BETAS, weight_decay=weight_decay, vote=vote,
                            overlap=overlap, bucket_mb=bucket_mb, process_group=group, model=module, **kw)
-        self.name = f"lioncub-{vote}{bits if vote == 'pbit' else ''}" + ("-overlap" if overlap else "")
+        self.name = f"lioncub-{vote}{bits if lanes else ''}" + ("-overlap" if overlap else "")
 
 
 class LocalCubMethod(Adapter):
     """:class:`lioncub.LocalCub`: ``H`` inner steps alone, then one voted outer step.
-    ``synced`` only at the end of a round (replicas identical there)."""
+    ``synced`` only at the end of a round (replicas identical there). Its family is its inner
+    optimizer, ``'lion'`` or ``'adamw'``."""
+
+    @classmethod
+    def family_for(cls, *, inner: str = "lion", **options) -> str:
+        return inner
 
     def __init__(self, module: nn.Module, *, lr: float, H: int, vote: str = "onebit", bits: int | None = None,
                  quantizer: str | None = None, outer: str = "nesterov", outer_lr: float = 1.0,
                  error_feedback: bool = False, aggregate: str = "vote", inner: str = "lion", group=None,
                  weight_decay: float = 0.0):
         super().__init__(module, group=group)
+        self.family = self.family_for(inner=inner)
         self.opt = LocalCub(module.parameters(), lr=lr, betas=BETAS, weight_decay=weight_decay, local_steps=H,
                             inner=inner, vote=vote, bits=bits, quantizer=quantizer, outer=outer, outer_lr=outer_lr,
                             error_feedback=error_feedback, aggregate=aggregate, process_group=group, model=module)

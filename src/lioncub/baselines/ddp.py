@@ -22,18 +22,18 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..lion import Lion
 from .base import Adapter
 
-__all__ = ["DDPMethod", "adamw", "lion"]
+__all__ = ["DDPMethod", "AdamWDDP", "LionDDP"]
 
 BETAS = (0.9, 0.99)  # both families (nanoGPT's small-model setting for AdamW; Lion's default)
 
 
 class DDPMethod(Adapter):
-    """``DDP(module)`` + optional comm hook + ``optimizer``."""
+    """``DDP(module)`` + optional comm hook + ``optimizer`` (subclasses state the ``family``)."""
 
-    def __init__(self, module: nn.Module, make_opt, *, name: str, family: str, group=None,
+    def __init__(self, module: nn.Module, make_opt, *, name: str, group=None,
                  hook=None, hook_state=None, bucket_cap_mb=None):
         super().__init__(module, group=group)
-        self.name, self.family = name, family
+        self.name = name
         # broadcasts rank 0's params; bucket_cap_mb=None: DDP's default buckets (1 MiB first, then 25)
         self.ddp = DDP(module, process_group=group, bucket_cap_mb=bucket_cap_mb)
         if hook is not None:
@@ -51,32 +51,40 @@ def _bf16_hook(process_group, bucket):
     return default_hooks.bf16_compress_hook(process_group, bucket)
 
 
-def adamw(module: nn.Module, *, lr: float, compress: str = "fp32", rank: int = 1, group=None,
-          weight_decay: float = 0.0) -> DDPMethod:
+class AdamWDDP(DDPMethod):
     """AdamW + DDP; ``compress``: 'fp32' (no hook), 'bf16' or 'powersgd' (with ``rank``)."""
-    def make_opt(params):
-        return torch.optim.AdamW(params, lr=lr, betas=BETAS, weight_decay=weight_decay)
 
-    if compress == "fp32":
-        return DDPMethod(module, make_opt, name="adamw-ddp", family="adamw", group=group)
-    if compress == "bf16":
-        return DDPMethod(module, make_opt, name="adamw-bf16", family="adamw", group=group,
-                         hook=_bf16_hook, hook_state=group)
-    if compress == "powersgd":
-        # start_powerSGD_iter=2: compress from the 2nd step on (PyTorch requires > 1 with error
-        # feedback); the run is a few hundred steps, so the default 1000 would never compress
-        state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=rank,
-                                            start_powerSGD_iter=2)
-        # One bucket: the hook issues its P and Q all-reduces from future callbacks (a gloo
-        # thread), so with several buckets the ranks can interleave collectives in different
-        # orders (on 4 gloo ranks we hit "Received data size doesn't match expected size").
-        # Cost: PowerSGD's traffic no longer overlaps backward.
-        return DDPMethod(module, make_opt, name=f"adamw-psgd-r{rank}", family="adamw", group=group,
-                         hook=powerSGD_hook.powerSGD_hook, hook_state=state, bucket_cap_mb=4096)
-    raise ValueError(f"compress must be 'fp32', 'bf16' or 'powersgd', got {compress!r}")
+    family = "adamw"
+
+    def __init__(self, module: nn.Module, *, lr: float, compress: str = "fp32", rank: int = 1, group=None,
+                 weight_decay: float = 0.0):
+        def make_opt(params):
+            return torch.optim.AdamW(params, lr=lr, betas=BETAS, weight_decay=weight_decay)
+
+        if compress == "fp32":
+            super().__init__(module, make_opt, name="adamw-ddp", group=group)
+        elif compress == "bf16":
+            super().__init__(module, make_opt, name="adamw-bf16", group=group, hook=_bf16_hook, hook_state=group)
+        elif compress == "powersgd":
+            # start_powerSGD_iter=2: compress from the 2nd step on (PyTorch requires > 1 with error
+            # feedback); the run is a few hundred steps, so the default 1000 would never compress
+            state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=rank,
+                                                start_powerSGD_iter=2)
+            # One bucket: the hook issues its P and Q all-reduces from future callbacks (a gloo
+            # thread), so with several buckets the ranks can interleave collectives in different
+            # orders (on 4 gloo ranks we hit "Received data size doesn't match expected size").
+            # Cost: PowerSGD's traffic no longer overlaps backward.
+            super().__init__(module, make_opt, name=f"adamw-psgd-r{rank}", group=group,
+                             hook=powerSGD_hook.powerSGD_hook, hook_state=state, bucket_cap_mb=4096)
+        else:
+            raise ValueError(f"compress must be 'fp32', 'bf16' or 'powersgd', got {compress!r}")
 
 
-def lion(module: nn.Module, *, lr: float, group=None, weight_decay: float = 0.0) -> DDPMethod:
+class LionDDP(DDPMethod):
     """Lion + DDP fp32: standard distributed Lion (32 bits per element on the wire)."""
-    return DDPMethod(module, lambda params: Lion(params, lr=lr, betas=BETAS, weight_decay=weight_decay),
-                     name="lion-ddp", family="lion", group=group)
+
+    family = "lion"
+
+    def __init__(self, module: nn.Module, *, lr: float, group=None, weight_decay: float = 0.0):
+        super().__init__(module, lambda params: Lion(params, lr=lr, betas=BETAS, weight_decay=weight_decay),
+                         name="lion-ddp", group=group)
