@@ -14,12 +14,24 @@ so a lost dependency, a lost compiler or a run without root cannot turn CI green
 
 An unknown name in ``LIONCUB_REQUIRE`` is a usage error (a typo must not require nothing).
 Skips for what CI does not have (a CUDA GPU) have no name here and stay skips.
+
+Set-up shared by the whole run (issue 36, item 6): at session start ``LIONCUB_CACHE`` points at one
+directory under pytest's base temp (unless the caller set it), so this process and every worker,
+torchrun job and script a test starts (they inherit the environment) find the same built C loops and
+prepared corpus instead of compiling or tokenising their own, and the suite never reads or writes
+``~/.cache/lioncub``. The session fixtures ``fused_loops`` (built once), ``corpus_cache`` (that
+directory, Shakespeare prepared in it once: ``--cache-dir`` / ``cache_dir`` for ``data='shakespeare'``)
+and ``prepared_corpus`` (its ``shakespeare-bytes`` token directory) name them; the corpus is
+read-only, a test that writes next to it keeps its own directory.
 """
 from __future__ import annotations
 
 import importlib.util
 import os
 import shutil
+import stat
+import tempfile
+from pathlib import Path
 from typing import Callable
 
 import pytest
@@ -107,7 +119,78 @@ def pytest_configure(config):
     required()  # an unknown name stops the run here
 
 
+CACHE_ENV = "LIONCUB_CACHE"  # lioncub.fused's build cache and the harness's default --cache-dir
+_OWN_CACHE: list[str] = []  # the directory this run made and set CACHE_ENV to (empty: the caller's own)
+
+
+def _session_cache(config) -> Path:
+    """The run's LIONCUB_CACHE: the caller's, else ``<basetemp>/lioncub-cache``, set in os.environ
+    before collection (test modules build the C loops on import) so that children inherit it."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    factory = getattr(config, "_tmp_path_factory", None)  # pytest's tmp_path_factory (None under -p no:tmpdir)
+    path = factory.getbasetemp() / "lioncub-cache" if factory is not None else Path(tempfile.mkdtemp(prefix="lioncub-cache-"))
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ[CACHE_ENV] = str(path)
+    _OWN_CACHE.append(str(path))
+    return path
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE and os.environ.get(CACHE_ENV) == _OWN_CACHE[0]:
+        del os.environ[CACHE_ENV]
+
+
+@pytest.fixture(scope="session")
+def fused_loops() -> str:
+    """The fused C loops built once for the run, in its LIONCUB_CACHE (workers load that .so):
+    ``fused.status()``. Request it before starting processes that use them, so that they load
+    instead of each compiling at once."""
+    from lioncub import fused
+    fused.available()
+    return fused.status()
+
+
+def _listing(d: Path) -> dict[str, tuple[int, int]]:
+    return {f.name: (f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(d.iterdir())}
+
+
+@pytest.fixture(scope="session")
+def corpus_cache(fused_loops) -> Path:
+    """The run's cache directory with Shakespeare prepared in it once (``shakespeare-bytes/``, as
+    ``lioncub prepare`` / ``ensure_prepared`` write it): pass as ``--cache-dir`` (or ``cache_dir``)
+    with the default ``--data shakespeare``. It is LIONCUB_CACHE, the harness's default cache, so
+    runs without ``--cache-dir`` share it too, and holds the built C loops (``fused_loops``: the
+    training workers that read the corpus load them, not each compile at once)."""
+    # Read-only: the run fails at its end if a test wrote into the token directory (a test that
+    # prepares another corpus keeps its own cache).
+    from lioncub.harness.data import ensure_prepared
+
+    cache = Path(os.environ.get(CACHE_ENV) or _session_cache(None))
+    tok = Path(ensure_prepared("shakespeare", str(cache)))
+    own = str(cache) in _OWN_CACHE  # never chmod a cache the caller chose
+    if own:
+        for f in tok.iterdir():
+            f.chmod(0o444)
+        tok.chmod(0o555)  # (root ignores modes: the listing check below still catches a write)
+    before = _listing(tok)
+    yield cache
+    after = _listing(tok)
+    if own:
+        tok.chmod(0o755)
+        for f in tok.iterdir():
+            f.chmod(f.stat().st_mode | stat.S_IWUSR)
+    assert after == before, f"a test wrote into the shared prepared corpus {tok}: {sorted(set(after.items()) ^ set(before.items()))}"
+
+
+@pytest.fixture(scope="session")
+def prepared_corpus(corpus_cache) -> Path:
+    """The shared, read-only Shakespeare token directory (train.bin, val.bin, meta.json)."""
+    return corpus_cache / "shakespeare-bytes"
+
+
 def pytest_sessionstart(session):
+    _session_cache(session.config)  # before the probes below and collection: both may build the C loops
     missing = [f"{n}: {why}" for n in sorted(required()) if (why := REQUIREMENTS[n]()) is not None]
     if missing:
         raise pytest.UsageError(f"{ENV} requires what this machine lacks: " + "; ".join(missing))

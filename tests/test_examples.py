@@ -11,10 +11,11 @@ import pytest
 from tests.conftest import require_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.usefixtures("fused_loops")  # the C loops built once per run, before the workers start
 
 
 def _run(args: list[str], tmp_path, min_points: int = 4, printed: list[str] | None = None) -> list[float]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", CI="true", LIONCUB_CACHE=str(tmp_path / "cache"),
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", CI="true",  # LIONCUB_CACHE: the run's (conftest)
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env["PYTHONPATH"] = os.path.join(ROOT, "src") + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)

@@ -12,12 +12,12 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_analyze_cli_writes_instruments_json(tmp_path):
+def test_analyze_cli_writes_instruments_json(tmp_path, corpus_cache):
     out = tmp_path / "instruments"
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", CI="true", MPLBACKEND="Agg")
     env["PYTHONPATH"] = os.path.join(ROOT, "src") + os.pathsep + env.get("PYTHONPATH", "")
     argv = ["analyze", "--workers", "2", "--steps", "3", "--every", "2", "--tie-every", "1", "--sync-every", "1",
-            "--block-size", "16", "--batch-size", "2", "--out", str(out), "--cache-dir", str(tmp_path / "cache")]
+            "--block-size", "16", "--batch-size", "2", "--out", str(out), "--cache-dir", str(corpus_cache)]
     proc = subprocess.run([sys.executable, "-m", "lioncub.cli", *argv], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -16,8 +16,8 @@ from lioncub.harness.data.text import markdown_to_text
 
 
 @pytest.fixture(scope="module")
-def shakespeare(tmp_path_factory):
-    return prepare("shakespeare", str(tmp_path_factory.mktemp("tok")))
+def shakespeare(prepared_corpus):
+    return str(prepared_corpus)  # prepared once per run (tests/conftest.py), read-only
 
 
 def test_prepare_writes_real_byte_tokens(shakespeare):
@@ -76,7 +76,7 @@ def test_token_shards_are_disjoint_and_windows_contiguous(tmp_path):
     assert not (seen[0] & seen[1]) and not (seen[1] & seen[2])
 
 
-def test_token_order_deterministic_resumable_and_epochs_differ(shakespeare):
+def test_token_order_deterministic_resumable_and_epochs_differ(shakespeare, tmp_path):
     path = os.path.join(shakespeare, "train.bin")
     make = lambda seed=0: TokenLoader(path, block_size=32, batch_size=4, rank=1, world_size=2, seed=seed)
     a, b = make(), make()
@@ -89,7 +89,7 @@ def test_token_order_deterministic_resumable_and_epochs_differ(shakespeare):
     c.load_state_dict(state)
     assert all(torch.equal(e, c.next_batch()[0]) for e in expected)
     # Crossing an epoch boundary: the position wraps to a new permutation (and window offset).
-    small = TokenLoader(_small_copy(path, shakespeare), block_size=32, batch_size=4, seed=0)
+    small = TokenLoader(_small_copy(path, tmp_path), block_size=32, batch_size=4, seed=0)
     epoch0 = small._starts.copy()
     rows = [small.next_batch()[0][:, 0] for _ in range(len(epoch0) // 4 + 1)]
     assert small.epoch == 1 and small.pos <= 4

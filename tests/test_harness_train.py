@@ -51,10 +51,10 @@ def read_csv(path):
         return list(csv.DictReader(f))
 
 
-def test_default_comparison_writes_wellformed_outputs(tmp_path):
+def test_default_comparison_writes_wellformed_outputs(tmp_path, corpus_cache):
     out = tmp_path / "cmp"
     printed = lioncub("train", *TINY, "--steps", "6", "--eval-every", "3", "--nproc", "2", "--out", str(out),
-                      "--cache-dir", str(tmp_path / "cache"))
+                      "--cache-dir", str(corpus_cache))
     labels = ["lion-grad-fp32", "lioncub-pbit"]
     for label in labels:
         assert label in printed
@@ -97,8 +97,8 @@ def test_default_comparison_writes_wellformed_outputs(tmp_path):
     pytest.param(["--vote", "pbit", "--model", "resnet18", "--width", "8", "--batch-size", "8", "--no-progress"],
                  marks=pytest.mark.slow),  # ~20 s; the GPT case runs the same resume path (BN buffers: here only)
 ], ids=["gpt-onebit", "resnet-bn"])
-def test_resume_reproduces_uninterrupted_run_bit_for_bit(tmp_path, model_args):
-    common = [*model_args, "--steps", "6", "--eval-every", "3", "--cache-dir", str(tmp_path / "cache")]
+def test_resume_reproduces_uninterrupted_run_bit_for_bit(tmp_path, model_args, corpus_cache):
+    common = [*model_args, "--steps", "6", "--eval-every", "3", "--cache-dir", str(corpus_cache)]
     full = tmp_path / "full"
     lioncub("train", *common, "--ckpt-every", "3", "--out", str(full), torchrun=2)
     assert sorted(os.listdir(full / "ckpt")) == ["latest", "step_0000003", "step_0000006"]
@@ -118,7 +118,7 @@ def test_resume_reproduces_uninterrupted_run_bit_for_bit(tmp_path, model_args):
     # The same checkpoint continued on 3 workers: momenta averaged, data shards re-cut (replicas checked).
     three = tmp_path / "three"
     lioncub("train", *model_args, "--steps", "8", "--eval-every", "0", "--check-every", "1", "--nproc", "3",
-            "--resume", str(full / "ckpt" / "step_0000006"), "--out", str(three), "--cache-dir", str(tmp_path / "cache"))
+            "--resume", str(full / "ckpt" / "step_0000006"), "--out", str(three), "--cache-dir", str(corpus_cache))
     steps = [r for r in read_jsonl(three / "metrics.jsonl") if r["kind"] == "step"]
     assert [r["step"] for r in steps] == [7, 8] and all(0 < r["loss"] < 6 for r in steps)
     assert read_csv(three / "summary.csv")[0]["world_size"] == "3"
@@ -148,11 +148,11 @@ def _timed_steps(rank, world, out, cache):
     return seen, read_jsonl(os.path.join(out, "metrics.jsonl")) if rank == 0 else None
 
 
-def test_step_times_are_the_optimizers_own(tmp_path):
+def test_step_times_are_the_optimizers_own(tmp_path, corpus_cache):
     """Each step record's t_vote is LionCub's own split of its vote (last_step_stats:
     quantize/pack + collectives + unpack/vote, as train.py sums it), bytes and collectives are
     its own, and its apply time lies in t_other: the three timed parts do not overlap."""
-    seen, records = run_workers(_timed_steps, 2, str(tmp_path / "run"), str(tmp_path / "cache"))[0]
+    seen, records = run_workers(_timed_steps, 2, str(tmp_path / "run"), str(corpus_cache))[0]
     steps = [r for r in records if r["kind"] == "step"]
     assert [r["step"] for r in steps] == [1, 2, 3, 4] and len(seen) == 4
     for r, s in zip(steps, seen):
@@ -179,13 +179,13 @@ def _resumed_from(full, step: int, resumed, common) -> list:
 
 
 @pytest.mark.slow  # ~20 s; tests/test_local_steps.py resumes LocalCub bit for bit in-process
-def test_local_steps_train_and_resume_mid_round_bit_for_bit(tmp_path):
+def test_local_steps_train_and_resume_mid_round_bit_for_bit(tmp_path, corpus_cache):
     """--local-steps 2: bytes travel only at the end of a round; a run resumed from a checkpoint
     taken inside a round (step 3) reproduces the uninterrupted one exactly (residuals, θ_start,
     the inner AdamW state and the position in the round are saved)."""
     common = [*TINY, "--vote", "pbit", "--bits", "8", "--quantizer", "l1", "--local-steps", "2", "--inner", "adamw",
               "--aggregate", "mean", "--error-feedback", "--outer-lr", "0.7", "--steps", "6", "--eval-every", "2",
-              "--check-every", "1", "--nproc", "2", "--cache-dir", str(tmp_path / "cache")]
+              "--check-every", "1", "--nproc", "2", "--cache-dir", str(corpus_cache)]
     full = tmp_path / "full"
     lioncub("train", *common, "--ckpt-every", "3", "--out", str(full))
     records = read_jsonl(full / "metrics.jsonl")
@@ -220,13 +220,13 @@ sys.exit(cli.main(sys.argv[2:]))
 
 
 @pytest.mark.slow  # ~17 s of torchrun restarts; tests/test_checkpoint_trust.py covers --auto-resume
-def test_elastic_restart_auto_resumes_from_latest_checkpoint(tmp_path):
+def test_elastic_restart_auto_resumes_from_latest_checkpoint(tmp_path, corpus_cache):
     """torchrun --max-restarts=1 + --auto-resume: the restarted job continues from ckpt/latest."""
     out, log = tmp_path / "run", tmp_path / "attempts.txt"
     (tmp_path / "die.py").write_text(_DIE_AFTER_FIRST_CKPT)
     lioncub(str(log), "train", *TINY, "--vote", "auto", "--momentum-sync", "io", "--sync-every", "2",
             "--nonfinite", "skip_step", "--check-every", "1", "--ckpt-every", "2", "--eval-every", "0",
-            "--timeout", "60", "--cache-dir", str(tmp_path / "cache"), "--out", str(out), "--auto-resume",
+            "--timeout", "60", "--cache-dir", str(corpus_cache), "--out", str(out), "--auto-resume",
             "--steps", "4", torchrun=2, restarts=1, entry=(str(tmp_path / "die.py"),))
     assert sorted(log.read_text().splitlines()) == [f"rank {r} attempt {a}" for r in (0, 1) for a in (0, 1)]
     records = read_jsonl(out / "metrics.jsonl")  # steps 1-2 from attempt 0, 3-4 from attempt 1
@@ -280,11 +280,11 @@ def test_cli_env_reports_versions_backends_and_the_fused_loops(capsys):
 
 
 @pytest.mark.slow  # ~35 s; tests/test_hierarchy.py checks NodeCub's step on 4 ranks
-def test_nodes_train_and_resume_bit_for_bit(tmp_path):
+def test_nodes_train_and_resume_bit_for_bit(tmp_path, corpus_cache):
     """--nodes 2 on 4 workers (NodeCub, sharded): replicas checked every step, each rank's
     momentum shard is checkpointed, and a resumed run reproduces the uninterrupted one exactly."""
     common = [*TINY, "--vote", "onebit", "--nodes", "2", "--steps", "4", "--eval-every", "2", "--check-every", "1",
-              "--nproc", "4", "--cache-dir", str(tmp_path / "cache")]
+              "--nproc", "4", "--cache-dir", str(corpus_cache)]
     full = tmp_path / "full"
     lioncub("train", *common, "--ckpt-every", "2", "--out", str(full))
     records = read_jsonl(full / "metrics.jsonl")
