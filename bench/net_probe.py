@@ -10,36 +10,33 @@ and compares with docs/design.md §3:
 It also fits (α, β) from the measured times and from :func:`lioncub.cost.calibrate`.
 The unshaped row is the CPU-bound floor of this host. Needs root.
 
-    sudo OMP_NUM_THREADS=1 PYTHONPATH=src python3 bench/net_probe.py            # ~1 min
-    ... bench/net_probe.py --rates 0.5gbit,1gbit,2gbit,none --sizes-mib 1,16,64
+    sudo OMP_NUM_THREADS=1 PYTHONPATH=src python3 -m bench.net_probe            # ~1 min
+    ... -m bench.net_probe --rates 0.5gbit,1gbit,2gbit,none --sizes-mib 1,16,64
 Writes bench/results/net_probe.json.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
-import tempfile
 import time
+
+from bench import _runner
 
 MiB = 1 << 20
 
 
 def worker(sizes_mib: list[float], repeats: int, out_dir: str) -> None:
     """One rank inside the testbed: time allreduces, read its own veth counters."""
-    import datetime
-
     import torch
     import torch.distributed as dist
 
     from lioncub.cost import calibrate
     from lioncub.testbed import iface_bytes
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-    rank, dev = dist.get_rank(), os.environ["GLOO_SOCKET_IFNAME"]
+    _runner.init_worker(timeout_s=300)
+    dev = os.environ["GLOO_SOCKET_IFNAME"]
     rows = []
     for mib in sizes_mib:
         x = torch.ones(int(mib * MiB) // 4, dtype=torch.float32)
@@ -63,9 +60,7 @@ def worker(sizes_mib: list[float], repeats: int, out_dir: str) -> None:
         dist.barrier()
         barrier.append(iface_bytes(dev)["tx"] - b0["tx"])
     alpha, beta = calibrate()
-    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
-        json.dump({"rows": rows, "barrier_tx": barrier, "calibrate": [alpha, beta]}, f)
-    dist.destroy_process_group()
+    _runner.finish(out_dir, {"rows": rows, "barrier_tx": barrier, "calibrate": [alpha, beta]})
 
 
 def _median(v):
@@ -76,18 +71,12 @@ def _median(v):
 def probe(n_workers: int, rate, sizes_mib, repeats: int) -> dict:
     """Run the probe in one testbed; returns the measured rows and model figures."""
     from lioncub.cost import fit_alpha_beta, predicted_bytes, predicted_time
-    from lioncub.testbed import Testbed
 
     P = n_workers
-    with tempfile.TemporaryDirectory(prefix="lcb-probe-") as d, \
-            Testbed(P, rate=rate, prefix="lcbprobe") as tb:
-        argv = [sys.executable, os.path.abspath(__file__), "--worker", "--out-dir", d,
-                "--repeats", str(repeats), "--sizes-mib", ",".join(str(s) for s in sizes_mib)]
-        t0 = time.perf_counter()
-        tb.run_workers([argv] * P, timeout=900)
-        wall = time.perf_counter() - t0
-        ranks = [json.load(open(os.path.join(d, f"{r}.json"))) for r in range(P)]
-    beta_model = None if tb.rate_bps is None else 1.0 / tb.rate_bps
+    argv = ["--repeats", str(repeats), "--sizes-mib", ",".join(str(s) for s in sizes_mib)]
+    ran = _runner.launch("bench.net_probe", argv, P, prefix="lcbprobe", rate=rate, timeout=900)
+    ranks = ran.ranks
+    beta_model = None if ran.rate_bps is None else 1.0 / ran.rate_bps
     barrier_tx = _median([b for r in ranks for b in r["barrier_tx"]])
     rows = []
     for i, mib in enumerate(sizes_mib):
@@ -108,11 +97,11 @@ def probe(n_workers: int, rate, sizes_mib, repeats: int) -> dict:
     fit = fit_alpha_beta([int(r["mib"] * MiB) for r in rows], [r["seconds"] for r in rows], P)
     cal = ranks[0]["calibrate"]
     assert all(r["calibrate"] == cal for r in ranks), "calibrate must agree across ranks"
-    return {"workers": P, "rate": tb.rate or "unshaped", "rate_bps": tb.rate_bps,
+    return {"workers": P, "rate": ran.rate or "unshaped", "rate_bps": ran.rate_bps,
             "rows": rows, "fit_alpha_s": fit[0], "fit_beta_s_per_bit": fit[1],
             "fit_gbit_s": 1e-9 / fit[1], "calibrate_alpha_s": cal[0],
             "calibrate_beta_s_per_bit": cal[1], "calibrate_gbit_s": 1e-9 / cal[1],
-            "barrier_tx_bytes": barrier_tx, "wall_s": wall}
+            "barrier_tx_bytes": barrier_tx, "wall_s": ran.wall_s}
 
 
 def table(results: list[dict]) -> str:
@@ -138,10 +127,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rates", default="1gbit,none", help="comma list; 'none' = unshaped")
     ap.add_argument("--sizes-mib", default="1,16,64")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                  "results", "net_probe.json"))
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=os.path.join(_runner.RESULTS, "net_probe.json"))
+    _runner.add_worker_args(ap)
     args = ap.parse_args(argv)
     sizes = [float(s) for s in args.sizes_mib.split(",")]
     if args.worker:
@@ -150,12 +137,9 @@ def main(argv=None) -> int:
     rates = [None if r.strip().lower() == "none" else r.strip() for r in args.rates.split(",")]
     results = [probe(args.workers, rate, sizes, args.repeats) for rate in rates]
     print(table(results))
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"host": {"cpus": os.cpu_count(), "kernel": platform.release(),
-                            "python": platform.python_version()},
-                   "sizes_mib": sizes, "repeats": args.repeats, "results": results}, f, indent=1)
-    print(f"wrote {args.out}")
+    _runner.write_json(args.out, {"host": {"cpus": os.cpu_count(), "kernel": platform.release(),
+                                           "python": platform.python_version()},
+                                  "sizes_mib": sizes, "repeats": args.repeats, "results": results})
     return 0
 
 

@@ -14,47 +14,38 @@ for ``vote='grad'`` (fp32 all-reduce, then Lion: the baseline), ``onebit`` and `
 Per method: the median step (each step timed on its slowest rank), its compute, and the
 bytes the node's veth sent per step (the interface counter: only what crossed nodes).
 
-    sudo OMP_NUM_THREADS=1 PYTHONPATH=src python3 bench/nodes.py               # ~4 min
-    ... bench/nodes.py --layers 2 --embd 128 --steps 2                        # seconds, smaller
+    sudo OMP_NUM_THREADS=1 PYTHONPATH=src python3 -m bench.nodes               # ~4 min
+    ... -m bench.nodes --layers 2 --embd 128 --steps 2                        # seconds, smaller
 Writes bench/results/nodes.json. Needs root.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from bench import _runner
+
 LAYOUTS = {"flat": None, "nodes": True, "nodes all": False}  # NodeCub's shard, None = LionCub
 VOTES = {"lion fp32": dict(vote="grad"), "onebit": dict(vote="onebit"), "pbit": dict(vote="pbit")}
 
 
 def worker(args, out_dir: str) -> None:
     """One rank: every (vote, layout) for ``args.steps`` timed steps; records to JSON."""
-    import datetime
-
-    import torch
     import torch.distributed as dist
 
     from lioncub import LionCub, NodeCub, node_groups
-    from lioncub.harness.models.gpt import GPT, GPTConfig
     from lioncub.testbed import iface_bytes
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
-    rank, dev = dist.get_rank(), os.environ["GLOO_SOCKET_IFNAME"]
+    rank, dev = _runner.init_worker(), os.environ["GLOO_SOCKET_IFNAME"]
     layout = node_groups()  # LOCAL_WORLD_SIZE from the testbed
-    x = torch.randint(0, args.vocab, (1, args.tokens), generator=torch.Generator().manual_seed(rank))
+    x = _runner.tokens(args, rank)
     out = {}
     for vote_label, kw in VOTES.items():
         for layout_label, shard in LAYOUTS.items():
-            torch.manual_seed(0)
-            model = GPT(GPTConfig(n_layer=args.layers, n_head=8, n_embd=args.embd, vocab_size=args.vocab,
-                                  block_size=args.tokens))
+            model = _runner.gpt(args)
             params = list(model.parameters())
             opt = (LionCub(params, lr=1e-4, **kw) if shard is None else
                    NodeCub(params, lr=1e-4, layout=layout, shard=shard, **kw))
@@ -78,22 +69,13 @@ def worker(args, out_dir: str) -> None:
             out[f"{vote_label} {layout_label}"] = {"steps": steps, "n": sum(p.numel() for p in params),
                                                    "local_rank": layout.local_rank}
             del model, opt, params
-    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
-        json.dump(out, f)
-    dist.destroy_process_group()
+    _runner.finish(out_dir, out)
 
 
-def run(args) -> dict:
-    from lioncub.testbed import Testbed
-
-    argv = [sys.executable, os.path.abspath(__file__), "--worker"] + _pass_through(args)
-    with tempfile.TemporaryDirectory(prefix="lcn-nodes-") as d, \
-            Testbed(args.workers, rate=args.rate, prefix="lcn", subnet="10.79.7", port=29541,
-                    nodes=args.nodes) as tb:
-        t0 = time.perf_counter()
-        tb.run_workers([argv + ["--out-dir", d]] * args.workers, timeout=1500)
-        wall = time.perf_counter() - t0
-        ranks = [json.load(open(os.path.join(d, f"{r}.json"))) for r in range(args.workers)]
+def run(args, argv: list[str]) -> dict:
+    """The workers' records on the testbed (``argv``, the command line, passed on) and the table's rows."""
+    ran = _runner.launch("bench.nodes", argv, args.workers, prefix="lcn", rate=args.rate, nodes=args.nodes)
+    ranks = ran.ranks
     rows = []
     for label in ranks[0]:
         per = [r[label]["steps"] for r in ranks]
@@ -108,8 +90,8 @@ def run(args) -> dict:
     base = {r["method"]: r for r in rows}["lion fp32 flat"]
     for r in rows:
         r["speedup_vs_lion_fp32_flat"] = base["step"] / r["step"]
-    return {"rate": tb.rate or "unshaped", "workers": args.workers, "nodes": args.nodes, "rows": rows,
-            "wall_s": wall, "per_rank": ranks}
+    return {"rate": ran.rate or "unshaped", "workers": args.workers, "nodes": args.nodes, "rows": rows,
+            "wall_s": ran.wall_s, "per_rank": ranks}
 
 
 def table(res: dict) -> str:
@@ -122,11 +104,6 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def _pass_through(args) -> list[str]:
-    return ["--steps", str(args.steps), "--warmup", str(args.warmup), "--layers", str(args.layers),
-            "--embd", str(args.embd), "--vocab", str(args.vocab), "--tokens", str(args.tokens)]
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, default=4)
@@ -134,25 +111,19 @@ def main(argv=None) -> int:
     ap.add_argument("--rate", default="1gbit", help="links between nodes; 'none' = unshaped")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per method")
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--embd", type=int, default=576)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--tokens", type=int, default=16, help="tokens per rank per step (batch 1)")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "nodes.json"))
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out-dir", help=argparse.SUPPRESS)
+    _runner.add_gpt_args(ap, layers=6, embd=576)
+    ap.add_argument("--out", default=os.path.join(_runner.RESULTS, "nodes.json"))
+    _runner.add_worker_args(ap)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
     if args.worker:
         worker(args, args.out_dir)
         return 0
     if args.rate.lower() == "none":
         args.rate = None
-    res = run(args)
+    res = run(args, argv)
     print(table(res), flush=True)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "load_avg": os.getloadavg(), "result": res}, f, indent=1)
-    print(f"wrote {args.out}")
+    _runner.write_json(args.out, {"args": vars(args), "load_avg": os.getloadavg(), "result": res})
     return 0
 
 

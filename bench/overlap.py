@@ -15,46 +15,38 @@ Each round's time is its slowest rank's; the table shows medians over rounds, ag
 ``min(compute, comm)`` the overlap recovered: ``(no ovl − overlap) / min(compute, comm)``.
 ``rest`` = no ovl − compute − comm: the step's local math (c, θ/m updates) and rank skew.
 
-    sudo OMP_NUM_THREADS=1 PYTHONPATH=src python3 bench/overlap.py            # ~6 min
-    ... bench/overlap.py --loopback     # no namespaces: unshaped loopback (says so)
+    sudo OMP_NUM_THREADS=1 PYTHONPATH=src python3 -m bench.overlap            # ~6 min
+    ... -m bench.overlap --loopback     # no namespaces: unshaped loopback (says so)
 Writes bench/results/overlap.json. Needs root for the testbed.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from bench import _runner
+
 METHODS = {"pbit 4": dict(vote="pbit", bits=4), "onebit": dict(vote="onebit")}
 KINDS = ("compute", "comm", "no_overlap", "overlap")
 
 
 def worker(args, out_dir: str) -> None:
     """One rank: for each method and bucket size, ``warmup + rounds`` rounds of the four timings."""
-    import datetime
-
     import torch
     import torch.distributed as dist
 
     from lioncub import LionCub, majority_vote
     from lioncub.comm import CommStats
-    from lioncub.harness.models.gpt import GPT, GPTConfig
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
-    rank = dist.get_rank()
-    x = torch.randint(0, args.vocab, (1, args.tokens), generator=torch.Generator().manual_seed(rank))
+    rank = _runner.init_worker()
+    x = _runner.tokens(args, rank)
     out = {"runs": []}
     for label in args.methods.split(","):
         for bucket in [float(b) for b in args.buckets.split(",")]:
-            torch.manual_seed(0)
-            model = GPT(GPTConfig(n_layer=args.layers, n_head=8, n_embd=args.embd, vocab_size=args.vocab,
-                                  block_size=args.tokens))
+            model = _runner.gpt(args)
             params = list(model.parameters())
             kw = dict(lr=1e-4, bucket_mb=bucket, **METHODS[label])
             plain, ovl = LionCub(params, **kw), LionCub(params, overlap=True, **kw)
@@ -96,15 +88,7 @@ def worker(args, out_dir: str) -> None:
             out["runs"].append({"method": label, "bucket_mb": bucket, "sizes": sizes,
                                 "times": {k: v[args.warmup:] for k, v in times.items()}})
             del model, plain, ovl, params
-    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
-        json.dump(out, f)
-    dist.destroy_process_group()
-
-
-def _pass_through(args) -> list[str]:
-    return ["--rounds", str(args.rounds), "--warmup", str(args.warmup), "--layers", str(args.layers),
-            "--embd", str(args.embd), "--vocab", str(args.vocab), "--tokens", str(args.tokens),
-            "--methods", args.methods, "--buckets", args.buckets]
+    _runner.finish(out_dir, out)
 
 
 def summarise(ranks: list[dict]) -> list[dict]:
@@ -135,30 +119,17 @@ def table(rows: list[dict], where: str) -> str:
     return "\n".join(lines)
 
 
-def run(args) -> dict:
-    from lioncub.testbed import Testbed, check_available
+def run(args, argv: list[str]) -> dict:
+    """The workers' records (on the testbed, or on loopback when asked or when it is unavailable)
+    and their summary. ``argv``: the command line, passed on to every rank."""
+    from lioncub.testbed import check_available
 
-    P = args.workers
-    argv = [sys.executable, os.path.abspath(__file__), "--worker"] + _pass_through(args)
     reason = None if args.loopback else check_available()
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="lco-ovl-") as d:
-        if args.loopback or reason is not None:
-            import subprocess
-
-            where = f"LOOPBACK (unshaped; testbed unavailable: {reason})" if reason else "LOOPBACK (unshaped)"
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT="29563", WORLD_SIZE=str(P),
-                       GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-            procs = [subprocess.Popen(argv + ["--out-dir", d], env=dict(env, RANK=str(r))) for r in range(P)]
-            if any(p.wait(timeout=1500) for p in procs):
-                raise RuntimeError("a loopback worker failed")
-        else:
-            with Testbed(P, rate=args.rate, prefix="lco", subnet="10.79.6", port=29561) as tb:
-                tb.run_workers([argv + ["--out-dir", d]] * P, timeout=1500)
-            where = f"netem testbed, {P} workers, {args.rate} per link"
-        ranks = [json.load(open(os.path.join(d, f"{r}.json"))) for r in range(P)]
-    return {"where": where, "workers": P, "wall_s": time.perf_counter() - t0, "rows": summarise(ranks),
-            "per_rank": ranks}
+    ran = _runner.launch("bench.overlap", argv, args.workers, prefix="lco", rate=args.rate,
+                         loopback=args.loopback or reason is not None)
+    where = f"LOOPBACK (unshaped; testbed unavailable: {reason})" if reason else ran.where
+    return {"where": where, "workers": args.workers, "wall_s": ran.wall_s, "rows": summarise(ran.ranks),
+            "per_rank": ran.ranks}
 
 
 def main(argv=None) -> int:
@@ -170,23 +141,17 @@ def main(argv=None) -> int:
     ap.add_argument("--buckets", default="1,4,25", help="bucket_mb values, comma list")
     ap.add_argument("--rounds", type=int, default=4, help="timed rounds per method and bucket size")
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--embd", type=int, default=512)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--tokens", type=int, default=8, help="tokens per worker per step (batch 1)")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "overlap.json"))
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out-dir", help=argparse.SUPPRESS)
+    _runner.add_gpt_args(ap, layers=4, embd=512, tokens=8)
+    ap.add_argument("--out", default=os.path.join(_runner.RESULTS, "overlap.json"))
+    _runner.add_worker_args(ap)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
     if args.worker:
         worker(args, args.out_dir)
         return 0
-    res = run(args)
+    res = run(args, argv)
     print(table(res["rows"], res["where"]) + f"\nwall {res['wall_s']:.0f} s, load {os.getloadavg()[0]:.1f}")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "load_avg": os.getloadavg(), **res}, f, indent=1)
-    print(f"wrote {args.out}")
+    _runner.write_json(args.out, {"args": vars(args), "load_avg": os.getloadavg(), **res})
     return 0
 
 

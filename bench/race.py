@@ -22,9 +22,9 @@ evaluation records: training seconds, steps, validation loss, bytes this rank's 
 sent so far (mean over ranks). The target is the loss Lion + DDP fp32 (best LR) reaches
 at the end of its budget; the table gives each method's time and bytes to reach it.
 
-    sudo OMP_NUM_THREADS=1 PYTHONPATH=src python3 bench/race.py                  # ~21 min
-    ... bench/race.py --methods lioncub-onebit,lioncub-onebit-overlap --append bench/results/race.json
-    ... bench/race.py --budget 20 --methods lion-ddp,lioncub-pbit4 --lr-lion 3e-4   # a quick look
+    sudo OMP_NUM_THREADS=1 PYTHONPATH=src python3 -m bench.race                  # ~21 min
+    ... -m bench.race --methods lioncub-onebit,lioncub-onebit-overlap --append bench/results/race.json
+    ... -m bench.race --budget 20 --methods lion-ddp,lioncub-pbit4 --lr-lion 3e-4   # a quick look
 
 Default model: GPT 2 layers x 192 wide (0.95M parameters), 1 sequence of 32 bytes per
 worker per step. Communication-bound at 1 Gbit/s on 2 CPU cores: an fp32 gradient
@@ -39,10 +39,11 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from bench import _runner
+from lioncub.harness.schedule import cosine_factor, warmup_factor
+
 DEFAULT_METHODS = ("adamw-ddp,adamw-bf16,adamw-psgd-r1,adamw-psgd-r4,local-adamw-h10,diloco-h10,diloco-h50,"
                    "lion-ddp,lioncub-pbit4,lioncub-pbit4-overlap")
 REFERENCE = "lion-ddp"
@@ -58,25 +59,17 @@ def _runs(args) -> list[tuple[str, float, int]]:
 
 
 def lr_factor(step: int, progress: float, warmup: int, schedule: str, floor: float) -> float:
-    """The multiplier of the peak lr: linear warm-up over ``warmup`` steps, then constant or a
-    cosine from 1 to ``floor`` as ``progress`` (the fraction of the budget spent) goes 0 -> 1."""
-    warm = min(1.0, (step + 1) / warmup)
-    if schedule == "constant":
-        return warm
-    p = min(1.0, max(0.0, progress))
-    return warm * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * p)))
+    """The multiplier of the peak lr: linear warm-up over ``warmup`` steps, times 1 (``constant``)
+    or a cosine from 1 to ``floor`` as ``progress`` (the fraction of the budget spent) goes 0 -> 1
+    (the harness's :mod:`~lioncub.harness.schedule` factors)."""
+    return warmup_factor(step, warmup) * (1.0 if schedule == "constant" else cosine_factor(progress, floor))
 
 
 def _evaluate(model, val) -> float:
-    import torch
-    import torch.distributed as dist
+    """The agreed model's mean validation loss over every rank's batches (the harness's evaluation)."""
+    from lioncub.harness.train import evaluate
 
-    model.eval()
-    with torch.no_grad():
-        total = torch.tensor([sum(float(model(x, y)[1]) for x, y in val), float(len(val))], dtype=torch.float64)
-    model.train()
-    dist.all_reduce(total)
-    return float(total[0] / total[1])
+    return evaluate(model, val, is_gpt=True)["val_loss"]
 
 
 def train_one(args, name: str, lr: float, seed: int, data_dir: str) -> dict:
@@ -140,15 +133,11 @@ def train_one(args, name: str, lr: float, seed: int, data_dir: str) -> dict:
 
 
 def worker(args) -> None:
-    import datetime
-
-    import torch
+    """One rank: every (method, lr, seed) in turn, each run's record appended as it finishes."""
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-    rank = dist.get_rank()
-    with open(os.path.join(args.out_dir, f"{rank}.jsonl"), "a") as f:
+    rank = _runner.init_worker(timeout_s=300)
+    with open(_runner.rank_file(args.out_dir, rank, "jsonl"), "a") as f:
         for name, lr, seed in _runs(args):
             f.write(json.dumps(train_one(args, name, lr, seed, args.data_dir)) + "\n")
             f.flush()  # a later crash keeps the runs done so far
@@ -346,12 +335,11 @@ def main(argv=None) -> int:
     ap.add_argument("--block", type=int, default=32, help="tokens per sequence")
     ap.add_argument("--batch", type=int, default=1, help="sequences per worker per step")
     ap.add_argument("--seeds", default="0", help="comma list: every (method, lr) runs once per seed")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "race.json"))
+    ap.add_argument("--out", default=os.path.join(_runner.RESULTS, "race.json"))
     ap.add_argument("--append", metavar="JSON", help="keep the runs of an earlier race.json (a later run of the "
                     "same method and lr replaces it) and report them together")
     ap.add_argument("--report-only", metavar="JSON", help="re-make the table and plot of a race.json; run nothing")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out-dir", help=argparse.SUPPRESS)
+    _runner.add_worker_args(ap)
     ap.add_argument("--data-dir", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.steps is not None:
@@ -365,28 +353,19 @@ def main(argv=None) -> int:
         return report(args.report_only)
     from lioncub.harness.config import default_cache_dir
     from lioncub.harness.data.text import ensure_prepared
-    from lioncub.testbed import Testbed
 
     _runs(args)  # unknown method names fail here, before any namespace exists
     data_dir = ensure_prepared("shakespeare", default_cache_dir())
-    rate = None if args.rate.lower() == "none" else args.rate
     load_before = os.getloadavg()
-    with tempfile.TemporaryDirectory(prefix="lct-race-") as d, \
-            Testbed(args.workers, rate=rate, prefix="lct", subnet="10.81.1", port=29561) as tb:
-        passed = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--worker"]
-        argv_w = [sys.executable, os.path.abspath(__file__), *passed, "--worker", "--out-dir", d,
-                  "--data-dir", data_dir]
-        per_run = args.budget * 3 if args.steps is None else args.steps * 2.0  # seconds before giving up
-        t0 = time.perf_counter()
-        done = tb.run_workers([argv_w] * args.workers, timeout=len(_runs(args)) * (per_run + 120),
-                              check=False)
-        wall = time.perf_counter() - t0
-        per_rank = [[json.loads(line) for line in open(os.path.join(d, f"{r}.jsonl"))]
-                    if os.path.exists(os.path.join(d, f"{r}.jsonl")) else [] for r in range(args.workers)]
-    bad = [c for c in done if c.returncode != 0]
+    per_run = args.budget * 3 if args.steps is None else args.steps * 2.0  # seconds before giving up
+    passed = [*(sys.argv[1:] if argv is None else argv), "--data-dir", data_dir]
+    ran = _runner.launch("bench.race", passed, args.workers, prefix="lct",
+                         rate=None if args.rate.lower() == "none" else args.rate,
+                         timeout=len(_runs(args)) * (per_run + 120), check=False, records="jsonl")
+    bad = ran.failed
     if bad:
         print(f"a worker failed ({bad[0].returncode}); keeping the runs that finished:\n{bad[0].stderr[-3000:]}")
-    runs = merge(per_rank)
+    runs = merge([r or [] for r in ran.ranks])
     earlier = {}
     if args.append:
         with open(args.append) as f:
@@ -394,14 +373,12 @@ def main(argv=None) -> int:
         new_keys = {_run_key(r) for r in runs}
         earlier["replaced_runs"] = [r for r in earlier["runs"] if _run_key(r) in new_keys]
         runs = [r for r in earlier["runs"] if _run_key(r) not in new_keys] + runs
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "rate": tb.rate or "unshaped", "wall_s": wall,
-                   "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
-                   "earlier": {k: earlier[k] for k in ("args", "wall_s", "load_avg_before", "load_avg_after",
-                                                            "replaced_runs")
-                               if k in earlier} or None,
-                   "runs": runs}, f, indent=1)
+    _runner.write_json(args.out, {"args": vars(args), "rate": ran.rate or "unshaped", "wall_s": ran.wall_s,
+                                  "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
+                                  "earlier": {k: earlier[k] for k in ("args", "wall_s", "load_avg_before",
+                                                                       "load_avg_after", "replaced_runs")
+                                              if k in earlier} or None,
+                                  "runs": runs})
     report(args.out)
     return 0 if not bad else 1
 

@@ -13,20 +13,21 @@ bit with everyone else's (independent of the checksum guard), and reports its
 resident set size (``VmRSS``) and peak (``VmHWM``, from /proc/self/status) after
 warm-up and at the end: memory growth over the run is the difference.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=src python3 bench/soak.py               # 8 ranks, 2000 steps
-    ... bench/soak.py --world 4 --steps 500 --vote onebit --out /tmp/soak.json
+    OMP_NUM_THREADS=1 PYTHONPATH=src python3 -m bench.soak               # 8 ranks, 2000 steps
+    ... -m bench.soak --world 4 --steps 500 --vote onebit --out /tmp/soak.json
 
 Prints a table and writes bench/results/soak.json. Not a unit test (minutes).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import sys
 import time
+
+from bench import _runner
 
 KiB = 1024
 
@@ -150,16 +151,13 @@ def main(argv=None) -> int:
     ap.add_argument("--nan-every", type=int, default=500, help="inject a NaN on one rank every k steps (0: off)")
     ap.add_argument("--timeout", type=float, default=120.0, help="process group timeout (s)")
     ap.add_argument("--growth-limit-mib", type=float, default=4.0)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "soak.json"))
+    ap.add_argument("--out", default=os.path.join(_runner.RESULTS, "soak.json"))
     args = ap.parse_args(argv)
     if args.steps <= args.warmup:
         ap.error(f"--steps must exceed --warmup ({args.warmup}), got {args.steps}")
     res = run(args)
     print(_table(res))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
-    print(f"wrote {args.out}")
+    _runner.write_json(args.out, res)
     ok = res["summary"]["replicas_identical"] and res["summary"]["skipped_steps_agree"]
     return 0 if ok else 1
 

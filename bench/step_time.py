@@ -20,21 +20,20 @@ model and the ideal, compute is the slowest rank's forward+backward in that step
 stricter figure with the compute of the rank whose step was slowest (often a rank that
 finished backward early and then waited in the collective).
 
-    sudo OMP_NUM_THREADS=1 PYTHONPATH=src python3 bench/step_time.py          # ~6 min
-    ... bench/step_time.py --rates 1gbit --steps 3 --layers 2   # quicker, smaller
+    sudo OMP_NUM_THREADS=1 PYTHONPATH=src python3 -m bench.step_time          # ~6 min
+    ... -m bench.step_time --rates 1gbit --steps 3 --layers 2   # quicker, smaller
 Writes bench/results/step_time.json and bench/results/step_time.png. Needs root.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from bench import _runner
+
 METHODS = [  # (label, optimizer kwargs; 'adamw' is AdamW with a harness fp32 allreduce)
     ("adamw fp32", None),
     ("lion fp32", dict(vote="grad", grad_dtype="fp32")),
@@ -68,25 +67,19 @@ def _adamw_step(opt, params, world, t):
 
 def worker(args, out_dir: str) -> None:
     """One rank: every method for ``args.steps`` timed steps, per-step records to JSON."""
-    import datetime
-
     import torch
     import torch.distributed as dist
 
     from lioncub import LionCub, cost
-    from lioncub.harness.models.gpt import GPT, GPTConfig
     from lioncub.testbed import iface_bytes
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
-    rank, world, dev = dist.get_rank(), dist.get_world_size(), os.environ["GLOO_SOCKET_IFNAME"]
+    rank = _runner.init_worker()
+    world, dev = dist.get_world_size(), os.environ["GLOO_SOCKET_IFNAME"]
     alpha, beta = cost.calibrate()
-    x = torch.randint(0, args.vocab, (1, args.tokens), generator=torch.Generator().manual_seed(rank))
+    x = _runner.tokens(args, rank)
     out = {"calibrate": [alpha, beta], "methods": {}}
     for label, kw in METHODS:
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(n_layer=args.layers, n_head=8, n_embd=args.embd, vocab_size=args.vocab,
-                              block_size=args.tokens))
+        model = _runner.gpt(args)
         params = list(model.parameters())
         if kw is None:
             for p in params:
@@ -122,9 +115,7 @@ def worker(args, out_dir: str) -> None:
                 steps.append(t)
         out["methods"][label] = {"sizes": sizes, "n_params_tensors": len(params), "steps": steps}
         del model, opt, params
-    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
-        json.dump(out, f)
-    dist.destroy_process_group()
+    _runner.finish(out_dir, out)
 
 
 def _model(label, kw, sizes, n_tensors, P, alpha, beta):
@@ -144,20 +135,15 @@ def _model(label, kw, sizes, n_tensors, P, alpha, beta):
     return nbytes, secs
 
 
-def run_testbed(args, rate) -> dict:
+def run_testbed(args, argv: list[str], rate) -> dict:
+    """Every method on a testbed at ``rate`` (``argv``, the command line, passed on to the ranks)."""
     from lioncub.auto import choose_vote, vote_costs
-    from lioncub.testbed import Testbed
 
     P = args.workers
-    argv = [sys.executable, os.path.abspath(__file__), "--worker"] + _pass_through(args)
-    with tempfile.TemporaryDirectory(prefix="lcs-step-") as d, \
-            Testbed(P, rate=rate, prefix="lcs", subnet="10.79.1", port=29531) as tb:
-        t0 = time.perf_counter()
-        tb.run_workers([argv + ["--out-dir", d]] * P, timeout=1500)
-        wall = time.perf_counter() - t0
-        ranks = [json.load(open(os.path.join(d, f"{r}.json"))) for r in range(P)]
+    ran = _runner.launch("bench.step_time", argv, P, prefix="lcs", rate=rate)
+    ranks = ran.ranks
     alpha, beta_cal = ranks[0]["calibrate"]
-    beta = beta_cal if tb.rate_bps is None else 1.0 / tb.rate_bps
+    beta = beta_cal if ran.rate_bps is None else 1.0 / ran.rate_bps
     rows = []
     for label, kw in METHODS:
         per = [r["methods"][label] for r in ranks]
@@ -189,9 +175,9 @@ def run_testbed(args, rate) -> dict:
             "measured_gamma": choose_vote(sizes, P, alpha, beta, gamma=measured_gamma),
             "costs_measured_gamma": {f"{m}/{b}": c for (m, b), c in
                                      vote_costs(sizes, P, alpha, beta, gamma=measured_gamma).items()}}
-    return {"rate": tb.rate or "unshaped", "rate_bps": tb.rate_bps, "workers": P, "alpha": alpha,
+    return {"rate": ran.rate or "unshaped", "rate_bps": ran.rate_bps, "workers": P, "alpha": alpha,
             "beta": beta, "calibrate_beta": beta_cal, "rows": rows, "measured_gamma": measured_gamma,
-            "auto": auto, "wall_s": wall, "per_rank": ranks}
+            "auto": auto, "wall_s": ran.wall_s, "per_rank": ranks}
 
 
 def table(res: dict) -> str:
@@ -239,26 +225,17 @@ def plot(results: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def _pass_through(args) -> list[str]:
-    return ["--steps", str(args.steps), "--warmup", str(args.warmup), "--layers", str(args.layers),
-            "--embd", str(args.embd), "--vocab", str(args.vocab), "--tokens", str(args.tokens),
-            "--bucket-mb", str(args.bucket_mb)]
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--rates", default="1gbit,none", help="comma list; 'none' = unshaped")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per method")
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--embd", type=int, default=576)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--tokens", type=int, default=16, help="tokens per worker per step (batch 1)")
+    _runner.add_gpt_args(ap, layers=6, embd=576)
     ap.add_argument("--bucket-mb", type=float, default=25.0, help="LionCub bucket_mb")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "step_time.json"))
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=os.path.join(_runner.RESULTS, "step_time.json"))
+    _runner.add_worker_args(ap)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
     if args.worker:
         worker(args, args.out_dir)
@@ -266,14 +243,12 @@ def main(argv=None) -> int:
     rates = [None if r.strip().lower() == "none" else r.strip() for r in args.rates.split(",")]
     results = []
     for rate in rates:
-        results.append(run_testbed(args, rate))
+        results.append(run_testbed(args, argv, rate))
         print(table(results[-1]), flush=True)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "load_avg": os.getloadavg(), "results": results}, f, indent=1)
+    _runner.write_json(args.out, {"args": vars(args), "load_avg": os.getloadavg(), "results": results})
     png = os.path.splitext(args.out)[0] + ".png"
     plot(results, png)
-    print(f"wrote {args.out} and {png}")
+    print(f"wrote {png}")
     return 0
 
 

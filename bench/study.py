@@ -4,15 +4,15 @@ Parts: ``bench/study_plan.py`` (what each part runs, as ``Spec``s).
 
 Driver: one group of ``--nproc`` gloo workers is spawned with the harness's launcher
 (``lioncub.harness.launch.spawn_local``) and runs every (config, seed) in turn, so the
-~2 s torch start-up is paid once, not per run. The loop is a lean copy of the harness's
-(its models, data loaders and lr schedule), because ``harness.run(config)`` has no
-momentum-sync, tie-rule or model-width options. "Lion" is ``LionCub(vote='grad')``: fp32
+~2 s torch start-up is paid once, not per run. The loop is the harness's in outline, on its
+pieces (models, data loaders, ``schedule.lr_at``, ``train.batch_loss`` and ``train.evaluate``),
+because ``harness.run(config)`` has no momentum-sync, tie-rule or model-width options. "Lion" is ``LionCub(vote='grad')``: fp32
 gradient all-reduce then plain Lion, identical momenta on every rank.
 
 Rank 0 appends one JSON line per finished run to ``--out`` (so a killed study keeps what it
 finished and a rerun skips it); ``bench/study_report.py`` turns that file into tables and plots.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=src python3 bench/study.py --parts quant,ties --seeds 0,1,2
+    OMP_NUM_THREADS=1 PYTHONPATH=src python3 -m bench.study --parts quant,ties --seeds 0,1,2
 """
 from __future__ import annotations
 
@@ -24,19 +24,20 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
+from bench.study_plan import PARTS, RECIPE, Spec, best_batch_lrs, plan
 from lioncub import LionCub
 from lioncub.harness.data import (ImageLoader, TokenLoader, ensure_prepared, eval_batches,
                                   image_eval_batches, load_images)
 from lioncub.harness.data.text import read_meta
 from lioncub.harness.launch import spawn_local
+from lioncub.harness.metrics import read_jsonl
 from lioncub.harness.models import param_groups
 from lioncub.harness.models.gpt import GPT, GPTConfig
 from lioncub.harness.models.resnet import BasicBlock, ResNet
 from lioncub.harness.models.vit import ViT
-
-from study_plan import PARTS, RECIPE, Spec, best_batch_lrs, plan  # bench/ is the script's directory
+from lioncub.harness.schedule import lr_at
+from lioncub.harness.train import batch_loss, evaluate
 
 
 # ----------------------------------------------------------------------------- the optimizer of a run
@@ -102,29 +103,6 @@ def _data(spec: Spec, rank: int, world: int, cache_dir: str):
     return loader, val, images.info
 
 
-def _loss(model, x, y, is_gpt):
-    if is_gpt:
-        return model(x, y)[1], None
-    logits = model(x)
-    return F.cross_entropy(logits, y), (logits.argmax(-1) == y).sum()
-
-
-@torch.no_grad()
-def _evaluate(model, val, is_gpt) -> dict:
-    model.eval()
-    tot = torch.zeros(3, dtype=torch.float64)  # loss·n, correct, n
-    for x, y in val:
-        loss, correct = _loss(model, x, y, is_gpt)
-        hits = 0 if correct is None else correct.item()
-        tot += torch.tensor([loss.item() * len(y), hits, len(y)], dtype=torch.float64)
-    dist.all_reduce(tot)
-    model.train()
-    out = {"val_loss": (tot[0] / tot[2]).item()}
-    if not is_gpt:
-        out["val_acc"] = (tot[1] / tot[2]).item()
-    return out
-
-
 def _momentum_spread(opt, model) -> dict[str, float]:
     """Per named parameter: max over elements of the std across ranks of the momentum (Fig. 6)."""
     world = dist.get_world_size()
@@ -138,14 +116,6 @@ def _momentum_spread(opt, model) -> dict[str, float]:
         dist.all_gather(gathered, m)
         out[name] = torch.stack(gathered).std(0).max().item()
     return out
-
-
-def _lr_scale(step: int, steps: int, warmup: int = 10, floor: float = 0.1) -> float:
-    import math
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
-    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def train_one(spec: Spec, cache_dir: str, eval_every: int, probe=None) -> dict:
@@ -164,9 +134,9 @@ def train_one(spec: Spec, cache_dir: str, eval_every: int, probe=None) -> dict:
     curve, losses, t0 = [], [], time.perf_counter()
     for step in range(spec.steps):
         for g, b in zip(opt.param_groups, base):
-            g["lr"] = b * _lr_scale(step, spec.steps, warmup=spec.warmup)
+            g["lr"] = b * lr_at(step, spec.steps, spec.warmup, floor=0.1)
         x, y = loader.next_batch()
-        loss, _ = _loss(model, x, y, is_gpt)
+        loss, _ = batch_loss(model, x, y, is_gpt)
         loss.backward()
         if probe is not None:
             probe(step, opt)
@@ -175,7 +145,7 @@ def train_one(spec: Spec, cache_dir: str, eval_every: int, probe=None) -> dict:
         losses.append(loss.item())
         done = step + 1
         if done % every == 0 or done == spec.steps:
-            curve.append({"step": done, **_evaluate(model, val, is_gpt)})
+            curve.append({"step": done, **evaluate(model, val, is_gpt)})
     train_loss = torch.tensor(sum(losses[-20:]) / len(losses[-20:]), dtype=torch.float64)
     dist.all_reduce(train_loss)
     rec = {"key": spec.key(), **asdict(spec), "world": world, "final": curve[-1],
@@ -213,13 +183,6 @@ def study_worker(job: Job) -> list[dict]:
     return records
 
 
-def load_records(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def run_study(parts, seeds, *, gpt_steps=150, img_steps=100, nproc=4, out="bench/results/study.jsonl",
               cache_dir=None, eval_every=50, only=None, recipe_steps=RECIPE["steps"]) -> list[dict]:
     """Run what ``out`` lacks (by experiment key), in one spawned group; return all records.
@@ -235,7 +198,7 @@ def run_study(parts, seeds, *, gpt_steps=150, img_steps=100, nproc=4, out="bench
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     # Two rounds: the batch part's later seeds need the first seed's best lrs, known after round one.
     for _ in range(2):
-        records = [r for r in load_records(out) if r.get("world") == nproc]
+        records = [r for r in read_jsonl(out, partial=True) if r.get("world") == nproc]
         best = best_batch_lrs(records, seeds[0]) if "batch" in parts else None
         todo, seen = [], {r["key"] for r in records}
         for spec in plan(parts, seeds, gpt_steps, img_steps, recipe_steps, batch_best=best):
@@ -245,7 +208,7 @@ def run_study(parts, seeds, *, gpt_steps=150, img_steps=100, nproc=4, out="bench
         if not todo:
             break
         spawn_local(study_worker, Job(todo, out, cache_dir, eval_every), nproc)
-    return load_records(out)
+    return read_jsonl(out, partial=True)
 
 
 def main(argv=None) -> None:

@@ -12,9 +12,9 @@ other recipe row also gets its Δ to the AdamW reference row. Writes the summary
 per part (final loss bars; mean validation-loss curves with a ± one std band over seeds) and
 prints Markdown tables (also to ``--markdown FILE``).
 
-    PYTHONPATH=src python3 bench/study_report.py bench/results/study.jsonl \
+    PYTHONPATH=src python3 -m bench.study_report bench/results/study.jsonl \
         --figures docs/figures/study --summary bench/results/study_summary.json
-    PYTHONPATH=src python3 bench/study_report.py bench/results/study_recipe.jsonl \
+    PYTHONPATH=src python3 -m bench.study_report bench/results/study_recipe.jsonl \
         --figures docs/figures/study --markdown /tmp/recipe.md
 """
 from __future__ import annotations
@@ -24,11 +24,10 @@ import json
 import math
 import os
 import statistics
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from study_plan import (BATCH_LONG, BATCH_OPTS, BATCH_POINTS, LION_GRID, PARTS, ablate_plan, batch_name,  # noqa: E402
-                        batch_plan, plan, recipe_plan)
+from bench.study_plan import (BATCH_LONG, BATCH_OPTS, BATCH_POINTS, LION_GRID, PARTS, ablate_plan, batch_name,
+                              batch_plan, plan, recipe_plan)
+from lioncub.harness.metrics import read_jsonl
 
 RECIPE_LION = f"Lion lr={LION_GRID[0][0]:g} wd={LION_GRID[0][1]:g}"  # recipe_plan's label of the best grid point
 RECIPE_ADAMW = "AdamW (nanoGPT)"
@@ -40,22 +39,6 @@ ONE_SEED = "n/a (one seed)"
 # The byte-unigram plateau of the recipe-scale runs sits near 3.3 nats; a run has "left" it at its
 # first evaluation below this loss.
 PLATEAU_EXIT = 3.0
-
-
-def load_records(path: str) -> list[dict]:
-    """The JSONL's records; a torn last line (a study still appending) is skipped."""
-    if not os.path.exists(path):
-        return []
-    out = []
-    with open(path) as f:
-        lines = [line for line in f if line.strip()]
-    for i, line in enumerate(lines):
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i != len(lines) - 1:
-                raise
-    return out
 
 
 def _ms(xs: list[float]) -> tuple[float, float | None]:
@@ -382,7 +365,7 @@ def main(argv=None) -> None:
     ap.add_argument("--markdown", default=None, help="also write the Markdown tables to this file")
     ap.add_argument("--tag", default="", help="suffix for the PNG names (e.g. _long)")
     a = ap.parse_args(argv)
-    records = load_records(a.records)
+    records = read_jsonl(a.records, partial=True)
     summary = summarize(records)
     path = a.summary or os.path.splitext(a.records)[0] + "_summary.json"
     with open(path, "w") as f:

@@ -15,28 +15,26 @@ what the 1-bit, 4-bit binary and 8-bit L1 votes would send, against sign(Σ c_i)
 The probe reads the optimizer's state only, so the run's final loss equals the study's record
 of the same experiment (checked when ``--study`` has it). Run alone on the host (4 workers)::
 
-    OMP_NUM_THREADS=1 PYTHONPATH=src python3 bench/vote_agreement.py --out bench/results/vote_agreement.json
+    OMP_NUM_THREADS=1 PYTHONPATH=src python3 -m bench.vote_agreement --out bench/results/vote_agreement.json
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from study import Job as StudyJob, load_records, train_one  # noqa: E402  (bench/ is the script's directory)
-from study_plan import RECIPE, Spec, _batch_spec  # noqa: E402
-
-from lioncub.harness.data import ensure_prepared  # noqa: E402
-from lioncub.harness.launch import spawn_local  # noqa: E402
-from lioncub.instruments import tie_rate, update_vectors  # noqa: E402
-from lioncub.vote import reference_vote  # noqa: E402
+from bench.study import Job as StudyJob, train_one
+from bench.study_plan import RECIPE, Spec, _batch_spec
+from lioncub.harness.data import ensure_prepared
+from lioncub.harness.launch import spawn_local
+from lioncub.harness.metrics import read_jsonl
+from lioncub.instruments import tie_rate, update_vectors
+from lioncub.vote import reference_vote
 
 PROBE_VOTES = {"1-bit": dict(method="onebit"), "4-bit binary": dict(method="pbit", bits=4),
                "8-bit L1": dict(method="pbit", bits=8, quantizer="l1")}
@@ -151,7 +149,7 @@ def main(argv=None) -> None:
     ensure_prepared("shakespeare", cache_dir)
     specs = [agreement_spec(int(p), seed=a.seed) for p in a.per_worker.split(",")]
     records = spawn_local(agreement_worker, Job(specs, out="", cache_dir=cache_dir, every=a.every), a.nproc)
-    lines = table(records, load_records(a.study))
+    lines = table(records, read_jsonl(a.study, partial=True))
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"nproc": a.nproc, "every": a.every, "records": records}, f, indent=1)

@@ -76,10 +76,7 @@ def _wire_matches_model(wire: float, model: float, what: str) -> None:
 
 @pytest.mark.root
 def test_step_time(tmp_path, netns_clean):
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("bench_step_time", BENCH / "step_time.py")
-    st = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(st)
+    from bench import step_time as st
     out = tmp_path / "step_time.json"
     proc = _bench("step_time.py", "--workers", "2", "--rates", "1gbit", "--steps", "1", "--warmup", "1",
                   *TINY_GPT, "--out", out)

@@ -17,6 +17,7 @@ import json
 import os
 import random
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -259,17 +260,24 @@ def test_bench_dispatches_each_script(monkeypatch):
         return subprocess.CompletedProcess(cmd, 0)
 
     monkeypatch.setattr(subprocess, "run", fake_run)
-    for which, script in (("net", "step_time.py"), ("probe", "net_probe.py"), ("votes", "vote_bench.py")):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert cli.bench_root() == root
+    for which, module in (("net", "step_time"), ("probe", "net_probe"), ("votes", "vote_bench")):
         assert main(["bench", which, "--", "--reps", "1"]) == 0
         cmd, env = calls[-1]
-        assert os.path.basename(cmd[1]) == script and os.path.isfile(cmd[1])
-        assert cmd[2:] == ["--reps", "1"]  # the "--" separator is dropped
-        assert env["PYTHONPATH"].split(os.pathsep)[0].endswith("src")
+        # the "--" separator is dropped; the module is bench/'s, run as bench/README.md runs it
+        assert cmd == [sys.executable, "-m", f"bench.{module}", "--reps", "1"]
+        assert os.path.isfile(os.path.join(root, "bench", f"{module}.py"))
+        assert env["PYTHONPATH"].split(os.pathsep)[:2] == [root, os.path.join(root, "src")]
 
 
 def test_bench_outside_a_source_checkout_is_one_error(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "lioncub" / "cli.py"))
-    with pytest.raises(SystemExit) as exc:
-        main(["bench", "votes"])
-    assert exc.value.code == 2
-    assert "runs from a source checkout" in capsys.readouterr().err.strip().splitlines()[-1]
+    installed = tmp_path / "site-packages" / "lioncub"
+    (tmp_path / "bench").mkdir()  # where a checkout keeps bench/: here a folder without the package
+    monkeypatch.setattr(cli, "__file__", str(installed / "cli.py"))
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("ran a script without a checkout"))
+    assert cli.bench_root() is None
+    assert main(["bench", "votes"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.count("\n") == 1  # one line
+    assert out.err.startswith("lioncub bench: needs a source checkout") and str(installed) in out.err

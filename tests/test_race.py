@@ -2,13 +2,10 @@
 from __future__ import annotations
 
 import math
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-import race  # noqa: E402
+from bench import race
 
 
 def _run(method, lr, seed, vals, every=10.0, mb_per_s=1e6):

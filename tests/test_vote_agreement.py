@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import sys
 
 import pytest
 import torch
 
 from tests.dist import run_workers
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-import study  # noqa: E402
-import vote_agreement as va  # noqa: E402
+from bench import study
+from bench import vote_agreement as va
 
 # 4 workers x 5 coordinates. Lion's sign(Σ c): -, +, -, +, 0 with |Σ c| = 7, 8, 2, 2, 0 (19 in all).
 # Signs' counts: +2, +4, 0 (a tie), -2, 0 (a tie, and Σ c = 0).
@@ -52,17 +49,19 @@ def test_window_means():
     assert math.isclose(w["0-400"]["ties"], 0.2) and math.isclose(w["400-end"]["1-bit"]["flip_mass"], 0.7)
 
 
-def _probed_and_plain(rank, world, cache_dir):
+def _probed_and_plain(rank, world):
+    from lioncub.harness.config import default_cache_dir
+
     spec = dataclasses.replace(va.agreement_spec(3), layers=2, embd=32, block=32, batch=2, steps=5, warmup=1)
-    job = va.Job([spec], out="", cache_dir=cache_dir, every=2)
+    job = va.Job([spec], out="", cache_dir=default_cache_dir(), every=2)
     probed = va.agreement_worker(job)[0]
     plain = study.train_one(spec, job.cache_dir, eval_every=5)
     return probed, plain["final"]["val_loss"]
 
 
-def test_probe_on_a_gloo_run_leaves_training_unchanged(corpus_cache):
+def test_probe_on_a_gloo_run_leaves_training_unchanged():
     """Fails if the probe is not called at every ``every``-th step, or if it changes the run."""
-    for probed, plain in run_workers(_probed_and_plain, 2, str(corpus_cache)):
+    for probed, plain in run_workers(_probed_and_plain, 2):
         assert [p["step"] for p in probed["probes"]] == [0, 2, 4]
         assert probed["final"]["val_loss"] == plain  # bit for bit
         for p in probed["probes"]:

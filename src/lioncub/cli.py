@@ -241,31 +241,41 @@ def cmd_analyze(args) -> int:
     return main_run(config)
 
 
-_BENCH_SCRIPTS = {"net": "step_time.py", "probe": "net_probe.py", "votes": "vote_bench.py"}
+_BENCH_SCRIPTS = {"net": "step_time", "probe": "net_probe", "votes": "vote_bench"}  # modules of bench/
 
 
 def _add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks from the source tree's bench/ (net needs root)",
+    p = sub.add_parser("bench", help="benchmarks from a source checkout's bench/ (net needs root)",
                        description="net: the step-time table on an emulated 1 Gbit/s cluster and unshaped "
                        "(bench/step_time.py); probe: allreduce time and wire bytes vs the ring model "
                        "(bench/net_probe.py); votes: per-method vote cost on loopback (bench/vote_bench.py). "
-                       "Remaining arguments go to the script (e.g. `lioncub bench net -- --rates 1gbit`).")
+                       "Remaining arguments go to the script (e.g. `lioncub bench net -- --rates 1gbit`). "
+                       "bench/ ships with the sources, not with the installed package.")
     p.add_argument("which", choices=tuple(_BENCH_SCRIPTS))
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="passed to the script")
     p.set_defaults(func=cmd_bench, parser=p)
 
 
+def bench_root() -> str | None:
+    """The source checkout this lioncub runs from (the directory holding bench/ and src/), or None
+    for an installed package (bench/ is not part of it)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return root if os.path.isfile(os.path.join(root, "bench", "__init__.py")) else None
+
+
 def cmd_bench(args) -> int:
     import subprocess
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    script = os.path.join(root, "bench", _BENCH_SCRIPTS[args.which])
-    if not os.path.exists(script):
-        args.parser.error(f"{script} not found: `lioncub bench` runs from a source checkout (pip install -e .)")
+    root = bench_root()
+    if root is None:
+        print(f"lioncub bench: needs a source checkout (bench/ beside src/; this lioncub is installed at "
+              f"{os.path.dirname(os.path.abspath(__file__))}): clone the Lion Cub repository, `pip install -e .` "
+              "there and run lioncub bench from it", file=sys.stderr)
+        return 2
     extra = args.script_args[1:] if args.script_args[:1] == ["--"] else args.script_args
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    env["PYTHONPATH"] = os.path.join(root, "src") + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, script] + extra, env=env).returncode
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.path.join(root, "src"), env.get("PYTHONPATH")) if p)
+    return subprocess.run([sys.executable, "-m", f"bench.{_BENCH_SCRIPTS[args.which]}"] + extra, env=env).returncode
 
 
 def _add_env(sub) -> None:

@@ -33,9 +33,23 @@ class MetricsWriter:
                 f.write(json.dumps(record) + "\n")
 
 
-def read_jsonl(path: str) -> list[dict]:
+def read_jsonl(path: str, *, partial: bool = False) -> list[dict]:
+    """The records of a JSONL file, one per non-blank line.
+
+    ``partial``: the file may still be growing (a study appending to it): a missing file is no
+    records and a torn last line is skipped (a torn line before the last still raises)."""
+    if partial and not os.path.exists(path):
+        return []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [line for line in f if line.strip()]
+    out = []
+    for i, line in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if not (partial and i == len(lines) - 1):
+                raise
+    return out
 
 
 def write_csv(path: str, rows: list[dict]) -> None:

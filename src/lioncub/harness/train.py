@@ -19,7 +19,6 @@ and every ``log_every`` steps one record goes to ``RUN/metrics.jsonl``::
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import random
 import statistics
@@ -39,6 +38,7 @@ from .data.text import prepared_dir
 from .launch import launch, resolve_device
 from .metrics import MetricsWriter, ProgressBar, TensorBoardWriter, progress_enabled, write_csv
 from .models import build_model, param_groups
+from .schedule import lr_at
 
 
 def run(config: TrainConfig) -> dict:
@@ -117,12 +117,8 @@ def _check_data(config: TrainConfig, world: int, prepare: bool) -> None:
 
 
 def lr_factor(step: int, config: TrainConfig) -> float:
-    """Linear warm-up over ``warmup_steps``, then cosine decay to ``min_lr_ratio``."""
-    if step < config.warmup_steps:
-        return (step + 1) / config.warmup_steps
-    span = max(1, config.steps - config.warmup_steps)
-    progress = min(1.0, (step - config.warmup_steps) / span)
-    return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    """Linear warm-up over ``warmup_steps``, then cosine decay to ``min_lr_ratio`` (:func:`schedule.lr_at`)."""
+    return lr_at(step, config.steps, config.warmup_steps, config.min_lr_ratio)
 
 
 class _Data:
@@ -152,7 +148,9 @@ class _Data:
             self.items_per_step = config.batch_size * world  # images
 
 
-def _loss(model, x, y, is_gpt: bool):
+def batch_loss(model, x, y, is_gpt: bool):
+    """(loss, correct count) of one batch: the GPT's own loss (correct: None), or an image model's
+    cross-entropy in fp32 and how many of its arg-max predictions hit."""
     if is_gpt:
         return model(x, y)[1], None
     logits = model(x)
@@ -201,21 +199,22 @@ def _allreduce_grads(params: list[torch.Tensor], world: int) -> tuple[float, flo
 
 
 @torch.no_grad()
-def evaluate(model, data: _Data, config: TrainConfig, device, autocast) -> dict:
-    """Mean validation loss (and accuracy for images) over every rank's fixed batches."""
+def evaluate(model, val, is_gpt: bool, device=None, autocast=contextlib.nullcontext) -> dict:
+    """Mean validation loss (and accuracy for images) over every rank's fixed batches ``val``
+    (an all-reduce: every rank of the group calls it)."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
-    for x, y in data.val:
+    for x, y in val:
         x, y = x.to(device), y.to(device)
         with autocast():
-            loss, correct = _loss(model, x, y, config.is_gpt)
+            loss, correct = batch_loss(model, x, y, is_gpt)
         totals[0] += loss.double() * len(y)
         totals[1] += 0 if correct is None else correct.double()
         totals[2] += len(y)
     comm.all_reduce(totals)
     model.train()
     out = {"val_loss": (totals[0] / totals[2]).item()}
-    if not config.is_gpt:
+    if not is_gpt:
         out["val_acc"] = (totals[1] / totals[2]).item()
     return out
 
@@ -265,7 +264,7 @@ def train_worker(config: TrainConfig) -> dict:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         t1 = time.perf_counter()
         with autocast():
-            loss, _ = _loss(model, x, y, config.is_gpt)
+            loss, _ = batch_loss(model, x, y, config.is_gpt)
         loss.backward()
         sync()
         t_compute = time.perf_counter() - t1
@@ -297,7 +296,7 @@ def train_worker(config: TrainConfig) -> dict:
             board.write(record)
             bar.update(done, f"loss {record['loss']:.3f} | {1e3 * t_step:.0f} ms/step")
         if (config.eval_every and done % config.eval_every == 0) or done == config.steps:
-            record = {"kind": "eval", "step": done, **evaluate(model, data, config, device, autocast),
+            record = {"kind": "eval", "step": done, **evaluate(model, data.val, config.is_gpt, device, autocast),
                       "train_time": train_time, "elapsed": time.perf_counter() - t_begin}
             evals.append(record)
             writer.write(record)
