@@ -24,4 +24,4 @@ test: $(STAMP)
 # python3, torch and triton. Exit 0 = all passed, 1 = a check failed or did not run, 3 = no CUDA,
 # 124/137 = killed at the time limit. ARGS: extra gpu_check.py options (e.g. ARGS=--dry-run).
 gpu-check:
-	PY=$(PY) bench/gpu_check.sh $(or $(OUT),bench/results/gpu_check) $(ARGS)
+	PY=$(PY) tests/gpu/gpu_check.sh $(or $(OUT),bench/results/gpu_check) $(ARGS)

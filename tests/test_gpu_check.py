@@ -1,10 +1,10 @@
-"""bench/gpu_check.py (``make gpu-check``) checked without a GPU.
+"""tests/gpu/gpu_check.py (``make gpu-check``) checked without a GPU.
 
 Its ``--dry-run`` runs the same code on CPU tensors with plain gloo and Triton's interpreter:
 every optimizer path of :data:`lioncub.testing.paths.PATHS` on two ranks under the device
 audit, and the world-size-1 calls, must pass; deliberately broken paths (``--inject``) must be
 reported as failed, with exit code 1, without hanging; a check that cannot run in the time
-budget is a failure; bench/gpu_check.sh kills the whole process tree at its time limit. The
+budget is a failure; tests/gpu/gpu_check.sh kills the whole process tree at its time limit. The
 full dry run (every check, tests/test_triton.py included) is marked slow."""
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "bench" / "gpu_check.py"
+SCRIPT = ROOT / "tests" / "gpu" / "gpu_check.py"
 ENV = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "OMP_NUM_THREADS": "1",
        "PYTHONUNBUFFERED": "1"}
 
@@ -96,7 +96,7 @@ def test_a_broken_path_is_a_failure_and_exit_code_1(tmp_path):
 
 def test_judge_counts_syncs_backward_syncs_collectives_and_checksums():
     """The verdict on one path's rows (the CPU dry run records no host syncs: judged here)."""
-    _module()  # puts bench/ on sys.path
+    _module()  # puts tests/gpu/ on sys.path
     judge = importlib.import_module("gpu_check_paths")._judge
     row = dict(rank=0, violations=0, violation_lines=[], syncs_in_backward=0, backward_syncs=[],
                max_syncs_per_step=1, worst_step="step 0", worst_step_syncs=["item at x.py:1 f"], collectives=3,
@@ -141,7 +141,7 @@ def test_the_shell_kills_the_whole_process_tree_at_its_limit(tmp_path):
     """GPU_CHECK_LIMIT_S=8 against a run that stalls (two spawned ranks asleep in an injected
     path): exit 124, the log says so, and no process of the run is left (python, its ranks)."""
     env = dict(ENV, GPU_CHECK_LIMIT_S="8")
-    proc = subprocess.Popen(["bash", str(ROOT / "bench" / "gpu_check.sh"), str(tmp_path), "--dry-run",
+    proc = subprocess.Popen(["bash", str(SCRIPT.with_name("gpu_check.sh")), str(tmp_path), "--dry-run",
                              "--checks", "device_paths_two_ranks", "--only", "demo", "--inject", "hang",
                              "--budget-s", "200"], env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)

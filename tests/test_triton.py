@@ -416,7 +416,7 @@ def test_status_and_cpu_tensors_keep_the_c_loops():
 
 
 def _gpu_check_module():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tests" / "gpu" / "gpu_check.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -454,7 +454,7 @@ def test_lioncub_steps_through_the_kernels_equal_the_c_loops():
 
 
 def test_gpu_check_says_when_cuda_is_absent(tmp_path, capsys):
-    """bench/gpu_check.py on a machine without CUDA: exit code 3, a report saying so, nothing passed."""
+    """tests/gpu/gpu_check.py on a machine without CUDA: exit code 3, a report saying so, nothing passed."""
     if torch.cuda.is_available():
         pytest.skip("CUDA present: make gpu-check runs the real checks")
     gpu_check = _gpu_check_module()
@@ -469,7 +469,7 @@ def test_kernels_compile_for_a_hopper_gpu_without_one(tmp_path):
     """What the interpreter cannot see (Triton's GPU-only rules, types, the PTX without FMA
     contraction): one specialization of each kernel compiled for sm_90 with the bundled ptxas."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--out", str(tmp_path),
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "gpu_check.py"), "--out", str(tmp_path),
                         "--compile-only", "90", "--quick"], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     compiled = json.loads((tmp_path / "gpu_check.json").read_text())["compiled"]

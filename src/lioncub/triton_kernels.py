@@ -20,7 +20,7 @@ same for ``m``. The p update ``fma(-lr, u, p·decay)`` is exact whatever
 the contraction, since ``u ∈ {-1, 0, 1}``. So the results equal the torch CPU path bit for
 bit (``tests/test_triton.py`` runs every kernel in Triton's CPU interpreter,
 ``TRITON_INTERPRET=1``). torch's own CUDA kernels compute ``a + α·b`` as nvcc compiles it
-(contracted to an FMA by default): ``bench/gpu_check.py`` measures whether that is exact
+(contracted to an FMA by default): ``tests/gpu/gpu_check.py`` measures whether that is exact
 on the GPU too and allows at most 1 ulp there.
 
 Tensors of one call form one stream (element ``j`` of the concatenation): one launch per

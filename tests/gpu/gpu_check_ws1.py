@@ -1,4 +1,4 @@
-"""The world-size-1 check of ``make gpu-check`` (bench/gpu_check.py):
+"""The world-size-1 check of ``make gpu-check`` (tests/gpu/gpu_check.py):
 
 * ``nccl_ws1_calls`` — in a world-size-1 NCCL group (where LionCub itself issues no
   collective), the library's collectives called directly on CUDA tensors, under the device

@@ -1,4 +1,4 @@
-"""The two-rank device-path check of ``make gpu-check`` (bench/gpu_check.py), and what the
+"""The two-rank device-path check of ``make gpu-check`` (tests/gpu/gpu_check.py), and what the
 checks share: the run's budget, the error helpers, the audit.
 
 * ``device_paths_two_ranks`` — every path of :data:`lioncub.testing.paths.PATHS` (LionCub per

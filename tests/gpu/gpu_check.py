@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""One-shot GPU check of Lion Cub's CUDA path: ``make gpu-check OUT=dir`` (or bench/gpu_check.sh).
+"""One-shot GPU check of Lion Cub's CUDA path: ``make gpu-check OUT=dir`` (or tests/gpu/gpu_check.sh).
 
 Writes ``DIR/gpu_check.json`` (rewritten after every check, so a run cut short still leaves
 what it did) and prints one line per check. Installs nothing. The whole run has a time budget
-(``--budget-s``, 270 s by default; bench/gpu_check.sh kills the process tree at 280 s): a check
+(``--budget-s``, 270 s by default; tests/gpu/gpu_check.sh kills the process tree at 280 s): a check
 that cannot start in what is left is recorded as failed ("not run"), never skipped. The checks,
 in order:
 
@@ -18,8 +18,8 @@ in order:
 * ``nccl_ws1_calls`` — the library's collectives called directly in a world-size-1 NCCL group,
   under the device audit; ``device_paths_two_ranks`` — every path of
   :data:`lioncub.testing.paths.PATHS` on two ranks with GPU parameters (``cuda:gloo`` on one GPU,
-  NCCL on two or more), each under the audit, the replicas compared (bench/gpu_check_ws1.py and
-  bench/gpu_check_paths.py: their docstrings say what each asserts);
+  NCCL on two or more), each under the audit, the replicas compared (tests/gpu/gpu_check_ws1.py and
+  tests/gpu/gpu_check_paths.py: their docstrings say what each asserts);
 * ``gloo_two_ranks_cuda`` — 2 processes, one gloo group, CUDA tensors: every vote method
   (and pbit lane widths, L1 lanes, a NaN gradient skipped) against the same run on CPU
   tensors, and each collective LionCub uses asked of gloo on CUDA tensors
@@ -35,7 +35,7 @@ gets the same tolerance.
 
 Exit codes: 0 every check ran and passed; 1 a check failed, was not run for lack of time, or
 the run was interrupted (SIGTERM/SIGINT: the report says so); 3 CUDA is not available:
-nothing was checked (the report says so). bench/gpu_check.sh adds 124/137: killed at its
+nothing was checked (the report says so). tests/gpu/gpu_check.sh adds 124/137: killed at its
 time limit.
 
 ``--dry-run`` runs the same code on CPU to check this script without a GPU: device ``cpu``,
@@ -61,8 +61,8 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT), str(ROOT / "bench")]  # lioncub without installing it
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT), str(Path(__file__).resolve().parent)]  # lioncub without installing it
 
 from gpu_check_paths import (INJECT, PG_TIMEOUT_S, _DEADLINE, _err, _left, _name, _ws1_group,  # noqa: E402
                              check_device_paths_two_ranks)

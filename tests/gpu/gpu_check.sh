@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-shot GPU check of the CUDA path: bench/gpu_check.sh [OUT_DIR [gpu_check.py options]]  (make gpu-check OUT=dir)
+# One-shot GPU check of the CUDA path: tests/gpu/gpu_check.sh [OUT_DIR [gpu_check.py options]]  (make gpu-check OUT=dir)
 # Uses the machine's own python3 with its torch and triton (installs nothing: GPU machines may
 # have no network). Writes OUT_DIR/gpu_check.json and OUT_DIR/gpu_check.log.
 # Exit: 0 = every check ran and passed, 1 = a check failed or was not run, 3 = no CUDA (nothing
@@ -12,11 +12,11 @@ set -uo pipefail
 out="${1:-bench/results/gpu_check}"
 limit="${GPU_CHECK_LIMIT_S:-280}"
 mkdir -p "$out" && out="$(cd "$out" && pwd)" || exit 2   # absolute: we cd to the repository next
-cd "$(dirname "$0")/.." || exit 2
+cd "$(dirname "$0")/../.." || exit 2
 log="$out/gpu_check.log"
 : >"$log"
 budget=$((limit > 30 ? limit - 15 : limit))
-PYTHONUNBUFFERED=1 timeout --kill-after=10 "$limit" "${PY:-python3}" bench/gpu_check.py --out "$out" \
+PYTHONUNBUFFERED=1 timeout --kill-after=10 "$limit" "${PY:-python3}" tests/gpu/gpu_check.py --out "$out" \
     --budget-s "$budget" "${@:2}" >"$log" 2>&1 </dev/null &
 pid=$!  # timeout's pid = its process group (it calls setpgid(0, 0)): every process of the check
 stop() {
