@@ -103,7 +103,7 @@ def _auto_worker(rank, world):
     again = LionCub(model.parameters(), lr=1e-2, vote="auto", alpha=0.0, beta=1e-12)
     again.load_state_dict(sd)
     return dict(live=live.vote_chosen, alpha_beta=live.auto_alpha_beta, chosen=opt.vote_chosen,
-                vote=opt.vote, saved=(sd["lioncub"]["vote"], sd["lioncub"]["vote_requested"]),
+                vote=opt.vote, saved=(sd["lioncub"]["config"]["vote"], sd["lioncub"]["vote_requested"]),
                 resumed=again.vote_chosen, n=n, collectives=opt.last_step_stats.n_collectives,
                 params=torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
 

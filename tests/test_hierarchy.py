@@ -60,7 +60,7 @@ def _worker(rank, world):
         params = _params(seed=rank)  # different on every rank: NodeCub starts all from rank 0's
         opt = NodeCub(params, lr=LR, betas=BETAS, weight_decay=WD, layout=layout, check_every=1, **kwargs)
         sent = out[name + "/vote_bytes"] = []  # per step, what the cross-node vote (its LionCub) sent
-        out[name] = _run(opt, params, rank, after_step=lambda: sent.append(opt.vote.last_step_stats.bytes_sent))
+        out[name] = _run(opt, params, rank, after_step=lambda: sent.append(opt.voter.last_step_stats.bytes_sent))
         out[name + "/owners"] = opt.owners
         out[name + "/inter_bytes"] = opt.last_step_stats.bytes_sent
     # resume: a fresh optimizer loaded with step 2's state continues bit for bit

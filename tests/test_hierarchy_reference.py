@@ -67,18 +67,18 @@ def _worker(rank, world):
         rec = out[name] = {
             "owners": list(opt.owners),
             "mine": list(opt._mine),
-            "buckets": [[where[id(opt.vote.param_entries[k][1])] for k in b.index] for b in opt.vote.buckets],
+            "buckets": [[where[id(opt.voter.param_entries[k][1])] for k in b.index] for b in opt.voter.buckets],
             "start": [p.detach().clone() for p in params],
             "gen": [], "params": [], "momenta": [], "vote_steps": [],
         }
         for s in range(STEPS):
             for i, p in enumerate(params):
                 p.grad = _grad(rank, s, i)
-            rec["gen"].append(opt.vote.generator.get_state().clone())
-            rec["vote_steps"].append(opt.vote.steps)
+            rec["gen"].append(opt.voter.generator.get_state().clone())
+            rec["vote_steps"].append(opt.voter.steps)
             opt.step()
             rec["params"].append([p.detach().clone() for p in params])
-            rec["momenta"].append({i: opt.vote.state[params[i]]["exp_avg"].detach().clone() for i in opt._mine})
+            rec["momenta"].append({i: opt.voter.state[params[i]]["exp_avg"].detach().clone() for i in opt._mine})
     return out
 
 

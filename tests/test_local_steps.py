@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from lioncub import Lion, LionCub, LocalCub
 from lioncub.local_steps import MEAN_CLIP, sent_value
+from lioncub import votes
 from lioncub.vote import pbit_levels
 from tests.dist import run_workers
 
@@ -123,11 +124,11 @@ def test_sent_value_of_a_quantized_vote_is_the_dequantized_message():
     # 3 workers in 8-bit lanes: s = floor(255 / 6) = 42 levels. L1: M = mean|v| = 3.9 / 5 = 0.78,
     # q = clamp(round(42·v / M), ±42) = [16, -5, 0, 42, -42]; sent = q·M/42 (the top two clipped at M)
     v = torch.tensor([0.3, -0.1, 0.0, 2.0, -1.5])
-    sent = sent_value(v, [5], vote="pbit", world=3, bits=8, quantizer="l1")
+    sent = sent_value(v, [5], votes.make("pbit", 3, bits=8, quantizer="l1"))
     expected = torch.tensor([16.0, -5.0, 0.0, 42.0, -42.0]) * (0.78 / 42)
     assert torch.allclose(sent, expected, rtol=1e-6, atol=0)
     # binary votes: the sign scaled by mean|v| of each tensor (here two tensors of 2 and 3)
-    sent = sent_value(v, [2, 3], vote="onebit", world=3, bits=None, quantizer=None)
+    sent = sent_value(v, [2, 3], votes.make("onebit", 3))
     assert torch.allclose(sent, torch.tensor([0.2, -0.2, 0.0, 3.5 / 3, -3.5 / 3]), rtol=1e-6, atol=0)
 
 

@@ -213,7 +213,7 @@ def test_reshard_averages_momenta_and_derives_distinct_generators(old, new):
     assert len(out) == new
     for r, sd in enumerate(out):
         assert (sd["lioncub"]["rank"], sd["lioncub"]["world_size"]) == (r, new)
-        assert sd["lioncub"]["steps"] == 3 and sd["param_groups"] == states[0]["param_groups"]
+        assert sd["lioncub"]["counters"]["steps"] == 3 and sd["param_groups"] == states[0]["param_groups"]
         for i in sd["state"]:
             mean = sum(s["state"][i]["exp_avg"].double() for s in states) / old
             assert torch.equal(sd["state"][i]["exp_avg"], mean.float())
@@ -243,16 +243,17 @@ def test_reshard_counts_a_missing_momentum_as_zero():
     assert torch.equal(out[0]["state"][0]["exp_avg"], (states[0]["state"][0]["exp_avg"].double() / 2).float())
 
 
-def _edit(states, r, **extra):
-    states[r]["lioncub"].update(extra)
+def _edit(states, r, *, part=None, **extra):
+    """Change rank ``r``'s saved entry (``part``: its ``'config'`` or ``'counters'``)."""
+    (states[r]["lioncub"] if part is None else states[r]["lioncub"][part]).update(extra)
     return states
 
 
 @pytest.mark.parametrize("make, match", [
     (lambda: _fake_world(2)[::-1], r"states\[0\] was saved by rank 1 of 2"),
     (lambda: _fake_world(3)[:2], r"states\[0\] was saved by rank 0 of 3, but 2 states were given"),
-    (lambda: _edit(_fake_world(2), 1, steps=4), r"rank 1 has steps=4, rank 0 has 3"),
-    (lambda: _edit(_fake_world(2), 1, vote="gather"), r"rank 1 has vote='gather', rank 0 has 'onebit'"),
+    (lambda: _edit(_fake_world(2), 1, part="counters", steps=4), r"rank 1 has steps=4, rank 0 has 3"),
+    (lambda: _edit(_fake_world(2), 1, part="config", vote="gather"), r"rank 1 has vote='gather', rank 0 has 'onebit'"),
     (lambda: [{"state": {}}], r"states\[0\] has no 'lioncub' entry"),
     (lambda: [], r"states must hold at least one"),
 ])
@@ -283,8 +284,25 @@ def test_loading_a_checkpoint_that_does_not_fit_is_a_clear_error():
     with pytest.raises(ValueError, match=r"non-finite 'exp_avg' for parameter 2"):
         LionCub(_model().parameters(), vote="onebit").load_state_dict(bad)
     moved = _edit([copy.deepcopy(sd)], 0, rank=1, world_size=4)[0]
-    with pytest.raises(ValueError, match=r"momenta of rank 1 of 4, but this is rank 0 of 1"):
+    with pytest.raises(ValueError, match=r"state of rank 1 of 4, but this is rank 0 of 1"):
         check_loadable(LionCub(_model().parameters(), vote="onebit"), moved)
+
+
+def test_a_checkpoint_saved_before_the_envelope_loads_and_refuses_as_before():
+    """Flat fields (vote, bits, ..., steps at the top of the 'lioncub' entry) are moved into the
+    envelope on load: same momenta, same step parity, same refusals."""
+    sd = _fake_world(1)[0]
+    env = sd["lioncub"]
+    legacy = {**sd, "lioncub": {**{k: v for k, v in env.items() if k not in ("kind", "config", "counters")},
+                                **{k: v for k, v in env["config"].items() if k != "tie"}, **env["counters"]}}
+    assert "config" not in legacy["lioncub"] and legacy["lioncub"]["steps"] == 3
+    opt = LionCub(_model().parameters(), vote="onebit")
+    opt.load_state_dict(legacy)
+    assert opt.steps == 3 and all(torch.equal(opt.state[p]["exp_avg"], sd["state"][i]["exp_avg"])
+                                  for i, p in enumerate(opt.param_entries[k][1] for k in range(4)))
+    with pytest.raises(ValueError, match=r"saved with vote='onebit' but this optimizer has vote='gather'"):
+        LionCub(_model().parameters(), vote="gather").load_state_dict(legacy)
+    assert reshard_states([legacy], 2)[1]["lioncub"]["counters"]["steps"] == 3
 
 
 def test_loading_a_live_state_dict_does_not_share_momenta():

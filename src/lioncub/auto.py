@@ -37,13 +37,23 @@ from typing import Mapping, Sequence
 from . import votes
 from .cost import method_valid, predicted_time
 
-__all__ = ["AUTO_CANDIDATES", "DEFAULT_GAMMA", "gamma_for", "vote_costs", "choose_vote", "agree_on_vote"]
+__all__ = ["AUTO_CANDIDATES", "DEFAULT_GAMMA", "gamma_for", "vote_costs", "choose_vote", "agree_on_vote",
+           "check_auto_args"]
 
 AUTO_CANDIDATES = votes.AUTO_CANDIDATES
 """Methods ``auto`` considers (those with an ``auto_rank``), in tie-break order (the earlier wins a tie)."""
 
 DEFAULT_GAMMA: dict[str, tuple[float, float]] = {name: votes.METHODS[name].gamma for name in AUTO_CANDIDATES}
 """method: (a, b) -> gamma = a + b·P seconds per element on one rank (each method's ``gamma``)."""
+
+
+def check_auto_args(vote: str, alpha, beta, gamma) -> None:
+    """An optimizer's check of ``alpha`` / ``beta`` / ``gamma``: for ``vote='auto'`` only,
+    and ``alpha`` with ``beta`` (a known link) or neither (measured by calibration)."""
+    if vote != "auto" and (alpha is not None or beta is not None or gamma is not None):
+        raise ValueError(f"alpha, beta and gamma apply to vote='auto' only, got vote={vote!r}")
+    if (alpha is None) != (beta is None):
+        raise ValueError("give both alpha and beta (skips the probe), or neither (calibrate)")
 
 
 def gamma_for(method: str, world_size: int, gamma: Mapping | None = None) -> float:

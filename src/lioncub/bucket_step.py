@@ -27,7 +27,7 @@ from .comm import CommStats
 from .lion import apply_update_, interpolate, lion
 from .votes import VoteMethod
 
-__all__ = ["Bucket", "BucketStep", "GRAD_DTYPES"]
+__all__ = ["Bucket", "BucketPlan", "BucketStep", "GRAD_DTYPES"]
 
 GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -88,16 +88,59 @@ def choose_backend(params: list[Tensor], want: Optional[bool]) -> tuple[bool, st
     return False, f"torch: {why_not}"
 
 
+class BucketPlan:
+    """Which parameters travel together, and with which backend (made once, kept).
+
+    ``param_entries``: (param group, parameter) in registration order; ``buckets``: of at
+    most ``bucket_mb`` MiB of fp32 elements, last-registered first (the order backward
+    produces gradients, as in DDP), each with its backend (``fused=``) chosen here;
+    ``backends``: each bucket's choice and why. :meth:`bucket` serves other groupings of the
+    same parameters (the DDP hook's buckets are DDP's), also made once. The plan knows no
+    optimizer: torch's ``load_state_dict`` replaces the group dicts, so the optimizer makes a
+    new plan there."""
+
+    def __init__(self, param_groups: list[dict], bucket_mb: float, fused: Optional[bool]):
+        self.fused, self.bucket_mb = fused, bucket_mb
+        self.param_entries = [(g, p) for g in param_groups for p in g["params"]]
+        self._made: dict[tuple[int, ...], Bucket] = {}
+        self.buckets = [self.bucket(idx) for idx in self._split()]
+        self.backends = [b.reason for b in self.buckets]
+        """Per bucket, the backend chosen (``fused=``) and why: ``'fused: ...'`` or ``'torch: ...'``."""
+
+    def bucket(self, idx: list[int]) -> Bucket:
+        """The :class:`Bucket` of parameters ``idx`` (indices into ``param_entries``)."""
+        key = tuple(idx)
+        made = self._made.get(key)
+        if made is None:
+            entries = [self.param_entries[i] for i in idx]
+            made = self._made[key] = Bucket(entries, list(idx), *choose_backend([p for _, p in entries], self.fused))
+        return made
+
+    def _split(self) -> list[list[int]]:
+        """Parameter indices per bucket, last-registered first (backward order)."""
+        limit = max(1, int(self.bucket_mb * 2**20 / 4))
+        buckets, current, size = [], [], 0
+        for i in reversed(range(len(self.param_entries))):
+            n = self.param_entries[i][1].numel()
+            if current and size + n > limit:
+                buckets.append(current)
+                current, size = [], 0
+            current.append(i)
+            size += n
+        if current:
+            buckets.append(current)
+        return buckets
+
+
 class BucketStep:
-    """Encode, exchange and apply buckets for ``optimizer`` (its momenta: ``optimizer.state``,
-    which ``load_state_dict`` replaces, so it is read there every time).
+    """Encode, exchange and apply buckets: the momenta live in ``state`` (the optimizer's
+    ``state``; torch's ``load_state_dict`` makes a new one, which the optimizer hands over).
 
     ``method``: the vote method (:mod:`lioncub.votes`; None for ``vote='grad'``), set by the
     optimizer and replaced when ``vote='auto'`` resumes another pick."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, world_size: int, group, generator: torch.Generator,
-                 message_mb: float):
-        self.optimizer, self.world_size, self.group, self.generator = optimizer, world_size, group, generator
+    def __init__(self, state: dict, world_size: int, group, generator: torch.Generator, message_mb: float):
+        self.state, self.world_size, self.group, self.generator = state, world_size, group, generator
         self.message_mb = message_mb
         self.method: Optional[VoteMethod] = None
         self._scratch: dict = {}
@@ -123,7 +166,7 @@ class BucketStep:
         made contiguous for the fused loops if a loaded checkpoint's was not)."""
         out = []
         for p in bucket.params:
-            state = self.optimizer.state[p]
+            state = self.state[p]
             if "exp_avg" not in state:
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             elif bucket.fused and not state["exp_avg"].is_contiguous():

@@ -43,31 +43,21 @@ import warnings
 from typing import Callable, Iterable, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from . import amp, auto, comm, fused, guard, momentum, resume, votes
-from .bucket_step import GRAD_DTYPES, Bucket, BucketStep, choose_backend
+from . import amp, auto, comm, fused, guard, momentum, resume
+from .bucket_step import GRAD_DTYPES, Bucket, BucketPlan, BucketStep
 from .comm import CommStats
-from .lion import _validate_hyperparameters
-from .quantize import QUANTIZERS
-from .votes import VOTE_METHODS
+from .engine.config import OPTIMIZER_VOTES, VoteConfig, VoteSettings
+from .engine.shell import NONFINITE_ALIASES, NONFINITE_POLICIES, Shell
+from .validate import check_bool, check_hyperparameters, check_optional_bool
 
 __all__ = ["LionCub", "OPTIMIZER_VOTES", "GRAD_DTYPES"]
 
-OPTIMIZER_VOTES = ("grad",) + VOTE_METHODS + ("auto",)
-NONFINITE_POLICIES = ("raise", "skip_step")
+__all__ += ["NONFINITE_POLICIES", "NONFINITE_ALIASES"]
 
 
-def _world(group) -> tuple[int, int]:
-    if not (dist.is_available() and dist.is_initialized()):
-        if group is not None:
-            raise ValueError("process_group was given but torch.distributed is not initialised")
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-class LionCub(torch.optim.Optimizer):
+class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
     """Lion with a compressed majority vote across data-parallel ranks.
 
     Args:
@@ -113,8 +103,9 @@ class LionCub(torch.optim.Optimizer):
             the momentum all-reduce.
         model: the module the params come from; used to name parameters and to find
             the input/output layers.
-        nonfinite: ``'raise'`` or ``'skip_step'`` when any rank's gradient holds NaN or
-            Inf; the decision is agreed by all ranks (see :mod:`lioncub.guard`).
+        nonfinite: ``'raise'`` or ``'skip'`` (all ranks skip the step; ``'skip_step'`` is an
+            older spelling) when any rank's gradient holds NaN or Inf; the decision is agreed
+            by all ranks (see :mod:`lioncub.guard`).
         check_every: every k steps verify that replicas are identical (0 = never): the
             checksums of the parameters after step k are gathered at the start of the next
             ``step()`` and read with its one agreement (a divergence raises there).
@@ -134,6 +125,8 @@ class LionCub(torch.optim.Optimizer):
     encode_ahead = 4
     """Messages encoded before the has-grad / finite agreement (at most this many times
     ``message_mb`` of kept buffers; 1-bit votes of a 800M-parameter model are 4 messages)."""
+
+    state_key = "lioncub"
 
     def __init__(
         self,
@@ -164,85 +157,69 @@ class LionCub(torch.optim.Optimizer):
         beta: Optional[float] = None,
         gamma: Optional[dict] = None,
         timing: Optional[bool] = None,
+        _verified: bool = False,
     ):
-        _validate_hyperparameters(lr, betas, weight_decay)
-        if timing is not None and not isinstance(timing, bool):
-            raise TypeError(f"timing must be None, True or False, got {timing!r}")
-        if vote not in OPTIMIZER_VOTES:
-            raise ValueError(f"vote must be one of {OPTIMIZER_VOTES}, got {vote!r}")
-        if grad_dtype not in GRAD_DTYPES:
-            raise ValueError(f"grad_dtype must be one of {tuple(GRAD_DTYPES)}, got {grad_dtype!r}")
-        if quantizer is not None and quantizer not in QUANTIZERS:
-            raise ValueError(f"quantizer must be None or one of {QUANTIZERS}, got {quantizer!r}")
-        votes.check_lane_options(vote, bits, quantizer)
-        votes.check_tie(tie, vote, quantizer)
-        if fused is not None and not isinstance(fused, bool):
-            raise TypeError(f"fused must be None, True or False, got {fused!r}")
-        for name, mb in (("bucket_mb", bucket_mb), ("message_mb", message_mb)):
-            if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not mb > 0:
-                raise ValueError(f"{name} must be a number > 0, got {mb!r}")
-        if nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
-        if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 0:
-            raise ValueError(f"check_every must be an int >= 0 (0 = never), got {check_every!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed must be an int, got {seed!r}")
-        if not isinstance(maximize, bool):
-            raise TypeError(f"maximize must be a bool, got {maximize!r}")
-        if vote != "auto" and (alpha is not None or beta is not None or gamma is not None):
-            raise ValueError(f"alpha, beta and gamma apply to vote='auto' only, got vote={vote!r}")
-        if (alpha is None) != (beta is None):
-            raise ValueError("give both alpha and beta (skips the probe), or neither (calibrate)")
-        self.rank, self.world_size = _world(process_group)
-        if vote in votes.METHODS:
-            votes.make(vote, self.world_size, bits, quantizer, tie)  # refuses what cannot be exact for P ranks
-        self.vote, self.bits, self.quantizer, self.grad_dtype = vote, bits, quantizer, grad_dtype
-        self.tie = tie
-        self.group, self.bucket_mb, self.seed = process_group, float(bucket_mb), seed
-        self.message_mb = float(message_mb)
-        self.nonfinite, self.check_every = nonfinite, check_every
-        self.skipped_steps = 0  # steps skipped by nonfinite='skip_step' (all ranks agree)
+        check_hyperparameters(lr, betas, weight_decay)
+        check_optional_bool("timing", timing)
+        check_bool("maximize", maximize)
+        check_bool("overlap", overlap)
+        config = VoteConfig(vote=vote, bits=bits, quantizer=quantizer, tie=tie, seed=seed, grad_dtype=grad_dtype,
+                            fused=fused, bucket_mb=bucket_mb, message_mb=message_mb)
+        auto.check_auto_args(vote, alpha, beta, gamma)
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults)
         self._check_params()
-        self.device = comm.comm_device([p for g in self.param_groups for p in g["params"]], process_group)
-        """The one device of the parameters, momenta, messages and every collective."""
+        # a NodeCub's vote (``_verified``): NodeCub checked and broadcast the model over the whole world
+        params = [p for g in self.param_groups for p in g["params"]]
+        self.plan = BucketPlan(self.param_groups, config.bucket_mb, config.fused)
+        self.open_shell(params, group=process_group, model=model, nonfinite=nonfinite, check_every=check_every,
+                        seed=seed, verify=not _verified, chunks=[b.params for b in self.plan.buckets])
+        if config.votes:
+            config.method(self.world_size)  # refuses what cannot be exact for P ranks, before any vote
         self.timing = self.device.type == "cpu" if timing is None else timing
-        self.fused = fused
-        self._plan()
         if fused is None:
             self._warn_if_slow_path()
-        self.generator = comm.make_generator(self.device, seed + self.rank)  # on the device, saved
         self.steps = 0  # completed steps: sets the tie/zero parity of the 1-bit votes
+        self.skipped_steps = 0  # steps skipped by nonfinite='skip' (all ranks agree)
         self._checked = 0  # the step count whose replicas check_every last verified
         self.last_step_stats = CommStats()
         self._driver = None  # attached by lioncub.overlap (overlap=True) or lioncub.ddp_hook
-        self.bucket_step = BucketStep(self, self.world_size, self.group, self.generator, self.message_mb)
+        self.bucket_step = BucketStep(self.state, self.world_size, self.group, self.generator, config.message_mb)
         self.vote_requested = vote
-        if vote == "auto":
-            self.vote, self.bits = self._choose_vote(alpha, beta, gamma)
-        self.vote_chosen = (self.vote, self.bits)
-        self._set_method()
-        self._param_names = guard.param_names(model, [p for _, p in self.param_entries])
-        guard.check_same_params([p for _, p in self.param_entries], self.group, self.world_size,
-                                names=self._param_names)
-        self._broadcast_parameters()
+        if vote == "auto":  # the cheapest valid vote over this optimizer's buckets, rank 0's pick for all
+            picked, picked_bits, self.auto_alpha_beta = auto.agree_on_vote(
+                [b.numel for b in self.buckets], self.world_size, self.group, alpha, beta, gamma=gamma,
+                device=self.device)
+            config = config.resolved(picked, picked_bits)
+        self._set_config(config)
         self.momentum_sync = momentum.MomentumSync(
             momentum_sync, every=sync_every, dtype=sync_dtype, model=model, optimizer=self
         )
-        if not isinstance(overlap, bool):
-            raise TypeError(f"overlap must be a bool, got {overlap!r}")
         if overlap:
             from .overlap import Overlap  # hooks every param; launches votes during backward
 
             Overlap(self)
+
+    # ------------------------------------------------------------------ settings
+    def _set_config(self, config: VoteConfig) -> None:
+        """The vote settings and their method object (None for ``'grad'``), for every path's step."""
+        self.config = config
+        """The validated vote settings (:class:`~lioncub.engine.config.VoteConfig`; ``'auto'`` resolved)."""
+        self.method = config.method(self.world_size)
+        self.bucket_step.method = self.method
+        self.vote_chosen = (config.vote, config.bits)
+
+    grad_dtype = property(lambda self: self.config.grad_dtype, doc="``vote='grad'``'s all-reduce dtype.")
+    fused = property(lambda self: self.config.fused, doc="The requested backend (None: fused where it runs).")
+    bucket_mb = property(lambda self: self.config.bucket_mb, doc="Bucket size, MiB of fp32 elements.")
+    message_mb = property(lambda self: self.config.message_mb, doc="Message size on the wire, MiB.")
 
     # ------------------------------------------------------------------ set-up
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         g = self.param_groups[-1]  # now filled with defaults
         try:
-            _validate_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
+            check_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
             if hasattr(self, "device"):  # a group added after construction: the same one device
                 for i, p in enumerate(g["params"]):
                     if p.device != self.device:
@@ -252,32 +229,25 @@ class LionCub(torch.optim.Optimizer):
             self.param_groups.pop()
             raise type(exc)(f"param group {len(self.param_groups)}: {exc}") from None
 
-    def _set_method(self) -> None:
-        """The vote method object of ``vote`` (None for ``'grad'``), for every path's step."""
-        self.method = (None if self.vote == "grad" else
-                       votes.make(self.vote, self.world_size, self.bits, self.quantizer, self.tie))
-        self.bucket_step.method = self.method
+    @property
+    def param_entries(self) -> list[tuple[dict, Tensor]]:
+        """(param group, parameter) in registration order (the plan's)."""
+        return self.plan.param_entries
 
-    def _plan(self) -> None:
-        """The bucket plan over the current param groups (``torch``'s ``load_state_dict``
-        replaces the group dicts, so it is made again there): ``param_entries`` ((param group,
-        parameter) in registration order) and ``buckets``, each with its backend (``fused=``)."""
-        self.param_entries = [(g, p) for g in self.param_groups for p in g["params"]]
-        self._planned: dict[tuple[int, ...], Bucket] = {}
-        self.buckets = [self.plan_bucket(idx) for idx in self._make_buckets()]
-        self.backends = [b.reason for b in self.buckets]
+    @property
+    def buckets(self) -> list[Bucket]:
+        """The plan's buckets, last-registered parameters first (:class:`~lioncub.bucket_step.BucketPlan`)."""
+        return self.plan.buckets
+
+    @property
+    def backends(self) -> list[str]:
         """Per bucket, the backend chosen (``fused=``) and why: ``'fused: ...'`` or ``'torch: ...'``."""
+        return self.plan.backends
 
     def plan_bucket(self, idx: list[int]) -> Bucket:
         """The :class:`~lioncub.bucket_step.Bucket` of parameters ``idx`` (indices into
         ``param_entries``; the DDP hook's buckets are DDP's), made once and kept."""
-        key = tuple(idx)
-        bucket = self._planned.get(key)
-        if bucket is None:
-            entries = [self.param_entries[i] for i in idx]
-            bucket = self._planned[key] = Bucket(entries, list(idx), *choose_backend([p for _, p in entries],
-                                                                                    self.fused))
-        return bucket
+        return self.plan.bucket(idx)
 
     @property
     def driver(self):
@@ -324,38 +294,6 @@ class LionCub(torch.optim.Optimizer):
             if p.is_sparse:
                 raise TypeError(f"parameter {i} is sparse; LionCub supports dense parameters only")
 
-    def _make_buckets(self) -> list[list[int]]:
-        """Parameter indices per bucket, last-registered first (backward order)."""
-        limit = max(1, int(self.bucket_mb * 2**20 / 4))
-        buckets, current, size = [], [], 0
-        params = self.param_entries
-        for i in reversed(range(len(params))):
-            n = params[i][1].numel()
-            if current and size + n > limit:
-                buckets.append(current)
-                current, size = [], 0
-            current.append(i)
-            size += n
-        if current:
-            buckets.append(current)
-        return buckets
-
-    def _choose_vote(self, alpha, beta, gamma) -> tuple[str, Optional[int]]:
-        """vote='auto': the cheapest valid vote over this optimizer's buckets; rank 0's
-        pick is broadcast so every rank runs the same method even if inputs differ."""
-        sizes = [b.numel for b in self.buckets]
-        method, bits, self.auto_alpha_beta = auto.agree_on_vote(sizes, self.world_size, self.group, alpha, beta,
-                                                                gamma=gamma, device=self.device)
-        return method, bits
-
-    @torch.no_grad()
-    def _broadcast_parameters(self) -> None:
-        """Start every replica from rank 0's parameters (one broadcast per bucket)."""
-        if self.world_size == 1:
-            return
-        for bucket in self.buckets:
-            comm.broadcast_from_first(bucket.params, self.group)
-
     # ------------------------------------------------------------------ step
     def new_stats(self) -> CommStats:
         """A step's :class:`CommStats`, timed as ``timing`` says (see the class doc)."""
@@ -377,10 +315,7 @@ class LionCub(torch.optim.Optimizer):
     """``GradScaler.step`` always calls :meth:`step` (on every rank) and hands it the scaler."""
 
     def _step(self, closure, grad_scaler=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self.run_closure(closure)
         stats = self.new_stats()
         params = [p for _, p in self.param_entries]
         driver = self._driver  # overlap / DDP hook: votes already launched during backward
@@ -401,7 +336,7 @@ class LionCub(torch.optim.Optimizer):
         elif driver is not None:
             finite = driver.finite() if callable(getattr(driver, "finite", None)) else None
         check = None  # the replica check of the previous step's result, read with the agreement
-        if self.check_every and self.steps and self.steps % self.check_every == 0 and self._checked != self.steps:
+        if self.check_due(self.steps) and self._checked != self.steps:
             check = guard.replicas_differ(params, self.group, self.world_size, step=self.steps, stats=stats)
             self._checked = self.steps
         active, bad_ranks, diverged = guard.agree(params, self.group, self.world_size, self.device, stats,
@@ -456,43 +391,30 @@ class LionCub(torch.optim.Optimizer):
                 for msg in self.messages()]
 
     # ------------------------------------------------------------------ state
+    def fingerprint(self) -> dict:
+        return self.config.fingerprint()
+
     def state_dict(self) -> dict:
         sd = super().state_dict()
-        sd["lioncub"] = {
-            "steps": self.steps,
-            "generator": self.generator.get_state(),
-            "vote": self.vote,
-            "vote_requested": self.vote_requested,
-            "bits": self.bits,
-            "quantizer": self.quantizer,
-            "grad_dtype": self.grad_dtype,
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "skipped_steps": self.skipped_steps,
-            "momentum_sync": self.momentum_sync.state_dict(),
-        }
+        sd[self.state_key] = self.envelope(dict(steps=self.steps, skipped_steps=self.skipped_steps),
+                                           vote_requested=self.vote_requested,
+                                           momentum_sync=self.momentum_sync.state_dict())
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
-        extra = state_dict.get("lioncub")
-        if extra is None:
-            raise ValueError("state_dict has no 'lioncub' entry: it was not saved by LionCub.state_dict()")
-        if self.vote_requested == "auto" and extra.get("vote_requested") == "auto":
-            self.vote, self.bits = extra["vote"], extra["bits"]  # resume with the run's pick
-            self.vote_chosen = (self.vote, self.bits)
-            self._set_method()
-        for key in ("vote", "bits", "quantizer", "grad_dtype"):
-            if extra[key] != getattr(self, key):
-                raise ValueError(
-                    f"checkpoint was saved with {key}={extra[key]!r} but this optimizer has "
-                    f"{key}={getattr(self, key)!r}"
-                )
-        resume.check_loadable(self, state_dict)  # rank, world size, shapes, finite momenta
+        if isinstance(state_dict, dict) and isinstance(state_dict.get(self.state_key), dict):
+            state_dict = {**state_dict, self.state_key: resume.upgrade_envelope(state_dict[self.state_key])}
+        extra = state_dict.get(self.state_key) if isinstance(state_dict, dict) else None
+        if extra is not None and self.vote_requested == "auto" and extra.get("vote_requested") == "auto":
+            saved = extra["config"]  # resume with the run's pick
+            self._set_config(self.config.resolved(saved["vote"], saved["bits"]))
+        extra = resume.check_loadable(self, state_dict)  # settings, rank, world, shapes, finite momenta: once
         # a copy: torch keeps same-dtype tensors by reference, which would share momenta
-        base = copy.deepcopy({k: v for k, v in state_dict.items() if k != "lioncub"})
+        base = copy.deepcopy({k: v for k, v in state_dict.items() if k != self.state_key})
         super().load_state_dict(base)
-        self._plan()  # torch made new param-group dicts
-        self.steps = int(extra["steps"])
-        self.skipped_steps = int(extra.get("skipped_steps", 0))
+        self.plan = BucketPlan(self.param_groups, self.config.bucket_mb, self.config.fused)  # torch's new groups
+        self.bucket_step.state = self.state  # torch's new state dict
+        self.steps = int(extra["counters"]["steps"])
+        self.skipped_steps = int(extra["counters"].get("skipped_steps", 0))
         comm.restore_generator(self.generator, extra["generator"])
         self.momentum_sync.load_state_dict(extra.get("momentum_sync", {}))

@@ -195,7 +195,7 @@ def handle_nonfinite(optimizer, params: list[Tensor], bad_ranks: int) -> None:
                 f"this rank holds a non-finite gradient in {_label(i, names, params[i].shape)}")
         raise FloatingPointError(
             f"non-finite gradient on {bad_ranks} rank(s) at step {optimizer.steps} ({here}); "
-            "pass nonfinite='skip_step' to skip such steps on all ranks"
+            "pass nonfinite='skip' to skip such steps on all ranks"
         )
 
 

@@ -56,13 +56,14 @@ from torch import Tensor
 
 from . import amp, comm, guard
 from .comm import CommStats
-from .distributed import LionCub, NONFINITE_POLICIES
-from .lion import _validate_hyperparameters
+from .distributed import LionCub
+from .engine.shell import Shell
+from .validate import check_bool, check_hyperparameters, check_int
 
 __all__ = ["NodeLayout", "node_groups", "NodeCub"]
 
-# LionCub arguments NodeCub sets itself (the vote's group) or handles over the whole world
-_OWN_ARGS = ("process_group", "overlap", "nonfinite", "check_every")
+# LionCub arguments NodeCub sets itself (the vote's group) or does not offer
+_OWN_ARGS = ("process_group", "overlap")
 
 
 @dataclass(frozen=True)
@@ -92,8 +93,7 @@ def _check_local_size(local_size, world: int) -> int:
             local_size = int(env)
         except ValueError:
             raise ValueError(f"local_size: LOCAL_WORLD_SIZE must be an int, got {env!r}") from None
-    if isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1:
-        raise ValueError(f"local_size must be an int >= 1, got {local_size!r}")
+    check_int("local_size", local_size, 1)
     if world % local_size:
         raise ValueError(f"local_size must divide the world size {world} (nodes of equal size), got {local_size}")
     return local_size
@@ -124,7 +124,7 @@ def shard_owners(sizes: list[int], local_size: int) -> list[int]:
     return owners
 
 
-class NodeCub(torch.optim.Optimizer):
+class NodeCub(Shell, torch.optim.Optimizer):
     """LionCub for nodes of several ranks: average inside the node, vote across nodes.
 
     Args:
@@ -135,42 +135,43 @@ class NodeCub(torch.optim.Optimizer):
         shard: each local rank votes on its own ``1/L`` of the parameters (and keeps only
             their momenta), then the node all-gathers the update; False: every local rank
             votes on all of them.
-        nonfinite: ``'raise'`` or ``'skip_step'`` when a node-mean gradient holds NaN/Inf;
-            agreed by all ranks of all nodes (one tiny all-reduce over the world).
+        nonfinite: ``'raise'`` or ``'skip'`` (``'skip_step'``: an older spelling) when a
+            node-mean gradient holds NaN/Inf; agreed by all ranks of all nodes (one tiny
+            all-reduce over the world).
         check_every: every k steps check that all ``N·L`` replicas are bit-identical.
         model: the module the params come from (parameter names in errors).
         **vote_args: the vote's :class:`lioncub.LionCub` arguments (``vote``, ``bits``,
             ``quantizer``, ``tie``, ``seed``, ``bucket_mb``, ...); not ``process_group``
             or ``overlap``.
+
+    ``voter`` is the cross-node :class:`~lioncub.LionCub` (its ``last_step_stats``, momenta,
+    steps); ``vote`` its method's name, as on :class:`~lioncub.LionCub`.
     """
+
+    state_key = "nodecub"
 
     def __init__(self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  weight_decay: float = 0.0, *, layout: Optional[NodeLayout] = None, shard: bool = True,
                  nonfinite: str = "raise", check_every: int = 0, model: Optional[torch.nn.Module] = None,
                  **vote_args):
-        _validate_hyperparameters(lr, betas, weight_decay)
+        check_hyperparameters(lr, betas, weight_decay)
         for name in _OWN_ARGS:
             if name in vote_args:
-                raise ValueError(f"{name} is not a NodeCub argument: NodeCub sets the vote's group itself, "
-                                 "checks finiteness and replicas over all nodes, and does not overlap")
-        if not isinstance(shard, bool):
-            raise TypeError(f"shard must be a bool, got {shard!r}")
-        if nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
-        if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 0:
-            raise ValueError(f"check_every must be an int >= 0 (0 = never), got {check_every!r}")
+                raise ValueError(f"{name} is not a NodeCub argument: NodeCub sets the vote's group itself "
+                                 "and does not overlap")
+        check_bool("shard", shard)
         if layout is None:
             layout = node_groups()
         if not isinstance(layout, NodeLayout):
             raise TypeError(f"layout must be a NodeLayout from lioncub.node_groups(), got {type(layout).__name__}")
         self.layout, self.shard = layout, shard
-        self.nonfinite, self.check_every = nonfinite, check_every
         self.steps = self.skipped_steps = 0
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay,
                                       maximize=vote_args.get("maximize", False)))
         self.params = [p for g in self.param_groups for p in g["params"]]
-        self.device = comm.comm_device(self.params, None)
-        self._param_names = guard.param_names(model, self.params)
+        # the same model on all N·L ranks, in-node ranks included, all from rank 0's values: once
+        self.open_shell(self.params, group=None, model=model, nonfinite=nonfinite, check_every=check_every,
+                        seed=vote_args.get("seed", 0), generator=False)
         local = layout.local_size
         owners = shard_owners([p.numel() for p in self.params], local) if shard else [layout.local_rank] * len(
             self.params)
@@ -184,8 +185,6 @@ class NodeCub(torch.optim.Optimizer):
         for dtype in sorted({p.dtype for p in self.params}, key=str):
             idx = [[i for i, p in enumerate(self.params) if p.dtype == dtype and owners[i] == j] for j in range(local)]
             self._share_plan.append((dtype, idx, [sum(self.params[i].numel() for i in ids) for ids in idx]))
-        with torch.no_grad():
-            comm.broadcast_from_first(self.params, None)  # every rank of every node starts from rank 0's
         # the vote's param groups: this rank's shard of each group, the group's settings
         self._group_of_vote = []  # vote group index -> this optimizer's group index
         vote_groups, offset = [], 0
@@ -196,8 +195,9 @@ class NodeCub(torch.optim.Optimizer):
             if mine:
                 vote_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": mine})
                 self._group_of_vote.append(gi)
-        self.vote = LionCub(vote_groups, lr=lr, betas=betas, weight_decay=weight_decay,
-                            process_group=layout.inter, nonfinite="raise", **vote_args)
+        self.voter = LionCub(vote_groups, lr=lr, betas=betas, weight_decay=weight_decay,
+                             process_group=layout.inter, nonfinite="raise", _verified=True, **vote_args)
+        """The cross-node vote: a LionCub over this local rank's shard and cross-node group."""
         self.last_step_stats = CommStats()
         self.last_intra_stats = CommStats()
 
@@ -242,7 +242,7 @@ class NodeCub(torch.optim.Optimizer):
 
     def _sync_settings(self) -> None:
         """Schedulers change this optimizer's groups; the vote's groups follow before each step."""
-        for vote_group, gi in zip(self.vote.param_groups, self._group_of_vote):
+        for vote_group, gi in zip(self.voter.param_groups, self._group_of_vote):
             for key, value in self.param_groups[gi].items():
                 if key != "params":
                     vote_group[key] = value
@@ -257,10 +257,7 @@ class NodeCub(torch.optim.Optimizer):
         ``grad_scaler`` (passed by ``GradScaler.step``): unscaled here; any rank's overflow
         is agreed by the world's non-finite all-reduce, every rank skips together and every
         scaler records the same verdict (:mod:`lioncub.amp`)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self.run_closure(closure)
         with comm.step_context(self.steps):
             intra, inter = comm.step_stats(self.device), comm.step_stats(self.device)
             scaler_inf = amp.unscale(self, grad_scaler, self.params)
@@ -285,40 +282,49 @@ class NodeCub(torch.optim.Optimizer):
                 self.skipped_steps += 1
             else:
                 self._sync_settings()
-                self.vote.step()
-                inter.add(self.vote.last_step_stats)
+                self.voter.step()
+                inter.add(self.voter.last_step_stats)
                 if self.shard and self.layout.local_size > 1:
                     self._share_in_node(intra)
                 self.steps += 1
-                if self.check_every and self.steps % self.check_every == 0:
+                if self.check_due(self.steps):
                     guard.check_replicas(self.params, None, self.layout.world_size, step=self.steps,
                                          names=self._param_names, stats=inter)
             self.last_step_stats, self.last_intra_stats = inter, intra
         return loss
 
+    @property
+    def vote(self) -> str:
+        """The cross-node vote's method name (``'auto'``: its pick), as :attr:`LionCub.vote`."""
+        return self.voter.vote
+
     # ------------------------------------------------------------------ state
-    def _layout_key(self) -> dict:
+    def fingerprint(self) -> dict:
         return {"nodes": self.layout.nodes, "local_size": self.layout.local_size, "shard": self.shard,
                 "local_rank": self.layout.local_rank, "owners": list(self.owners)}
 
     def state_dict(self) -> dict:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-        return {"nodecub": {**self._layout_key(), "steps": self.steps, "skipped_steps": self.skipped_steps,
-                            "param_groups": copy.deepcopy(groups)},
-                "vote": self.vote.state_dict()}
+        return {self.state_key: self.envelope(dict(steps=self.steps, skipped_steps=self.skipped_steps),
+                                              param_groups=copy.deepcopy(groups)),
+                "vote": self.voter.state_dict()}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        extra = state_dict.get("nodecub") if isinstance(state_dict, dict) else None
-        if extra is None:
-            raise ValueError("state_dict has no 'nodecub' entry: it was not saved by NodeCub.state_dict()")
-        for key, value in self._layout_key().items():
-            if extra.get(key) != value:
-                raise ValueError(f"checkpoint was saved with {key}={extra.get(key)!r} but this optimizer has "
-                                 f"{key}={value!r}; NodeCub resumes on the same node layout only")
+        extra = state_dict.get(self.state_key) if isinstance(state_dict, dict) else None
+        if extra is not None and "config" not in extra:  # saved before the envelope: flat fields
+            extra = {**extra, "config": {k: extra.get(k) for k in self.fingerprint()}, "rank": self.rank,
+                     "world_size": self.world_size,
+                     "counters": {"steps": extra["steps"], "skipped_steps": extra["skipped_steps"]}}
+            state_dict = {**state_dict, self.state_key: extra}
+        try:
+            extra = self.open_envelope(state_dict)
+        except ValueError as exc:
+            raise ValueError(f"{exc}; NodeCub resumes on the same node layout only") from None
         if len(extra["param_groups"]) != len(self.param_groups):
             raise ValueError(f"checkpoint has {len(extra['param_groups'])} param groups, this optimizer "
                              f"{len(self.param_groups)}")
-        self.vote.load_state_dict(state_dict["vote"])
+        self.voter.load_state_dict(state_dict["vote"])
         for g, saved in zip(self.param_groups, extra["param_groups"]):
             g.update(copy.deepcopy(saved))
-        self.steps, self.skipped_steps = int(extra["steps"]), int(extra["skipped_steps"])
+        self.steps = int(extra["counters"]["steps"])
+        self.skipped_steps = int(extra["counters"]["skipped_steps"])

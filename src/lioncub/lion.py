@@ -19,11 +19,12 @@ reference) and a vectorised ``torch._foreach_*`` path that is tested against it.
 from __future__ import annotations
 
 from collections import defaultdict
-from numbers import Real
 from typing import Callable, Iterable, Optional
 
 import torch
 from torch import Tensor
+
+from .validate import check_hyperparameters
 
 __all__ = ["Lion", "interpolate", "apply_update_", "lion"]
 
@@ -156,24 +157,6 @@ def lion(
                   weight_decay=weight_decay, maximize=maximize, foreach=foreach)
 
 
-def _validate_hyperparameters(lr, betas, weight_decay) -> None:
-    if isinstance(lr, bool) or not isinstance(lr, Real):
-        raise TypeError(f"lr must be a real number >= 0, got {type(lr).__name__}")
-    if not lr >= 0.0:
-        raise ValueError(f"lr must be >= 0, got {lr}")
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"betas must be a pair (beta1, beta2) with 0 <= beta < 1, got {betas!r}")
-    for name, beta in zip(("beta1", "beta2"), betas):
-        if isinstance(beta, bool) or not isinstance(beta, Real):
-            raise TypeError(f"betas: {name} must be a real number in [0, 1), got {type(beta).__name__}")
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"betas: {name} must be in [0, 1), got {beta}")
-    if isinstance(weight_decay, bool) or not isinstance(weight_decay, Real):
-        raise TypeError(f"weight_decay must be a real number >= 0, got {type(weight_decay).__name__}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-
-
 class Lion(torch.optim.Optimizer):
     r"""Lion optimizer (arXiv 2302.06675; docs/design.md §1).
 
@@ -223,7 +206,7 @@ class Lion(torch.optim.Optimizer):
         maximize: bool = False,
         foreach: Optional[bool] = None,
     ) -> None:
-        _validate_hyperparameters(lr, betas, weight_decay)
+        check_hyperparameters(lr, betas, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay,
                         maximize=maximize, foreach=foreach)
         super().__init__(params, defaults)
@@ -232,7 +215,7 @@ class Lion(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]  # now filled with defaults
         try:
-            _validate_hyperparameters(group["lr"], group["betas"], group["weight_decay"])
+            check_hyperparameters(group["lr"], group["betas"], group["weight_decay"])
             for p in group["params"]:
                 if p.is_complex():
                     raise TypeError("params: Lion supports real floating-point parameters only; "

@@ -8,16 +8,20 @@ identical). ``LionCub.state_dict()`` holds everything the next step depends on:
 entry                  why a bit-exact continuation needs it
 =====================  ==============================================================
 ``state[i].exp_avg``   this rank's momentum ``m_i`` (never communicated in full)
-``lioncub.steps``      tie/zero parity of the 1-bit votes (+1 even, -1 odd steps)
-``lioncub.generator``  RNG of stochastic quantizers (``linf``), seeded ``seed + rank``
+``counters.steps``     tie/zero parity of the 1-bit votes (+1 even, -1 odd steps)
+``generator``          RNG of stochastic quantizers (``linf``), seeded ``seed + rank``
 ``momentum_sync``      counters of the momentum-sync policy (when the next sync is)
-``skipped_steps``      non-finite steps skipped so far (a metric; steps do not advance)
+``counters.skipped``   non-finite steps skipped so far (a metric; steps do not advance)
 ``rank, world_size``   whose momenta these are: loading another rank's is refused
+``config``             the vote settings (:meth:`VoteConfig.fingerprint`)
 =====================  ==============================================================
 
+The entry is the envelope every Lion Cub optimizer saves (``kind``, ``config``,
+``counters``, ``rank``, ``world_size``, ``generator``; :class:`lioncub.engine.shell.Shell`).
 Loading is refused with a ``ValueError`` for another vote method / lane width /
-quantizer / grad dtype, another rank or world size, another model (parameter
-count, shapes) or non-finite momenta (:func:`check_loadable`).
+quantizer / tie rule / grad dtype, another rank or world size, another model (parameter
+count, shapes) or non-finite momenta (:func:`check_loadable`). Checkpoints written before
+the envelope (flat fields) load through :func:`upgrade_envelope`.
 
 Another world size. :func:`reshard_states` is a pure function from the old
 world's per-rank state dicts to the new world's. **Rule:** every new rank starts
@@ -45,15 +49,33 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["reshard_states", "check_loadable"]
+__all__ = ["reshard_states", "check_loadable", "upgrade_envelope"]
 
-_SAME_ON_ALL_RANKS = ("vote", "bits", "quantizer", "grad_dtype", "steps", "skipped_steps")
+_LEGACY_CONFIG = ("vote", "bits", "quantizer", "grad_dtype")
+_LEGACY_COUNTERS = ("steps", "skipped_steps")
+
+
+def upgrade_envelope(extra: dict) -> dict:
+    """A LionCub entry in the envelope's form: unchanged if it is; one saved before the
+    envelope (its settings and counters as flat fields, no tie rule: ``'alternate'``) moved in."""
+    if "config" in extra:
+        return extra
+    out = {k: v for k, v in extra.items() if k not in _LEGACY_CONFIG + _LEGACY_COUNTERS}
+    out["kind"] = "LionCub"
+    out["config"] = {**{k: extra.get(k) for k in _LEGACY_CONFIG}, "tie": "alternate"}
+    out["counters"] = {"steps": extra.get("steps", 0), "skipped_steps": extra.get("skipped_steps", 0)}
+    return out
 
 
 def _extra(sd: dict, where: str) -> dict:
     if not isinstance(sd, dict) or "lioncub" not in sd:
         raise ValueError(f"{where} has no 'lioncub' entry: it was not saved by LionCub.state_dict()")
-    return sd["lioncub"]
+    return upgrade_envelope(sd["lioncub"])
+
+
+def _same_on_all_ranks(extra: dict) -> dict:
+    """What every rank of one run saved alike: the settings and the counters."""
+    return {**extra["config"], **extra["counters"]}
 
 
 def _check_old_world(states: Sequence[dict]) -> None:
@@ -65,10 +87,11 @@ def _check_old_world(states: Sequence[dict]) -> None:
                 f"states must be every rank's state dict in rank order: states[{r}] was saved by rank "
                 f"{ex['rank']} of {ex['world_size']}, but {old} states were given"
             )
-        for key in _SAME_ON_ALL_RANKS:
-            if ex.get(key) != extras[0].get(key):
-                raise ValueError(f"states disagree: rank {r} has {key}={ex.get(key)!r}, "
-                                 f"rank 0 has {extras[0].get(key)!r}")
+        mine, first = _same_on_all_ranks(ex), _same_on_all_ranks(extras[0])
+        for key in first.keys() | mine.keys():
+            if mine.get(key) != first.get(key):
+                raise ValueError(f"states disagree: rank {r} has {key}={mine.get(key)!r}, "
+                                 f"rank 0 has {first.get(key)!r}")
         if states[r]["param_groups"] != states[0]["param_groups"]:
             raise ValueError(f"states disagree: rank {r}'s param_groups differ from rank 0's")
 
@@ -140,27 +163,18 @@ def reshard_states(states: Sequence[dict], world_size: int) -> list[dict]:
     out = []
     for r in range(world_size):
         sd = {"state": copy.deepcopy(merged), "param_groups": copy.deepcopy(states[0]["param_groups"])}
-        extra = copy.deepcopy(states[0]["lioncub"])
+        extra = copy.deepcopy(_extra(states[0], "states[0]"))
         extra.update(rank=r, world_size=world_size, generator=_derived_generator_state(states, r))
         sd["lioncub"] = extra
         out.append(sd)
     return out
 
 
-def check_loadable(optimizer, state_dict: dict) -> None:
-    """Raise ``ValueError`` unless ``state_dict`` fits ``optimizer`` (a LionCub): same
-    method, rank and world size, parameter count and shapes, finite momenta."""
-    extra = _extra(state_dict, "state_dict")
-    for key in ("vote", "bits", "quantizer", "grad_dtype"):
-        if extra[key] != getattr(optimizer, key):
-            raise ValueError(f"checkpoint was saved with {key}={extra[key]!r} but this optimizer has "
-                             f"{key}={getattr(optimizer, key)!r}")
-    if (extra["rank"], extra["world_size"]) != (optimizer.rank, optimizer.world_size):
-        raise ValueError(
-            f"checkpoint holds the momenta of rank {extra['rank']} of {extra['world_size']}, but this is "
-            f"rank {optimizer.rank} of {optimizer.world_size}; load each rank's own state dict, or convert "
-            "a checkpoint from another world size with lioncub.resume.reshard_states"
-        )
+def check_loadable(optimizer, state_dict: dict) -> dict:
+    """Raise ``ValueError`` unless ``state_dict`` fits ``optimizer`` (a LionCub): its envelope
+    (the same settings, rank and world size: :meth:`~lioncub.engine.shell.Shell.open_envelope`),
+    the parameter count and shapes, finite momenta. Returns the checked envelope."""
+    extra = optimizer.open_envelope({**state_dict, "lioncub": _extra(state_dict, "state_dict")})
     params = [p for g in optimizer.param_groups for p in g["params"]]
     saved = [i for g in state_dict["param_groups"] for i in g["params"]]
     if len(saved) != len(params) or [len(g["params"]) for g in state_dict["param_groups"]] != \
@@ -181,3 +195,4 @@ def check_loadable(optimizer, state_dict: dict) -> None:
                                  f"its saved {key!r} has shape {tuple(t.shape)}")
             if torch.is_floating_point(t) and not bool(torch.isfinite(t).all()):
                 raise ValueError(f"checkpoint holds a non-finite {key!r} for {label}")
+    return extra

@@ -296,9 +296,9 @@ def reshard_optimizer(states: list[dict], optimizer, rank: int, world: int) -> d
     from ..resume import reshard_states
 
     sd = reshard_states(states, world)[rank]
-    extra = sd["lioncub"]
-    if extra.get("vote_requested") == "auto" or (optimizer.vote == extra["vote"] == "pbit" and
-                                                 extra["bits"] != optimizer.bits):
+    extra = sd["lioncub"]["config"]
+    if sd["lioncub"].get("vote_requested") == "auto" or (optimizer.vote == extra["vote"] == "pbit" and
+                                                         extra["bits"] != optimizer.bits):
         extra["vote"], extra["bits"] = optimizer.vote, optimizer.bits  # this world's pick / lane width
     return sd
 

@@ -9,7 +9,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from ..distributed import NONFINITE_POLICIES, OPTIMIZER_VOTES
+from ..distributed import NONFINITE_ALIASES, NONFINITE_POLICIES, OPTIMIZER_VOTES
 
 GPT_MODELS = ("gpt-tiny", "gpt-mini", "gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1.5b")
 IMAGE_MODELS = ("resnet18", "resnet50", "vit-tiny")
@@ -19,7 +19,7 @@ VOTES = tuple(OPTIMIZER_VOTES)  # whatever LionCub accepts: grad, sign_allreduce
 QUANTIZERS = (None, "sign", "l1", "lp", "l0", "linf", "log")
 DEVICES = ("auto", "cpu", "cuda")
 MOMENTUM_SYNCS = ("none", "all", "io", "adaptive")
-NONFINITE = tuple(NONFINITE_POLICIES)
+NONFINITE = tuple(NONFINITE_POLICIES) + tuple(NONFINITE_ALIASES)  # the older spellings still accepted
 
 
 def default_cache_dir() -> str:

@@ -17,7 +17,10 @@ from .. import comm, fused, kernels, packing
 from ..quantize import QUANTIZERS, ROUNDED, multiplier, quantize, scale_norm
 from .base import VoteMethod, binary_signs, decide
 
-__all__ = ["PBit", "pbit_levels"]
+__all__ = ["PBit", "pbit_levels", "MEAN_CLIP"]
+
+MEAN_CLIP = 4
+""":meth:`PBit.lane_mean`: lanes cover ±4 mean magnitudes of a tensor (fewer with fewer levels)."""
 
 
 def pbit_levels(world: int, bits: Optional[int], quantizer: Optional[str]) -> tuple[int, Optional[int]]:
@@ -108,3 +111,37 @@ class PBit(VoteMethod):
         gens = generators or [None] * len(cs)
         return torch.sign(sum(quantize(c, self.quantizer, levels=self.levels, generator=g).values.long()
                               for c, g in zip(cs, gens)))
+
+    # ------------------------------------------------------------------ the lane mean
+    def lane_mean(self, v: Tensor, sizes: list[int], norms: list[float], group, stats) -> tuple[Tensor, Tensor]:
+        """The mean of the ranks' quantized ``v`` through summed lanes (``pbit`` with ``l1``;
+        :class:`~lioncub.LocalCub`'s ``aggregate='mean'``). Collective.
+
+        Per tensor t (``sizes``: element counts in order), one scale shared by the ranks:
+        ``norms[t]`` = M_t, the ranks' mean of mean|v_i| over t, and the step
+        ``unit_t = min(s, CLIP)·M_t / s``: s levels cover ±min(s, CLIP)·M_t (one level: a
+        ternary q at ±M_t; more: clipping only beyond CLIP = 4 mean magnitudes).
+        q_i = clamp(round(v_i/unit_t), −s, s) travels as q_i + s in w-bit lanes; the SUM
+        all-reduce adds lanes without carries (2s·P ≤ 2^w − 1), so Σ_i q_i comes back exact.
+        Returns (unit·Σ_i q_i / P, unit·q_i): the mean and this rank's C(v), flat fp32.
+        """
+        if self.quantizer != "l1":
+            raise ValueError(f"lane_mean sums L1-quantized lanes: it needs quantizer='l1', got {self.quantizer!r}")
+        levels, P, n = self.levels, self.world, v.numel()
+        units = (torch.tensor(norms, dtype=torch.float64) * (min(levels, MEAN_CLIP) / levels)).tolist()  # host
+        q = torch.empty_like(v)
+        for qt, vt, unit in zip(q.split(sizes), v.split(sizes), units):
+            if unit > 0:
+                torch.round(vt * (1.0 / unit), out=qt).clamp_(-levels, levels)
+            else:
+                qt.zero_()
+        if P > 1:
+            msg = kernels.pack_bytes((q + levels).to(torch.uint8), n, self.bits)
+            comm.all_reduce(msg, group, stats)
+            total = kernels.unpack_bytes(msg, n, self.bits).to(torch.float32) - float(P * levels)  # Σ_i q_i, exact
+        else:
+            total = q.clone()
+        for tt, qt, unit in zip(total.split(sizes), q.split(sizes), units):
+            tt.mul_(unit / P)
+            qt.mul_(unit)
+        return total, q

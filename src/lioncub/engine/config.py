@@ -1,0 +1,87 @@
+"""The vote settings of an optimizer, validated once: :class:`VoteConfig`.
+
+Every optimizer that votes (:class:`~lioncub.LionCub`, :class:`~lioncub.LocalCub`, the vote
+inside :class:`~lioncub.NodeCub`) takes the same settings and checks them here, once, with
+the same words: which vote, its lane width and quantizer, the tie rule, the stochastic
+quantizer's seed, and (for the every-step optimizer) the backend and the sizes of buckets
+and messages. ``vote='auto'`` is resolved by :meth:`VoteConfig.resolved`, which returns a
+new config (the object is frozen: a config never changes under the optimizer holding it).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from .. import votes
+from ..quantize import QUANTIZERS
+from ..validate import check_choice, check_int, check_number, check_optional_bool, check_optional_choice
+
+__all__ = ["VoteConfig", "VoteSettings", "OPTIMIZER_VOTES", "GRAD_DTYPE_NAMES"]
+
+OPTIMIZER_VOTES = ("grad",) + votes.VOTE_METHODS + ("auto",)
+"""What ``vote=`` takes: the gradient all-reduce baseline, every registered method, ``'auto'``."""
+GRAD_DTYPE_NAMES = ("fp32", "bf16")
+"""What ``grad_dtype=`` takes (``vote='grad'``'s all-reduce dtype)."""
+
+
+@dataclass(frozen=True)
+class VoteConfig:
+    """What an optimizer votes with. Validated on construction (``ValueError`` / ``TypeError``
+    naming the argument); the world-size limits are checked by :meth:`method`."""
+
+    vote: str = "pbit"
+    bits: Optional[int] = None
+    quantizer: Optional[str] = None
+    tie: str = "alternate"
+    seed: int = 0
+    grad_dtype: str = "fp32"
+    fused: Optional[bool] = None
+    bucket_mb: float = 25.0
+    message_mb: float = 25.0
+
+    def __post_init__(self):
+        check_choice("vote", self.vote, OPTIMIZER_VOTES)
+        check_choice("grad_dtype", self.grad_dtype, GRAD_DTYPE_NAMES)
+        check_optional_choice("quantizer", self.quantizer, QUANTIZERS)
+        votes.check_lane_options(self.vote, self.bits, self.quantizer)
+        votes.check_tie(self.tie, self.vote, self.quantizer)
+        check_optional_bool("fused", self.fused)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"seed must be an int, got {self.seed!r}")
+        object.__setattr__(self, "bucket_mb", check_number("bucket_mb", self.bucket_mb))
+        object.__setattr__(self, "message_mb", check_number("message_mb", self.message_mb))
+
+    @property
+    def votes(self) -> bool:
+        """Whether this is a vote (a registered method), not ``'grad'`` or an unresolved ``'auto'``."""
+        return self.vote in votes.METHODS
+
+    def method(self, world: int) -> Optional[votes.VoteMethod]:
+        """The vote method object for ``world`` ranks (None for ``'grad'``). Refuses, naming the
+        argument, what cannot be exact for that many ranks (e.g. lanes too narrow)."""
+        check_int("world", world, 1)
+        if self.vote == "auto":
+            raise ValueError("vote='auto' is resolved first (VoteConfig.resolved)")
+        return votes.make(self.vote, world, self.bits, self.quantizer, self.tie) if self.votes else None
+
+    def resolved(self, vote: str, bits: Optional[int]) -> "VoteConfig":
+        """This config with ``vote='auto'``'s pick (a binary-sign method: no quantizer)."""
+        return dataclasses.replace(self, vote=vote, bits=bits)
+
+    def fingerprint(self) -> dict:
+        """The settings a checkpoint must have been saved with to resume bit-exactly."""
+        return dict(vote=self.vote, bits=self.bits, quantizer=self.quantizer, tie=self.tie,
+                    grad_dtype=self.grad_dtype)
+
+
+class VoteSettings:
+    """The vote settings an optimizer exposes, read from its ``config`` (a :class:`VoteConfig`):
+    one source, so an attribute never disagrees with what the optimizer votes with."""
+
+    config: VoteConfig
+    vote = property(lambda self: self.config.vote, doc="The vote method's name (``'auto'``: its pick).")
+    bits = property(lambda self: self.config.bits, doc="``pbit``'s lane width (None: the smallest valid).")
+    quantizer = property(lambda self: self.config.quantizer, doc="``pbit``'s quantizer (None: binary signs).")
+    tie = property(lambda self: self.config.tie, doc="Where zeros and ties go on the 1-bit paths.")
+    seed = property(lambda self: self.config.seed, doc="The stochastic quantizer's seed (``seed + rank``).")

@@ -1,0 +1,125 @@
+"""The shell every Lion Cub optimizer steps inside: :class:`Shell`.
+
+:class:`~lioncub.LionCub`, :class:`~lioncub.LocalCub` and :class:`~lioncub.NodeCub` differ in
+what a step does; around it they need the same things, written here once:
+
+* the world: this rank and the group's size (:func:`world_of`), the one communication device
+  (:func:`lioncub.comm.comm_device`), the parameters' names for errors;
+* the start: every rank holds the same model (:func:`lioncub.guard.check_same_params`) and
+  starts from rank 0's values (one broadcast per chunk), both once, over the group the
+  optimizer keeps identical (NodeCub: the whole world, in-node ranks included);
+* the stochastic quantizer's generator (``seed + rank``, on the device, saved);
+* the closure, run with gradients enabled;
+* the non-finite policy under one name: ``nonfinite='raise'`` or ``'skip'`` (the older
+  spellings ``'skip_step'`` and ``'skip_round'`` are accepted and mean ``'skip'``), and the
+  replica-check cadence ``check_every``;
+* one state envelope: ``{"kind", "config", "counters", "rank", "world_size", "generator"}``
+  under the optimizer's own key, and one fingerprint check on load (:meth:`Shell.open_envelope`).
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import comm, guard
+from ..validate import check_choice, check_int
+
+__all__ = ["Shell", "world_of", "NONFINITE_POLICIES", "NONFINITE_ALIASES"]
+
+NONFINITE_POLICIES = ("raise", "skip")
+"""What ``nonfinite=`` takes: raise on every rank, or every rank skips the step (round) together."""
+NONFINITE_ALIASES = {"skip_step": "skip", "skip_round": "skip"}
+"""Older spellings of ``'skip'`` (LionCub/NodeCub's and LocalCub's), still accepted."""
+
+
+def world_of(group) -> tuple[int, int]:
+    """(this rank in ``group``, the group's size); (0, 1) without torch.distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError("process_group was given but torch.distributed is not initialised")
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+class Shell:
+    """Mixed into a :class:`torch.optim.Optimizer` subclass; :meth:`open_shell` runs after
+    ``torch.optim.Optimizer.__init__`` (it needs the param groups).
+
+    ``state_key``: the optimizer's entry in its ``state_dict`` (``'lioncub'``, ``'local'``, ...).
+    """
+
+    state_key: str
+
+    def open_shell(self, params: Sequence[Tensor], *, group, model: Optional[torch.nn.Module], nonfinite: str,
+                   check_every: int, seed: int, verify: bool = True, generator: bool = True,
+                   chunks: Optional[Iterable[Sequence[Tensor]]] = None) -> None:
+        """World, device, names, policy; then (``verify``) the same-model check and rank 0's values
+        over ``group``, broadcast ``chunks`` at a time (default: all at once), and (``generator``)
+        this rank's quantizer generator. Collective when ``verify``."""
+        self.nonfinite = check_choice("nonfinite", nonfinite, NONFINITE_POLICIES, aliases=NONFINITE_ALIASES)
+        self.check_every = check_int("check_every", check_every, 0, what="0 = never")
+        self.group = group
+        self.rank, self.world_size = world_of(group)
+        self.device = comm.comm_device(list(params), group)
+        """The one device of the parameters, the optimizer's state, messages and every collective."""
+        self._param_names = guard.param_names(model, params)
+        if verify:
+            guard.check_same_params(list(params), group, self.world_size, names=self._param_names)
+            if self.world_size > 1:
+                with torch.no_grad():
+                    for chunk in (chunks if chunks is not None else [params]):
+                        comm.broadcast_from_first(list(chunk), group)
+        self.generator = comm.make_generator(self.device, seed + self.rank) if generator else None
+        """The stochastic quantizer's (``linf``) draws: this rank's own, on the device, saved."""
+
+    @staticmethod
+    def run_closure(closure: Optional[Callable[[], float]]):
+        """``closure()`` with gradients enabled (steps run under ``no_grad``), or None."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
+    def check_due(self, count: int) -> bool:
+        """Whether the replicas are checked after ``count`` steps (rounds): every ``check_every``."""
+        return bool(self.check_every) and count > 0 and count % self.check_every == 0
+
+    # ------------------------------------------------------------------ state
+    def fingerprint(self) -> dict:
+        """The settings a checkpoint must match to resume bit-exactly (subclasses extend)."""
+        raise NotImplementedError
+
+    def envelope(self, counters: dict, **extra) -> dict:
+        """This optimizer's ``state_dict`` entry: kind, config, counters, whose state, generator."""
+        return {"kind": type(self).__name__, "config": self.fingerprint(), "counters": dict(counters),
+                "rank": self.rank, "world_size": self.world_size,
+                "generator": None if self.generator is None else self.generator.get_state(),
+                **extra}
+
+    def open_envelope(self, state_dict: dict, *, same_rank: bool = True) -> dict:
+        """The checked envelope of ``state_dict``: saved by this kind of optimizer, with this
+        config (one message per differing setting), by this rank of this world (``same_rank``;
+        else this world size). ``ValueError`` otherwise; nothing is restored here."""
+        kind = type(self).__name__
+        env = state_dict.get(self.state_key) if isinstance(state_dict, dict) else None
+        if env is None:
+            raise ValueError(f"state_dict has no {self.state_key!r} entry: it was not saved by {kind}.state_dict()")
+        if env.get("kind", kind) != kind:
+            raise ValueError(f"state_dict was saved by {env['kind']}, not {kind}")
+        mine = self.fingerprint()
+        for key, value in env["config"].items():
+            if key in mine and mine[key] != value:
+                raise ValueError(f"checkpoint was saved with {key}={value!r} but this optimizer has "
+                                 f"{key}={mine[key]!r}")
+        if same_rank and (env["rank"], env["world_size"]) != (self.rank, self.world_size):
+            raise ValueError(
+                f"checkpoint holds the state of rank {env['rank']} of {env['world_size']}, but this is rank "
+                f"{self.rank} of {self.world_size}; load each rank's own state dict, or convert a checkpoint "
+                "from another world size with lioncub.resume.reshard_states")
+        if not same_rank and env["world_size"] != self.world_size:
+            raise ValueError(f"checkpoint was saved by {env['world_size']} workers, this run has "
+                             f"{self.world_size}: the saved state is per worker")
+        return env
