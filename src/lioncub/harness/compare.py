@@ -27,7 +27,7 @@ def run_compare(config: TrainConfig, *, echo=print) -> dict:
     if int(os.environ.get("RANK", 0)) != 0:  # under torchrun only rank 0 reports
         return {"runs": summaries}
     csv_path = os.path.join(config.out, "compare.csv")
-    write_csv(csv_path, summaries)
+    write_csv(summaries, csv_path)
     png = plot_runs([s["run_dir"] for s in summaries], os.path.join(config.out, "loss.png"),
                     title=f"{config.model} on {config.data}, {summaries[0]['world_size']} workers")
     echo(format_table(summaries))

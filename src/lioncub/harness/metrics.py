@@ -52,8 +52,9 @@ def read_jsonl(path: str, *, partial: bool = False) -> list[dict]:
     return out
 
 
-def write_csv(path: str, rows: list[dict]) -> None:
-    """Rows of dicts to CSV; columns are the union of keys, in first-seen order."""
+def write_csv(rows: list[dict], path: str) -> None:
+    """Rows of flat dicts to CSV at ``path`` (directories made); columns are the union of keys, in
+    first-seen order. The harness's one CSV writer (summary.csv, and :mod:`.report`'s)."""
     columns: list[str] = []
     for row in rows:
         columns += [k for k in row if k not in columns]

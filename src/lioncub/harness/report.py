@@ -6,8 +6,9 @@ writes its figures with these.
 """
 from __future__ import annotations
 
-import csv
 import json
+
+from .metrics import write_csv
 
 __all__ = ["write_json", "write_csv", "plot_distribution", "plot_sign_match", "plot_layers", "plot_series"]
 
@@ -16,17 +17,6 @@ def write_json(obj, path: str) -> None:
     """``obj`` as indented JSON (tensors' floats as numbers)."""
     with open(path, "w") as f:
         json.dump(obj, f, indent=1, default=float)
-
-
-def write_csv(rows: list[dict], path: str) -> None:
-    """Rows of flat dicts to CSV (columns: the union of keys, in first-seen order)."""
-    keys: list[str] = []
-    for r in rows:
-        keys += [k for k in r if k not in keys]
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
 
 
 def _pyplot():

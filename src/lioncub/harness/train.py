@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .. import Lion, LionCub, LocalCub, NodeCub, comm, node_groups
+from .. import Lion, LionCub, LocalCub, NodeCub, comm, node_groups, votes
 from . import checkpoint
 from .config import TrainConfig
 from .data import (ImageLoader, TokenLoader, ensure_prepared, eval_batches, image_eval_batches,
@@ -51,8 +51,6 @@ def check_inputs(config: TrainConfig, world: int, *, prepare: bool = True) -> No
     there, missing or too little data, an unwritable ``out``, a p-bit lane that would overflow.
     Runs before any worker starts (``lioncub train``). ``prepare=False`` reads text data only
     if it is already tokenised (torchrun's ranks must not all tokenise at once)."""
-    from ..vote import pbit_levels
-
     try:
         resolve_device(config.device)
     except ValueError as exc:
@@ -60,9 +58,10 @@ def check_inputs(config: TrainConfig, world: int, *, prepare: bool = True) -> No
     if config.nodes > 1 and world % config.nodes:
         raise ValueError(f"--nodes {config.nodes} must divide the number of workers, {world} (nodes of equal size)")
     voters = config.nodes if config.nodes > 1 else world  # NodeCub: one voter per node
-    if config.optimizer == "lioncub" and config.vote == "pbit":
+    method = vote_method(config)
+    if method is not None and method.LANE_BITS:  # lanes that too many voters would overflow
         try:
-            pbit_levels(voters, config.bits, config.quantizer)
+            method(voters, config.bits, config.quantizer)
         except ValueError as exc:
             raise ValueError(f"--bits/--quantizer: {exc}") from None
     if config.tensorboard:
@@ -116,6 +115,26 @@ def _check_data(config: TrainConfig, world: int, prepare: bool) -> None:
         raise ValueError(f"--data {data!r}: {exc}") from None
 
 
+def vote_method(config: TrainConfig):
+    """The class of the run's vote method (:func:`lioncub.votes.lookup`), or None: no vote method
+    (``--optimizer lion|adamw``, ``--vote grad`` or ``auto``)."""
+    if config.optimizer != "lioncub" or config.vote not in votes.METHODS:
+        return None
+    return votes.lookup(config.vote)
+
+
+def lane_options(config: TrainConfig) -> dict:
+    """The ``bits`` / ``quantizer`` arguments the run's vote method takes (its ``LANE_BITS`` /
+    ``TAKES_QUANTIZER``), for the optimizer's constructor."""
+    method = vote_method(config)
+    out = {}
+    if method is not None and method.LANE_BITS:
+        out["bits"] = config.bits
+    if method is not None and method.TAKES_QUANTIZER:
+        out["quantizer"] = config.quantizer
+    return out
+
+
 def lr_factor(step: int, config: TrainConfig) -> float:
     """Linear warm-up over ``warmup_steps``, then cosine decay to ``min_lr_ratio`` (:func:`schedule.lr_at`)."""
     return lr_at(step, config.steps, config.warmup_steps, config.min_lr_ratio)
@@ -161,7 +180,7 @@ def make_optimizer(config: TrainConfig, groups: list[dict], model=None):
     """lioncub -> LionCub(vote=...); lion -> Lion; adamw -> AdamW (the last two with a harness allreduce).
 
     ``model`` lets LionCub name parameters in its errors and find the ``io`` layers."""
-    extra = dict(bits=config.bits, quantizer=config.quantizer) if config.vote == "pbit" else {}
+    extra = lane_options(config)
     if config.optimizer == "lioncub" and config.local_steps > 1:
         return LocalCub(groups, lr=config.lr, betas=config.betas, local_steps=config.local_steps, inner=config.inner,
                         vote=config.vote, outer=config.outer, outer_lr=config.outer_lr,
@@ -310,7 +329,7 @@ def train_worker(config: TrainConfig) -> dict:
     summary = summarize(config, steps, evals, world=world, n_params=n_params,
                         wall_s=time.perf_counter() - t_begin, device=str(device), optimizer=opt)
     if rank == 0:
-        write_csv(os.path.join(config.out, "summary.csv"), [summary])
+        write_csv([summary], os.path.join(config.out, "summary.csv"))
     return summary
 
 
