@@ -293,12 +293,15 @@ def reshard_optimizer(states: list[dict], optimizer, rank: int, world: int) -> d
                          f"on {len(states)} ranks in the same nodes only (this run has {world})")
     if "lioncub" not in states[0]:
         return states[0]  # Lion / AdamW under a gradient allreduce: the same state on every rank
+    from .. import votes
     from ..resume import reshard_states
 
     sd = reshard_states(states, world)[rank]
     extra = sd["lioncub"]["config"]
-    if sd["lioncub"].get("vote_requested") == "auto" or (optimizer.vote == extra["vote"] == "pbit" and
-                                                         extra["bits"] != optimizer.bits):
+    # 'auto' picks again for this world, and a method with lanes may pick another lane width for it
+    lanes = (optimizer.vote == extra["vote"] and extra["vote"] in votes.METHODS
+             and bool(votes.lookup(extra["vote"]).LANE_BITS))
+    if sd["lioncub"].get("vote_requested") == "auto" or (lanes and extra["bits"] != optimizer.bits):
         extra["vote"], extra["bits"] = optimizer.vote, optimizer.bits  # this world's pick / lane width
     return sd
 
