@@ -150,8 +150,8 @@ def test_the_validation_words_are_one_line_naming_the_argument():
         check_int("local_steps", 0, 1)
     with pytest.raises(ValueError, match=r"^n_workers must be an int in \[1, 253\], got True$"):
         check_int("n_workers", True, 1, 253)
-    with pytest.raises(ValueError, match=r"^check_every must be an int >= 0 \(0 = never\), got -1$"):
-        check_int("check_every", -1, 0, what="0 = never")
+    with pytest.raises(ValueError, match=r"^H \(steps between synchronisations\) must be an int >= 1, got 0$"):
+        check_int("H", 0, 1, what="steps between synchronisations")
     with pytest.raises(ValueError, match=r"^rate must be a number >= 0, got -1$"):
         check_number("rate", -1, positive=False)
     assert check_choice("nonfinite", "skip_step", ("raise", "skip"), aliases={"skip_step": "skip"}) == "skip"

@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import math
 import sys
-import time
 from typing import Sequence
 
 from . import votes
 from .quantize import QUANTIZERS
+from .validate import check_int
 
 VOTE_METHODS = votes.VOTE_METHODS
 METHODS = ("grad",) + VOTE_METHODS
@@ -72,10 +72,8 @@ def _summary(cls: type[votes.VoteMethod]) -> str:
 def _check_common(method: str, n: int, world_size: int) -> None:
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}; got {method!r}")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"n must be an int >= 0; got {n!r}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1; got {world_size!r}")
+    check_int("n", n, 0)
+    check_int("world_size", world_size, 1)
 
 
 def method_valid(method: str, world_size: int, *, bits: int | None = None, quantizer=None) -> bool:

@@ -194,7 +194,7 @@ def encode(exp_avgs: list[Tensor], grads: list[Tensor], beta1, maximize, out: Te
     Returns whether every gradient is finite (no NaN, no ±Inf): a bool (C loops) or a 0-dim
     bool tensor on the tensors' device (Triton: no host sync) — the check of
     :func:`lioncub.guard.grads_finite`, made during the same read of ``g``, passed on as is."""
-    k, n = len(exp_avgs), sum(t.numel() for t in exp_avgs)
+    n = sum(t.numel() for t in exp_avgs)
     need = n if signs else -(-n * bits // 8)
     if out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() != need:
         raise ValueError(f"out must be a contiguous uint8 tensor of {need} bytes, got {out.dtype} {tuple(out.shape)}")

@@ -52,7 +52,6 @@ from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
 from . import amp, comm, guard
 from .comm import CommStats

@@ -42,6 +42,7 @@ from . import comm
 from .lion import interpolate
 from .momentum import label_params
 from .quantize import quantize
+from .validate import check_int
 from .vote import reference_vote
 
 __all__ = ["update_distribution", "sign_match", "tie_rate", "momentum_std", "update_vectors",
@@ -57,8 +58,7 @@ def update_distribution(c: Tensor, *, bins: int = 81, span: float = 10.0) -> dic
     """Shape of ``c``: histogram of ``c / mean|c|`` on ``[-span, span]`` (outliers counted
     in the end bins), Pearson kurtosis ``E[z^4]`` with ``z = (c - mean)/std``, and
     ``max|c| / mean|c|``."""
-    if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
-        raise ValueError(f"bins must be an int >= 1, got {bins!r}")
+    check_int("bins", bins, 1)
     x = c.detach().reshape(-1).double()
     if x.numel() == 0:
         raise ValueError("c is empty")

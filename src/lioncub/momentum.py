@@ -56,6 +56,7 @@ from torch import Tensor
 
 from . import comm, cost
 from .comm import CommStats
+from .validate import check_int
 
 __all__ = ["Adaptive", "MomentumSync", "POLICIES", "SYNC_DTYPES", "io_parameters", "label_params",
            "divergence_sketch", "sync_bytes"]
@@ -79,8 +80,7 @@ class Adaptive:
         if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) \
                 or not 0.0 <= self.threshold <= 1.0:
             raise ValueError(f"threshold must be a number in [0, 1], got {self.threshold!r}")
-        if isinstance(self.buckets, bool) or not isinstance(self.buckets, int) or self.buckets < 1:
-            raise ValueError(f"buckets must be an int >= 1, got {self.buckets!r}")
+        check_int("buckets", self.buckets, 1)
 
 
 def label_params(params: list[Tensor], model: nn.Module | None) -> list[str]:
@@ -209,8 +209,7 @@ class MomentumSync:
     """
 
     def __init__(self, policy="none", *, every: int = 10, dtype: str = "fp32", model=None, optimizer=None):
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"sync_every must be an int >= 1, got {every!r}")
+        check_int("sync_every", every, 1)
         if dtype not in SYNC_DTYPES:
             raise ValueError(f"sync_dtype must be one of {tuple(SYNC_DTYPES)}, got {dtype!r}")
         params = [] if optimizer is None else _params(optimizer)

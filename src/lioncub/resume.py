@@ -49,6 +49,8 @@ from typing import Sequence
 
 import torch
 
+from .validate import check_int
+
 __all__ = ["reshard_states", "check_loadable", "upgrade_envelope"]
 
 _LEGACY_CONFIG = ("vote", "bits", "quantizer", "grad_dtype")
@@ -152,8 +154,7 @@ def reshard_states(states: Sequence[dict], world_size: int) -> list[dict]:
         old = [torch.load(f"ckpt/rank{r}.pt")["optimizer"] for r in range(4)]
         opt.load_state_dict(lioncub.resume.reshard_states(old, 2)[dist.get_rank()])
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    check_int("world_size", world_size, 1)
     if len(states) == 0:
         raise ValueError("states must hold at least one rank's state dict, got none")
     _check_old_world(states)

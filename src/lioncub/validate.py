@@ -29,7 +29,7 @@ def check_int(name: str, value, low: Optional[int] = None, high: Optional[int] =
             allowed = f"an int <= {high}"
         else:
             allowed = "an int"
-        raise ValueError(f"{name} must be {allowed}{f' ({what})' if what else ''}, got {value!r}")
+        raise ValueError(f"{name}{f' ({what})' if what else ''} must be {allowed}, got {value!r}")
     return value
 
 

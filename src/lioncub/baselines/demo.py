@@ -34,7 +34,8 @@ from torch import nn
 
 from .. import comm
 from .base import Adapter, broadcast_module
-from .wire import Packer, Reader, all_gather_bytes, check_config, check_float, check_int, rows, unrows
+from ..validate import check_int
+from .wire import Packer, Reader, all_gather_bytes, check_config, check_float, rows, unrows
 
 __all__ = ["DeMo", "dct_matrix"]
 
@@ -61,8 +62,8 @@ class DeMo(Adapter):
     def __init__(self, module: nn.Module, *, lr: float, k: int = 4, chunk: int = 64, beta: float = 0.999,
                  group=None, weight_decay: float = 0.0):
         super().__init__(module, group=group)
-        self.chunk = check_int("chunk", chunk, 1, 256, "DCT length; indices travel as uint8")
-        self.k = check_int("k", k, 1, chunk, "DCT components sent per chunk")
+        self.chunk = check_int("chunk", chunk, 1, 256, what="DCT length; indices travel as uint8")
+        self.k = check_int("k", k, 1, chunk, what="DCT components sent per chunk")
         self.beta = check_float("beta", beta, 0.0, 1.0, "momentum decay")
         self.weight_decay = check_float("weight_decay", weight_decay, 0.0, math.inf, "decoupled", high_open=True)
         self.name = "demo"

@@ -23,16 +23,16 @@ from torch import nn
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
 from .. import comm
+from ..validate import check_int
 from .base import Adapter, broadcast_module, set_lr
 from .ddp import BETAS
 
 __all__ = ["LocalSGD", "DiLoCo", "Rounds"]
 
 
-def _check_period(H) -> int:
-    if isinstance(H, bool) or not isinstance(H, int) or H < 1:
-        raise ValueError(f"H (steps between synchronisations) must be an int >= 1, got {H!r}")
-    return H
+def check_period(H) -> int:
+    """``H``, the steps between synchronisations, an int >= 1."""
+    return check_int("H", H, 1, what="steps between synchronisations")
 
 
 class LocalSGD(Adapter):
@@ -42,7 +42,7 @@ class LocalSGD(Adapter):
 
     def __init__(self, module: nn.Module, *, lr: float, H: int, group=None, weight_decay: float = 0.0):
         super().__init__(module, group=group)
-        self.H = _check_period(H)
+        self.H = check_period(H)
         self.name = f"local-adamw-h{H}"
         broadcast_module(module, group)
         self.opt = torch.optim.AdamW(module.parameters(), lr=lr, betas=BETAS, weight_decay=weight_decay)
@@ -88,7 +88,7 @@ class DiLoCo(Rounds):
     def __init__(self, module: nn.Module, *, lr: float, H: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, group=None, weight_decay: float = 0.0):
         super().__init__(module, group=group)
-        self.H = _check_period(H)
+        self.H = check_period(H)
         self.name = f"diloco-h{H}"
         broadcast_module(module, group)
         self.params = list(module.parameters())

@@ -45,8 +45,9 @@ from torch import nn
 from .. import comm
 from .base import broadcast_module
 from .ddp import BETAS
-from .local import Rounds, _check_period
-from .wire import Packer, Reader, all_gather_bytes, check_config, check_float, check_int, rows, unrows
+from ..validate import check_int
+from .local import Rounds, check_period
+from .wire import Packer, Reader, all_gather_bytes, check_config, check_float, rows, unrows
 
 __all__ = ["SparseLoCo", "encode", "decode"]
 
@@ -104,9 +105,9 @@ class SparseLoCo(Rounds):
     def __init__(self, module: nn.Module, *, lr: float, H: int, k: int = 64, chunk: int = 4096,
                  beta: float = 0.95, outer_lr: float = 1.0, group=None, weight_decay: float = 0.0):
         super().__init__(module, group=group)
-        self.H = _check_period(H)
-        self.chunk = check_int("chunk", chunk, 1, 32767, "elements per row; indices travel as int16")
-        self.k = check_int("k", k, 1, chunk, "entries sent per row of chunk elements")
+        self.H = check_period(H)
+        self.chunk = check_int("chunk", chunk, 1, 32767, what="elements per row; indices travel as int16")
+        self.k = check_int("k", k, 1, chunk, what="entries sent per row of chunk elements")
         self.beta = check_float("beta", beta, 0.0, 1.0, "error-feedback decay")
         self.outer_lr = check_float("outer_lr", outer_lr, 0.0, math.inf, "outer step size", low_open=True,
                                     high_open=True)

@@ -13,7 +13,7 @@ import torch
 
 from .. import comm
 
-__all__ = ["rows", "unrows", "Packer", "Reader", "all_gather_bytes", "check_int", "check_float", "check_config"]
+__all__ = ["rows", "unrows", "Packer", "Reader", "all_gather_bytes", "check_float", "check_config"]
 
 
 def rows(flat: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -66,10 +66,6 @@ def all_gather_bytes(msg: torch.Tensor, group=None, world: int = 1) -> list[torc
     return list(comm.all_gather(msg, group).unbind(0))
 
 
-def check_int(name: str, value, low: int, high: int, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ValueError(f"{name} ({what}) must be an int in [{low}, {high}], got {value!r}")
-    return value
 
 
 def check_float(name: str, value, low: float, high: float, what: str, *, low_open: bool = False,

@@ -60,7 +60,7 @@ class Shell:
         over ``group``, broadcast ``chunks`` at a time (default: all at once), and (``generator``)
         this rank's quantizer generator. Collective when ``verify``."""
         self.nonfinite = check_choice("nonfinite", nonfinite, NONFINITE_POLICIES, aliases=NONFINITE_ALIASES)
-        self.check_every = check_int("check_every", check_every, 0, what="0 = never")
+        self.check_every = check_int("check_every", check_every, 0)
         self.group = group
         self.rank, self.world_size = world_of(group)
         self.device = comm.comm_device(list(params), group)

@@ -35,7 +35,6 @@ change it: one part alone is :func:`lioncub.majority_vote`, element for element.
 """
 from __future__ import annotations
 
-import time
 from typing import ClassVar, Optional
 
 import torch
