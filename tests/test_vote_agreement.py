@@ -49,19 +49,17 @@ def test_window_means():
     assert math.isclose(w["0-400"]["ties"], 0.2) and math.isclose(w["400-end"]["1-bit"]["flip_mass"], 0.7)
 
 
-def _probed_and_plain(rank, world):
-    from lioncub.harness.config import default_cache_dir
-
+def _probed_and_plain(rank, world, cache_dir):
     spec = dataclasses.replace(va.agreement_spec(3), layers=2, embd=32, block=32, batch=2, steps=5, warmup=1)
-    job = va.Job([spec], out="", cache_dir=default_cache_dir(), every=2)
+    job = va.Job([spec], out="", cache_dir=cache_dir, every=2)
     probed = va.agreement_worker(job)[0]
     plain = study.train_one(spec, job.cache_dir, eval_every=5)
     return probed, plain["final"]["val_loss"]
 
 
-def test_probe_on_a_gloo_run_leaves_training_unchanged():
+def test_probe_on_a_gloo_run_leaves_training_unchanged(corpus_cache):
     """Fails if the probe is not called at every ``every``-th step, or if it changes the run."""
-    for probed, plain in run_workers(_probed_and_plain, 2):
+    for probed, plain in run_workers(_probed_and_plain, 2, str(corpus_cache)):
         assert [p["step"] for p in probed["probes"]] == [0, 2, 4]
         assert probed["final"]["val_loss"] == plain  # bit for bit
         for p in probed["probes"]:
