@@ -185,7 +185,7 @@ def make_optimizer(config: TrainConfig, groups: list[dict], model=None):
         return LocalCub(groups, lr=config.lr, betas=config.betas, local_steps=config.local_steps, inner=config.inner,
                         vote=config.vote, outer=config.outer, outer_lr=config.outer_lr,
                         error_feedback=config.error_feedback, aggregate=config.aggregate, model=model,
-                        nonfinite="skip_round" if config.nonfinite == "skip_step" else "raise",
+                        nonfinite=config.nonfinite,
                         check_every=config.check_every, **extra)
     if config.optimizer == "lioncub" and config.nodes > 1:
         layout = node_groups(dist.get_world_size() // config.nodes)
