@@ -8,6 +8,7 @@ DiLoCo's outer step is checked against its definition by hand.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 
 import pytest
@@ -66,15 +67,15 @@ def _outer_step_by_hand(rank, world):
     x = torch.randint(0, 64, (2, 8), generator=gen)
     method.backward(x, x)
     assert not method.step(1e-2)
+    seen = []  # this rank's model after its inner step, before the round's outer step
+    method.opt.inner.register_step_post_hook(
+        lambda *_: seen.append(torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])))
     method.backward(x, x)
-    method.inner.step()  # the inner half of step 2, so we can look before the outer step
-    method.inner.zero_grad()
-    local = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert method.step(1e-2)  # the inner half of step 2, then the outer step
+    local = seen[-1]
     mean = local.clone()
     dist.all_reduce(mean)
     mean /= world
-    method.steps += 1
-    method.outer_step()
     after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return float((after - mean).abs().max()), float((local - mean).abs().max())
 
@@ -162,3 +163,41 @@ def test_build_rejects_bad_input():
         baselines.build("adamw-ddp", model, lr=0.0)
     with pytest.raises(ValueError, match="H .* must be an int >= 1"):
         baselines.local.DiLoCo(model, lr=1e-3, H=0)
+
+
+def _diloco_by_torch(model, *, lr, H, outer_lr, outer_momentum, weight_decay, steps, batch):
+    """DiLoCo as the paper writes it, on one rank, with PyTorch's own optimizers: inner AdamW,
+    outer SGD(nesterov=True) on the pseudo-gradient θ_g − θ."""
+    params = list(model.parameters())
+    inner = torch.optim.AdamW(params, lr=lr, betas=baselines.ddp.BETAS, weight_decay=weight_decay)
+    global_params = [p.detach().clone().requires_grad_(True) for p in params]
+    outer = torch.optim.SGD(global_params, lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0)
+    for step in range(steps):
+        model.zero_grad()
+        model(batch(step)).square().mean().backward()
+        inner.step()
+        if (step + 1) % H == 0:
+            with torch.no_grad():
+                for g, p in zip(global_params, params):
+                    g.grad = (g - p).detach().clone()
+                outer.step()
+                for p, g in zip(params, global_params):
+                    p.copy_(g)
+
+
+@pytest.mark.parametrize("outer_momentum, weight_decay", [(0.9, 0.0), (0.5, 0.1), (0.0, 0.0)])
+def test_diloco_on_localcub_rounds_is_torchs_adamw_and_nesterov_sgd_bit_for_bit(outer_momentum, weight_decay):
+    """The DiLoCo baseline runs on LocalCub's round loop; the same numbers as PyTorch's optimizers."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    ours = copy.deepcopy(ref)
+    batch = lambda step: torch.randn(5, 8, generator=torch.Generator().manual_seed(step))  # noqa: E731
+    kw = dict(lr=1e-2, H=3, outer_lr=0.7, outer_momentum=outer_momentum, weight_decay=weight_decay)
+    _diloco_by_torch(ref, steps=12, batch=batch, **kw)
+    method = baselines.local.DiLoCo(ours, **kw)
+    synced = []
+    for step in range(12):
+        ours(batch(step)).square().mean().backward()
+        synced.append(method.step(kw["lr"]))
+    assert synced == [False, False, True] * 4
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), ours.parameters()))

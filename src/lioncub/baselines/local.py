@@ -4,7 +4,7 @@ r"""Local methods: workers train alone for ``H`` steps, then agree on one model.
 after every ``H``-th step the parameters are averaged (one flat fp32 all-reduce, through
 PyTorch's ``PeriodicModelAverager``); AdamW's moments stay local.
 
-``DiLoCo`` (Douillard et al. 2023, arXiv 2311.08105), written here from the paper::
+``DiLoCo`` (Douillard et al. 2023, arXiv 2311.08105), from the paper, on LocalCub's rounds::
 
     θ_g                      # global parameters, identical on every rank
     repeat:
@@ -17,14 +17,16 @@ per element once every ``H`` steps, i.e. 32/H bits per element per step.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
-from .. import comm
 from ..validate import check_int
 from .base import Adapter, broadcast_module, set_lr
+from .cub import LocalCubMethod
 from .ddp import BETAS
 
 __all__ = ["LocalSGD", "DiLoCo", "Rounds"]
@@ -80,33 +82,28 @@ class Rounds(Adapter):
         raise NotImplementedError
 
 
-class DiLoCo(Rounds):
-    """Inner AdamW for ``H`` steps, outer Nesterov step on the averaged pseudo-gradient."""
+def _inner_adamw(groups: list[dict], *, weight_decay: float) -> torch.optim.AdamW:
+    """DiLoCo's inner optimizer: AdamW with the weight decay inside it (as in the paper)."""
+    return torch.optim.AdamW([dict(g, weight_decay=weight_decay) for g in groups], betas=BETAS)
+
+
+class DiLoCo(LocalCubMethod):
+    """Inner AdamW for ``H`` steps, outer Nesterov step on the averaged pseudo-gradient.
+
+    It runs on :class:`~lioncub.LocalCub`'s round loop: ``vote='grad'`` (the fp32 mean of
+    Δ, one all-reduce), ``outer='nesterov'`` (PyTorch's ``SGD(nesterov=True)`` rule, the
+    same arithmetic op for op: tests/test_baselines.py compares the two bit for bit), and
+    the inner AdamW with the weight decay inside it, as the paper has it."""
 
     family = "adamw"
 
+    @classmethod
+    def family_for(cls, **options) -> str:
+        return cls.family
+
     def __init__(self, module: nn.Module, *, lr: float, H: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, group=None, weight_decay: float = 0.0):
-        super().__init__(module, group=group)
-        self.H = check_period(H)
-        self.name = f"diloco-h{H}"
-        broadcast_module(module, group)
-        self.params = list(module.parameters())
-        self.inner = torch.optim.AdamW(self.params, lr=lr, betas=BETAS, weight_decay=weight_decay)
-        self.global_params = [p.detach().clone().requires_grad_(True) for p in self.params]
-        self.outer = torch.optim.SGD(self.global_params, lr=outer_lr, momentum=outer_momentum,
-                                     nesterov=outer_momentum > 0)
-
-    @torch.no_grad()
-    def outer_step(self) -> None:
-        sizes = [p.numel() for p in self.params]
-        delta = torch.cat([(g - p).reshape(-1) for g, p in zip(self.global_params, self.params)])  # (n,)
-        if self.world > 1:
-            comm.all_reduce(delta, self.group)  # on the parameters' device
-            delta /= self.world
-        for g, d in zip(self.global_params, delta.split(sizes)):
-            g.grad = d.view_as(g)
-        self.outer.step()
-        self.outer.zero_grad(set_to_none=True)
-        for p, g in zip(self.params, self.global_params):
-            p.copy_(g)
+        super().__init__(module, lr=lr, H=check_period(H), vote="grad", outer="nesterov", outer_lr=outer_lr,
+                         outer_momentum=outer_momentum, inner=partial(_inner_adamw, weight_decay=weight_decay),
+                         group=group)
+        self.H, self.name = H, f"diloco-h{H}"
