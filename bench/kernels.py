@@ -38,7 +38,8 @@ import time
 
 import torch
 
-from lioncub import fused, kernels
+from lioncub import fused
+from lioncub.wire import kernels
 from lioncub.lion import apply_update_, interpolate
 from lioncub import votes
 from lioncub.votes import binary_signs

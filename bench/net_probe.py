@@ -7,7 +7,7 @@ and compares with docs/design.md §3:
     time  = 2(P-1)·α + 2(P-1)/P · 8B · β      (model: α = 0, β = 1/rate)
     bytes = 2(P-1)/P · B sent per worker      (wire: the veth's tx counter)
 
-It also fits (α, β) from the measured times and from :func:`lioncub.cost.calibrate`.
+It also fits (α, β) from the measured times and from :func:`lioncub.engine.cost.calibrate`.
 The unshaped row is the CPU-bound floor of this host. Needs root.
 
     sudo OMP_NUM_THREADS=1 PYTHONPATH=src python3 -m bench.net_probe            # ~1 min
@@ -32,7 +32,7 @@ def worker(sizes_mib: list[float], repeats: int, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from lioncub.cost import calibrate
+    from lioncub.engine.cost import calibrate
     from lioncub.testbed import iface_bytes
 
     _runner.init_worker(timeout_s=300)
@@ -70,7 +70,7 @@ def _median(v):
 
 def probe(n_workers: int, rate, sizes_mib, repeats: int) -> dict:
     """Run the probe in one testbed; returns the measured rows and model figures."""
-    from lioncub.cost import fit_alpha_beta, predicted_bytes, predicted_time
+    from lioncub.engine.cost import fit_alpha_beta, predicted_bytes, predicted_time
 
     P = n_workers
     argv = ["--repeats", str(repeats), "--sizes-mib", ",".join(str(s) for s in sizes_mib)]

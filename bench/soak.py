@@ -47,7 +47,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     import torch
     import torch.distributed as dist
 
-    from lioncub import LionCub, guard
+    from lioncub import LionCub
+    from lioncub.engine import guard
 
     torch.manual_seed(0)  # same teacher and model init everywhere (LionCub broadcasts rank 0's anyway)
     teacher = torch.nn.Linear(args.dim, args.classes)

@@ -70,7 +70,8 @@ def worker(args, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from lioncub import LionCub, cost
+    from lioncub import LionCub
+    from lioncub.engine import cost
     from lioncub.testbed import iface_bytes
 
     rank = _runner.init_worker()
@@ -120,7 +121,7 @@ def worker(args, out_dir: str) -> None:
 
 def _model(label, kw, sizes, n_tensors, P, alpha, beta):
     """(bytes sent per rank, α-β seconds) the model predicts for one step of ``label``."""
-    from lioncub import cost
+    from lioncub.engine import cost
 
     if kw is None:
         m, mkw = "grad", {}
@@ -137,7 +138,7 @@ def _model(label, kw, sizes, n_tensors, P, alpha, beta):
 
 def run_testbed(args, argv: list[str], rate) -> dict:
     """Every method on a testbed at ``rate`` (``argv``, the command line, passed on to the ranks)."""
-    from lioncub.auto import choose_vote, vote_costs
+    from lioncub.engine.auto import choose_vote, vote_costs
 
     P = args.workers
     ran = _runner.launch("bench.step_time", argv, P, prefix="lcs", rate=rate)

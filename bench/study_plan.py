@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 
 PARTS = ("recipe", "batch", "ablate", "quant", "ties", "msync", "tied", "vision")
 BLOCK = 32  # GPT context; with width 32 and 2 layers the GPT has ~35k params (CPU is scarce)
-TIE_RULES = ("plus", "minus", "alternate")  # the library's lioncub.vote.TIE_RULES, in table order
+TIE_RULES = ("plus", "minus", "alternate")  # the library's lioncub.votes.api.TIE_RULES, in table order
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from lioncub.harness.data import ensure_prepared
 from lioncub.harness.launch import spawn_local
 from lioncub.harness.metrics import read_jsonl
 from lioncub.instruments import tie_rate, update_vectors
-from lioncub.vote import reference_vote
+from lioncub.votes.api import reference_vote
 
 PROBE_VOTES = {"1-bit": dict(method="onebit"), "4-bit binary": dict(method="pbit", bits=4),
                "8-bit L1": dict(method="pbit", bits=8, quantizer="l1")}

@@ -5,7 +5,7 @@ see bench/net_probe.py and the step-time table for shaped links). For every vote
 method, each rank votes on its own ~25M-element fp32 bucket a few times; we report
 the median over repetitions of the slowest rank's times, split into
 quantize+pack / collective / unpack+vote, the bytes sent per rank per step (our
-accounting) and the α-β model's bytes (lioncub.cost.predicted_bytes).
+accounting) and the α-β model's bytes (lioncub.engine.cost.predicted_bytes).
 
     python bench/vote_bench.py [--n 25000000] [--world 4] [--reps 3]
 """
@@ -33,8 +33,8 @@ CONFIGS = [  # (label, method, kwargs)
 
 def _worker(rank, world, n, reps, out):  # one CPU thread, in a gloo group (the launcher's default)
     from lioncub.comm import CommStats, all_reduce
-    from lioncub.cost import predicted_bytes
-    from lioncub.vote import majority_vote
+    from lioncub.engine.cost import predicted_bytes
+    from lioncub.votes.api import majority_vote
 
     g = torch.Generator().manual_seed(rank)
     c = torch.distributions.Laplace(0.0, 1.0).sample((n,))

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lioncub
-from lioncub.ddp_hook import register
+from lioncub.ddp.hook import register
 
 
 def teacher(x: torch.Tensor) -> torch.Tensor:

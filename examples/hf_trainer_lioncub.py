@@ -10,7 +10,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 import lioncub
-from lioncub.ddp_hook import attach_to_trainer
+from lioncub.ddp.hook import attach_to_trainer
 
 
 def main(steps: int = 30) -> None:

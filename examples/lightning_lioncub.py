@@ -14,7 +14,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 import lioncub
-from lioncub.ddp_hook import register
+from lioncub.ddp.hook import register
 
 
 class SendLionCubVote(L.Callback):

@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lioncub import LionCub, auto, cost
-from lioncub.auto import AUTO_CANDIDATES, DEFAULT_GAMMA, choose_vote, gamma_for, vote_costs
+from lioncub import LionCub
+from lioncub.engine import auto, cost
+from lioncub.engine.auto import AUTO_CANDIDATES, DEFAULT_GAMMA, choose_vote, gamma_for, vote_costs
 from tests.dist import run_workers
 
 N = 25_000_000  # one step of a ~25M-parameter model

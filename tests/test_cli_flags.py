@@ -81,7 +81,7 @@ def _auto_picks(rank, world):
     import torch
 
     from lioncub import LionCub, LocalCub
-    from lioncub.auto import AUTO_CANDIDATES
+    from lioncub.engine.auto import AUTO_CANDIDATES
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))

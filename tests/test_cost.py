@@ -6,9 +6,10 @@ import math
 
 import pytest
 
-from lioncub import cost, votes
-from lioncub.auto import AUTO_CANDIDATES, choose_vote
-from lioncub.cost import fit_alpha_beta, method_valid, predicted_bytes, predicted_time
+from lioncub.engine import cost
+from lioncub import votes
+from lioncub.engine.auto import AUTO_CANDIDATES, choose_vote
+from lioncub.engine.cost import fit_alpha_beta, method_valid, predicted_bytes, predicted_time
 
 N = 10**6
 
@@ -189,7 +190,7 @@ def _live_worker(rank, world_size):
     import torch
 
     from lioncub.comm import CommStats
-    from lioncub.vote import majority_vote
+    from lioncub.votes.api import majority_vote
 
     sent = {}
     for method, kw in [("sign_allreduce", {}), ("gather", {}), ("onebit", {}), ("pbit", {}),

@@ -9,8 +9,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lioncub import LionCub
-from lioncub import overlap as overlap_mod
-from lioncub.ddp_hook import register
+from lioncub.engine import overlap as overlap_mod
+from lioncub.ddp.hook import register
 from tests.dist import run_workers
 from tests.test_overlap import HostSyncs, no_cuda_calls
 
@@ -151,7 +151,7 @@ def test_ddp_hook_takes_no_host_sync_in_backward():
 def _trainer_worker(rank, world, out_dir):
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-    from lioncub.ddp_hook import attach_to_trainer
+    from lioncub.ddp.hook import attach_to_trainer
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.manual_seed(0)

@@ -93,7 +93,7 @@ def backward_item():
     w.register_post_accumulate_grad_hook(lambda p: p.grad.sum().item())
     (w * 2).sum().backward()
 run("in backward", backward_item)
-from lioncub import guard
+from lioncub.engine import guard
 w = torch.nn.Parameter(torch.zeros(3, device=meta)); w.grad = torch.zeros(3, device=meta)
 run("agree 255", lambda: guard.agree([w], None, 255, meta))
 run("agree 256", lambda: guard.agree([w], None, 256, meta))

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from lioncub import Lion, LionCub, reference_vote
-from lioncub.cost import predicted_bytes
+from lioncub.engine.cost import predicted_bytes
 from tests.dist import run_workers
 
 VOTES = [

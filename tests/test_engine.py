@@ -10,7 +10,7 @@ import torch
 from lioncub import LionCub, LocalCub
 from lioncub.engine.config import VoteConfig
 from lioncub.engine.shell import NONFINITE_POLICIES
-from lioncub.outer import OUTER_RULES, OuterLion, OuterNesterov, OuterSGD, make_outer
+from lioncub.optim.outer import OUTER_RULES, OuterLion, OuterNesterov, OuterSGD, make_outer
 from lioncub.validate import check_choice, check_int, check_number
 from tests.dist import run_workers
 

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from lioncub import fused, kernels
+from lioncub import fused
+from lioncub.wire import kernels
 from lioncub.lion import apply_update_, interpolate
 
 pytestmark = pytest.mark.skipif(not fused.available(), reason="no C compiler: the fused loops are not built")

@@ -24,7 +24,7 @@ def _lin():
 def test_grads_finite_matches_isfinite_at_every_position(dtype):
     """The one-sync min/max check agrees with isfinite().all() for a NaN or ±Inf at any
     position (vector bodies and tails), and huge finite values (whose sum overflows) pass."""
-    from lioncub.guard import grads_finite
+    from lioncub.engine.guard import grads_finite
 
     big = torch.finfo(dtype).max
     for n in (1, 7, 33, 1000):

@@ -10,8 +10,9 @@ import math
 import pytest
 import torch
 
-from lioncub import Lion, LionCub, NodeCub, cost, node_groups, reference_vote
-from lioncub.hierarchy import shard_owners
+from lioncub import Lion, LionCub, NodeCub, node_groups, reference_vote
+from lioncub.engine import cost
+from lioncub.optim.nodecub import shard_owners
 from tests.dist import run_workers
 
 SHAPES = [(40,), (30, 3), (17,), (5, 5)]
@@ -158,7 +159,7 @@ def test_replicas_identical_on_all_four_ranks(results, name):
 def test_shards_split_the_model_and_each_node_sends_one_voters_bytes(results):
     """Per rank and step, the exact bytes of the cross-node vote: its agreement all-reduce (one
     uint8 count per parameter it holds, plus one) and one vote of the elements it holds that
-    have a gradient somewhere (lioncub.cost, 2 voters). Sharded, a node's two ranks together
+    have a gradient somewhere (lioncub.engine.cost, 2 voters). Sharded, a node's two ranks together
     send one voter's vote of the whole model (up to rounding each shard to whole lanes);
     unsharded, each of them sends it."""
     sizes = [math.prod(s) for s in SHAPES]

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from lioncub import NodeCub, node_groups, reference_vote
-from lioncub.hierarchy import shard_owners
+from lioncub.optim.nodecub import shard_owners
 from tests.dist import run_workers
 
 WORLD, LOCAL = 4, 2

@@ -1,13 +1,13 @@
 """The fast kernels against plain reference loops (docs/design.md §12), element for element.
 
-The references below are written independently of :mod:`lioncub.kernels`: one bit or
+The references below are written independently of :mod:`lioncub.wire.kernels`: one bit or
 lane at a time, with integer arithmetic in int64. The vote methods run on the kernels,
 so they are checked here against the same references.
 """
 import pytest
 import torch
 
-from lioncub import kernels
+from lioncub.wire import kernels
 from lioncub.votes import binary_signs, decide
 
 SIZES = [0, 1, 7, 8, 9, 15, 16, 17, 100, 1001, 4099, 65539]
@@ -159,7 +159,7 @@ def test_the_fused_loops_ship_and_build_where_a_compiler_exists():
 
     from lioncub import fused
 
-    assert os.path.isfile(fused._SOURCE_PATH), "lioncub/fused.c is not installed with the package"
+    assert os.path.isfile(fused._SOURCE_PATH), "lioncub/fused/fused.c is not installed with the package"
     if shutil.which(os.environ.get("CC", "cc")) and os.environ.get("LIONCUB_FUSED", "1") != "0":
         assert fused.available()
 

@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 
 from lioncub import Lion, LionCub, LocalCub
-from lioncub.local_steps import MEAN_CLIP, sent_value
+from lioncub.optim.localcub import MEAN_CLIP, sent_value
 from lioncub import votes
-from lioncub.vote import pbit_levels
+from lioncub.votes.api import pbit_levels
 from tests.dist import run_workers
 
 SHAPES = [(7, 5), (13,), (3, 3, 3)]  # odd sizes: bits do not fill whole bytes
@@ -376,7 +376,7 @@ def test_mean_aggregate_applies_the_exact_sum_of_quantized_lanes(bits):
 
 # ------------------------------------------------------------------ vote='auto'
 def _auto(rank, world):
-    from lioncub.auto import choose_vote
+    from lioncub.engine.auto import choose_vote
 
     params = _params()
     n = sum(p.numel() for p in params)

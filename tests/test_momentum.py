@@ -1,4 +1,4 @@
-"""Momentum synchronisation (lioncub.momentum): selection of tensors, the sync itself on
+"""Momentum synchronisation (lioncub.engine.momentum): selection of tensors, the sync itself on
 real gloo groups (mean of the pre-sync momenta, identical on every rank, the rest
 untouched), its bytes in the step's CommStats, and the adaptive policy's divergence."""
 import pytest
@@ -9,7 +9,7 @@ from lioncub import CommStats, LionCub
 from lioncub.harness.models.gpt import build_gpt
 from lioncub.harness.models.resnet import resnet18
 from lioncub.harness.models.vit import vit_tiny
-from lioncub.momentum import Adaptive, MomentumSync, divergence_sketch, io_parameters, label_params, sync_bytes
+from lioncub.engine.momentum import Adaptive, MomentumSync, divergence_sketch, io_parameters, label_params, sync_bytes
 from tests.dist import run_workers
 
 

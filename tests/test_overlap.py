@@ -12,9 +12,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from lioncub import LionCub, fused
-from lioncub import overlap as overlap_mod
+from lioncub.engine import overlap as overlap_mod
 from lioncub.comm import CommStats
-from lioncub.cost import predicted_bytes
+from lioncub.engine.cost import predicted_bytes
 from tests.dist import run_workers
 
 VOTES = [dict(vote="pbit"), dict(vote="onebit"), dict(vote="gather"), dict(vote="sign_allreduce"),
@@ -153,7 +153,7 @@ def test_single_process_overlap_is_lion_and_validates():
     with pytest.raises(ValueError, match="vote='grad'"):
         _make(dict(vote="grad"), True)
     _, opt = _make(dict(vote="pbit"), True)
-    from lioncub.overlap import Overlap
+    from lioncub.engine.overlap import Overlap
     with pytest.raises(ValueError, match="already driven"):
         Overlap(opt)
     with pytest.raises(TypeError, match="must be a lioncub.LionCub"):
@@ -272,7 +272,7 @@ def test_no_host_sync_inside_backward_hooks():
 def test_finite_flags_combine_without_reading_them():
     """VoteDriver.finite's AND: bools short-circuit, 0-dim tensors combine on the device,
     one unchecked bucket (None) leaves the check to step()."""
-    from lioncub.guard import all_finite
+    from lioncub.engine.guard import all_finite
 
     def and_(flags):
         return all_finite(*flags)

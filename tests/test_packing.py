@@ -4,8 +4,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lioncub.kernels import pack_bytes, unpack_bytes
-from lioncub.packing import LANE_BITS, lane_bits_for, max_lane_value
+from lioncub.wire.kernels import pack_bytes, unpack_bytes
+from lioncub.wire.packing import LANE_BITS, lane_bits_for, max_lane_value
 
 sizes = st.integers(min_value=0, max_value=300)
 

@@ -1,5 +1,5 @@
 """Resume (issue 7): bit-exact continuation on the same world size, refusal of checkpoints
-that do not fit, and the world-size change rule of lioncub.resume.reshard_states
+that do not fit, and the world-size change rule of lioncub.engine.resume.reshard_states
 (4 ranks -> 2 ranks, trained on, on real gloo groups)."""
 import copy
 import io
@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from lioncub import LionCub
-from lioncub.resume import check_loadable, reshard_states
+from lioncub.engine.resume import check_loadable, reshard_states
 from tests.dist import run_workers
 
 W_TRUE = torch.linspace(-1, 1, 8)
@@ -159,7 +159,7 @@ def _train_pbit_on_two(rank, world):
 
 
 def _resume_pbit_on_four(rank, world, model_state, new_states):
-    from lioncub.cost import predicted_bytes
+    from lioncub.engine.cost import predicted_bytes
 
     model = _model(seed=9 + rank)
     opt = LionCub(model.parameters(), lr=0.02, vote="pbit", model=model)

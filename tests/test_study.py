@@ -22,7 +22,7 @@ def _tie_steps(rank, world):
     exact zeros and ties; u element for element against reference_vote with the run's rule."""
     import torch.distributed as dist
 
-    from lioncub.vote import reference_vote
+    from lioncub.votes.api import reference_vote
 
     specs = [s for s in study_plan.plan(["ties"], [0], 2, 2) if s.tie_rule is not None]
     out = {}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lioncub import LionCub, majority_vote, reference_vote, votes
-from lioncub.vote import TIE_RULES
+from lioncub.votes.api import TIE_RULES
 from tests.dist import run_workers
 
 N = 999  # not a multiple of 8: packed tails are exercised

@@ -1,4 +1,4 @@
-"""The Triton kernels (lioncub.triton_kernels) equal the torch CPU path bit for bit.
+"""The Triton kernels (lioncub.fused.triton) equal the torch CPU path bit for bit.
 
 By default on CPU tensors, run by Triton's interpreter (TRITON_INTERPRET=1; small tensors:
 the interpreter is slow). With ``LIONCUB_TEST_DEVICE=cuda`` (what ``make gpu-check`` does)
@@ -27,14 +27,15 @@ from tests.conftest import require_module  # noqa: E402
 triton = require_module("triton")  # a skip; a failure under LIONCUB_REQUIRE=triton (.ci/run)
 import triton.language as tl  # noqa: E402
 
-from lioncub import fused, kernels  # noqa: E402
+from lioncub import fused
+from lioncub.wire import kernels  # noqa: E402
 from lioncub.lion import apply_update_, interpolate  # noqa: E402
 from tests.test_fused import _tensors  # noqa: E402  (m, g with exact zeros and -0.0 of c: ties)
 
-if "lioncub.triton_kernels" in sys.modules:  # defined earlier without the interpreter: define again
-    tk = importlib.reload(sys.modules["lioncub.triton_kernels"])
+if "lioncub.fused.triton" in sys.modules:  # defined earlier without the interpreter: define again
+    tk = importlib.reload(sys.modules["lioncub.fused.triton"])
 else:
-    from lioncub import triton_kernels as tk  # noqa: E402
+    from lioncub.fused import triton as tk  # noqa: E402
 if DEVICE == "cpu" and _INTERPRET_BEFORE is None:  # later test files see the environment as it was;
     del os.environ["TRITON_INTERPRET"]  # the fixture below sets it again around each test here
 if DEVICE != "cpu" and not tk.available():  # asked for the GPU: never skip silently

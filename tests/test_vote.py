@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from lioncub.vote import VOTE_METHODS, majority_vote, reference_vote
+from lioncub.votes.api import VOTE_METHODS, majority_vote, reference_vote
 from tests.dist import run_workers
 
 SIZES = [0, 1, 7, 8, 9, 100, 1001, 4099]

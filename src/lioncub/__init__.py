@@ -11,12 +11,12 @@ Public API::
     lioncub.quantize        the quantizers (sign, l1, lp, l0, linf, log)
 """
 from .comm import CommStats
-from .distributed import GRAD_DTYPES, OPTIMIZER_VOTES, LionCub
-from .hierarchy import NodeCub, NodeLayout, node_groups
+from .optim.lioncub import GRAD_DTYPES, OPTIMIZER_VOTES, LionCub
+from .optim.nodecub import NodeCub, NodeLayout, node_groups
 from .lion import Lion
-from .local_steps import LocalCub
+from .optim.localcub import LocalCub
 from .quantize import QUANTIZERS, Quantized, quantize
-from .vote import VOTE_METHODS, majority_vote, reference_vote
+from .votes.api import VOTE_METHODS, majority_vote, reference_vote
 
 __version__ = "0.1.0"
 

@@ -3,7 +3,7 @@
 Every collective a vote issues goes through one of the wrappers here, which
 (1) runs the ``torch.distributed`` call, (2) adds its wall time to ``t_collective``
 and (3) adds the bytes this rank sends and receives under the ring algorithm of
-docs/design.md §3 to the :class:`CommStats`. The α-β model in :mod:`lioncub.cost`
+docs/design.md §3 to the :class:`CommStats`. The α-β model in :mod:`lioncub.engine.cost`
 predicts the same numbers from ``(n, P, bits)`` alone; tests check they agree.
 
 Per rank, for a payload of ``B`` bytes and ``P`` ranks:

@@ -40,10 +40,10 @@ from torch import Tensor
 
 from . import comm
 from .lion import interpolate
-from .momentum import label_params
+from .engine.momentum import label_params
 from .quantize import quantize
 from .validate import check_int
-from .vote import reference_vote
+from .votes.api import reference_vote
 
 __all__ = ["update_distribution", "sign_match", "tie_rate", "momentum_std", "update_vectors",
            "live_distribution", "live_tie_rate", "live_sign_match", "live_momentum_std", "analyze"]
@@ -90,7 +90,7 @@ def sign_match(cs: list[Tensor], *, quantizers=DEFAULT_QUANTIZERS, bits=DEFAULT_
     0 (e.g. a 1-bit wire sending ±1 for c = 0); the four sum to 1. ``kept``: per worker, the fraction of coordinates whose
     quantized value keeps the sign of ``c_i`` (mean over workers; None for wire votes). For each quantizer and bit width (``levels = 2**(bits-1)-1``;
     ``sign`` once, as 1 bit) the vote is ``sign(Σ_i quantize(c_i))``. ``votes`` adds what
-    LionCub's wire methods return (:func:`~lioncub.vote.reference_vote` kwargs, at ``step``).
+    LionCub's wire methods return (:func:`~lioncub.votes.api.reference_vote` kwargs, at ``step``).
     Stochastic rounding (``linf``) uses a generator seeded ``seed + i`` for worker ``i``.
     """
     if len(cs) < 1 or any(c.shape != cs[0].shape for c in cs):

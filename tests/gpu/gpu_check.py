@@ -131,7 +131,8 @@ def _run(make_opt, device: str, rank: int = 0, nan_step: int = -1, shapes=SHAPES
 def check_backend(device: str) -> dict:
     """CUDA tensors must take the Triton kernels (else every comparison below would test torch ops)."""
     import torch
-    from lioncub import fused, triton_kernels
+    from lioncub import fused
+    from lioncub.fused import triton as triton_kernels
     x = torch.zeros(3, device=device)
     takes = fused.usable([x]) and fused._gpu(x) is not None
     return dict(ok=takes or device == "cpu", cuda_tensors_take_triton=takes, triton_kernels=triton_kernels.status(),
@@ -159,7 +160,7 @@ def check_kernels_vs_cpu_reference(device: str) -> dict:
 
 def check_kernels_vs_torch_cuda(device: str, big: int) -> dict:
     import torch
-    from lioncub import triton_kernels as tk
+    from lioncub.fused import triton as tk
     from lioncub.lion import apply_update_, interpolate
     sizes = [big + 77, 1001]
     ms = [t.to(device) for t in _grads(sizes, 1, 0)]
@@ -288,7 +289,8 @@ def _time(fn, sync, reps: int) -> float:
 
 def check_bandwidth(device: str, n: int, reps: int) -> dict:
     import torch
-    from lioncub import kernels, triton_kernels as tk
+    from lioncub.wire import kernels
+    from lioncub.fused import triton as tk
     from lioncub.lion import apply_update_, interpolate
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -341,7 +343,7 @@ def compile_all(arch: int, quick: bool = False) -> list:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from lioncub import triton_kernels as tk
+    from lioncub.fused import triton as tk
     target = GPUTarget("cuda", arch, 32)
     P, I32, F, I64 = "*fp32", "i32", "fp32", "i64"
     jobs = []
@@ -401,7 +403,7 @@ def main(argv=None) -> int:
         ap.error(f"unknown check or injection: {', '.join(bad)}")
     _DEADLINE[0] = time.monotonic() + args.budget_s
     if args.dry_run:
-        os.environ["TRITON_INTERPRET"] = "1"  # before lioncub.triton_kernels is imported (the ranks inherit it)
+        os.environ["TRITON_INTERPRET"] = "1"  # before lioncub.fused.triton is imported (the ranks inherit it)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "gpu_check.json"

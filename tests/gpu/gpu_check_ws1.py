@@ -89,7 +89,7 @@ def _ws1_comm(dev) -> dict:
 
 def _ws1_guard(dev) -> dict:
     import torch
-    from lioncub import guard
+    from lioncub.engine import guard
     model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3)).to(dev)
     params = list(model.parameters())
     names = guard.param_names(model, params)
@@ -108,7 +108,7 @@ def _ws1_guard(dev) -> dict:
 
 def _ws1_calibrate(dev, dry_run: bool) -> dict:
     import math
-    from lioncub import cost
+    from lioncub.engine import cost
     sizes = (1 << 10, 1 << 14) if dry_run else cost.DEFAULT_PROBE_SIZES
     with _world_size_reads(2):  # at one rank calibrate returns (0, 0) before its first collective
         alpha, beta = cost.calibrate(device=dev, sizes=sizes)

@@ -2,7 +2,7 @@
 
 ``vote``/``bits`` pick the vote (default: 4-bit packed lanes, the paper's "4-bit Lion
 Cub"); ``overlap=True`` launches each bucket's vote from backward hooks
-(:mod:`lioncub.overlap`), with buckets of ``bucket_mb`` MiB so that there is more than
+(:mod:`lioncub.engine.overlap`), with buckets of ``bucket_mb`` MiB so that there is more than
 one bucket to overlap. Replicas stay identical after every step (every rank applies
 the same voted sign); momenta stay local.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 from torch import nn
 
 from .. import votes
-from ..distributed import LionCub
-from ..local_steps import LocalCub
+from ..optim.lioncub import LionCub
+from ..optim.localcub import LocalCub
 from .base import Adapter, set_lr
 from .ddp import BETAS
 

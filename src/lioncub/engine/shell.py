@@ -5,7 +5,7 @@ what a step does; around it they need the same things, written here once:
 
 * the world: this rank and the group's size (:func:`world_of`), the one communication device
   (:func:`lioncub.comm.comm_device`), the parameters' names for errors;
-* the start: every rank holds the same model (:func:`lioncub.guard.check_same_params`) and
+* the start: every rank holds the same model (:func:`lioncub.engine.guard.check_same_params`) and
   starts from rank 0's values (one broadcast per chunk), both once, over the group the
   optimizer keeps identical (NodeCub: the whole world, in-node ranks included);
 * the stochastic quantizer's generator (``seed + rank``, on the device, saved);
@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .. import comm, guard
+from .. import comm
+from . import guard
 from ..validate import check_choice, check_int
 
 __all__ = ["Shell", "world_of", "NONFINITE_POLICIES", "NONFINITE_ALIASES"]
@@ -118,7 +119,7 @@ class Shell:
             raise ValueError(
                 f"checkpoint holds the state of rank {env['rank']} of {env['world_size']}, but this is rank "
                 f"{self.rank} of {self.world_size}; load each rank's own state dict, or convert a checkpoint "
-                "from another world size with lioncub.resume.reshard_states")
+                "from another world size with lioncub.engine.resume.reshard_states")
         if not same_rank and env["world_size"] != self.world_size:
             raise ValueError(f"checkpoint was saved by {env['world_size']} workers, this run has "
                              f"{self.world_size}: the saved state is per worker")

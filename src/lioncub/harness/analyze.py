@@ -30,8 +30,8 @@ import torch
 from .. import LionCub, comm
 from .. import instruments as ins
 from . import report
-from ..distributed import OPTIMIZER_VOTES
-from ..momentum import Adaptive, MomentumSync
+from ..optim.lioncub import OPTIMIZER_VOTES
+from ..engine.momentum import Adaptive, MomentumSync
 from .models.gpt import GPT_SIZES, build_gpt
 
 _VOTES = tuple(v for v in OPTIMIZER_VOTES if v not in ("grad", "auto"))  # the instruments need a sign vote

@@ -25,7 +25,7 @@ returns the newest valid one.
 Resuming on another world size (:func:`load_checkpoint` reads every old
 ``rank{r}.pt``; same size: bit for bit, as above). The rules:
 
-- optimizer: LionCub momenta via :func:`lioncub.resume.reshard_states` (every new
+- optimizer: LionCub momenta via :func:`lioncub.engine.resume.reshard_states` (every new
   rank starts from the old ranks' mean momentum; step parity carries over). The
   ``pbit`` lane width and ``vote='auto'``'s pick are the new world's (the old
   width could overflow with more workers). Lion/AdamW state (identical on all
@@ -294,7 +294,7 @@ def reshard_optimizer(states: list[dict], optimizer, rank: int, world: int) -> d
     if "lioncub" not in states[0]:
         return states[0]  # Lion / AdamW under a gradient allreduce: the same state on every rank
     from .. import votes
-    from ..resume import reshard_states
+    from ..engine.resume import reshard_states
 
     sd = reshard_states(states, world)[rank]
     extra = sd["lioncub"]["config"]

@@ -9,7 +9,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from ..distributed import NONFINITE_ALIASES, NONFINITE_POLICIES, OPTIMIZER_VOTES
+from ..optim.lioncub import NONFINITE_ALIASES, NONFINITE_POLICIES, OPTIMIZER_VOTES
 
 GPT_MODELS = ("gpt-tiny", "gpt-mini", "gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1.5b")
 IMAGE_MODELS = ("resnet18", "resnet50", "vit-tiny")
@@ -190,7 +190,7 @@ class TrainConfig:
             self.data = "shakespeare" if self.is_gpt else "digits"
 
     def _check_local_steps(self) -> None:
-        from ..local_steps import AGGREGATES, INNER_OPTIMIZERS, LOCAL_VOTES, OUTER_RULES
+        from ..optim.localcub import AGGREGATES, INNER_OPTIMIZERS, LOCAL_VOTES, OUTER_RULES
 
         _choice("inner", self.inner, INNER_OPTIMIZERS)
         _choice("outer", self.outer, OUTER_RULES)

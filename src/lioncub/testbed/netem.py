@@ -8,7 +8,7 @@ Topology, all inside namespaces this module creates (needs root, ``ip`` and ``tc
 
 Every veth carries ``tc tbf rate R burst 256kb latency 50ms`` on **both** ends, so
 each worker has an R-bit/s upload and an R-bit/s download, like a full-duplex NIC
-on a non-blocking switch: the link the ring model of :mod:`lioncub.cost` assumes.
+on a non-blocking switch: the link the ring model of :mod:`lioncub.engine.cost` assumes.
 ``rate=None`` leaves the links unshaped (the CPU-bound floor; report it beside
 every shaped figure). The burst must exceed 64 KiB (GSO), else throughput drops.
 

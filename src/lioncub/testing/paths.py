@@ -111,7 +111,7 @@ def _to_cpu(obj):
 
 def ddp_hook(device, audit, steps: int = 3, vote: str = "pbit") -> None:
     import lioncub as lc
-    from lioncub import ddp_hook as hook
+    from lioncub.ddp import hook
     from torch.nn.parallel import DistributedDataParallel as DDP
     import torch.distributed as dist
     import torch.nn.parallel.distributed as ddp_module

@@ -2,7 +2,7 @@
 
 :data:`METHODS` maps the ``vote=`` / ``method=`` string to its :class:`VoteMethod` subclass;
 every caller (:class:`~lioncub.LionCub`, overlap, the DDP hook, :func:`~lioncub.majority_vote`,
-:mod:`lioncub.cost`, :mod:`lioncub.auto`, the instruments, :class:`~lioncub.LocalCub`) reaches a
+:mod:`lioncub.engine.cost`, :mod:`lioncub.engine.auto`, the instruments, :class:`~lioncub.LocalCub`) reaches a
 method through :func:`lookup` or :func:`make`, never by testing its name.
 """
 from __future__ import annotations

@@ -10,7 +10,7 @@ what it says / does         members
 ==========================  =====================================================
 what travels                :attr:`bits` (wire bits per element), :meth:`part_nbytes`,
                             :meth:`message_nbytes`, :meth:`plan` (the collectives and
-                            their bytes, for :mod:`lioncub.cost`)
+                            their bytes, for :mod:`lioncub.engine.cost`)
 its arguments               :meth:`check_options` (bits, quantizer, tie rule) and the
                             constructor (world-size limits: lane overflow, int8 sums)
 the vote                    :meth:`encode` → :meth:`exchange` → :meth:`decode`, and the
@@ -40,7 +40,8 @@ from typing import ClassVar, Optional
 import torch
 from torch import Tensor
 
-from .. import comm, fused, kernels
+from .. import comm, fused
+from ..wire import kernels
 from ..comm import CommStats
 from ..quantize import QUANTIZERS
 
@@ -111,7 +112,7 @@ class VoteMethod:
     """Whether ``quantizer=`` may name one of :data:`lioncub.quantize.QUANTIZERS` (else only None)."""
     gamma: ClassVar[tuple[float, float]]
     """Local seconds per element on one rank, ``a + b·P`` (encode, count, decide, apply):
-    what :mod:`lioncub.auto` adds to the α-β time. Measured as its docstring says."""
+    what :mod:`lioncub.engine.auto` adds to the α-β time. Measured as its docstring says."""
     auto_rank: ClassVar[Optional[int]] = None
     """Position among ``vote='auto'``'s candidates (the earlier wins a tie); None: never picked."""
     one_pass: bool = True
@@ -169,12 +170,12 @@ class VoteMethod:
         return m
 
     def elements(self, m: int) -> int:
-        """The element count :func:`lioncub.cost.predicted_bytes` prices like an ``m``-byte message."""
+        """The element count :func:`lioncub.engine.cost.predicted_bytes` prices like an ``m``-byte message."""
         return m * 8 // self.bits
 
     def plan(self, n: int) -> list[tuple[str, int]]:
         """The collectives one vote of ``n`` elements issues: ``[(kind, bytes per rank)]``,
-        kind in ``'allreduce'``, ``'all_gather'``, ``'all_to_all'`` (priced by :mod:`lioncub.cost`)."""
+        kind in ``'allreduce'``, ``'all_gather'``, ``'all_to_all'`` (priced by :mod:`lioncub.engine.cost`)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ the vote

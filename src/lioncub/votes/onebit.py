@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .. import comm, fused, kernels
+from .. import comm, fused
+from ..wire import kernels
 from .base import PackedSigns
 
 __all__ = ["OneBit"]

@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import comm, fused, kernels, packing
+from .. import comm, fused
+from ..wire import kernels, packing
 from ..quantize import QUANTIZERS, ROUNDED, multiplier, quantize, scale_norm
 from .base import VoteMethod, binary_signs, decide
 

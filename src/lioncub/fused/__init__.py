@@ -13,7 +13,7 @@ arithmetic in two loops:
 Quantized ``pbit`` votes need the whole ``c`` for their scale: :func:`interpolate` writes it
 in one pass, :func:`quantize_lanes` rounds, clamps and packs it into lanes in another.
 The loops that read ``g`` also report whether it is finite (NaN/±Inf), so a step needs no
-separate read for :func:`lioncub.guard.grads_finite`: a Python bool from the C loops, a 0-dim
+separate read for :func:`lioncub.engine.guard.grads_finite`: a Python bool from the C loops, a 0-dim
 ``torch.bool`` tensor on the tensors' device from the Triton kernels (not read back: no host
 sync; whoever combines several uses ``torch.logical_and``, never ``and`` / ``bool()``).
 
@@ -28,7 +28,7 @@ compiler (``cc``) into a per-machine cache (``$LIONCUB_CACHE`` or ``~/.cache/lio
 and called through ctypes with raw pointers. No compiler, a failed build, or ``LIONCUB_FUSED=0``: the
 torch path runs instead (same results, slower); :func:`available` says which.
 
-Contiguous fp32 CUDA tensors take the same functions through :mod:`lioncub.triton_kernels`
+Contiguous fp32 CUDA tensors take the same functions through :mod:`lioncub.fused.triton`
 (Triton kernels, same layouts and arithmetic; :func:`usable` and ``_gpu`` are the switch);
 without Triton, or with ``LIONCUB_FUSED=0``, they take the torch path.
 """
@@ -132,10 +132,10 @@ def available() -> bool:
 
 def usable(*tensor_lists: list[Tensor]) -> bool:
     """The loops take contiguous fp32 CPU tensors; contiguous fp32 CUDA tensors get the Triton
-    kernels of :mod:`lioncub.triton_kernels` when Triton is installed (anything else: the torch path)."""
+    kernels of :mod:`lioncub.fused.triton` when Triton is installed (anything else: the torch path)."""
     ts = [t for group in tensor_lists for t in group]
     if ts and all(t.device.type == "cuda" for t in ts):
-        from . import triton_kernels
+        from . import triton as triton_kernels
         return triton_kernels.handles(ts)
     return available() and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
                                for t in ts)
@@ -146,7 +146,7 @@ def unusable_reason(ts: list[Tensor]) -> Optional[str]:
     if usable(ts):
         return None
     if ts and all(t.device.type == "cuda" for t in ts):
-        return "CUDA tensors need contiguous fp32 and Triton (lioncub.triton_kernels)"
+        return "CUDA tensors need contiguous fp32 and Triton (lioncub.fused.triton)"
     if not available():
         return f"fused CPU loops {status()}"
     bad = next(t for t in ts if not (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()))
@@ -163,7 +163,7 @@ def _gpu(t: Tensor):
     """The Triton kernels when ``t`` is a CUDA tensor (the backend switch), else None: the C loops."""
     if t.device.type != "cuda":
         return None
-    from . import triton_kernels
+    from . import triton as triton_kernels
     return triton_kernels
 
 
@@ -187,13 +187,13 @@ def encode(exp_avgs: list[Tensor], grads: list[Tensor], beta1, maximize, out: Te
            bits: int, step: int, signs: bool = False) -> Union[bool, Tensor]:
     """This rank's part of the message for ``c = β1·m + (1-β1)·g`` of the tensors in
     order, written into the uint8 ``out``: ``bits``-wide lanes (1, 2, 4, 8) of ``c ≥ 0``
-    (even ``step``) / ``c > 0`` (odd), as :func:`lioncub.kernels.sign_bits` +
-    :func:`~lioncub.kernels.pack_bytes`; or, with ``signs``, one int8 ``sign(c)`` per element.
+    (even ``step``) / ``c > 0`` (odd), as :func:`lioncub.wire.kernels.sign_bits` +
+    :func:`~lioncub.wire.kernels.pack_bytes`; or, with ``signs``, one int8 ``sign(c)`` per element.
     ``beta1``, ``maximize``: one value, or one per tensor. Call only when :func:`usable`.
 
     Returns whether every gradient is finite (no NaN, no ±Inf): a bool (C loops) or a 0-dim
     bool tensor on the tensors' device (Triton: no host sync) — the check of
-    :func:`lioncub.guard.grads_finite`, made during the same read of ``g``, passed on as is."""
+    :func:`lioncub.engine.guard.grads_finite`, made during the same read of ``g``, passed on as is."""
     n = sum(t.numel() for t in exp_avgs)
     need = n if signs else -(-n * bits // 8)
     if out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() != need:
@@ -231,7 +231,7 @@ def interpolate(exp_avgs: list[Tensor], grads: list[Tensor], beta1, maximize, ou
 def quantize_lanes(c: Tensor, mult, levels: int, bits: int, out: Tensor) -> None:
     """``bits``-wide lanes (2, 4, 8) of ``q + levels``, ``q = round(c·mult)`` clamped to
     ``[-levels, levels]`` (half to even), into the uint8 ``out``: what
-    ``quantize._scaled`` + :func:`lioncub.kernels.pack_bytes` make of the flat fp32 ``c``,
+    ``quantize._scaled`` + :func:`lioncub.wire.kernels.pack_bytes` make of the flat fp32 ``c``,
     in one pass. ``mult``: ``levels / norm``, or 0 for an all-zero code: a float, or a 0-dim
     fp32 tensor (on CUDA it stays there: the kernel loads it, no host read)."""
     if bits not in (2, 4, 8):
@@ -286,7 +286,7 @@ def apply_lanes(params: list[Tensor], exp_avgs: list[Tensor], grads: list[Tensor
                 above: int, below: int, *, lr, beta2, weight_decay, maximize=False) -> None:
     """:func:`apply` with ``u = (k > above) − (k < below)`` read from the ``bits``-wide lane
     sums ``k`` of ``lanes`` (2, 4 or 8 bits; element ``j`` = lane ``j``), the ``pbit`` vote
-    of :func:`lioncub.kernels.vote_lanes` without its int8 pass. Call only when :func:`usable`."""
+    of :func:`lioncub.wire.kernels.vote_lanes` without its int8 pass. Call only when :func:`usable`."""
     if bits not in (2, 4, 8):
         raise ValueError(f"bits must be 2, 4 or 8, got {bits!r}")
     nbytes = -(-sum(t.numel() for t in params) * bits // 8)

@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from .validate import check_fraction, check_hyperparameters, check_number
+from ..validate import check_fraction, check_hyperparameters, check_number
 
 __all__ = ["OuterRule", "OuterSGD", "OuterNesterov", "OuterLion", "OUTER_RULES", "make_outer"]
 

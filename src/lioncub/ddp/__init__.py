@@ -1,0 +1,1 @@
+"""Lion Cub under DistributedDataParallel: the communication hook and the trainer adapters."""

@@ -1,0 +1,258 @@
+"""Reliability checks for LionCub: same model on every rank, finite gradients,
+identical replicas (docs/design.md §2: replicas must stay bit-identical).
+
+Every check that needs other ranks is a collective: all ranks call it at the same
+point, see the same gathered data, and so all of them raise (or skip) together,
+with the same message.
+
+* :func:`check_same_params` (construction): one all-gather of 16 bytes per rank
+  (parameter count and a digest of every shape and dtype). Only when the digests
+  differ does a second gather of the full signatures name the rank and the
+  parameter.
+* :func:`grads_finite` + :func:`handle_nonfinite` (every step): the count of ranks
+  with a NaN/Inf gradient rides on LionCub's has-grad all-reduce (on the fused path the
+  encode loop answers this rank's check in its read of the gradients: the first messages
+  are written before that all-reduce, and nothing is sent before it). The vote input
+  ``c = β1·m + (1-β1)·g`` is a convex combination of ``m`` and ``g``, and ``m`` only
+  ever absorbs gradients that passed this check (loaded momenta are checked by
+  :func:`lioncub.engine.resume.check_loadable`), so finite gradients mean a finite ``c``:
+  a NaN can never reach the vote and become a silent ±1.
+* :func:`check_replicas` (every ``check_every`` steps): per-parameter checksums of
+  the raw bits, all-gathered and compared with rank 0's.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from .. import comm
+from ..comm import CommStats
+
+__all__ = ["param_names", "check_same_params", "grads_finite", "all_finite", "agree", "handle_nonfinite",
+           "replicas_differ", "check_replicas"]
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_CHUNK = 1 << 20  # elements per checksum chunk: bounds the int64 temporaries to 8 MiB
+
+
+def param_names(model: Optional[torch.nn.Module], params: Sequence[Tensor]) -> Optional[list[Optional[str]]]:
+    """``model``'s name for each of ``params`` (None where unknown); None without a model."""
+    if model is None:
+        return None
+    by_id = {id(p): name for name, p in model.named_parameters()}
+    return [by_id.get(id(p)) for p in params]
+
+
+def _label(i: int, names, shape) -> str:
+    name = names[i] if names is not None and i < len(names) else None
+    return f"parameter {i} ({name!r}, shape {tuple(shape)})" if name else f"parameter {i} (shape {tuple(shape)})"
+
+
+def _gather_bytes(t: Tensor, group, stats: Optional[CommStats], step: Optional[int] = None) -> Tensor:
+    """All-gather an int64 tensor as raw bytes (gloo gathers uint8 on every version)."""
+    raw = t.contiguous().view(torch.uint8)
+    return comm.all_gather(raw, group, stats, step=step).view(torch.int64).view((-1,) + tuple(t.shape))
+
+
+def _signature(params: Sequence[Tensor]) -> list[tuple[tuple[int, ...], str]]:
+    return [(tuple(p.shape), str(p.dtype).replace("torch.", "")) for p in params]
+
+
+def check_same_params(params: list[Tensor], group, world_size: int, *, names=None,
+                      stats: Optional[CommStats] = None) -> None:
+    """Collective check that every rank holds the same parameter count, shapes and dtypes.
+
+    Raises ``ValueError`` on every rank naming the first rank that differs from rank 0
+    and the first parameter where it differs.
+    """
+    if world_size == 1:
+        return
+    sig = _signature(params)
+    digest = int.from_bytes(hashlib.sha256(repr(sig).encode()).digest()[:7], "little")
+    device = comm.device_of(params)
+    mine = torch.tensor([len(sig), digest], dtype=torch.int64).to(device)
+    everyone = _gather_bytes(mine, group, stats)
+    if not bool((everyone != everyone[0]).any()):  # set-up: one host read (0: the ordinary path)
+        return
+    # Rare path: all ranks saw the mismatch, so all take part in naming it (JSON: lists, not tuples).
+    labelled = [[names[i] if names is not None and i < len(names) else None, [list(s[0]), s[1]]]
+                for i, s in enumerate(sig)]
+    all_sigs = comm.all_gather_object(labelled, group, device)
+    ref = all_sigs[0]
+    for r in range(1, world_size):
+        other = all_sigs[r]
+        if other == ref or [s for _, s in other] == [s for _, s in ref]:
+            continue
+        for i, ((n0, (shape0, dt0)), (n1, (shape1, dt1))) in enumerate(zip(ref, other)):
+            if (shape0, dt0) != (shape1, dt1):
+                label = f"parameter {i}" + (f" ({n0!r})" if n0 else "")
+                raise ValueError(
+                    f"model differs across ranks: rank {r} has {label} of shape {tuple(shape1)} {dt1}, "
+                    f"rank 0 has shape {tuple(shape0)} {dt0}; every rank must build the same model"
+                )
+        raise ValueError(
+            f"model differs across ranks: rank {r} has {len(other)} parameters, rank 0 has {len(ref)} "
+            f"(the first {min(len(ref), len(other))} agree); every rank must build the same model"
+        )
+
+
+def grads_finite(params: list[Tensor]) -> Union[bool, Tensor]:
+    """Whether every present gradient is finite (local, no communication, no host sync):
+    ``True`` when there is none, else a 0-dim bool tensor on the gradients' device.
+
+    One reduction per gradient into one small tensor: the min and max of each on CPU
+    (``isfinite(g).all()`` was ~8x slower there), one fused multi-tensor ∞-norm
+    (``torch._foreach_norm``) on other devices. NaN and ±Inf survive both.
+    Raises ``TypeError`` for a sparse gradient (LionCub votes on dense tensors).
+    """
+    grads = []
+    for i, p in enumerate(params):
+        g = p.grad
+        if g is None:
+            continue
+        if g.is_sparse:
+            raise TypeError(f"parameter {i} has a sparse gradient; LionCub supports dense gradients only "
+                            "(e.g. build nn.Embedding with sparse=False)")
+        if g.numel():
+            grads.append(g.detach())
+    if not grads:
+        return True
+    if grads[0].device.type == "cpu":
+        extremes = [x.double() for g in grads for x in torch.aminmax(g)]
+    else:
+        extremes = [n.double() for n in torch._foreach_norm(grads, float("inf"))]
+    return torch.isfinite(torch.stack(extremes)).all()
+
+
+def all_finite(*flags):
+    """The AND of finite flags — each ``None`` (unchecked), a bool, or a 0-dim bool tensor —
+    without reading a tensor on the host: ``False`` if a bool is False (known non-finite: no
+    need to check the rest), else ``None`` if one is unchecked (the caller must check), else
+    ``True`` or the tensors' ``torch.logical_and`` on their device."""
+    if any(f is not None and not isinstance(f, Tensor) and not f for f in flags):
+        return False
+    if any(f is None for f in flags):
+        return None
+    acc = True
+    for f in flags:
+        if isinstance(f, Tensor):
+            acc = f if acc is True else torch.logical_and(acc, f)
+    return acc
+
+
+def agree(params: list[Tensor], group, world_size: int, device: torch.device, stats: Optional[CommStats] = None, *,
+          finite=None, extra: Optional[Tensor] = None, scaler_inf: Optional[Tensor] = None
+          ) -> tuple[list[bool], int, int]:
+    """A step's one small all-reduce and its one host read (``LionCub.step``). Summed over
+    ranks, on ``device``: per parameter the number of ranks *without* a gradient, then the
+    number of ranks whose gradient holds a NaN/Inf, then ``extra`` (the replica check's flag,
+    on the steps that check), each 0 on the ordinary path. ``finite``: this rank's answer when
+    already known (a bool, or a 0-dim bool tensor from the fused encode), else checked here.
+    ``scaler_inf``: the loss scaler's found-inf of this rank (counted with the non-finite
+    ranks). Returns (active per parameter, non-finite ranks, extra's sum)."""
+    n = len(params)
+    dtype = torch.uint8 if world_size <= 255 else torch.int32  # a sum of P flags must not wrap
+    counts = torch.zeros(n + 1 + (extra is not None), dtype=dtype, device=device)
+    for i, p in enumerate(params):  # a missing gradient is rare: one scalar fill each
+        if p.grad is None:
+            counts[i] = 1
+    if finite is None:
+        finite = grads_finite(params)
+    if isinstance(finite, bool):
+        if not finite:
+            counts[n] = 1
+    else:
+        counts[n:n + 1].copy_(torch.logical_not(finite).reshape(1))  # (cast to the vector's dtype)
+    if scaler_inf is not None:
+        counts[n:n + 1].add_((scaler_inf.to(device, non_blocking=True).reshape(1) > 0).to(dtype))
+        counts[n:n + 1].clamp_(max=1)
+    if extra is not None:
+        counts[n + 1:].copy_(extra)
+    if world_size > 1:
+        comm.all_reduce(counts, group, stats)
+    host = counts.tolist()  # the step's one host sync
+    return [c < world_size for c in host[:n]], host[n], host[n + 1] if extra is not None else 0
+
+
+def _first_nonfinite(params: list[Tensor]) -> Optional[int]:
+    for i, p in enumerate(params):
+        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+            return i
+    return None
+
+
+def handle_nonfinite(optimizer, params: list[Tensor], bad_ranks: int) -> None:
+    """Apply ``optimizer.nonfinite`` once all ranks agree that ``bad_ranks`` > 0 of them
+    hold a NaN/Inf gradient: raise, or return so the step is skipped everywhere
+    (parameters, momenta, step parity and RNG untouched; the caller counts the skip)."""
+    if optimizer.nonfinite == "raise":
+        i = _first_nonfinite(params)
+        names = getattr(optimizer, "_param_names", None)
+        here = ("this rank's gradients are finite" if i is None else
+                f"this rank holds a non-finite gradient in {_label(i, names, params[i].shape)}")
+        raise FloatingPointError(
+            f"non-finite gradient on {bad_ranks} rank(s) at step {optimizer.steps} ({here}); "
+            "pass nonfinite='skip' to skip such steps on all ranks"
+        )
+
+
+def _checksums(params: Sequence[Tensor]) -> Tensor:
+    """(n_params, 2) int64: Σ bits and Σ bits·(position+1) of each parameter's raw bits.
+
+    Integer sums wrap around identically everywhere, so equal tensors give equal
+    checksums; the position weight catches swapped elements.
+    """
+    out = torch.zeros(len(params), 2, dtype=torch.int64, device=comm.device_of(params))
+    for i, p in enumerate(params):
+        bits = p.detach().reshape(-1).view(_INT_OF_SIZE[p.element_size()])  # same bytes, integer view
+        for start in range(0, bits.numel(), _CHUNK):
+            chunk = bits[start:start + _CHUNK].to(torch.int64)
+            pos = torch.arange(start + 1, start + 1 + chunk.numel(), dtype=torch.int64, device=chunk.device)
+            out[i, 0] += chunk.sum()  # on the device: no host read per chunk
+            out[i, 1] += (chunk * pos).sum()
+    return out
+
+
+def replicas_differ(params: list[Tensor], group, world_size: int, *, step: int,
+                    stats: Optional[CommStats] = None) -> Optional[tuple[Tensor, Tensor]]:
+    """The collective half of :func:`check_replicas`, with no host read: one all-gather of
+    16 bytes per parameter per rank. Returns ``(flag, gathered)``: ``flag`` a 1-element uint8
+    tensor on the device, 1 when some rank's parameters differ from rank 0's (the same on
+    every rank: all see the same gathered checksums), and the gathered ``(P, n_params, 2)``
+    checksums for :func:`report_replicas`. None on one rank."""
+    if world_size == 1:
+        return None
+    everyone = _gather_bytes(_checksums(params), group, stats, step=step)  # (P, n_params, 2)
+    return (everyone != everyone[0]).any().to(torch.uint8).reshape(1), everyone
+
+
+def report_replicas(everyone: Tensor, params: list[Tensor], *, step: int, names=None) -> None:
+    """Raise ``RuntimeError`` naming the first parameter (and the ranks) that differ from
+    rank 0 in the gathered checksums of :func:`replicas_differ` (the rare path: reads them)."""
+    differ = (everyone != everyone[0]).any(dim=2).cpu()  # (P, n_params)
+    if not bool(differ.any()):
+        return
+    i = int(differ.any(dim=0).nonzero()[0])
+    ranks = differ[:, i].nonzero().flatten().tolist()
+    raise RuntimeError(
+        f"replicas diverged at step {step}: {_label(i, names, params[i].shape)} on rank(s) {ranks} "
+        f"differs from rank 0 ({int(differ.any(dim=1).sum())} rank(s) and "
+        f"{int(differ.any(dim=0).sum())} parameter(s) differ in all). Every rank must apply the same "
+        "update: was a parameter changed outside the optimizer on one rank?"
+    )
+
+
+def check_replicas(params: list[Tensor], group, world_size: int, *, step: int, names=None,
+                   stats: Optional[CommStats] = None) -> None:
+    """Collective check that every rank holds bit-identical parameters.
+
+    One all-gather of 16 bytes per parameter per rank and one host read. Raises
+    ``RuntimeError`` on every rank naming the first parameter (and the ranks) that differ
+    from rank 0. (LionCub's step folds the read into its one agreement: see
+    :func:`replicas_differ`.)"""
+    out = replicas_differ(params, group, world_size, step=step, stats=stats)
+    if out is not None:
+        report_replicas(out[1], params, step=step, names=names)

@@ -1,0 +1,321 @@
+r"""Triton kernels for the per-parameter passes on CUDA: the GPU counterpart of ``fused.c``.
+
+Same functions, arguments, layouts and arithmetic as :mod:`lioncub.fused` (which calls
+these for CUDA tensors, the C loops for CPU tensors, the torch path otherwise):
+
+* :func:`encode` — ``c = β1·m + (1-β1)·g`` → this rank's packed sign lanes (1/2/4/8 bits,
+  ``c ≥ 0`` on even steps, ``c > 0`` on odd) or int8 ``sign(c)``; :func:`interpolate` — ``c``
+  itself. Both report whether every gradient element is finite (read from its exponent bits)
+  as a 0-dim ``torch.bool`` tensor on the tensors' device, never read back here (no host sync).
+* :func:`quantize_lanes` — ``round(c·mult)`` (half to even) clamped to ``±levels``, plus
+  ``levels``, in 2/4/8-bit lanes.
+* :func:`apply` / :func:`apply_bits` / :func:`apply_lanes` — ``p ← p·decay − lr·u``,
+  ``m ← β2·m + (1-β2)·g`` with ``u`` from int8 votes, packed bits or lane sums.
+
+Arithmetic, operation by operation as torch's CPU kernels and the C loops do it: fp32
+scalars (Python floats rounded to fp32 once), ``m·β1`` rounded, then **one fused
+multiply-add** ``fma(α, g, m·β1)`` (``tl.fma``: rounded once, never left to the compiler's
+contraction, which every launch turns off: ``enable_fp_fusion=False``, PTX ``.rn`` ops); the
+same for ``m``. The p update ``fma(-lr, u, p·decay)`` is exact whatever
+the contraction, since ``u ∈ {-1, 0, 1}``. So the results equal the torch CPU path bit for
+bit (``tests/test_triton.py`` runs every kernel in Triton's CPU interpreter,
+``TRITON_INTERPRET=1``). torch's own CUDA kernels compute ``a + α·b`` as nvcc compiles it
+(contracted to an FMA by default): ``tests/gpu/gpu_check.py`` measures whether that is exact
+on the GPU too and allows at most 1 ulp there.
+
+Tensors of one call form one stream (element ``j`` of the concatenation): one launch per
+tensor, in order on one CUDA stream. A packed byte shared by two tensors is stored whole
+by the first tensor's launch (its missing lanes zero) and OR-ed into by the next one.
+The finite report is one int32 flag on the device that the launches OR into; the call returns
+``flag == 0`` (a 0-dim bool tensor, still on the device): nothing waits for the kernels, so an
+encode inside a backward hook does not stall the stream. Whoever needs the answer on the host
+reads it (one sync), once, where it decides.
+
+Every launch goes through :func:`_launch`: under ``torch.cuda.device(tensor.device)`` for a
+CUDA tensor (Triton launches on the *current* device and its current stream, so a tensor on
+another GPU would otherwise get the wrong one), with no guard for CPU tensors (the interpreter).
+
+Offsets are int64: each kernel takes its element / byte indices from :func:`_block_offsets`
+(``pid.to(int64)·BLOCK + arange``) and ``start`` as int64 (:func:`_lane_indices`,
+:func:`_stream_indices`), so tensors and streams past 2^31 elements index correctly (int32
+``pid·BLOCK`` wraps at 2^31). ``tests/test_triton.py`` runs these helpers in the interpreter
+with program ids and starts past 2^31.
+
+Import-time note: ``TRITON_INTERPRET=1`` must be set before this module is imported for
+the kernels to run on CPU tensors.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the torch path (or the C loops) run instead
+    triton = None
+    tl = None
+
+__all__ = ["available", "status", "handles", "encode", "interpolate", "quantize_lanes", "apply",
+           "apply_bits", "apply_lanes"]
+
+_BLOCK = 1024  # elements (apply, signs, c) or output bytes (lanes) per program
+_NO_CONTRACTION = dict(enable_fp_fusion=False)  # launch option: no FMA but the explicit tl.fma
+
+
+@functools.lru_cache(maxsize=None)
+def status() -> str:
+    """One line: ``in use: triton X`` when CUDA tensors get these kernels, or why not."""
+    if os.environ.get("LIONCUB_FUSED", "1") == "0":
+        return "off: LIONCUB_FUSED=0"
+    if triton is None:
+        return "unavailable: triton is not installed"
+    if not torch.cuda.is_available():
+        return f"unavailable: no CUDA device (triton {triton.__version__} installed)"
+    return f"in use: triton {triton.__version__} for fp32 CUDA tensors"
+
+
+def available() -> bool:
+    """True when fp32 CUDA tensors get these kernels."""
+    return status().startswith("in use")
+
+
+def handles(tensors) -> bool:
+    """All contiguous fp32 CUDA tensors and :func:`available`."""
+    return available() and all(t.dtype == torch.float32 and t.device.type == "cuda" and t.is_contiguous()
+                               for t in tensors)
+
+
+if triton is not None:
+    _MAGIC = tl.constexpr(12582912.0)  # 1.5·2^23: (y + M) - M rounds y half to even for |y| < 2^22
+
+    @triton.jit
+    def _nonfinite_any(g):
+        """1 when an element of g has all exponent bits set (NaN, ±Inf), else 0."""
+        bits = g.to(tl.int32, bitcast=True)
+        return tl.max(((bits & 0x7F800000) == 0x7F800000).to(tl.int32))
+
+    @triton.jit
+    def _block_offsets(pid, BLOCK: tl.constexpr):
+        """``pid·BLOCK + [0, BLOCK)`` in int64 (``pid``: the int32 program id; int32 would wrap
+        at 2^31)."""
+        return pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+
+    @triton.jit
+    def _lane_indices(pid, start, n, PER: tl.constexpr, BLOCK: tl.constexpr):
+        """Program ``pid`` of a lanes kernel, for a tensor of ``n`` elements from element ``start``
+        of the stream (``PER`` lanes a byte): ``(byte, i, first, last)``, all int64 — its BLOCK
+        output bytes (stream byte index, from the byte holding element ``start``), ``i`` the
+        [BLOCK, PER] element index in this tensor of each lane (outside [0, n) for lanes of
+        other tensors), and the tensor's first and last byte."""
+        start = tl.cast(start, tl.int64)
+        first = start // PER
+        last = (start + n - 1) // PER
+        byte = first + _block_offsets(pid, BLOCK)
+        i = byte[:, None] * PER + tl.arange(0, PER)[None, :] - start
+        return byte, i, first, last
+
+    @triton.jit
+    def _stream_indices(pid, start, BLOCK: tl.constexpr):
+        """Program ``pid`` of a per-element kernel: ``(i, j)`` in int64 — the element index in
+        this tensor and in the stream (``start + i``)."""
+        i = _block_offsets(pid, BLOCK)
+        return i, tl.cast(start, tl.int64) + i
+
+    @triton.jit(do_not_specialize=["n", "start"])  # sizes: one compile per kind
+    def _encode_lanes_kernel(m_ptr, g_ptr, out_ptr, bad_ptr, n, start, beta1, alpha,
+                             EVEN: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
+        # One program: BLOCK output bytes of the stream, from the byte holding element `start`.
+        PER: tl.constexpr = 8 // BITS
+        byte, i, first, last = _lane_indices(tl.program_id(0), start, n, PER, BLOCK)
+        lane = tl.arange(0, PER)
+        inside = (i >= 0) & (i < n)
+        m = tl.load(m_ptr + i, mask=inside, other=0.0)
+        g = tl.load(g_ptr + i, mask=inside, other=0.0)
+        c = tl.fma(alpha, g, m * beta1)
+        if EVEN:
+            on = c >= 0.0
+        else:
+            on = c > 0.0
+        v = tl.where(inside & on, 1, 0) << (lane * BITS)[None, :]
+        b = tl.sum(v, axis=1)
+        valid = byte <= last
+        shared = (byte == first) & (byte * PER != start)  # the previous tensor stored its lanes here
+        b = b | tl.load(out_ptr + byte, mask=valid & shared, other=0).to(tl.int32)
+        tl.store(out_ptr + byte, b.to(tl.uint8), mask=valid)
+        tl.atomic_or(bad_ptr, _nonfinite_any(g))
+
+    @triton.jit(do_not_specialize=["n"])
+    def _encode_values_kernel(m_ptr, g_ptr, out_ptr, bad_ptr, n, beta1, alpha,
+                              SIGNS: tl.constexpr, BLOCK: tl.constexpr):
+        # out_ptr: this tensor's first element of the output (int8 signs or fp32 c).
+        i = _block_offsets(tl.program_id(0), BLOCK)
+        mask = i < n
+        m = tl.load(m_ptr + i, mask=mask, other=0.0)
+        g = tl.load(g_ptr + i, mask=mask, other=0.0)
+        c = tl.fma(alpha, g, m * beta1)
+        if SIGNS:
+            tl.store(out_ptr + i, ((c > 0.0).to(tl.int8) - (c < 0.0).to(tl.int8)), mask=mask)
+        else:
+            tl.store(out_ptr + i, c, mask=mask)
+        tl.atomic_or(bad_ptr, _nonfinite_any(g))
+
+    @triton.jit(do_not_specialize=["n", "nbytes"])
+    def _quantize_lanes_kernel(c_ptr, out_ptr, n, nbytes, mult_ptr, s, BITS: tl.constexpr, BLOCK: tl.constexpr):
+        PER: tl.constexpr = 8 // BITS
+        byte = _block_offsets(tl.program_id(0), BLOCK)
+        lane = tl.arange(0, PER)
+        i = byte[:, None] * PER + lane[None, :]  # int64, as byte
+        inside = i < n
+        c = tl.load(c_ptr + i, mask=inside, other=0.0)
+        sf = s
+        mult = tl.load(mult_ptr)  # a device scalar: the scale is never read back to the host
+        y = c * mult
+        y = tl.where(y < -sf, -sf, tl.where(y > sf, sf, y))  # clamp first: rounding is monotone
+        y = (y + _MAGIC) - _MAGIC  # half to even (|y| <= 127 here)
+        q = (y + sf).to(tl.int32)
+        v = tl.where(inside, q, 0) << (lane * BITS)[None, :]
+        tl.store(out_ptr + byte, tl.sum(v, axis=1).to(tl.uint8), mask=byte < nbytes)
+
+    @triton.jit(do_not_specialize=["n", "start", "above", "below"])
+    def _apply_kernel(p_ptr, m_ptr, g_ptr, u_ptr, neg_ptr, n, start, decay, neg_lr, beta2, alpha2, above, below,
+                      HAS_DECAY: tl.constexpr, SOURCE: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
+        # SOURCE 0: int8 u; 1: u = 2·bit − 1; 2: u = pos bit − neg bit; 3: u from BITS-wide lane sums.
+        i, j = _stream_indices(tl.program_id(0), start, BLOCK)  # element index in p / in the vote stream
+        mask = i < n
+        if SOURCE == 0:
+            u = tl.load(u_ptr + j, mask=mask, other=0).to(tl.float32)
+        elif SOURCE == 3:
+            PER: tl.constexpr = 8 // BITS
+            shift = ((j % PER) * BITS).to(tl.int32)
+            k = (tl.load(u_ptr + j // PER, mask=mask, other=0).to(tl.int32) >> shift) & ((1 << BITS) - 1)
+            u = (k > above).to(tl.float32) - (k < below).to(tl.float32)
+        else:
+            bit = (j % 8).to(tl.int32)
+            pb = (tl.load(u_ptr + j // 8, mask=mask, other=0).to(tl.int32) >> bit) & 1
+            if SOURCE == 1:
+                u = (2 * pb - 1).to(tl.float32)
+            else:
+                nb = (tl.load(neg_ptr + j // 8, mask=mask, other=0).to(tl.int32) >> bit) & 1
+                u = (pb - nb).to(tl.float32)
+        p = tl.load(p_ptr + i, mask=mask, other=0.0)
+        m = tl.load(m_ptr + i, mask=mask, other=0.0)
+        g = tl.load(g_ptr + i, mask=mask, other=0.0)
+        if HAS_DECAY:
+            p = p * decay
+        tl.store(p_ptr + i, tl.fma(neg_lr, u, p), mask=mask)
+        tl.store(m_ptr + i, tl.fma(alpha2, g, m * beta2), mask=mask)
+
+
+def _per_tensor(value, k: int) -> list:
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * k
+    if len(values) != k:
+        raise ValueError(f"expected one value per tensor ({k}), got {len(values)}")
+    return values
+
+
+def _grid(count: int) -> tuple[int]:
+    return (triton.cdiv(count, _BLOCK),)
+
+
+def _device_guard(device: torch.device):
+    """``torch.cuda.device(device)`` for a CUDA device; a null context otherwise (CPU tensors in
+    the interpreter: torch.cuda is never touched without CUDA)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _launch(kernel, count: int, tensor: Tensor, *args, **meta) -> None:
+    """``kernel`` over ``count`` indices (one program per ``_BLOCK``), launched with the current
+    device set to ``tensor``'s (:func:`_device_guard`), FMA contraction off. Every launch here."""
+    with _device_guard(tensor.device):
+        kernel[_grid(count)](*args, BLOCK=_BLOCK, **meta, **_NO_CONTRACTION)
+
+
+def _encode(exp_avgs, grads, beta1, maximize, out: Tensor, *, mode: int, bits: int, step: int) -> Tensor:
+    k = len(exp_avgs)
+    b1s, mxs = _per_tensor(beta1, k), _per_tensor(maximize, k)
+    bad = torch.zeros((), dtype=torch.int32, device=out.device)  # 0-dim: `bad == 0` is the 0-dim answer
+    start = 0
+    for m, g, b1, mx in zip(exp_avgs, grads, b1s, mxs):
+        n = m.numel()
+        b1 = float(b1)
+        alpha = -(1.0 - b1) if mx else 1.0 - b1  # as lion.interpolate
+        if n == 0:
+            continue
+        if mode == 0:
+            per = 8 // bits
+            nbytes = (start + n - 1) // per - start // per + 1
+            _launch(_encode_lanes_kernel, nbytes, out, m, g, out, bad, n, start, b1, alpha,
+                    EVEN=step % 2 == 0, BITS=bits)
+        else:
+            dst = out.view(torch.int8)[start:start + n] if mode == 1 else out[start:start + n]
+            _launch(_encode_values_kernel, n, out, m, g, dst, bad, n, b1, alpha, SIGNS=mode == 1)
+        start += n
+    return bad == 0  # on the device: no sync
+
+
+def encode(exp_avgs: list[Tensor], grads: list[Tensor], beta1, maximize, out: Tensor, *,
+           bits: int, step: int, signs: bool = False) -> Tensor:
+    """:func:`lioncub.fused.encode` on CUDA: lanes of ``c ≥ 0`` / ``c > 0`` or int8 signs into
+    the uint8 ``out``; returns whether every gradient element is finite as a 0-dim
+    ``torch.bool`` tensor on ``out``'s device (True: all finite), computed without a host sync."""
+    return _encode(exp_avgs, grads, beta1, maximize, out, mode=1 if signs else 0, bits=bits, step=step)
+
+
+def interpolate(exp_avgs: list[Tensor], grads: list[Tensor], beta1, maximize, out: Tensor) -> Tensor:
+    """:func:`lioncub.fused.interpolate` on CUDA: ``c`` into the flat fp32 ``out``; returns the
+    finite flag as :func:`encode` does (0-dim bool tensor on ``out``'s device, no host sync)."""
+    return _encode(exp_avgs, grads, beta1, maximize, out, mode=2, bits=32, step=0)
+
+
+def quantize_lanes(c: Tensor, mult: float, levels: int, bits: int, out: Tensor) -> None:
+    """:func:`lioncub.fused.quantize_lanes` on CUDA (arguments checked there)."""
+    n = c.numel()
+    if n:
+        if isinstance(mult, Tensor):
+            mult_t = mult.to(device=c.device, dtype=torch.float32).reshape(1)
+        else:  # a Python float: filled on the device, no host-to-device copy
+            mult_t = torch.full((1,), float(mult), dtype=torch.float32, device=c.device)
+        _launch(_quantize_lanes_kernel, out.numel(), out, c, out, n, out.numel(), mult_t, float(levels),
+                BITS=bits)
+
+
+def _apply(params, exp_avgs, grads, source: int, u: Tensor, neg: Optional[Tensor], bits: int, above: int,
+           below: int, *, lr, beta2, weight_decay, maximize) -> None:
+    k = len(params)
+    hyper = zip(_per_tensor(lr, k), _per_tensor(beta2, k), _per_tensor(weight_decay, k), _per_tensor(maximize, k))
+    start = 0
+    for p, m, g, (a, b2, wd, mx) in zip(params, exp_avgs, grads, hyper):
+        n = p.numel()
+        a, b2, wd = float(a), float(b2), float(wd)
+        alpha2 = -(1.0 - b2) if mx else 1.0 - b2  # as lion.apply_update_
+        if n:
+            _launch(_apply_kernel, n, p, p, m, g, u, u if neg is None else neg, n, start, 1.0 - a * wd, -a, b2,
+                    alpha2, above, below, HAS_DECAY=wd != 0, SOURCE=source, BITS=bits)
+        start += n
+
+
+def apply(params: list[Tensor], exp_avgs: list[Tensor], grads: list[Tensor], u: Tensor, *, lr,
+          beta2, weight_decay, maximize=False) -> None:
+    """:func:`lioncub.fused.apply` on CUDA: p and m in place from the int8 votes ``u``."""
+    _apply(params, exp_avgs, grads, 0, u, None, 8, 0, 0, lr=lr, beta2=beta2, weight_decay=weight_decay,
+           maximize=maximize)
+
+
+def apply_bits(params: list[Tensor], exp_avgs: list[Tensor], grads: list[Tensor], pos: Tensor,
+               neg: Optional[Tensor] = None, *, lr, beta2, weight_decay, maximize=False) -> None:
+    """:func:`lioncub.fused.apply_bits` on CUDA: ``u = 2·pos − 1``, or ``pos − neg``."""
+    _apply(params, exp_avgs, grads, 1 if neg is None else 2, pos, neg, 1, 0, 0, lr=lr, beta2=beta2,
+           weight_decay=weight_decay, maximize=maximize)
+
+
+def apply_lanes(params: list[Tensor], exp_avgs: list[Tensor], grads: list[Tensor], lanes: Tensor, bits: int,
+                above: int, below: int, *, lr, beta2, weight_decay, maximize=False) -> None:
+    """:func:`lioncub.fused.apply_lanes` on CUDA: ``u = (k > above) − (k < below)``."""
+    _apply(params, exp_avgs, grads, 3, lanes, None, bits, int(above), int(below), lr=lr, beta2=beta2,
+           weight_decay=weight_decay, maximize=maximize)

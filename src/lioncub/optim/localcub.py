@@ -1,0 +1,395 @@
+r"""Local steps under the vote: H steps of a local optimizer, then one agreed outer step.
+
+Every worker starts a *round* from the same parameters :math:`\theta_s` and takes ``H``
+steps of its own inner optimizer (Lion by default, AdamW allowed) on its own data, with
+no communication. Then the workers agree on one outer update::
+
+    Δ_i = θ_s − θ_i                       # this worker's pseudo-gradient
+    v_i = Δ_i + e_i                       # + its error-feedback residual (optional)
+    u   = sign(Σ_i q(v_i))                # one majority vote (any vote method, 1-8 bits)
+    e_i ← v_i − C(v_i)                    # what was meant minus what was sent
+    d   = η·u                             # η: the group's lr now (schedules drive both loops)
+    θ_s ← θ_s·(1 − α·η·λ)                 # decoupled weight decay, at the outer step
+    θ_s ← outer(θ_s, d; α)                # 'sgd', 'nesterov' or 'lion', outer lr α
+    θ_i ← θ_s                             # every replica, bit-identical
+
+With ``vote='grad'`` the workers all-reduce Δ (fp32, mean) instead of voting, and
+``d`` is that mean (DiLoCo's outer pseudo-gradient). ``C(v)`` is this worker's own
+contribution in the units of ``v``: ``mean|v|·sign(v)`` per tensor for the binary votes
+(the scaled sign of error-feedback signSGD), the dequantized ``q(v)`` for ``pbit`` with a
+quantizer. The inner optimizer's state (Lion's momentum, AdamW's moments) stays local
+and persists across rounds.
+
+The outer rules, with ``α`` = ``outer_lr`` (dimensionless: with ``H = 1``, ``outer='sgd'``,
+``α = 1``, weight decay as Lion's and a binary vote, a round is exactly one
+:class:`~lioncub.LionCub` step)::
+
+    sgd       θ_s ← θ_s − α·d
+    nesterov  b ← μ·b + d;  θ_s ← θ_s − α·(d + μ·b)                     μ = outer_momentum
+    lion      c = β1·M + (1−β1)·d;  θ_s ← θ_s − α·η·sign(c);  M ← β2·M + (1−β2)·d
+
+Example (every rank, inside an initialised process group)::
+
+    opt = LocalCub(model.parameters(), lr=1e-4, local_steps=10, vote="onebit",
+                   outer="nesterov", outer_lr=3.0)
+    for x, y in batches:
+        loss_fn(model(x), y).backward()
+        opt.step()              # communicates only when a round ends
+        opt.zero_grad()
+        if opt.synced:          # every replica now holds the same parameters
+            evaluate(model)
+"""
+from __future__ import annotations
+
+import copy
+from typing import Callable, Iterable, Optional, Union
+
+import torch
+from torch import Tensor
+
+from ..engine import amp, auto, guard
+from .. import comm, votes
+from ..comm import CommStats
+from ..engine.config import VoteConfig, VoteSettings
+from ..engine.shell import Shell
+from ..lion import Lion
+from .outer import OUTER_RULES, make_outer
+from ..quantize import quantize
+from ..validate import check_bool, check_choice, check_hyperparameters, check_int
+from ..votes.pbit import MEAN_CLIP
+
+__all__ = ["LocalCub", "INNER_OPTIMIZERS", "OUTER_RULES", "LOCAL_VOTES", "AGGREGATES", "MEAN_CLIP"]
+
+INNER_OPTIMIZERS = ("lion", "adamw")
+LOCAL_VOTES = ("grad",) + votes.VOTE_METHODS
+AGGREGATES = ("vote", "mean")
+
+
+def _make_inner(inner, groups: list[dict], betas) -> torch.optim.Optimizer:
+    """The inner optimizer over our param groups; weight decay is the outer step's job."""
+    groups = [dict(g, weight_decay=0.0) for g in groups]
+    if inner == "lion":
+        return Lion(groups, betas=betas)
+    if inner == "adamw":
+        return torch.optim.AdamW(groups, betas=betas)
+    if callable(inner):
+        opt = inner(groups)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"inner must return a torch.optim.Optimizer, got {type(opt).__name__}")
+        return opt
+    raise ValueError(f"inner must be one of {INNER_OPTIMIZERS} or a callable(param_groups) -> Optimizer, "
+                     f"got {inner!r}")
+
+
+def sent_value(v: Tensor, sizes: list[int], method: votes.VoteMethod) -> Tensor:
+    """C(v): this rank's contribution to ``method``'s vote in the units of ``v`` (flat, fp32).
+
+    Binary votes send sign(v); its magnitude is taken as ``mean|v|`` of each tensor
+    (``sizes``: the tensors' element counts, in order). ``pbit`` with a quantizer sends
+    q(v) with the scale of the whole flat ``v``, as :func:`~lioncub.majority_vote` does.
+    """
+    if method.levels is not None:  # a quantizer's values
+        q = quantize(v, method.quantizer, levels=method.levels)
+        return q.values.to(v.dtype) * q.scale
+    out = torch.sign(v)
+    for o, x in zip(out.split(sizes), v.split(sizes)):
+        o.mul_(x.abs().mean())
+    return out
+
+
+class LocalCub(Shell, VoteSettings, torch.optim.Optimizer):
+    """Lion Cub with local steps: ``local_steps`` inner steps per agreed outer step.
+
+    Args:
+        params: parameters or param-group dicts (``lr``, ``betas``, ``weight_decay``).
+        lr, betas: the inner optimizer's; ``lr`` also sizes the outer step (η above).
+        weight_decay: λ, decoupled, applied to θ_s at each outer step as ``α·η·λ``
+            (the inner optimizer runs without weight decay).
+        local_steps: H >= 1, inner steps per round.
+        inner: ``'lion'`` (default), ``'adamw'``, or ``callable(param_groups) -> Optimizer``.
+        vote: ``'grad'`` (fp32 all-reduce of Δ, no compression), or a vote method of
+            :func:`lioncub.majority_vote`: ``'sign_allreduce'``, ``'gather'``, ``'onebit'``,
+            ``'pbit'``; or ``'auto'``: the cheapest binary-sign vote of the whole model by the
+            α-β model (:mod:`lioncub.engine.auto`; one vote per round, so ``round_costs`` holds each
+            candidate's seconds per round and per step, ``per_step_s`` = round / H).
+        alpha, beta, gamma: ``vote='auto'`` only, as in :class:`~lioncub.LionCub`.
+        bits, quantizer: ``pbit`` only, as in :class:`~lioncub.LionCub`.
+        outer: ``'sgd'``, ``'nesterov'`` or ``'lion'`` (see the module docstring).
+        outer_lr: α > 0 (dimensionless).
+        outer_momentum: μ in [0, 1) of ``'nesterov'``.
+        outer_betas: (β1, β2) of ``'lion'``.
+        error_feedback: keep each worker's residual e_i (not with ``vote='grad'``, which
+            is lossless, nor with the stochastic ``'linf'`` quantizer).
+        aggregate: ``'vote'`` (d = η·u, the majority vote) or ``'mean'`` (``pbit`` with
+            ``quantizer='l1'`` only): every rank quantizes v_i with one shared L1 scale, the
+            lanes' SUM all-reduce returns Σ_i q_i exactly, and d is their dequantized mean
+            (a 2-8-bit DiLoCo pseudo-gradient; ``outer_lr`` then scales Δ as DiLoCo's does).
+        tie: where zeros and tied votes go on the 1-bit paths, as in :class:`~lioncub.LionCub`
+            (``'alternate'``: the round's parity; ``'plus'``, ``'minus'``).
+        seed: seeds the stochastic quantizer's (``linf``) generator (``seed + rank``, on the
+            parameters' device, saved in ``state_dict``).
+        process_group: the data-parallel group (default: the world).
+        nonfinite: ``'raise'`` or ``'skip'`` (every rank drops the round's local
+            progress; ``'skip_round'`` is an older spelling) when any rank met a NaN/Inf gradient during the round (that inner
+            step is not taken) or its Δ holds one; agreed by all ranks at the round's end.
+        check_every: every k rounds verify that replicas are identical (0 = never).
+        model: the module, to name parameters in errors.
+
+    Attributes: ``synced`` (the last ``step()`` ended a round: replicas are identical),
+    ``rounds`` (outer steps taken), ``local_step`` (inner steps into the current round),
+    ``last_round_stats`` (:class:`~lioncub.CommStats` of the last outer step),
+    ``last_step_stats`` (the last ``step()``'s: the round's when it ended one, else empty).
+
+    Memory per parameter: θ_s, plus e_i with error feedback, plus the outer momentum
+    for ``'nesterov'``/``'lion'``, plus the inner optimizer's state.
+    """
+
+    state_key = "local"
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+        *,
+        local_steps: int = 10,
+        inner: Union[str, Callable] = "lion",
+        vote: str = "onebit",
+        bits: Optional[int] = None,
+        quantizer: Optional[str] = None,
+        outer: str = "sgd",
+        outer_lr: float = 1.0,
+        outer_momentum: float = 0.9,
+        outer_betas: tuple[float, float] = (0.9, 0.99),
+        error_feedback: bool = False,
+        aggregate: str = "vote",
+        tie: str = "alternate",
+        seed: int = 0,
+        process_group=None,
+        nonfinite: str = "raise",
+        check_every: int = 0,
+        model: Optional[torch.nn.Module] = None,
+        alpha: Optional[float] = None,
+        beta: Optional[float] = None,
+        gamma: Optional[dict] = None,
+    ):
+        check_hyperparameters(lr, betas, weight_decay)
+        self.H = check_int("local_steps", local_steps, 1)
+        config = VoteConfig(vote=vote, bits=bits, quantizer=quantizer, tie=tie, seed=seed)
+        self.rule = make_outer(outer, lr=outer_lr, momentum=outer_momentum, betas=outer_betas)
+        """The outer rule object (:mod:`lioncub.optim.outer`)."""
+        self.error_feedback = check_bool("error_feedback", error_feedback)
+        if error_feedback and vote == "grad":
+            raise ValueError("error_feedback needs a compressed vote: vote='grad' sends Δ exactly")
+        if error_feedback and quantizer == "linf":
+            raise ValueError("error_feedback cannot replay the stochastic quantizer 'linf'; "
+                             "use quantizer='l1', 'l0', 'lp', 'log' or 'sign'")
+        self.aggregate = check_choice("aggregate", aggregate, AGGREGATES)
+        if aggregate == "mean" and (vote != "pbit" or quantizer != "l1"):
+            raise ValueError("aggregate='mean' sums L1-quantized lanes: it needs vote='pbit' and quantizer='l1', "
+                             f"got vote={vote!r}, quantizer={quantizer!r}")
+        auto.check_auto_args(vote, alpha, beta, gamma)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
+        self.inner = _make_inner(inner, self.param_groups, tuple(betas))
+        self._restore_weight_decay()
+        self.param_groups = self.inner.param_groups  # one set of groups: schedulers drive both loops
+        self.params = [p for g in self.param_groups for p in g["params"]]
+        self.open_shell(self.params, group=process_group, model=model, nonfinite=nonfinite,
+                        check_every=check_every, seed=seed)
+        if config.votes:
+            config.method(self.world_size)  # refuses what cannot be exact for P ranks
+        self.vote_requested = vote
+        if vote == "auto":  # one vote per round of H steps: the per-step price is the round's / H
+            n = sum(p.numel() for p in self.params)
+            picked, picked_bits, ab = auto.agree_on_vote([n], self.world_size, self.group, alpha, beta, gamma=gamma,
+                                                         device=self.device)
+            self.auto_alpha_beta = ab
+            costs = auto.vote_costs([n], self.world_size, *ab, gamma=gamma)
+            self.round_costs = {k: dict(v, per_step_s=v["total_s"] / self.H) for k, v in costs.items()}
+            config = config.resolved(picked, picked_bits)
+        self._set_config(config)
+        for p in self.params:
+            self._outer_state(p)
+        self.rounds, self.local_step, self.synced = 0, 0, False
+        self.skipped_rounds, self._bad_round = 0, False
+        self.last_round_stats = self.last_step_stats = CommStats()
+
+    # ------------------------------------------------------------------ settings
+    def _set_config(self, config: VoteConfig) -> None:
+        """The vote settings and the one vote method object every round uses (None: ``'grad'``)."""
+        self.config = config
+        self.method = config.method(self.world_size)
+        self.vote_chosen = (config.vote, config.bits)
+
+    outer = property(lambda self: self.rule.name, doc="The outer rule's name.")
+    outer_lr = property(lambda self: self.rule.lr, doc="α, the outer rule's step scale.")
+
+    # ------------------------------------------------------------------ set-up
+    def _restore_weight_decay(self) -> None:
+        """The inner groups got weight_decay=0; keep λ in a key of our own for the outer step."""
+        for mine, theirs in zip(self.param_groups, self.inner.param_groups):
+            theirs["outer_weight_decay"] = mine["weight_decay"]
+
+    def _outer_state(self, p: Tensor) -> dict:
+        state = self.state[p]
+        if not state:
+            state["start"] = p.detach().clone()
+            if self.error_feedback:
+                state["residual"] = torch.zeros_like(p, dtype=torch.float32)
+            self.rule.init_state(p, state)
+        return state
+
+    # ------------------------------------------------------------------ step
+    _step_supports_amp_scaling = True
+    """``GradScaler.step`` always calls :meth:`step` on every rank (see :mod:`lioncub.engine.amp`)."""
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler=None):
+        """One inner step; when it completes a round of ``local_steps``, the outer step.
+
+        ``grad_scaler`` (passed by ``GradScaler.step``): the gradients are unscaled here; an
+        overflow on this rank skips this rank's inner step only (inner steps are local, so
+        the ranks' loss scales need not agree, and agreeing would cost a collective per
+        step); the round's collectives run on every rank regardless."""
+        loss = self.run_closure(closure)
+        present = [p for p in self.params if p.grad is not None]
+        scaler_inf = amp.unscale(self, grad_scaler, self.params)
+        # one host read per inner step on a GPU: a NaN must not reach the inner optimizer's state
+        # (the round's end then decides on every rank at once). Read as "how bad": 0 is ordinary.
+        if scaler_inf is not None:  # the scaler checked every gradient: an overflow (Inf or NaN)
+            if not bool(scaler_inf.sum() > 0):  # skips this rank's inner step; update() backs off its scale
+                self.inner.step()
+        else:
+            finite = guard.grads_finite(present)
+            bad = (not finite) if isinstance(finite, bool) else bool(torch.logical_not(finite))
+            if bad:
+                self._bad_round = True
+            else:
+                self.inner.step()
+        self.local_step += 1
+        self.synced = self.local_step == self.H
+        self.last_step_stats = comm.step_stats(self.device)
+        if self.synced:
+            with comm.step_context(self.rounds):  # a failed collective names this round
+                self._round()
+            self.local_step = 0
+            self.last_step_stats = self.last_round_stats
+        return loss
+
+    def _round(self) -> None:
+        stats = comm.step_stats(self.device)
+        sizes = [p.numel() for p in self.params]
+        states = [self.state[p] for p in self.params]
+        delta = torch.cat([(s["start"].float() - p.float()).reshape(-1) for s, p in zip(states, self.params)])
+        v = delta
+        if self.error_feedback:
+            v = delta + torch.cat([s["residual"].reshape(-1) for s in states])
+        # one tiny all-reduce: how many ranks hold a non-finite value, and (aggregate='mean') Σ_i mean|v_i|
+        # of every tensor
+        head = torch.zeros(1 + (len(sizes) if self.aggregate == "mean" else 0), dtype=torch.float64,
+                           device=v.device)  # NCCL takes device tensors only
+        head[0:1].copy_(torch.logical_not(torch.isfinite(delta).all()).reshape(1))  # on the device
+        if self._bad_round:
+            head[0] = 1.0
+        if self.aggregate == "mean":
+            head[1:] = torch.stack([piece.abs().mean() for piece in v.split(sizes)]).double()
+        self._bad_round = False
+        if self.world_size > 1:
+            comm.all_reduce(head, self.group, stats)
+        host = head.tolist()  # the round's one host read
+        if host[0] > 0:
+            self.last_round_stats = stats
+            self._nonfinite(int(host[0]))
+            return
+        signed = False
+        if self.aggregate == "mean":
+            d, sent = self.method.lane_mean(v, sizes, [x / self.world_size for x in host[1:]], self.group, stats)
+        elif self.method is None:  # 'grad': the fp32 mean of Δ
+            if self.world_size > 1:
+                comm.all_reduce(v, self.group, stats)
+                v /= self.world_size
+            d = v
+        else:
+            d, signed = self._vote(v, stats), True
+            if self.error_feedback:
+                sent = sent_value(v, sizes, self.method)
+        if self.error_feedback:  # e_i ← v_i − C(v_i)
+            for s, r, c in zip(states, v.split(sizes), sent.split(sizes)):
+                torch.sub(r, c, out=s["residual"].view(-1))
+        self._outer_step(d.split(sizes), signed)
+        self.rounds += 1
+        self.last_round_stats = stats
+        if self.check_due(self.rounds):
+            guard.check_replicas(self.params, self.group, self.world_size, step=self.rounds,
+                                 names=self._param_names)
+
+    def _vote(self, v: Tensor, stats: CommStats) -> Tensor:
+        """u = the vote of the ranks' v (the round's parity sets the 1-bit paths' ties)."""
+        if v.numel() == 0:
+            return torch.zeros_like(v)
+        if self.world_size == 1:  # no process group needed: the one rank's vote is its reference
+            return self.method.reference([v], self.method.parity(self.rounds), [self.generator]).to(v.dtype)
+        return self.method.vote(v, torch.empty_like(v), self.rounds, self.group, stats, self.generator)
+
+    def _outer_step(self, d: list[Tensor], signed: bool) -> None:
+        """θ_s ← decayed θ_s, then the outer rule by d; every replica ← θ_s. ``signed``: d holds u."""
+        i = 0
+        for group in self.param_groups:
+            lr, wd = group["lr"], group["outer_weight_decay"]
+            for p in group["params"]:
+                s = self.state[p]
+                start = s["start"]
+                if wd != 0:
+                    start.mul_(1.0 - self.rule.lr * lr * wd)
+                self.rule.step(start, d[i].view_as(p), s, lr=lr, signed=signed)
+                i += 1
+                p.copy_(start)
+
+    def _nonfinite(self, bad_ranks: int) -> None:
+        if self.nonfinite == "raise":
+            raise FloatingPointError(
+                f"non-finite gradients or parameters in round {self.rounds} on {bad_ranks} rank(s); "
+                "pass nonfinite='skip' to drop such rounds")
+        for p in self.params:  # every rank drops the round's local progress
+            p.copy_(self.state[p]["start"])
+        self.skipped_rounds += 1
+
+    # ------------------------------------------------------------------ state
+    def fingerprint(self) -> dict:
+        return dict(local_steps=self.H, vote=self.vote, bits=self.bits, quantizer=self.quantizer, tie=self.tie,
+                    outer=self.outer, error_feedback=self.error_feedback, aggregate=self.aggregate)
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        counters = dict(rounds=self.rounds, local_step=self.local_step, skipped_rounds=self.skipped_rounds,
+                        bad_round=self._bad_round)
+        sd[self.state_key] = self.envelope(
+            counters, inner=self.inner.state_dict(), vote_requested=self.vote_requested,
+            # inside a round every rank's parameters are its own (a model checkpoint holds one rank's)
+            params=[p.detach().clone() for p in self.params] if self.local_step else None)
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        extra = state_dict.get(self.state_key) if isinstance(state_dict, dict) else None
+        if extra is not None and "counters" not in extra:  # saved before the envelope: flat counters
+            extra = {**extra, "counters": {k: extra[k] for k in ("rounds", "local_step", "skipped_rounds",
+                                                                 "bad_round")}}
+            state_dict = {**state_dict, self.state_key: extra}
+        if extra is not None and self.vote_requested == "auto" and extra.get("vote_requested") == "auto":
+            saved = extra["config"]  # resume with the run's pick
+            self._set_config(self.config.resolved(saved["vote"], saved["bits"]))
+        extra = self.open_envelope(state_dict)  # kind, settings, rank and world size
+        base = copy.deepcopy({k: v for k, v in state_dict.items() if k != self.state_key})
+        super().load_state_dict(base)
+        self.inner.load_state_dict(copy.deepcopy(extra["inner"]))
+        self.param_groups = self.inner.param_groups
+        counters = extra["counters"]
+        self.rounds, self.local_step = int(counters["rounds"]), int(counters["local_step"])
+        self.skipped_rounds, self._bad_round = int(counters["skipped_rounds"]), bool(counters["bad_round"])
+        if extra.get("generator") is not None:  # (checkpoints before the generator: global RNG)
+            comm.restore_generator(self.generator, extra["generator"])
+        if extra.get("params") is not None:
+            with torch.no_grad():
+                for p, saved in zip(self.params, extra["params"]):
+                    p.copy_(saved)

@@ -1,0 +1,103 @@
+"""The package layout's one rule (docs/design.md §7): imports run down the layers, never up.
+
+Every import in ``src/lioncub`` (module level or inside a function, relative or absolute) is
+resolved to the module it names and both ends are placed in a layer; an import of a higher
+layer fails the test, naming the file, the line and both layers.
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+import sys
+
+import pytest
+
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "lioncub"
+
+LAYERS = ["base", "wire", "fused", "votes", "engine", "optim", "ddp", "tools"]
+BASE = {"comm", "validate", "quantize", "lion"}
+PACKAGES = {"wire": "wire", "fused": "fused", "votes": "votes", "engine": "engine", "optim": "optim", "ddp": "ddp"}
+# the old module paths kept for one release: each only names its new module (see test below)
+SHIMS = {"distributed", "local_steps", "hierarchy", "bucket_step", "guard", "momentum", "resume", "amp", "auto",
+         "cost", "overlap", "ddp_hook", "kernels", "packing", "triton_kernels", "vote"}
+
+
+def layer_of(module: str) -> str:
+    """The layer of ``module`` (dotted, under lioncub; '' is the package root)."""
+    head = module.split(".")[0]
+    if head in BASE:
+        return "base"
+    if head in PACKAGES:
+        return PACKAGES[head]
+    return "tools"  # the root, the shims, instruments, baselines, harness, testbed, testing, cli
+
+
+def _module_name(path: pathlib.Path) -> tuple[str, bool]:
+    rel = path.relative_to(SRC).with_suffix("")
+    parts = list(rel.parts)
+    is_pkg = parts[-1] == "__init__"
+    if is_pkg:
+        parts = parts[:-1]
+    return ".".join(parts), is_pkg
+
+
+def imports_of(path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line, module under lioncub) for every import of the package in ``path``."""
+    name, is_pkg = _module_name(path)
+    package = name.split(".") if is_pkg else name.split(".")[:-1]
+    package = [p for p in package if p]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)] if node.level > 1 else package
+                target = base + (node.module.split(".") if node.module else [])
+            elif node.module and node.module.split(".")[0] == "lioncub":
+                target = node.module.split(".")[1:]
+            else:
+                continue
+            if node.module is None or (node.level == 0 and not target):  # from . import a, b: the names
+                for alias in node.names:
+                    found.append((node.lineno, ".".join(target + [alias.name])))
+            else:
+                found.append((node.lineno, ".".join(target)))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "lioncub":
+                    found.append((node.lineno, ".".join(alias.name.split(".")[1:])))
+    return found
+
+
+def test_imports_run_down_the_layers():
+    wrong = []
+    for path in sorted(SRC.rglob("*.py")):
+        name, _ = _module_name(path)
+        mine = LAYERS.index(layer_of(name))
+        for line, target in imports_of(path):
+            theirs = LAYERS.index(layer_of(target))
+            if theirs > mine:
+                wrong.append(f"{path.relative_to(SRC)}:{line} ({LAYERS[mine]}) imports {target} ({LAYERS[theirs]})")
+    assert not wrong, "imports that run up the layers:\n" + "\n".join(wrong)
+
+
+def test_the_rule_catches_an_upward_import(tmp_path, monkeypatch):
+    """The checker itself: a votes module importing the engine is reported."""
+    fake = tmp_path / "lioncub"
+    (fake / "votes").mkdir(parents=True)
+    (fake / "votes" / "bad.py").write_text("from ..engine.step import Bucket\nfrom .. import comm\n")
+    monkeypatch.setattr(sys.modules[__name__], "SRC", fake)
+    found = imports_of(fake / "votes" / "bad.py")
+    assert found == [(1, "engine.step"), (2, "comm")]
+    assert [layer_of(t) for _, t in found] == ["engine", "base"]
+    with pytest.raises(AssertionError, match=r"votes/bad.py:1 \(votes\) imports engine.step \(engine\)"):
+        test_imports_run_down_the_layers()
+
+
+@pytest.mark.parametrize("old", sorted(SHIMS))
+def test_an_old_module_path_is_the_new_module(old):
+    import importlib
+
+    shim = (SRC / f"{old}.py").read_text()
+    assert len([line for line in shim.splitlines() if line.strip()]) <= 4, "a shim only names its new module"
+    module = importlib.import_module(f"lioncub.{old}")
+    assert module.__name__ != f"lioncub.{old}" and importlib.import_module(module.__name__) is module
