@@ -54,8 +54,8 @@ def read_csv(path):
 def test_default_comparison_writes_wellformed_outputs(tmp_path, corpus_cache):
     out = tmp_path / "cmp"
     printed = lioncub("train", *TINY, "--steps", "6", "--eval-every", "3", "--nproc", "2", "--out", str(out),
-                      "--cache-dir", str(corpus_cache))
-    labels = ["lion-grad-fp32", "lioncub-pbit"]
+                      "--cache-dir", str(corpus_cache), "--link", "none")  # loopback (tests/test_train_default.py: the link)
+    labels = ["lion-grad-fp32", "lioncub-pbit", "localcub-h3-mean8"]  # step-matched: LocalCub at H = 3
     for label in labels:
         assert label in printed
     assert "bytes sent / step" in printed and "compute (fwd+bwd)" in printed
@@ -65,12 +65,12 @@ def test_default_comparison_writes_wellformed_outputs(tmp_path, corpus_cache):
         assert row["world_size"] == "2" and row["steps"] == "6"
         for key in ("final_val_loss", "t_step_ms", "t_compute_ms", "t_vote_ms", "tokens_per_s"):
             assert math.isfinite(float(row[key])) and float(row[key]) > 0, key
-    base, cub = (float(r["bytes_sent_per_step"]) for r in rows)
-    assert base > 10 * cub > 0  # fp32 gradients vs 4-bit lanes
+    base, cub, local = (float(r["bytes_sent_per_step"]) for r in rows)
+    assert base > 10 * cub > 0 and local > 0  # fp32 gradients vs 4-bit lanes; 8-bit lanes every 3 steps
     with open(out / "loss.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(out / "loss.png") > 10_000
-    for label in labels:
+    for label in labels[:2]:  # every step communicates (LocalCub: every third, below)
         records = read_jsonl(out / label / "metrics.jsonl")
         steps = [r for r in records if r["kind"] == "step"]
         evals = [r for r in records if r["kind"] == "eval"]
@@ -88,6 +88,9 @@ def test_default_comparison_writes_wellformed_outputs(tmp_path, corpus_cache):
             assert r["tokens_per_s"] == pytest.approx(4 * 32 * 2 / r["t_step"], rel=1e-12)  # batch x block x world
         assert steps[-1]["loss"] < steps[0]["loss"]
         assert read_csv(out / label / "summary.csv")[0]["label"] == label
+    local = [r for r in read_jsonl(out / labels[2] / "metrics.jsonl") if r["kind"] == "step"]
+    assert [r["step"] for r in local] == [1, 2, 3, 4, 5, 6]
+    assert [r["bytes_sent"] > 0 for r in local] == [False, False, True] * 2  # one round per 3 steps
     lioncub("plot", str(out / labels[0]), str(out / labels[1]), "-o", str(tmp_path / "overlay.png"))
     assert os.path.getsize(tmp_path / "overlay.png") > 10_000
 

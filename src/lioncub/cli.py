@@ -1,6 +1,7 @@
 """``lioncub`` command line: a thin dispatcher, one function pair per subcommand.
 
-    lioncub train [flags]      train (default: baseline vs Lion Cub on Shakespeare, 4 workers)
+    lioncub train [flags]      train (default: Lion fp32 vs LionCub vs LocalCub on Shakespeare, 4 workers,
+                               behind emulated 100 Mbit/s links when root)
     lioncub prepare [--data]   tokenise a text corpus into train.bin/val.bin
     lioncub plot RUN_DIR...    overlay runs' loss curves into one PNG
     lioncub analyze [flags]    the paper's instruments (c, sign match, momentum spread, ties) on a small GPT
@@ -24,8 +25,11 @@ def _add_train(sub) -> None:
     d = TrainConfig()
     p = sub.add_parser("train", help="train a model data-parallel (default: Lion vs Lion Cub side by side)",
                        description="Train with Lion / Lion Cub / AdamW on local workers (--nproc) or under "
-                       "torchrun. With neither --optimizer nor --vote, runs the comparison: Lion's gradient "
-                       "allreduce (vote='grad') vs Lion Cub (pbit), then prints a summary and writes loss.png. "
+                       "torchrun. With neither --optimizer nor --vote, runs the comparison: Lion's fp32 gradient "
+                       "allreduce (vote='grad'), LionCub's every-step vote (pbit) and LocalCub at the settings "
+                       "bench/README.md's race recommends, for --budget seconds each, behind emulated "
+                       f"{DEFAULT_LINK} links when root; prints the time each took to Lion's final loss, the "
+                       "per-step table, and writes loss.png. "
                        "Elastic restarts: `torchrun --max-restarts=N -m lioncub.cli train --ckpt-every K "
                        "--auto-resume ...` restarts every worker after a failure with the same arguments, and "
                        "each restart continues from --out's ckpt/latest (also on another world size).")
@@ -33,7 +37,11 @@ def _add_train(sub) -> None:
     p.add_argument("--data", default=None, help="shakespeare | digits | DIR with train.bin/val.bin | FILE.txt | "
                    "FILE.npz | image folder (default: shakespeare for GPT, digits for images)")
     p.add_argument("--cache-dir", default=d.cache_dir, help="where prepared token files go (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"optimizer steps (default: {d.steps}; with --budget, or in the default comparison: a cap)")
+    p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                   help="train each run for this many seconds of training time (the slowest worker's), constant "
+                   f"lr after the warm-up (default: {DEFAULT_BUDGET_S:g} in the comparison unless --steps is given)")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="per worker")
     p.add_argument("--block-size", type=int, default=d.block_size, help="GPT context length")
     p.add_argument("--vocab-size", type=int, default=None, help="GPT vocabulary (default: from the data)")
@@ -77,7 +85,9 @@ def _add_train(sub) -> None:
     p.add_argument("--nproc", type=int, default=d.nproc, help="local workers when not under torchrun")
     p.add_argument("--device", choices=DEVICES, default=d.device)
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--eval-every", type=int, default=d.eval_every)
+    p.add_argument("--eval-every", type=int, default=None,
+                   help=f"evaluate every N steps (default: {d.eval_every}; with --budget: 0, and every budget/"
+                   f"{EVALS_PER_BUDGET} seconds)")
     p.add_argument("--eval-batches", type=int, default=d.eval_batches)
     p.add_argument("--log-every", type=int, default=d.log_every)
     p.add_argument("--ckpt-every", type=int, default=d.ckpt_every)
@@ -98,7 +108,10 @@ def _add_train(sub) -> None:
                    "val loss); needs `pip install tensorboard`")
     p.add_argument("--link", default=None, metavar="RATE",
                    help="run the --nproc workers in an emulated cluster whose links are shaped to RATE "
-                   "(e.g. 1gbit, 500mbit; 'none' = unshaped namespaces); needs root")
+                   "(e.g. 1gbit, 100mbit; 'unshaped' = namespaces without shaping); needs root. 'none' = "
+                   f"loopback. Default: the comparison runs behind {DEFAULT_LINK} links when this machine can "
+                   f"build them (root, network namespaces; {TESTBED_SWITCH}=0 turns that off), else on loopback "
+                   "with a line saying why; single runs on loopback")
     p.set_defaults(func=cmd_train, parser=p)
 
 
@@ -114,26 +127,83 @@ def _without_link(argv: list[str]) -> list[str]:
     return out
 
 
-def _train_behind_link(args) -> int:
+# The default comparison's link and budget: at 100 Mbit/s gpt-mini's fp32 all-reduce takes ~7x its compute
+# per step on a 2-core host (r ~ 7, 429 vs 65 ms; GPUs on 1-10 Gbit/s Ethernet sit at r ~ 20-200), and three
+# runs of 35 s of training each keep `make train` within 3 minutes there (2 min 18 s measured).
+DEFAULT_LINK = "100mbit"
+DEFAULT_BUDGET_S = 35.0
+EVALS_PER_BUDGET = 14
+STEP_CAP = 50_000  # --budget without --steps: steps are capped at STEP_CAP * --local-steps
+TESTBED_SWITCH = "LIONCUB_TESTBED"  # =0: the default comparison does not try the emulated link
+
+
+def testbed_unavailable() -> str | None:
+    """Why the default comparison cannot run behind an emulated link here, or None when it can:
+    ``LIONCUB_TESTBED=0``, not root, no ``ip``/``tc``, or network namespaces that cannot be made
+    (a probe builds and tears down a one-worker testbed)."""
+    if os.environ.get(TESTBED_SWITCH, "").strip().lower() in ("0", "off", "no", "false"):
+        return f"{TESTBED_SWITCH}={os.environ[TESTBED_SWITCH]} turns the emulated link off"
+    from .testbed import Testbed, check_available
+
+    reason = check_available()
+    if reason is not None:
+        return reason
+    try:
+        with Testbed(1, rate=None, prefix="lcprobe"):
+            pass
+    except RuntimeError as exc:
+        return f"network namespaces cannot be made here ({exc})"
+    return None
+
+
+def loopback_note(reason: str) -> str:
+    """The one line the default comparison prints when it falls back to loopback."""
+    return (f"lioncub train: on loopback, not behind an emulated slow link ({reason}); Lion Cub is for slow "
+            f"links: run `sudo lioncub train` (root builds a {DEFAULT_LINK} cluster) or pick a rate with "
+            "--link RATE (e.g. --link 1gbit); --link none: loopback without this line")
+
+
+def _train_behind_link(args, link: str) -> int:
     from .harness.launch import run_in_testbed
     from .testbed import parse_rate
 
-    link = None if args.link.lower() == "none" else args.link
+    rate = None if link.lower() == "unshaped" else link
     try:
-        parse_rate(link)
+        parse_rate(rate)
     except ValueError as exc:
         args.parser.error(f"--link: {exc}")
+    argv = _without_link(args.argv) + ["--link", link]  # the workers name the link in their reports
     try:
-        return run_in_testbed(_without_link(args.argv), args.nproc, link, nodes=args.nodes if args.nodes > 1 else None)
+        return run_in_testbed(argv, args.nproc, rate, nodes=args.nodes if args.nodes > 1 else None)
     except RuntimeError as exc:
         args.parser.error(str(exc))
 
 
 def cmd_train(args) -> int:
-    if args.link is not None and "RANK" not in os.environ:  # inside the testbed: train as usual
-        return _train_behind_link(args)
     compare = args.compare if args.compare is not None else (args.optimizer is None and args.vote is None)
-    fields = {k: v for k, v in vars(args).items() if k not in ("func", "parser", "compare", "command", "link", "argv")}
+    link = args.link
+    if "RANK" not in os.environ:  # not yet inside the testbed (or torchrun): where to run
+        if link is None and compare:
+            reason = testbed_unavailable()
+            if reason is None:
+                link = DEFAULT_LINK
+            else:
+                print(loopback_note(reason), flush=True)
+        if link is not None and link.lower() != "none":
+            return _train_behind_link(args, link)
+    link = None if link is None or link.lower() == "none" else link.lower()
+    budget = args.budget if args.budget is not None else (
+        DEFAULT_BUDGET_S if compare and args.steps is None else None)
+    if budget is not None and not budget > 0:
+        args.parser.error(f"--budget must be > 0 seconds, got {budget:g}")
+    if args.steps is None:
+        args.steps = STEP_CAP * max(1, args.local_steps) if budget is not None else TrainConfig().steps
+    if args.eval_every is None:
+        args.eval_every = 0 if budget is not None else TrainConfig().eval_every
+    fields = {k: v for k, v in vars(args).items()
+              if k not in ("func", "parser", "compare", "command", "link", "argv", "budget")}
+    fields["time_budget"] = budget
+    fields["eval_every_s"] = budget / EVALS_PER_BUDGET if budget is not None else 0.0
     fields["optimizer"] = fields["optimizer"] or "lioncub"
     fields["vote"] = fields["vote"] or "pbit"
     fields["betas"] = tuple(fields["betas"])
@@ -164,7 +234,7 @@ def cmd_train(args) -> int:
     if compare:
         from .harness.compare import run_compare
 
-        run_compare(config)
+        run_compare(config, link=link)
         return 0
     from .harness.train import run
 

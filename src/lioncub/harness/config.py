@@ -41,7 +41,14 @@ class TrainConfig:
     cache_dir: str = field(default_factory=default_cache_dir)
     """Where ``prepare`` writes train.bin/val.bin for text corpora."""
     steps: int = 250
-    """Optimizer steps to train (a resumed run continues up to this step)."""
+    """Optimizer steps to train (a resumed run continues up to this step; with ``time_budget``: at most)."""
+    time_budget: float | None = None
+    """Train for this many seconds of training time instead of to ``steps`` (which then caps it): the
+    agreed clock is the slowest rank's sum of step times, every rank stops at the same step (for local
+    steps: at the end of a round). The lr is constant after the warm-up (the race's schedule,
+    bench/README.md), since the number of steps is not known in advance."""
+    eval_every_s: float = 0.0
+    """With ``time_budget``: also evaluate every this many seconds of the agreed clock (0: never)."""
     batch_size: int = 8
     """Sequences (or images) per worker per step."""
     block_size: int = 64
@@ -168,6 +175,12 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+        if self.time_budget is not None and not self.time_budget > 0:
+            raise ValueError(f"time_budget must be > 0 seconds (or None), got {self.time_budget}")
+        if not self.eval_every_s >= 0:
+            raise ValueError(f"eval_every_s must be >= 0, got {self.eval_every_s}")
+        if self.eval_every_s and self.time_budget is None:
+            raise ValueError("eval_every_s applies to a time_budget run only")
         if not self.timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")
         if self.optimizer != "lioncub":

@@ -38,7 +38,7 @@ from .data.text import prepared_dir
 from .launch import launch, resolve_device
 from .metrics import MetricsWriter, ProgressBar, TensorBoardWriter, progress_enabled, write_csv
 from .models import build_model, param_groups
-from .schedule import lr_at
+from .schedule import lr_at, warmup_factor
 
 
 def run(config: TrainConfig) -> dict:
@@ -136,7 +136,10 @@ def lane_options(config: TrainConfig) -> dict:
 
 
 def lr_factor(step: int, config: TrainConfig) -> float:
-    """Linear warm-up over ``warmup_steps``, then cosine decay to ``min_lr_ratio`` (:func:`schedule.lr_at`)."""
+    """Linear warm-up over ``warmup_steps``, then cosine decay to ``min_lr_ratio`` (:func:`schedule.lr_at`);
+    with ``time_budget``: constant after the warm-up (:func:`schedule.warmup_factor`)."""
+    if config.time_budget is not None:
+        return warmup_factor(step, config.warmup_steps)
     return lr_at(step, config.steps, config.warmup_steps, config.min_lr_ratio)
 
 
@@ -264,11 +267,12 @@ def train_worker(config: TrainConfig) -> dict:
     cuda = device.type == "cuda"
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    budget, clock, next_eval_s = config.time_budget, 0.0, config.eval_every_s
     writer = MetricsWriter(os.path.join(config.out, "metrics.jsonl"), enabled=rank == 0,
                            truncate_after_step=start if resume_from else None)
     board = TensorBoardWriter(config.tensorboard and os.path.join(config.tensorboard, config.label),
                               enabled=rank == 0, purge_step=start + 1 if resume_from else None)
-    bar = ProgressBar(config.steps, label=config.label, initial=start,
+    bar = ProgressBar(config.steps if budget is None else None, label=config.label, initial=start,
                       enabled=rank == 0 and progress_enabled(config.progress))
     n_params = sum(p.numel() for p in params)
     steps, evals, train_time, t_begin = [], [], 0.0, time.perf_counter()
@@ -314,9 +318,19 @@ def train_worker(config: TrainConfig) -> dict:
             writer.write(record)
             board.write(record)
             bar.update(done, f"loss {record['loss']:.3f} | {1e3 * t_step:.0f} ms/step")
-        if (config.eval_every and done % config.eval_every == 0) or done == config.steps:
+        stop = eval_due = False
+        if budget is not None:  # the slowest rank's clock decides, at the end of a round
+            agreed = torch.tensor([train_time], dtype=torch.float64, device=device)
+            clock = comm.all_reduce(agreed, op="max").item()
+            if done % config.local_steps == 0:
+                stop = clock >= budget
+                eval_due = bool(config.eval_every_s) and clock >= next_eval_s
+                while next_eval_s and next_eval_s <= clock:
+                    next_eval_s += config.eval_every_s
+        if (config.eval_every and done % config.eval_every == 0) or done == config.steps or stop or eval_due:
             record = {"kind": "eval", "step": done, **evaluate(model, data.val, config.is_gpt, device, autocast),
-                      "train_time": train_time, "elapsed": time.perf_counter() - t_begin}
+                      "train_time": clock if budget is not None else train_time,
+                      "elapsed": time.perf_counter() - t_begin}
             evals.append(record)
             writer.write(record)
             board.write(record)
@@ -324,6 +338,8 @@ def train_worker(config: TrainConfig) -> dict:
             checkpoint.save_checkpoint(config.out, done, model=model, optimizer=opt, loader=data.loader,
                                        meta={"label": config.label, "config": config.as_dict()},
                                        keep=config.keep_ckpts)
+        if stop:
+            break
     bar.close()
     board.close()
     summary = summarize(config, steps, evals, world=world, n_params=n_params,
