@@ -49,3 +49,39 @@ def test_readme_example_runs_under_torchrun(tmp_path):
     # 100 steps at lr 3e-4 take away 0.030-0.037 nats of it (15 runs), measured on this batch to
     # ±0.002 (standard error of the per-sample change): a fall of 0.01 is 10 standard errors short
     assert after < before - 0.01, (before, after)
+
+
+def _default_run_sample() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## The default run: `make train`"):]
+    return re.search(r"```\n(.*?)```", section, re.S).group(1).splitlines()
+
+
+def test_readme_default_run_sample_is_what_lioncub_train_prints():
+    """The README's sample output of `make train` has the lines `lioncub train` prints: its header (the
+    default configuration, three ways, the 100 Mbit/s link and its regime) word for word, then the
+    time-to-loss lead, the per-step table's rows and the closing lines in their printed form."""
+    from lioncub.cli import DEFAULT_BUDGET_S, DEFAULT_LINK, EVALS_PER_BUDGET, STEP_CAP
+    from lioncub.harness.compare import header, variants
+    from lioncub.harness.config import TrainConfig
+
+    config = TrainConfig(time_budget=DEFAULT_BUDGET_S, steps=STEP_CAP, eval_every=0,
+                         eval_every_s=DEFAULT_BUDGET_S / EVALS_PER_BUDGET)
+    runs = variants(config)
+    want = header(config, runs, DEFAULT_LINK, config.nproc).splitlines()
+    sample = _default_run_sample()
+    assert sample[:len(want)] == want
+    rest = "\n".join(sample[len(want):])
+    labels = [c.label for c in runs]
+    assert re.search(rf"\nTime to the same loss: {labels[0]} \(Lion fp32\) ended at validation loss \d\.\d{{4}} after "
+                     r"[\d.]+ s of training \(\d+ steps, [\d.]+ MB sent per worker\)\.\n", rest), rest
+    for label in labels[1:]:
+        assert re.search(rf"\n  {label} +reached Lion fp32's final validation loss in [\d.]+ s, [\d.]+x sooner, "
+                         r"sending [\d.]+x fewer bytes \([\d.]+ MB; step \d+\)\n", rest), label
+    assert re.search(rf"\nRegime: {labels[0]}'s all-reduce took [\d.]+x its compute per step \(\d+ vs \d+ ms\): "
+                     r"r = [\d.]+\n", rest)
+    assert re.search(r"\nper step +" + " +".join(labels) + "\n", rest)
+    for row in ("final val loss", "steps", "bytes sent / step", "step time (ms)", "  vote / allreduce",
+                "training time (s)"):
+        assert re.search(rf"\n{re.escape(row)} +[\d.,]+ +[\d.,]+ +[\d.,]+\n", rest), row
+    assert rest.endswith("wrote runs/lioncub/compare.csv\nwrote runs/lioncub/loss.png")
