@@ -51,7 +51,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["CommStats", "CollectiveError", "step_context", "all_reduce", "all_gather", "all_to_all",
+__all__ = ["CommStats", "CollectiveError", "step_context", "all_reduce", "all_reduce_async", "Pending",
+           "all_gather", "all_to_all",
            "broadcast", "broadcast_from_first", "barrier", "all_gather_object", "broadcast_object",
            "device_of", "comm_device", "make_generator", "restore_generator", "clock", "step_stats",
            "REDUCE_OPS"]
@@ -185,6 +186,48 @@ def all_reduce(t: Tensor, group=None, stats: CommStats | None = None, *, step: O
     _guarded("all_reduce", t, step, lambda: dist.all_reduce(t, op=REDUCE_OPS[op], group=group))
     _record(stats, 2 * (p - 1) / p * t.numel() * t.element_size(), t0)
     return t
+
+
+class Pending:
+    """An all-reduce in flight (:func:`all_reduce_async`): :meth:`wait` completes it.
+
+    Its bytes and count were recorded when it was launched; :meth:`wait` adds the time it
+    blocks (the part of the collective that compute did not hide) to the ``stats`` it is
+    given. A second :meth:`wait` returns at once."""
+
+    def __init__(self, t: Tensor, work, step: Optional[int]):
+        self.tensor, self._work, self._step = t, work, step
+
+    @property
+    def done(self) -> bool:
+        """Whether :meth:`wait` has completed it."""
+        return self._work is None
+
+    def wait(self, stats: CommStats | None = None) -> Tensor:
+        """Block until the all-reduce is complete; the reduced tensor (reduced in place)."""
+        if self._work is not None:
+            t0 = clock(stats)
+            _guarded("all_reduce", self.tensor, self._step, self._work.wait)
+            self._work = None
+            if stats is not None:
+                stats.t_collective += clock(stats) - t0
+        return self.tensor
+
+
+def all_reduce_async(t: Tensor, group=None, stats: CommStats | None = None, *, step: Optional[int] = None,
+                     op: str = "sum") -> Pending:
+    """Launch the in-place all-reduce of ``t`` (``op``: ``'sum'`` or ``'max'``) and return at
+    once: ``t`` must not be read or written until the returned :class:`Pending` is waited on.
+    ``stats`` gets the bytes, the count and the launch time; a failure names the step it was
+    launched in (``step``, else :func:`step_context`'s), whenever it surfaces."""
+    p = _size(group)
+    step = _STEP.get() if step is None else step
+    t0 = clock(stats)
+    works = []
+    _guarded("all_reduce", t, step,
+             lambda: works.append(dist.all_reduce(t, op=REDUCE_OPS[op], group=group, async_op=True)))
+    _record(stats, 2 * (p - 1) / p * t.numel() * t.element_size(), t0)
+    return Pending(t, works[0], step)
 
 
 def all_gather(t: Tensor, group=None, stats: CommStats | None = None, *, step: Optional[int] = None) -> Tensor:

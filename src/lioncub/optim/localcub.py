@@ -28,6 +28,19 @@ The outer rules, with ``α`` = ``outer_lr`` (dimensionless: with ``H = 1``, ``ou
     nesterov  b ← μ·b + d;  θ_s ← θ_s − α·(d + μ·b)                     μ = outer_momentum
     lion      c = β1·M + (1−β1)·d;  θ_s ← θ_s − α·η·sign(c);  M ← β2·M + (1−β2)·d
 
+Streaming rounds (``delay=1``): the round's agreement is launched asynchronously when the
+round ends and completes while the next round's H inner steps run; its outer step is applied
+one round late, and the in-flight round's local progress is carried onto the new start::
+
+    round k ends:  Δ_i^k = o_i − θ_i            # o_i: this worker's parameters when round k began
+                   wait for round k−1's d; θ_s ← outer(θ_s, d)          (none after round 0)
+                   θ_i ← θ_s − Δ_i^k;  o_i ← θ_i                        (the rebase)
+                   launch the agreement of v_i = Δ_i^k + e_i; e_i ← v_i − C(v_i)
+
+θ_s is identical on every rank at every agreement; θ_i is θ_s plus this worker's own progress
+of the round in flight (the agreed step replaces the worker's own one, never adds to it).
+:meth:`LocalCub.flush` applies the round in flight at once (every replica then holds θ_s).
+
 Example (every rank, inside an initialised process group)::
 
     opt = LocalCub(model.parameters(), lr=1e-4, local_steps=10, vote="onebit",
@@ -48,7 +61,7 @@ import torch
 from torch import Tensor
 
 from ..engine import amp, auto, guard
-from .. import comm, votes
+from .. import comm, fused, votes
 from ..comm import CommStats
 from ..engine.config import VoteConfig, VoteSettings
 from ..engine.shell import Shell
@@ -57,12 +70,15 @@ from .outer import OUTER_RULES, make_outer
 from ..quantize import quantize
 from ..validate import check_bool, check_choice, check_hyperparameters, check_int
 from ..votes.pbit import MEAN_CLIP
+from ..wire import kernels
 
 __all__ = ["LocalCub", "INNER_OPTIMIZERS", "OUTER_RULES", "LOCAL_VOTES", "AGGREGATES", "MEAN_CLIP"]
 
 INNER_OPTIMIZERS = ("lion", "adamw")
 LOCAL_VOTES = ("grad",) + votes.VOTE_METHODS
 AGGREGATES = ("vote", "mean")
+DELAYS = (0, 1)
+"""``delay=``: 0, every round agreed before the next begins; 1, streaming rounds."""
 
 
 def _make_inner(inner, groups: list[dict], betas) -> torch.optim.Optimizer:
@@ -95,6 +111,35 @@ def sent_value(v: Tensor, sizes: list[int], method: votes.VoteMethod) -> Tensor:
     for o, x in zip(out.split(sizes), v.split(sizes)):
         o.mul_(x.abs().mean())
     return out
+
+
+def one_allreduce(method: Optional[votes.VoteMethod]) -> bool:
+    """Whether ``delay=1`` can launch ``method``'s exchange asynchronously: ``'grad'`` (None), or
+    a method whose plan is one all-reduce (its exchange is then the SUM all-reduce of its
+    message, in place: ``sign_allreduce``, ``pbit``)."""
+    return method is None or [kind for kind, _ in method.plan(1)] == ["allreduce"]
+
+
+class Agreement:
+    """A streaming round's agreement: its all-reduce in flight (or none: one rank, an empty
+    vote) and ``read``, which turns the reduced buffer into the round's ``d``. :meth:`result`
+    waits (once) and returns ``(d, signed)``; after it the agreement holds only ``d``."""
+
+    def __init__(self, pending: Optional[comm.Pending], read: Callable[[Optional[Tensor]], Tensor], signed: bool):
+        self.pending, self.read, self.signed, self.d = pending, read, signed, None
+
+    @classmethod
+    def finished(cls, d: Tensor, signed: bool) -> "Agreement":
+        """An agreement whose ``d`` is already known (one rank, or restored from a checkpoint)."""
+        done = cls(None, lambda _: d, signed)
+        done.d = d
+        return done
+
+    def result(self, stats: Optional[CommStats] = None) -> tuple[Tensor, bool]:
+        if self.d is None:
+            self.d = self.read(None if self.pending is None else self.pending.wait(stats))
+            self.pending = self.read = None
+        return self.d, self.signed
 
 
 class LocalCub(Shell, VoteSettings, torch.optim.Optimizer):
@@ -132,16 +177,23 @@ class LocalCub(Shell, VoteSettings, torch.optim.Optimizer):
         nonfinite: ``'raise'`` or ``'skip'`` (every rank drops the round's local
             progress; ``'skip_round'`` is an older spelling) when any rank met a NaN/Inf gradient during the round (that inner
             step is not taken) or its Δ holds one; agreed by all ranks at the round's end.
-        check_every: every k rounds verify that replicas are identical (0 = never).
+        check_every: every k rounds verify that replicas are identical (0 = never; with
+            ``delay=1`` the check is of θ_s, the agreed start).
+        delay: 0 (default) or 1: streaming rounds, the agreement of round k overlapped with
+            round k+1's inner steps and applied at its end (see the module docstring). For
+            ``vote='grad'``, ``aggregate='mean'`` and the one-all-reduce votes
+            (``'sign_allreduce'``, ``'pbit'``).
         model: the module, to name parameters in errors.
 
-    Attributes: ``synced`` (the last ``step()`` ended a round: replicas are identical),
+    Attributes: ``synced`` (the last ``step()`` ended a round: replicas are identical; with
+    ``delay=1`` the starts θ_s are, each replica holding θ_s plus its in-flight progress),
     ``rounds`` (outer steps taken), ``local_step`` (inner steps into the current round),
     ``last_round_stats`` (:class:`~lioncub.CommStats` of the last outer step),
     ``last_step_stats`` (the last ``step()``'s: the round's when it ended one, else empty).
 
     Memory per parameter: θ_s, plus e_i with error feedback, plus the outer momentum
-    for ``'nesterov'``/``'lion'``, plus the inner optimizer's state.
+    for ``'nesterov'``/``'lion'``, plus the inner optimizer's state; with ``delay=1`` also o_i
+    and the message in flight.
     """
 
     state_key = "local"
@@ -169,6 +221,7 @@ class LocalCub(Shell, VoteSettings, torch.optim.Optimizer):
         process_group=None,
         nonfinite: str = "raise",
         check_every: int = 0,
+        delay: int = 0,
         model: Optional[torch.nn.Module] = None,
         alpha: Optional[float] = None,
         beta: Optional[float] = None,
@@ -190,6 +243,9 @@ class LocalCub(Shell, VoteSettings, torch.optim.Optimizer):
             raise ValueError("aggregate='mean' sums L1-quantized lanes: it needs vote='pbit' and quantizer='l1', "
                              f"got vote={vote!r}, quantizer={quantizer!r}")
         auto.check_auto_args(vote, alpha, beta, gamma)
+        self.delay = check_int("delay", delay, min(DELAYS), max(DELAYS), what="rounds an outer step is applied late")
+        if delay and vote == "auto":
+            raise ValueError("delay=1 needs a fixed vote, got vote='auto' (it may pick a vote of several collectives)")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
         self.inner = _make_inner(inner, self.param_groups, tuple(betas))
         self._restore_weight_decay()
@@ -209,6 +265,12 @@ class LocalCub(Shell, VoteSettings, torch.optim.Optimizer):
             self.round_costs = {k: dict(v, per_step_s=v["total_s"] / self.H) for k, v in costs.items()}
             config = config.resolved(picked, picked_bits)
         self._set_config(config)
+        if self.delay and not one_allreduce(self.method):
+            streams = tuple(m for m in votes.VOTE_METHODS if one_allreduce(votes.make(m, 2)))
+            raise ValueError(f"delay=1 overlaps one all-reduce per round: vote must be 'grad' or one of {streams}, "
+                             f"got vote={vote!r}")
+        self._pending: Optional[Agreement] = None
+        """delay=1: the last round's agreement, launched and not yet applied."""
         for p in self.params:
             self._outer_state(p)
         self.rounds, self.local_step, self.synced = 0, 0, False
@@ -235,6 +297,8 @@ class LocalCub(Shell, VoteSettings, torch.optim.Optimizer):
         state = self.state[p]
         if not state:
             state["start"] = p.detach().clone()
+            if self.delay:  # o_i: where this worker's round in flight began
+                state["origin"] = p.detach().clone()
             if self.error_feedback:
                 state["residual"] = torch.zeros_like(p, dtype=torch.float32)
             self.rule.init_state(p, state)
@@ -281,7 +345,8 @@ class LocalCub(Shell, VoteSettings, torch.optim.Optimizer):
         stats = comm.step_stats(self.device)
         sizes = [p.numel() for p in self.params]
         states = [self.state[p] for p in self.params]
-        delta = torch.cat([(s["start"].float() - p.float()).reshape(-1) for s, p in zip(states, self.params)])
+        began = "origin" if self.delay else "start"  # where this worker's round began
+        delta = torch.cat([(s[began].float() - p.float()).reshape(-1) for s, p in zip(states, self.params)])
         v = delta
         if self.error_feedback:
             v = delta + torch.cat([s["residual"].reshape(-1) for s in states])
@@ -298,6 +363,10 @@ class LocalCub(Shell, VoteSettings, torch.optim.Optimizer):
         if self.world_size > 1:
             comm.all_reduce(head, self.group, stats)
         host = head.tolist()  # the round's one host read
+        if self.delay:
+            self._stream(delta, v, sizes, host, stats)
+            self.last_round_stats = stats
+            return
         if host[0] > 0:
             self.last_round_stats = stats
             self._nonfinite(int(host[0]))
@@ -324,6 +393,119 @@ class LocalCub(Shell, VoteSettings, torch.optim.Optimizer):
             guard.check_replicas(self.params, self.group, self.world_size, step=self.rounds,
                                  names=self._param_names)
 
+    # ------------------------------------------------------------------ streaming rounds (delay=1)
+    def _stream(self, delta: Tensor, v: Tensor, sizes: list[int], host: list[float], stats: CommStats) -> None:
+        """The end of a streaming round: the previous round's outer step, the rebase, and this
+        round's agreement launched (``host``: the head's all-reduced values)."""
+        applied = self._apply_pending(sizes, stats)
+        if host[0] > 0:
+            self._nonfinite(int(host[0]))
+            return
+        if applied:
+            self._rebase(delta.split(sizes))
+        else:  # nothing in flight (the first round, after a skip or a flush): θ_i stays
+            for p in self.params:
+                self.state[p]["origin"].copy_(p)
+        self._pending = self._launch(v, sizes, host, stats)
+
+    def _apply_pending(self, sizes: list[int], stats: CommStats) -> bool:
+        """Wait for the agreement in flight and take its outer step on θ_s; whether there was one."""
+        if self._pending is None:
+            return False
+        d, signed = self._pending.result(stats)
+        self._pending = None
+        self._outer_step(d.split(sizes), signed, replicas=False)
+        self.rounds += 1
+        if self.check_due(self.rounds):
+            guard.check_replicas([self.state[p]["start"] for p in self.params], self.group, self.world_size,
+                                 step=self.rounds, names=self._param_names)
+        return True
+
+    def _rebase(self, delta: list[Tensor]) -> None:
+        """θ_i ← θ_s − Δ_i (``delta``: this worker's progress since o_i, negated); o_i ← θ_i."""
+        for p, piece in zip(self.params, delta):
+            s = self.state[p]
+            p.copy_(s["start"].float() - piece.view_as(p))
+            s["origin"].copy_(p)
+
+    def _launch(self, v: Tensor, sizes: list[int], host: list[float], stats: CommStats) -> Agreement:
+        """Start the agreement on ``v`` (one asynchronous all-reduce), keep e_i ← v_i − C(v_i)."""
+        P, group = self.world_size, self.group
+        sent = None
+        if self.aggregate == "mean":
+            agreement, sent = self._launch_lanes(v, sizes, [x / P for x in host[1:]], stats)
+        elif self.method is None:  # 'grad': the fp32 mean of Δ
+            if P == 1:
+                agreement = Agreement.finished(v, False)
+            else:
+                agreement = Agreement(comm.all_reduce_async(v, group, stats), lambda total: total.div_(P), False)
+        else:
+            if self.error_feedback:
+                sent = sent_value(v, sizes, self.method)
+            if P == 1 or v.numel() == 0:
+                agreement = Agreement.finished(self._vote(v, stats), True)
+            else:
+                agreement = self._launch_vote(v, stats)
+        if self.error_feedback:  # e_i ← v_i − C(v_i)
+            for s, r, c in zip([self.state[p] for p in self.params], v.split(sizes), sent.split(sizes)):
+                torch.sub(r, c, out=s["residual"].view(-1))
+        return agreement
+
+    def _launch_vote(self, v: Tensor, stats: CommStats) -> Agreement:
+        """:meth:`VoteMethod.vote` with its one all-reduce in flight: encode now, decode at the wait."""
+        n, method = v.numel(), self.method
+        t0 = comm.clock(stats)
+        nb = method.part_nbytes(n)
+        msg = torch.empty(method.message_nbytes(nb), dtype=torch.uint8, device=v.device)
+        msg[nb:].zero_()
+        method.encode(v, msg[:nb], self.rounds, self.generator, use_fused=fused.usable([v]))
+        stats.t_quantize_pack += comm.clock(stats) - t0
+        pending = comm.all_reduce_async(msg[:nb], self.group, stats)
+        return Agreement(pending, lambda _: method.decode(msg, 0, n, torch.empty_like(v)), True)
+
+    def _launch_lanes(self, v: Tensor, sizes: list[int], norms: list[float],
+                      stats: CommStats) -> tuple[Agreement, Tensor]:
+        """:meth:`PBit.lane_mean`'s arithmetic with its lane-sum all-reduce in flight; returns the
+        agreement (d = unit·Σ_i q_i / P) and this rank's C(v) = unit·q_i."""
+        levels, bits, P, n = self.method.levels, self.method.bits, self.world_size, v.numel()
+        units = (torch.tensor(norms, dtype=torch.float64) * (min(levels, MEAN_CLIP) / levels)).tolist()  # host
+        q = torch.empty_like(v)
+        for qt, vt, unit in zip(q.split(sizes), v.split(sizes), units):
+            if unit > 0:
+                torch.round(vt * (1.0 / unit), out=qt).clamp_(-levels, levels)
+            else:
+                qt.zero_()
+
+        def mean(total: Tensor) -> Tensor:
+            for tt, unit in zip(total.split(sizes), units):
+                tt.mul_(unit / P)
+            return total
+
+        if P > 1:
+            msg = kernels.pack_bytes((q + levels).to(torch.uint8), n, bits)
+            pending = comm.all_reduce_async(msg, self.group, stats)
+            agreement = Agreement(pending, lambda lanes: mean(
+                kernels.unpack_bytes(lanes, n, bits).to(torch.float32) - float(P * levels)), False)  # Σ_i q_i, exact
+        else:
+            agreement = Agreement.finished(mean(q.clone()), False)
+        for qt, unit in zip(q.split(sizes), units):
+            qt.mul_(unit)
+        return agreement, q
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """``delay=1``: wait for the round in flight and apply its outer step now, carrying each
+        worker's progress since onto it (called at a round's end: every replica then holds θ_s,
+        as with ``delay=0``). Every rank calls it at the same step; nothing to do otherwise."""
+        if self._pending is None:
+            return
+        sizes = [p.numel() for p in self.params]
+        stats = comm.step_stats(self.device)
+        delta = [self.state[p]["origin"].float() - p.float() for p in self.params]
+        self._apply_pending(sizes, stats)
+        self._rebase(delta)
+        self.last_round_stats = stats
+
     def _vote(self, v: Tensor, stats: CommStats) -> Tensor:
         """u = the vote of the ranks' v (the round's parity sets the 1-bit paths' ties)."""
         if v.numel() == 0:
@@ -332,8 +514,9 @@ class LocalCub(Shell, VoteSettings, torch.optim.Optimizer):
             return self.method.reference([v], self.method.parity(self.rounds), [self.generator]).to(v.dtype)
         return self.method.vote(v, torch.empty_like(v), self.rounds, self.group, stats, self.generator)
 
-    def _outer_step(self, d: list[Tensor], signed: bool) -> None:
-        """θ_s ← decayed θ_s, then the outer rule by d; every replica ← θ_s. ``signed``: d holds u."""
+    def _outer_step(self, d: list[Tensor], signed: bool, replicas: bool = True) -> None:
+        """θ_s ← decayed θ_s, then the outer rule by d; every replica ← θ_s (``replicas``).
+        ``signed``: d holds u."""
         i = 0
         for group in self.param_groups:
             lr, wd = group["lr"], group["outer_weight_decay"]
@@ -344,7 +527,8 @@ class LocalCub(Shell, VoteSettings, torch.optim.Optimizer):
                     start.mul_(1.0 - self.rule.lr * lr * wd)
                 self.rule.step(start, d[i].view_as(p), s, lr=lr, signed=signed)
                 i += 1
-                p.copy_(start)
+                if replicas:
+                    p.copy_(start)
 
     def _nonfinite(self, bad_ranks: int) -> None:
         if self.nonfinite == "raise":
@@ -353,21 +537,29 @@ class LocalCub(Shell, VoteSettings, torch.optim.Optimizer):
                 "pass nonfinite='skip' to drop such rounds")
         for p in self.params:  # every rank drops the round's local progress
             p.copy_(self.state[p]["start"])
+            if self.delay:
+                self.state[p]["origin"].copy_(p)
         self.skipped_rounds += 1
 
     # ------------------------------------------------------------------ state
     def fingerprint(self) -> dict:
         return dict(local_steps=self.H, vote=self.vote, bits=self.bits, quantizer=self.quantizer, tie=self.tie,
-                    outer=self.outer, error_feedback=self.error_feedback, aggregate=self.aggregate)
+                    outer=self.outer, error_feedback=self.error_feedback, aggregate=self.aggregate, delay=self.delay)
 
     def state_dict(self) -> dict:
+        """The state (see docs/local_steps.md). With ``delay=1`` and an agreement in flight it
+        waits for it (a collective in flight cannot be saved) and saves its ``d``, not yet applied."""
+        pending = None
+        if self._pending is not None:
+            d, signed = self._pending.result()
+            pending = dict(d=d.clone(), signed=signed)
         sd = super().state_dict()
         counters = dict(rounds=self.rounds, local_step=self.local_step, skipped_rounds=self.skipped_rounds,
                         bad_round=self._bad_round)
         sd[self.state_key] = self.envelope(
             counters, inner=self.inner.state_dict(), vote_requested=self.vote_requested,
             # inside a round every rank's parameters are its own (a model checkpoint holds one rank's)
-            params=[p.detach().clone() for p in self.params] if self.local_step else None)
+            params=[p.detach().clone() for p in self.params] if self.local_step else None, pending=pending)
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -389,7 +581,13 @@ class LocalCub(Shell, VoteSettings, torch.optim.Optimizer):
         self.skipped_rounds, self._bad_round = int(counters["skipped_rounds"]), bool(counters["bad_round"])
         if extra.get("generator") is not None:  # (checkpoints before the generator: global RNG)
             comm.restore_generator(self.generator, extra["generator"])
+        pending = extra.get("pending")
+        self._pending = None if pending is None else Agreement.finished(pending["d"].clone(), pending["signed"])
         if extra.get("params") is not None:
             with torch.no_grad():
                 for p, saved in zip(self.params, extra["params"]):
                     p.copy_(saved)
+        elif self.delay:  # at a round's end a streaming replica is its origin o_i
+            with torch.no_grad():
+                for p in self.params:
+                    p.copy_(self.state[p]["origin"])

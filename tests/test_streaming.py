@@ -1,0 +1,272 @@
+"""LocalCub's streaming rounds (``delay=1``), on real gloo groups (2-3 workers).
+
+Round k's agreement is launched at its end and applied at the end of round k+1, then the
+round in flight is rebased: θ_i ← θ_s − Δ_i (docs/local_steps.md, "Streaming rounds")."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lioncub import LocalCub, majority_vote, votes
+from lioncub.comm import CommStats
+from tests.dist import run_workers
+
+SHAPES = [(7, 5), (13,), (3, 3, 3)]
+LR, ALPHA = 2 ** -6, 1.0  # outer='sgd' with α = 1: θ_s_new = θ_s − α·d by one fp32 op, as the test does it
+
+AGGREGATIONS = {  # each way a round agrees that delay=1 streams
+    "grad": dict(vote="grad"),
+    "vote": dict(vote="sign_allreduce", error_feedback=True),
+    "pbit-vote": dict(vote="pbit", bits=8, quantizer="l1", error_feedback=True),
+    "mean": dict(vote="pbit", bits=8, quantizer="l1", aggregate="mean", error_feedback=True),
+}
+
+
+def _params(seed: int = 0) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(*s, generator=g)) for s in SHAPES]
+
+
+def _grads(params, rank: int, step: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return [torch.randn(p.shape, generator=g) for p in params]
+
+
+def _sgd(groups):
+    return torch.optim.SGD(groups)
+
+
+def _flat(tensors) -> torch.Tensor:
+    return torch.cat([t.detach().float().reshape(-1) for t in tensors])
+
+
+def _blocking_d(cfg: dict, v: torch.Tensor, sizes: list[int], rounds: int, world: int) -> tuple[torch.Tensor, bool]:
+    """The round's d as the blocking path computes it from the ranks' v (collective)."""
+    if cfg["vote"] == "grad":
+        total = v.clone()
+        dist.all_reduce(total)
+        return total / world, False
+    if cfg.get("aggregate") == "mean":
+        norms = torch.stack([piece.abs().mean() for piece in v.split(sizes)]).double()
+        dist.all_reduce(norms)
+        method = votes.make("pbit", world, bits=cfg["bits"], quantizer=cfg["quantizer"])
+        d, _ = method.lane_mean(v.clone(), sizes, [x / world for x in norms.tolist()], None, CommStats())
+        return d, False
+    return majority_vote(v.clone(), method=cfg["vote"], bits=cfg.get("bits"), quantizer=cfg.get("quantizer"),
+                         step=rounds), True
+
+
+def _streaming_rounds(rank, world):
+    """Per aggregation, at each agreement: (θ_s equals θ_s − α·d of the blocking d of the previous
+    round's v, θ_i equals θ_s − Δ_i, θ_s identical on every rank, max |d − float64 mean Δ| for 'grad')."""
+    H, out = 2, {}
+    for name, cfg in AGGREGATIONS.items():
+        params = _params()
+        sizes = [p.numel() for p in params]
+        opt = LocalCub(params, lr=LR, local_steps=H, inner=_sgd, outer="sgd", outer_lr=ALPHA, delay=1, **cfg)
+        flight, checks = None, []  # flight: (v, Δ, rounds) of the round in flight
+        began = _flat(params)  # where this worker's round began: its parameters after the last round's end
+        for step in range(4 * H):
+            grads = _grads(params, rank, step)
+            for p, g in zip(params, grads):
+                p.grad = g
+            ends = (step + 1) % H == 0
+            if ends:  # this round's v, from the inner SGD step the optimizer is about to take
+                after = [p.detach().add(g, alpha=-LR) for p, g in zip(params, grads)]
+                delta = began - _flat(after)
+                v = delta + _flat(opt.state[p]["residual"] for p in params) if opt.error_feedback else delta.clone()
+                start = _flat(opt.state[p]["start"] for p in params)
+            opt.step()
+            if not ends:
+                continue
+            new_start = _flat(opt.state[p]["start"] for p in params)
+            if flight is None:
+                assert torch.equal(new_start, start) and torch.equal(_flat(params), _flat(after))  # nothing applied
+            else:
+                d, signed = _blocking_d(cfg, flight[0], sizes, flight[2], world)
+                expected = start.add(d, alpha=-ALPHA * LR if signed else -ALPHA)
+                rebased = torch.equal(_flat(params), new_start - delta)
+                err64 = None
+                if name == "grad":
+                    everyone = [torch.empty_like(flight[1], dtype=torch.float64) for _ in range(world)]
+                    dist.all_gather(everyone, flight[1].double())
+                    err64 = float((start.double() - new_start.double() - torch.stack(everyone).mean(0)).abs().max())
+                sums = new_start.double().sum().reshape(1)
+                all_sums = [torch.empty_like(sums) for _ in range(world)]
+                dist.all_gather(all_sums, sums)
+                checks.append((torch.equal(new_start, expected), rebased,
+                               all(torch.equal(s, all_sums[0]) for s in all_sums), err64))
+            flight, began = (v, delta, opt.rounds), _flat(params)
+        out[name] = (checks, opt.rounds)
+    return out
+
+
+def test_each_round_applies_the_blocking_agreement_one_round_late_and_rebases_the_round_in_flight():
+    for res in run_workers(_streaming_rounds, 3):
+        for name, (checks, rounds) in res.items():
+            assert rounds == 3 and len(checks) == 3, name  # 4 rounds: 3 applied, 1 in flight
+            for same_d, rebased, identical, err64 in checks:
+                assert same_d, f"{name}: the applied d is not the blocking agreement of the previous round"
+                assert rebased, f"{name}: θ_i is not θ_s − Δ_i"
+                assert identical, f"{name}: θ_s differs between ranks"
+                if name == "grad":  # fp32 sum of 3 ranks' Δ (|Δ| ~ 2·2^-6) against float64: a few ulps of θ ~ 1
+                    assert err64 < 1e-6, err64
+
+
+# ------------------------------------------------------------------ delay=0 is today's LocalCub
+def _delay_zero(rank, world):
+    out = {}
+    for name, cfg in AGGREGATIONS.items():
+        a, b = _params(), _params()
+        today = LocalCub(a, lr=1e-2, local_steps=2, outer="nesterov", **cfg)
+        zero = LocalCub(b, lr=1e-2, local_steps=2, outer="nesterov", delay=0, **cfg)
+        for step in range(6):
+            for p, q, g in zip(a, b, _grads(a, rank, step)):
+                p.grad, q.grad = g, g.clone()
+            today.step()
+            zero.step()
+        out[name] = all(torch.equal(x, y) for x, y in zip(a, b)) and "origin" not in zero.state[b[0]]
+    return out
+
+
+def test_delay_zero_is_todays_localcub_for_every_aggregation():
+    for res in run_workers(_delay_zero, 2):
+        assert all(res.values()), res
+
+
+# ------------------------------------------------------------------ error feedback by hand
+def _ef_streaming(rank, world):
+    # params at 0, inner SGD with lr 1, H = 1: Δ = g exactly (round 0 from 0, round 1 from o_i = −g0)
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = LocalCub([p], lr=1.0, local_steps=1, inner=_sgd, vote="sign_allreduce", error_feedback=True,
+                   outer="sgd", outer_lr=1.0, delay=1)
+    p.grad = torch.tensor([0.25, -0.125, 0.5, -0.125]) if rank == 0 else torch.tensor([-0.5, 0.25, 0.25, 0.5])
+    opt.step()
+    first = (opt.state[p]["residual"].clone(), opt.state[p]["start"].clone(), p.detach().clone())
+    p.grad = torch.tensor([0.5, 0.5, -0.25, 0.0]) if rank == 0 else torch.zeros(4)
+    opt.step()
+    return first, (opt.state[p]["residual"].clone(), opt.state[p]["start"].clone(), p.detach().clone())
+
+
+def test_error_feedback_residuals_of_two_streaming_rounds_by_hand():
+    (rank0_round0, rank0_round1), (rank1_round0, rank1_round1) = run_workers(_ef_streaming, 2)
+    (e00, s00, p00), (e01, s01, p01) = rank0_round0, rank0_round1
+    (e10, s10, p10), (e11, s11, p11) = rank1_round0, rank1_round1
+    # round 0: v = Δ = g; e = v − mean|v|·sign(v), mean|v| = 0.25 (rank 0), 0.375 (rank 1); nothing applied yet
+    assert torch.equal(e00, torch.tensor([0.0, 0.125, 0.25, 0.125]))
+    assert torch.equal(e10, torch.tensor([-0.125, -0.125, -0.125, 0.125]))
+    assert torch.equal(s00, torch.zeros(4)) and torch.equal(s10, torch.zeros(4))
+    assert torch.equal(p00, -torch.tensor([0.25, -0.125, 0.5, -0.125]))  # θ_0 = −g0, its own progress
+    # round 1: v = g1 + e. Rank 0: [.5, .625, 0, .125], mean|v| = .3125 -> e = [.1875, .3125, 0, −.1875];
+    # rank 1: v = e, mean|v| = .125 -> e = 0
+    assert torch.equal(e01, torch.tensor([0.1875, 0.3125, 0.0, -0.1875]))
+    assert torch.equal(e11, torch.zeros(4))
+    # round 0's vote applied at round 1's end: u = sign(sign v_0 + sign v_1) = [0, 0, 1, 0]; θ_s = −1·1·u
+    want_start = torch.tensor([0.0, 0.0, -1.0, 0.0])
+    assert torch.equal(s01, want_start) and torch.equal(s11, want_start)
+    # the rebase: θ_i = θ_s − Δ_i of round 1 (Δ_i = g1)
+    assert torch.equal(p01, want_start - torch.tensor([0.5, 0.5, -0.25, 0.0]))
+    assert torch.equal(p11, want_start)
+
+
+# ------------------------------------------------------------------ resume mid-round and mid-flight
+RESUME_CONFIGS = [
+    dict(vote="grad", outer="nesterov", outer_lr=0.7, inner="adamw"),
+    dict(vote="pbit", bits=8, quantizer="l1", aggregate="mean", error_feedback=True, outer="nesterov", outer_lr=0.7),
+    dict(vote="pbit", outer="sgd", outer_lr=3.0, error_feedback=True),
+    dict(vote="sign_allreduce", outer="lion", outer_lr=4.0),
+]
+
+
+def _resume(rank, world):
+    out = []
+    for cfg in RESUME_CONFIGS:
+        params = _params(seed=rank)  # different starts: the broadcast aligns them
+        opt = LocalCub(params, lr=1e-2, weight_decay=0.1, local_steps=3, check_every=1, delay=1, **cfg)
+        saved = {}
+        for step in range(11):
+            for p, g in zip(params, _grads(params, rank, step)):
+                p.grad = g
+            opt.step()
+            if step in (4, 5):  # 4: mid-round; 5: a round's end, its agreement just launched
+                in_flight = opt._pending is not None and not opt._pending.pending.done
+                saved[step] = (copy.deepcopy(opt.state_dict()), in_flight)
+        opt.flush()  # step 11 ends no round: each replica keeps its 2 steps of progress on the new θ_s
+        final = [p.detach().clone() for p in params]
+        starts = _flat(opt.state[p]["start"] for p in params)
+        resumed = {}
+        for at, (sd, in_flight) in saved.items():
+            params2 = _params(seed=rank)
+            opt2 = LocalCub(params2, lr=1e-2, weight_decay=0.1, local_steps=3, check_every=1, delay=1, **cfg)
+            opt2.load_state_dict(sd)
+            for step in range(at + 1, 11):
+                for p, g in zip(params2, _grads(params2, rank, step)):
+                    p.grad = g
+                opt2.step()
+            opt2.flush()
+            resumed[at] = (in_flight, all(torch.equal(a, b) for a, b in zip(final, params2)))
+        sums = starts.double().sum().reshape(1)
+        everyone = [torch.empty_like(sums) for _ in range(world)]
+        dist.all_gather(everyone, sums)
+        out.append((cfg, resumed, opt.rounds, all(torch.equal(s, everyone[0]) for s in everyone)))
+    return out
+
+
+def test_resume_mid_round_and_mid_flight_is_bit_exact():
+    for res in run_workers(_resume, 3):
+        for cfg, resumed, rounds, identical in res:
+            assert rounds == 3 and identical, cfg  # 3 round ends, each applied (the last by flush)
+            for at, (in_flight, same) in resumed.items():
+                assert same, f"resumed from step {at} differs for {cfg}"
+            assert resumed[5][0], "the checkpoint at a round's end was not taken with its agreement in flight"
+
+
+def _flush_syncs(rank, world):
+    params = _params()
+    opt = LocalCub(params, lr=1e-2, local_steps=2, vote="grad", outer="nesterov", delay=1)
+    for step in range(4):
+        for p, g in zip(params, _grads(params, rank, step)):
+            p.grad = g
+        opt.step()
+    differ = not all(torch.equal(p, opt.state[p]["start"]) for p in params)
+    opt.flush()
+    return differ, _flat(params), all(torch.equal(p, opt.state[p]["start"]) for p in params), opt.rounds
+
+
+def test_flush_at_a_rounds_end_leaves_every_replica_at_the_agreed_start():
+    (d0, p0, at0, r0), (d1, p1, at1, r1) = run_workers(_flush_syncs, 2)
+    assert d0 and d1  # before: each replica is θ_s plus its own round in flight
+    assert at0 and at1 and torch.equal(p0, p1) and r0 == r1 == 2
+
+
+# ------------------------------------------------------------------ one process, bad input
+def test_one_process_streams_without_a_process_group():
+    params = _params()
+    opt = LocalCub(params, lr=1e-2, local_steps=2, vote="pbit", bits=8, quantizer="l1", aggregate="mean", delay=1)
+    for step in range(6):
+        for p, g in zip(params, _grads(params, 0, step)):
+            p.grad = g
+        opt.step()
+    assert opt.rounds == 2 and opt._pending is not None
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(delay=2), r"delay \(rounds an outer step is applied late\) must be an int in \[0, 1\], got 2"),
+    (dict(delay=True, vote="grad"), "delay .* must be an int in"),
+    (dict(delay=1, vote="onebit"), r"delay=1 overlaps one all-reduce per round: vote must be 'grad' or one of"),
+    (dict(delay=1, vote="gather"), "got vote='gather'"),
+    (dict(delay=1, vote="auto"), "delay=1 needs a fixed vote"),
+])
+def test_bad_streaming_arguments_are_named(kw, match):
+    with pytest.raises(ValueError, match=match):
+        LocalCub(_params(), **kw)
+
+
+def test_a_checkpoint_of_the_other_delay_is_refused():
+    a = LocalCub(_params(), local_steps=2, vote="grad", delay=1)
+    b = LocalCub(_params(), local_steps=2, vote="grad")
+    with pytest.raises(ValueError, match="delay=1"):
+        b.load_state_dict(a.state_dict())
