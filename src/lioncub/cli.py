@@ -75,6 +75,9 @@ def _add_train(sub) -> None:
     p.add_argument("--error-feedback", action="store_true", help="local steps: keep compression residuals")
     p.add_argument("--aggregate", choices=("vote", "mean"), default=d.aggregate,
                    help="local steps: 'vote' (sign step) or 'mean' (summed L1 lanes; --vote pbit --quantizer l1)")
+    p.add_argument("--delay", type=int, choices=(0, 1), default=d.delay,
+                   help="local steps: 1 streams rounds, each round's exchange overlapped with the next round's "
+                   "inner steps and its outer step applied one round late (default: %(default)s)")
     p.add_argument("--nodes", type=int, default=d.nodes,
                    help="LionCub: the workers form this many nodes of consecutive ranks; average inside a node, "
                    "vote across nodes (NodeCub; with --link, each node is one namespace behind one shaped link)")
@@ -181,17 +184,6 @@ def _train_behind_link(args, link: str) -> int:
 
 def cmd_train(args) -> int:
     compare = args.compare if args.compare is not None else (args.optimizer is None and args.vote is None)
-    link = args.link
-    if "RANK" not in os.environ:  # not yet inside the testbed (or torchrun): where to run
-        if link is None and compare:
-            reason = testbed_unavailable()
-            if reason is None:
-                link = DEFAULT_LINK
-            else:
-                print(loopback_note(reason), flush=True)
-        if link is not None and link.lower() != "none":
-            return _train_behind_link(args, link)
-    link = None if link is None or link.lower() == "none" else link.lower()
     budget = args.budget if args.budget is not None else (
         DEFAULT_BUDGET_S if compare and args.steps is None else None)
     if budget is not None and not budget > 0:
@@ -231,6 +223,17 @@ def cmd_train(args) -> int:
             check_inputs(variant, int(os.environ.get("WORLD_SIZE", config.nproc)), prepare=not torchrun)
     except ValueError as exc:
         args.parser.error(str(exc))
+    link = args.link
+    if not torchrun:  # not yet inside the testbed (or torchrun): where to run
+        if link is None and compare:
+            reason = testbed_unavailable()
+            if reason is None:
+                link = DEFAULT_LINK
+            else:
+                print(loopback_note(reason), flush=True)
+        if link is not None and link.lower() != "none":
+            return _train_behind_link(args, link)
+    link = None if link is None or link.lower() == "none" else link.lower()
     if compare:
         from .harness.compare import run_compare
 
