@@ -65,6 +65,8 @@ def make_optimizer(spec: Spec, params, **kw) -> torch.optim.Optimizer:
     extra = dict(bits=spec.bits, quantizer=spec.quantizer) if spec.vote == "pbit" else {}
     if spec.tie_rule is not None:
         extra["tie"] = spec.tie_rule
+    if spec.error_feedback != "none" or spec.stochastic_signs:  # issue 34's variants (study_plan.VOTE_QUALITY)
+        extra.update(error_feedback=spec.error_feedback, stochastic_signs=spec.stochastic_signs)
     return LionCub(params, vote=spec.vote, **extra, **kw)
 
 

@@ -19,7 +19,8 @@ Parts (docs/design.md §2, §4, §5; the paper's Table 2 / Figs. 4, 5, 9, 10, 14
    optimizers per step (labels "B=48@2000 ...").
 0c. ``ablate`` — the paper's ablations at the recipe's scale, at Lion's best recipe settings:
    8-bit L1 / L0 / L∞ and 4-bit binary / L∞ / L1 lanes; the 1-bit vote's tie rules; 4-bit
-   lanes with momentum sync none / all / io / adaptive at β2 = 0.99 and 0.95. Runs equal to a
+   lanes with momentum sync none / all / io / adaptive at β2 = 0.99 and 0.95; issue 34's error
+   feedback and stochastic signs on the 1-bit and 4-bit binary votes (``VOTE_QUALITY``). Runs equal to a
    recipe run (Lion, 1-bit, 4-bit binary, 8-bit L1) are the same experiment and reuse its record.
 
 1. ``quant``  — the vote through sign / Linf / L1 / L0 in 4- and 8-bit p-bit lanes vs Lion.
@@ -53,6 +54,8 @@ class Spec:
     bits: int | None = None
     quantizer: str | None = None
     tie_rule: str | None = None
+    error_feedback: str = "none"  # LionCub's error_feedback / stochastic_signs (issue 34)
+    stochastic_signs: bool = False
     beta2: float = 0.99
     sync: str = "none"
     tied: bool = True
@@ -79,7 +82,8 @@ class Spec:
         return json.dumps(d, sort_keys=True)
 
 
-_LATER_FIELDS = dict(optimizer="lion", layers=2, heads=4, embd=32, block=BLOCK, batch=8, weight_decay=0.1, warmup=10)
+_LATER_FIELDS = dict(optimizer="lion", layers=2, heads=4, embd=32, block=BLOCK, batch=8, weight_decay=0.1, warmup=10,
+                     error_feedback="none", stochastic_signs=False)
 # nanoGPT's CPU recipe for Shakespeare: gpt-mini's shape, a global batch of 12 sequences of 64 tokens
 RECIPE = dict(layers=4, heads=4, embd=128, block=64, batch=3, warmup=100, steps=2000)
 ADAMW = dict(optimizer="adamw", lr=1e-3, weight_decay=0.1)
@@ -187,6 +191,16 @@ def best_batch_lrs(records: list[dict], seed: int) -> dict:
     return best
 
 
+# Issue 34's mechanisms on the binary votes (lioncub.votes.feedback): (label, vote, Spec fields);
+# run one with ``--parts ablate --only "1-bit EF (onebit-ef)"``.
+VOTE_QUALITY = (
+    ("1-bit EF (onebit-ef)", "onebit", dict(error_feedback="worker")),
+    ("1-bit stochastic (onebit-stoch)", "onebit", dict(stochastic_signs=True)),
+    ("1-bit EF + stochastic (onebit-ef-stoch)", "onebit", dict(error_feedback="worker", stochastic_signs=True)),
+    ("4-bit binary EF (pbit-ef)", "pbit", dict(bits=4, error_feedback="worker")),
+)
+
+
 def ablate_plan(seeds) -> list[Spec]:
     """The ``ablate`` part: the paper's ablations at the recipe's shape, at Lion's best (lr, wd)."""
     lr, wd = LION_GRID[0]
@@ -201,6 +215,8 @@ def ablate_plan(seeds) -> list[Spec]:
         out.append(Spec("ablate", "1-bit, ties alternate (default)", vote="onebit", **g))
         for rule in ("plus", "minus"):
             out.append(Spec("ablate", f"1-bit, ties {rule}", vote="onebit", tie_rule=rule, **g))
+        for label, vote, extra in VOTE_QUALITY:
+            out.append(Spec("ablate", label, vote=vote, **extra, **g))
         for b2 in (0.99, 0.95):
             if b2 != 0.99:
                 out.append(Spec("ablate", f"Lion b2={b2}", beta2=b2, **g))

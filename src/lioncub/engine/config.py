@@ -3,7 +3,8 @@
 Every optimizer that votes (:class:`~lioncub.LionCub`, :class:`~lioncub.LocalCub`, the vote
 inside :class:`~lioncub.NodeCub`) takes the same settings and checks them here, once, with
 the same words: which vote, its lane width and quantizer, the tie rule, the stochastic
-quantizer's seed, and (for the every-step optimizer) the backend and the sizes of buckets
+quantizer's seed, what a binary-sign message carries beyond the sign (``error_feedback``,
+``stochastic_signs``: :mod:`lioncub.votes.feedback`), and (for the every-step optimizer) the backend and the sizes of buckets
 and messages. ``vote='auto'`` is resolved by :meth:`VoteConfig.resolved`, which returns a
 new config (the object is frozen: a config never changes under the optimizer holding it).
 """
@@ -39,6 +40,8 @@ class VoteConfig:
     fused: Optional[bool] = None
     bucket_mb: float = 25.0
     message_mb: float = 25.0
+    error_feedback: str = "none"
+    stochastic_signs: bool = False
 
     def __post_init__(self):
         check_choice("vote", self.vote, OPTIMIZER_VOTES)
@@ -47,6 +50,7 @@ class VoteConfig:
         votes.check_lane_options(self.vote, self.bits, self.quantizer)
         votes.check_tie(self.tie, self.vote, self.quantizer)
         check_optional_bool("fused", self.fused)
+        votes.check_sign_options(self.vote, self.quantizer, self.error_feedback, self.stochastic_signs)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {self.seed!r}")
         object.__setattr__(self, "bucket_mb", check_number("bucket_mb", self.bucket_mb))
@@ -63,7 +67,10 @@ class VoteConfig:
         check_int("world", world, 1)
         if self.vote == "auto":
             raise ValueError("vote='auto' is resolved first (VoteConfig.resolved)")
-        return votes.make(self.vote, world, self.bits, self.quantizer, self.tie) if self.votes else None
+        if not self.votes:
+            return None
+        return votes.make(self.vote, world, self.bits, self.quantizer, self.tie, error_feedback=self.error_feedback,
+                          stochastic_signs=self.stochastic_signs)
 
     def resolved(self, vote: str, bits: Optional[int]) -> "VoteConfig":
         """This config with ``vote='auto'``'s pick (a binary-sign method: no quantizer)."""
@@ -72,7 +79,8 @@ class VoteConfig:
     def fingerprint(self) -> dict:
         """The settings a checkpoint must have been saved with to resume bit-exactly."""
         return dict(vote=self.vote, bits=self.bits, quantizer=self.quantizer, tie=self.tie,
-                    grad_dtype=self.grad_dtype)
+                    grad_dtype=self.grad_dtype, error_feedback=self.error_feedback,
+                    stochastic_signs=self.stochastic_signs)
 
 
 class VoteSettings:

@@ -8,8 +8,9 @@ identical). ``LionCub.state_dict()`` holds everything the next step depends on:
 entry                  why a bit-exact continuation needs it
 =====================  ==============================================================
 ``state[i].exp_avg``   this rank's momentum ``m_i`` (never communicated in full)
+``state[i]`` residual  ``ef_residual`` (``error_feedback='worker'``): this rank's ``e_i``
 ``counters.steps``     tie/zero parity of the 1-bit votes (+1 even, -1 odd steps)
-``generator``          RNG of stochastic quantizers (``linf``), seeded ``seed + rank``
+``generator``          RNG of ``linf`` and ``stochastic_signs``, seeded ``seed + rank``
 ``momentum_sync``      counters of the momentum-sync policy (when the next sync is)
 ``counters.skipped``   non-finite steps skipped so far (a metric; steps do not advance)
 ``rank, world_size``   whose momenta these are: loading another rank's is refused
@@ -27,7 +28,9 @@ Another world size. :func:`reshard_states` is a pure function from the old
 world's per-rank state dicts to the new world's. **Rule:** every new rank starts
 from the mean of the old ranks' momenta (computed in float64, cast back): the
 same operation as a full momentum synchronisation (``momentum_sync='all'``) at the
-resize point, which the paper treats as harmless (§5). The step counter (and so
+resize point, which the paper treats as harmless (§5). Error-feedback residuals
+(``ef_residual``) are averaged the same way: each new rank starts with the mean
+worker's un-sent mass (docs/votes.md). The step counter (and so
 the tie parity), the skipped-step count and the momentum-sync counters carry over
 (they are equal on all old ranks; rank 0's sync state is kept). Each new rank's
 quantizer RNG is seeded from a hash of the old ranks' RNG states and its new rank:

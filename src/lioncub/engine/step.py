@@ -175,6 +175,17 @@ class BucketStep:
             out.append(state["exp_avg"])
         return out
 
+    def residuals(self, bucket: Bucket) -> list[Tensor]:
+        """Each parameter's error-feedback residual ``e`` (``state['ef_residual']``, in the
+        parameter's dtype as the momentum is; zeros the first time: :mod:`lioncub.votes.feedback`)."""
+        out = []
+        for p in bucket.params:
+            state = self.state[p]
+            if "ef_residual" not in state:
+                state["ef_residual"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            out.append(state["ef_residual"])
+        return out
+
     @staticmethod
     def grads(bucket: Bucket) -> list[Tensor]:
         """Each parameter's gradient (zeros where it has none; contiguous for the fused loops)."""
@@ -206,7 +217,8 @@ class BucketStep:
         c, finite = self._c_checked(bucket, stats, key, "t_quantize_pack")  # quantizers: c first
         t0 = comm.clock(stats)
         work = self.buffer("abs", c.numel(), torch.float32, c.device) if bucket.fused else None
-        method.encode(c, dst, step, self.generator, work=work, use_fused=bucket.fused)
+        method.encode(c, dst, step, self.generator, work=work, use_fused=bucket.fused, sizes=bucket.sizes,
+                      residuals=self.residuals(bucket) if method.feedback else None)
         stats.t_quantize_pack += comm.clock(stats) - t0
         return finite
 

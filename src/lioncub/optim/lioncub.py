@@ -80,6 +80,15 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
             (always +1) or ``'minus'`` (always −1). ``onebit``: zeros and ties; ``gather`` and
             ``pbit`` with ``quantizer=None``: zeros (ties vote 0). Other votes (and ``'auto'``,
             which may pick ``sign_allreduce``) accept only ``'alternate'``.
+        error_feedback: ``'none'`` (default) or ``'worker'``: each rank votes on ``v = c + e``
+            and keeps the residual ``e ← v − s·sign(v)`` (``s`` = mean|v| per tensor, kept
+            local; ``state[p]['ef_residual']``). Binary-sign votes only (``onebit``, ``gather``,
+            ``pbit`` with ``quantizer=None``); see :mod:`lioncub.votes.feedback`.
+        stochastic_signs: send +1 with probability (1 + v/M)/2 (``M`` = max|v| per tensor),
+            drawn from this rank's generator (``seed + rank``, saved), so the expected message
+            is v/M. Binary-sign votes only. With either option the bucket's encode runs as torch
+            ops after the step's agreement (no fused one-pass encode, nothing encoded ahead) and
+            ``overlap`` / the DDP hook are refused.
         grad_dtype: ``vote='grad'`` only: ``'fp32'`` or ``'bf16'`` all-reduce.
         fused: the backend of the per-parameter passes, chosen once per bucket here, as
             ``torch.optim`` optimizers take it: None (default) the fused loops of
@@ -140,6 +149,8 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
         bits: Optional[int] = None,
         quantizer: Optional[str] = None,
         tie: str = "alternate",
+        error_feedback: str = "none",
+        stochastic_signs: bool = False,
         grad_dtype: str = "fp32",
         fused: Optional[bool] = None,
         process_group=None,
@@ -165,7 +176,8 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
         check_bool("maximize", maximize)
         check_bool("overlap", overlap)
         config = VoteConfig(vote=vote, bits=bits, quantizer=quantizer, tie=tie, seed=seed, grad_dtype=grad_dtype,
-                            fused=fused, bucket_mb=bucket_mb, message_mb=message_mb)
+                            fused=fused, bucket_mb=bucket_mb, message_mb=message_mb,
+                            error_feedback=error_feedback, stochastic_signs=stochastic_signs)
         auto.check_auto_args(vote, alpha, beta, gamma)
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults)
@@ -214,6 +226,10 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
     fused = property(lambda self: self.config.fused, doc="The requested backend (None: fused where it runs).")
     bucket_mb = property(lambda self: self.config.bucket_mb, doc="Bucket size, MiB of fp32 elements.")
     message_mb = property(lambda self: self.config.message_mb, doc="Message size on the wire, MiB.")
+    error_feedback = property(lambda self: self.config.error_feedback,
+                              doc="``'none'`` or ``'worker'``: each rank's residual of its scaled sign.")
+    stochastic_signs = property(lambda self: self.config.stochastic_signs,
+                                doc="Whether the binary signs are drawn, +1 with probability (1 + v/M)/2.")
 
     # ------------------------------------------------------------------ set-up
     def add_param_group(self, param_group: dict) -> None:
@@ -261,6 +277,10 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
         if self._driver is not None:
             raise ValueError(f"this LionCub is already driven by {type(self._driver).__name__}; "
                              "remove it first (remove_hooks())")
+        if self.method is not None and (self.method.feedback or self.method.stochastic):
+            raise ValueError(f"{type(driver).__name__} encodes during backward, before the step's agreement: "
+                             f"it cannot run with error_feedback={self.error_feedback!r} or "
+                             f"stochastic_signs={self.stochastic_signs!r}; use overlap=False without the DDP hook")
         self._driver = driver
 
     def detach_driver(self, driver) -> None:

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .base import TIE_RULES, VoteMethod, binary_signs, check_tie_rule, decide, parity_step
+from .base import TIE_RULES, VoteMethod, binary_signs, check_sign_options, check_tie_rule, decide, parity_step
+from .feedback import ERROR_FEEDBACK
 from .gather import Gather
 from .onebit import OneBit
 from .pbit import PBit, pbit_levels
 from .sign_allreduce import SignAllreduce
 
 __all__ = ["METHODS", "VOTE_METHODS", "AUTO_CANDIDATES", "TIE_RULES", "VoteMethod", "lookup", "make",
-           "check_lane_options", "check_tie", "parity_step", "binary_signs", "decide", "pbit_levels"]
+           "check_lane_options", "check_tie", "check_sign_options", "ERROR_FEEDBACK", "parity_step", "binary_signs",
+           "decide", "pbit_levels"]
 
 METHODS: dict[str, type[VoteMethod]] = {cls.name: cls for cls in (
     SignAllreduce,
@@ -41,9 +43,11 @@ def lookup(method: str) -> type[VoteMethod]:
 
 
 def make(method: str, world: int, bits: Optional[int] = None, quantizer: Optional[str] = None,
-         tie: str = "alternate") -> VoteMethod:
-    """Vote method ``method`` configured for ``world`` ranks (validated: see :class:`VoteMethod`)."""
-    return lookup(method)(world, bits, quantizer, tie)
+         tie: str = "alternate", *, error_feedback: str = "none", stochastic_signs: bool = False) -> VoteMethod:
+    """Vote method ``method`` configured for ``world`` ranks (validated: see :class:`VoteMethod`;
+    ``error_feedback`` / ``stochastic_signs``: :mod:`lioncub.votes.feedback`)."""
+    return lookup(method)(world, bits, quantizer, tie, error_feedback=error_feedback,
+                          stochastic_signs=stochastic_signs)
 
 
 def check_lane_options(vote: str, bits: Optional[int], quantizer: Optional[str]) -> None:

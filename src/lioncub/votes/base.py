@@ -44,8 +44,10 @@ from .. import comm, fused
 from ..wire import kernels
 from ..comm import CommStats
 from ..quantize import QUANTIZERS
+from ..validate import check_bool, check_choice
+from .feedback import ERROR_FEEDBACK, add_residuals_, stochastic_sign_values, update_residuals_
 
-__all__ = ["VoteMethod", "PackedSigns", "TIE_RULES", "parity_step", "binary_signs", "decide"]
+__all__ = ["VoteMethod", "PackedSigns", "TIE_RULES", "parity_step", "binary_signs", "decide", "check_sign_options"]
 
 TIE_RULES = ("alternate", "plus", "minus")
 """Where a zero of c (and, for ``onebit``, a tied count) goes on the 1-bit paths."""
@@ -80,6 +82,19 @@ def check_tie_rule(tie: str, has_rule: bool, vote: str, quantizer: Optional[str]
     if tie != "alternate" and not has_rule:
         paths = ", ".join(repr(cls.name) for cls in _methods(VoteMethod) if cls.has_tie_rule(None))
         raise ValueError(f"tie={tie!r} applies to the 1-bit paths only (vote {paths} with quantizer=None), "
+                         f"got vote={vote!r}, quantizer={quantizer!r}")
+
+
+def check_sign_options(vote: str, quantizer: Optional[str], error_feedback: str, stochastic_signs: bool) -> None:
+    """Refuse an unknown ``error_feedback`` / a non-bool ``stochastic_signs``, and either where
+    the message is not binary signs (the 1-bit paths of :func:`check_tie_rule`)."""
+    check_choice("error_feedback", error_feedback, ERROR_FEEDBACK)
+    check_bool("stochastic_signs", stochastic_signs)
+    cls = next((c for c in _methods(VoteMethod) if c.name == vote), None)
+    if (error_feedback != "none" or stochastic_signs) and not (cls and cls.has_tie_rule(quantizer)):
+        paths = ", ".join(repr(c.name) for c in _methods(VoteMethod) if c.has_tie_rule(None))
+        name = "error_feedback" if error_feedback != "none" else "stochastic_signs"
+        raise ValueError(f"{name} applies to the binary-sign votes only (vote {paths} with quantizer=None), "
                          f"got vote={vote!r}, quantizer={quantizer!r}")
 
 
@@ -122,13 +137,20 @@ class VoteMethod:
     optimizer may encode before its has-grad / finite agreement and encode again after."""
 
     def __init__(self, world: int, bits: Optional[int] = None, quantizer: Optional[str] = None,
-                 tie: str = "alternate"):
+                 tie: str = "alternate", *, error_feedback: str = "none", stochastic_signs: bool = False):
         self.check_options(bits, quantizer, tie)
+        check_sign_options(type(self).name, quantizer, error_feedback, stochastic_signs)
         self.world, self.quantizer, self.tie = world, quantizer, tie
         self.levels: Optional[int] = None
         """Quantizer levels s (values in [−s, s]); None: binary signs."""
         self.bits = self.configure(world, bits, quantizer)
         """Wire bits per element."""
+        self.feedback = error_feedback != "none"
+        """Whether each worker votes on ``c + e`` and keeps a residual ``e`` (:mod:`.feedback`)."""
+        self.stochastic = stochastic_signs
+        """Whether the signs are drawn, +1 with probability (1 + v/M)/2 (:mod:`.feedback`)."""
+        if self.feedback or self.stochastic:  # the whole tensor before its first bit; no repeats
+            self.one_pass = self.repeatable = False
 
     # ------------------------------------------------------------------ arguments
     @classmethod
@@ -180,11 +202,27 @@ class VoteMethod:
 
     # ------------------------------------------------------------------ the vote
     def encode(self, c: Tensor, dst: Tensor, step: int, generator=None, work: Optional[Tensor] = None,
-               use_fused: bool = False) -> None:
+               use_fused: bool = False, sizes: Optional[list[int]] = None,
+               residuals: Optional[list[Tensor]] = None) -> None:
         """Write this rank's part for the flat ``c`` into ``dst`` (uint8, ``part_nbytes``).
         ``work``: scratch of ``c``'s numel (fp32) for a quantizer's ``|c|``; ``use_fused``:
-        ``c`` is contiguous fp32 that :mod:`lioncub.fused` takes."""
+        ``c`` is contiguous fp32 that :mod:`lioncub.fused` takes; ``sizes``: the element counts
+        of the tensors ``c`` is made of (None: one tensor); ``residuals``: with :attr:`feedback`,
+        those tensors' error-feedback residuals (``c`` becomes ``v = c + e``, ``e`` is updated)."""
         raise NotImplementedError
+
+    def sign_values(self, v: Tensor, step: int, generator=None, sizes: Optional[list[int]] = None,
+                    residuals: Optional[list[Tensor]] = None) -> Tensor:
+        """The binary signs of the flat ``v`` as word-padded 0/1 bytes (``[:n]``: +1 → 1):
+        drawn per tensor (:attr:`stochastic`) or ``v ≥ 0`` / ``v > 0`` by the tie rule. With
+        :attr:`feedback`: ``v ← v + e`` first and ``e ← v − s·σ`` after (:mod:`.feedback`)."""
+        if self.feedback:
+            add_residuals_(v, residuals)
+        values = (stochastic_sign_values(v, step, generator, sizes) if self.stochastic
+                  else kernels.sign_bits(v, self.parity(step)))
+        if self.feedback:
+            update_residuals_(v, values, residuals)
+        return values
 
     def exchange(self, msg: Tensor, m: int, step: int, group, stats: CommStats) -> Tensor:
         """The collective(s) on the first ``m`` bytes of ``msg`` (``message_nbytes(m)`` long);
@@ -208,7 +246,7 @@ class VoteMethod:
         return False
 
     def vote(self, c: Tensor, out: Tensor, step: int, group, stats: CommStats, generator=None) -> Tensor:
-        """One part alone: encode, exchange, decode (``out`` may be ``c``)."""
+        """One part alone: encode, exchange, decode (``out`` may be ``c``; one tensor: no residual)."""
         n = c.numel()
         t0 = comm.clock(stats)
         nb = self.part_nbytes(n)
@@ -243,8 +281,8 @@ class PackedSigns(VoteMethod):
     def configure(self, world, bits, quantizer) -> int:
         return 1
 
-    def encode(self, c, dst, step, generator=None, work=None, use_fused=False):
-        dst.copy_(kernels.pack_bytes(kernels.sign_bits(c, self.parity(step)), c.numel(), 1))
+    def encode(self, c, dst, step, generator=None, work=None, use_fused=False, sizes=None, residuals=None):
+        dst.copy_(kernels.pack_bytes(self.sign_values(c, step, generator, sizes, residuals), c.numel(), 1))
 
     def reference(self, cs, step, generators=None):
         count = sum(binary_signs(c, step).long() for c in cs)

@@ -67,7 +67,7 @@ class PBit(VoteMethod):
 
     def configure(self, world, bits, quantizer) -> int:
         w, self.levels = pbit_levels(world, bits, quantizer)
-        self.one_pass = quantizer is None  # a quantizer's scale needs the whole c first
+        self.one_pass = quantizer is None  # a quantizer's scale needs the whole c first (VoteMethod may clear it)
         self.repeatable = quantizer is None or quantizer in ROUNDED  # linf draws, log / sign: torch ops
         return w
 
@@ -80,10 +80,10 @@ class PBit(VoteMethod):
         w = self.world
         return (w // 2, (w + 1) // 2) if self.levels is None else (w * self.levels,) * 2
 
-    def encode(self, c, dst, step, generator=None, work=None, use_fused=False):
+    def encode(self, c, dst, step, generator=None, work=None, use_fused=False, sizes=None, residuals=None):
         n = c.numel()
         if self.levels is None:
-            values = kernels.sign_bits(c, self.parity(step))  # word-padded 0/1 bytes, [:n] are the values
+            values = self.sign_values(c, step, generator, sizes, residuals)  # word-padded 0/1 bytes, [:n] are the values
         elif use_fused and self.quantizer in ROUNDED:  # round, clamp and lanes in one pass
             mult = multiplier(self.levels, scale_norm(c, self.quantizer, work=work))  # as quantize() does
             fused.quantize_lanes(c, mult, self.levels, self.bits, dst)

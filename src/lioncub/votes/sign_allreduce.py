@@ -27,7 +27,7 @@ class SignAllreduce(VoteMethod):
     def plan(self, n):
         return [("allreduce", n)]
 
-    def encode(self, c, dst, step, generator=None, work=None, use_fused=False):
+    def encode(self, c, dst, step, generator=None, work=None, use_fused=False, sizes=None, residuals=None):
         dst.view(torch.int8).copy_(torch.sign(c))
 
     def exchange(self, msg, m, step, group, stats) -> Tensor:

@@ -1,0 +1,80 @@
+r"""What a binary-sign message can carry beyond ``sign(c)``: error feedback and stochastic signs.
+
+The 1-bit votes (``onebit``, ``gather``, ``pbit`` with binary signs) send one sign per
+element; a majority vote of signs tracks the median of the workers' ``c_i``, Lion the sign
+of their sum. Two mechanisms put the dropped magnitudes back into the message, each on
+the worker, per tensor ``t`` (docs/votes.md):
+
+* **error feedback** (``error_feedback='worker'``, EF-SignSGD): the worker votes on
+  ``v_i = c_i + e_i`` and keeps what its message did not say::
+
+      σ_i = sign(v_i) ∈ {−1, +1}         (zeros follow the tie rule)
+      s_i = mean_t |v_i|                 (one scale per tensor, kept local)
+      e_i ← v_i − s_i·σ_i                (so  e_i + s_i·σ_i = v_i)
+
+  The scale does not travel: Lion's update is ``u = sign(vote)``, whose magnitude every
+  rank discards, and the vote counts signs, so a scale would change nothing the others
+  compute. It sets only what the residual keeps. Over steps a worker's ``s_i·σ_i``
+  averages to its ``c_i``, so a worker with a small ``c_i`` flips its vote in proportion
+  and the count follows ``Σ_i c_i / s_i``, the sum, not the median.
+* **stochastic signs** (``stochastic_signs=True``, Jin et al. 2020): ``σ_i = +1`` with
+  probability ``(1 + v_i/M_i)/2``, ``M_i = max_t |v_i|`` (a tensor of zeros: 1/2), drawn
+  from the optimizer's device generator, so ``E[σ_i] = v_i/M_i``. As fp32 arithmetic:
+  ``σ = +1`` where ``r < (v/M + 1)·0.5``, ``r`` the generator's ``torch.rand`` of the
+  bucket's length (one draw per element, in bucket order).
+
+Both compose (error feedback on a stochastic sign keeps ``v − s·σ`` of the drawn σ). Both
+read the whole tensor before its first bit, so such buckets skip the fused one-pass encode
+(``c`` is computed, then encoded by torch ops; the fused apply still runs), and neither
+repeats: a draw advances the generator, a residual changes. The step therefore encodes
+only after its has-grad / finite agreement (never ahead), and overlap / the DDP hook,
+which encode during backward before that agreement, are refused.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ..wire import kernels
+
+__all__ = ["ERROR_FEEDBACK", "stochastic_sign_values", "add_residuals_", "update_residuals_"]
+
+ERROR_FEEDBACK = ("none", "worker")
+"""What ``error_feedback=`` takes: no residual, or each worker's residual of its scaled sign."""
+
+
+def _tensors(v: Tensor, sizes: Optional[Sequence[int]]) -> tuple[Tensor, ...]:
+    """The flat ``v`` split into its tensors (``sizes``; None: one tensor)."""
+    return (v,) if sizes is None else v.split(list(sizes))
+
+
+def stochastic_sign_values(v: Tensor, step: int, generator, sizes: Optional[Sequence[int]] = None) -> Tensor:
+    """σ = +1 with probability (1 + v/M)/2 per tensor, as the word-padded 0/1 bytes of
+    :func:`lioncub.wire.kernels.sign_bits` (``[:v.numel()]`` are the signs; ``step`` sizes the
+    buffer only: a draw needs no tie rule). One ``torch.rand`` of ``v``'s length from ``generator``."""
+    n = v.numel()
+    buf = kernels.sign_bits(v[:0], step, length=n)  # zeroed, word-padded
+    draws = torch.rand(n, generator=generator, device=v.device, dtype=torch.float32)
+    for vt, rt, bt in zip(_tensors(v, sizes), _tensors(draws, sizes), _tensors(buf[:n].view(torch.bool), sizes)):
+        top = vt.abs().amax() if vt.numel() else vt.new_zeros(())
+        ratio = vt / top.clamp_min(torch.finfo(torch.float32).tiny)  # a tensor of zeros: 0, p = 1/2
+        torch.lt(rt, ratio.add_(1).mul_(0.5), out=bt)
+    return buf
+
+
+def add_residuals_(v: Tensor, residuals: Sequence[Tensor]) -> Tensor:
+    """v ← c + e: each tensor's residual added to its piece of the flat ``v``, in place."""
+    for vt, e in zip(v.split([e.numel() for e in residuals]), residuals):
+        vt.add_(e.reshape(-1))
+    return v
+
+
+def update_residuals_(v: Tensor, signs: Tensor, residuals: Sequence[Tensor]) -> None:
+    """e ← v − s·σ per tensor, s = mean|v| of the tensor, σ = 2·signs − 1 (``signs``: the
+    0/1 bytes the message packs, ``[:v.numel()]``)."""
+    sizes = [e.numel() for e in residuals]
+    for vt, bt, e in zip(v.split(sizes), signs[:v.numel()].split(sizes), residuals):
+        sent = bt.to(torch.float32).mul_(2).sub_(1).mul_(vt.abs().mean())  # s·σ
+        e.copy_(torch.sub(vt, sent).view_as(e))
