@@ -270,3 +270,22 @@ def test_a_checkpoint_of_the_other_delay_is_refused():
     b = LocalCub(_params(), local_steps=2, vote="grad")
     with pytest.raises(ValueError, match="delay=1"):
         b.load_state_dict(a.state_dict())
+
+
+# ------------------------------------------------------------------ lioncub train --delay 1
+@pytest.mark.slow  # ~20 s: two 2-worker runs of gpt-tiny
+def test_lioncub_train_streams_rounds_and_resumes_mid_flight_bit_for_bit(tmp_path, corpus_cache):
+    """--local-steps 2 --delay 1: the first round's end sends the first bytes, evaluations run on
+    θ_s, and a run resumed from the checkpoint at step 4 (a round's end, its agreement in flight)
+    reproduces the uninterrupted one's losses."""
+    from tests.test_harness_train import TINY, _losses, _resumed_from, lioncub, read_csv, read_jsonl
+
+    common = [*TINY, "--vote", "pbit", "--bits", "8", "--quantizer", "l1", "--local-steps", "2", "--inner", "adamw",
+              "--aggregate", "mean", "--error-feedback", "--outer-lr", "0.7", "--delay", "1", "--steps", "8",
+              "--eval-every", "2", "--check-every", "1", "--nproc", "2", "--cache-dir", str(corpus_cache)]
+    full = tmp_path / "full"
+    lioncub("train", *common, "--ckpt-every", "4", "--out", str(full))
+    records = read_jsonl(full / "metrics.jsonl")
+    assert [r["bytes_sent"] > 0 for r in records if r["kind"] == "step"] == [False, True] * 4
+    assert read_csv(full / "summary.csv")[0]["label"] == "lioncub-pbit-8b-l1-h2-mean-streaming"
+    assert _resumed_from(full, 4, tmp_path / "resumed", common) == _losses(records)

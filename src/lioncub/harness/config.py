@@ -111,6 +111,9 @@ class TrainConfig:
     """Local steps: keep each worker's compression residual."""
     aggregate: str = "vote"
     """Local steps: ``vote`` (a sign step) or ``mean`` (summed L1 lanes: needs vote='pbit', quantizer='l1')."""
+    delay: int = 0
+    """Local steps: 1 streams rounds (``LocalCub(delay=1)``: each round's exchange overlapped with the
+    next round's inner steps; evaluations run on the agreed start θ_s)."""
     nodes: int = 1
     """LionCub: split the workers into this many nodes of consecutive ranks (equal sizes):
     gradients are averaged inside a node, the vote runs across nodes (``lioncub.NodeCub``).
@@ -251,10 +254,12 @@ class TrainConfig:
             return self.name
         if self.optimizer == "lioncub":
             if self.vote == "grad":  # with local steps: the mean of the pseudo-gradients (DiLoCo's)
-                return f"lion-grad-{self.grad_dtype}" + (f"-h{self.local_steps}" if self.local_steps > 1 else "")
+                return (f"lion-grad-{self.grad_dtype}" + (f"-h{self.local_steps}" if self.local_steps > 1 else "")
+                        + ("-streaming" if self.delay else ""))
             bits = f"-{self.bits}b" if self.bits else ""
             quant = f"-{self.quantizer}" if self.quantizer else ""
             local = f"-h{self.local_steps}-{self.aggregate}" if self.local_steps > 1 else ""
+            local += "-streaming" if self.delay else ""
             nodes = f"-{self.nodes}nodes{'' if self.shard else '-unsharded'}" if self.nodes > 1 else ""
             return f"lioncub-{self.vote}{bits}{quant}{local}{nodes}"
         return self.optimizer
@@ -267,7 +272,8 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-_LOCAL_ONLY = {"inner": "lion", "outer": "nesterov", "outer_lr": 1.0, "error_feedback": False, "aggregate": "vote"}
+_LOCAL_ONLY = {"inner": "lion", "outer": "nesterov", "outer_lr": 1.0, "error_feedback": False, "aggregate": "vote",
+               "delay": 0}
 _LIONCUB_ONLY = {"bits": None, "quantizer": None, "momentum_sync": "none", "nonfinite": "raise", "check_every": 0,
                  "overlap": False, "local_steps": 1, "nodes": 1, "shard": True, **_LOCAL_ONLY}
 

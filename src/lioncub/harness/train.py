@@ -187,7 +187,7 @@ def make_optimizer(config: TrainConfig, groups: list[dict], model=None):
     if config.optimizer == "lioncub" and config.local_steps > 1:
         return LocalCub(groups, lr=config.lr, betas=config.betas, local_steps=config.local_steps, inner=config.inner,
                         vote=config.vote, outer=config.outer, outer_lr=config.outer_lr,
-                        error_feedback=config.error_feedback, aggregate=config.aggregate, model=model,
+                        error_feedback=config.error_feedback, aggregate=config.aggregate, delay=config.delay, model=model,
                         nonfinite=config.nonfinite,
                         check_every=config.check_every, **extra)
     if config.optimizer == "lioncub" and config.nodes > 1:
@@ -328,7 +328,9 @@ def train_worker(config: TrainConfig) -> dict:
                 while next_eval_s and next_eval_s <= clock:
                     next_eval_s += config.eval_every_s
         if (config.eval_every and done % config.eval_every == 0) or done == config.steps or stop or eval_due:
-            record = {"kind": "eval", "step": done, **evaluate(model, data.val, config.is_gpt, device, autocast),
+            with opt.agreed() if isinstance(opt, LocalCub) else contextlib.nullcontext():  # the agreed θ_s
+                scores = evaluate(model, data.val, config.is_gpt, device, autocast)
+            record = {"kind": "eval", "step": done, **scores,
                       "train_time": clock if budget is not None else train_time,
                       "elapsed": time.perf_counter() - t_begin}
             evals.append(record)

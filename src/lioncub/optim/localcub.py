@@ -55,7 +55,8 @@ Example (every rank, inside an initialised process group)::
 from __future__ import annotations
 
 import copy
-from typing import Callable, Iterable, Optional, Union
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator, Optional, Union
 
 import torch
 from torch import Tensor
@@ -505,6 +506,22 @@ class LocalCub(Shell, VoteSettings, torch.optim.Optimizer):
         self._apply_pending(sizes, stats)
         self._rebase(delta)
         self.last_round_stats = stats
+
+    @contextmanager
+    def agreed(self) -> Iterator[None]:
+        """Inside the block every parameter holds θ_s, the start the ranks agreed on (the same
+        model on every rank: with ``delay=1`` a replica otherwise holds θ_s plus its own round in
+        flight); each rank's own values come back after it. For evaluation; no collective."""
+        own = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for p in self.params:
+                p.copy_(self.state[p]["start"])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, mine in zip(self.params, own):
+                    p.copy_(mine)
 
     def _vote(self, v: Tensor, stats: CommStats) -> Tensor:
         """u = the vote of the ranks' v (the round's parity sets the 1-bit paths' ties)."""
