@@ -61,17 +61,16 @@ from typing import Callable, Iterable, Iterator, Optional, Union
 import torch
 from torch import Tensor
 
-from ..engine import amp, auto, guard
 from .. import comm, fused, votes
 from ..comm import CommStats
+from ..engine import amp, auto, guard
 from ..engine.config import VoteConfig, VoteSettings
 from ..engine.shell import Shell
 from ..lion import Lion
-from .outer import OUTER_RULES, make_outer
 from ..quantize import quantize
 from ..validate import check_bool, check_choice, check_hyperparameters, check_int
 from ..votes.pbit import MEAN_CLIP
-from ..wire import kernels
+from .outer import OUTER_RULES, make_outer
 
 __all__ = ["LocalCub", "INNER_OPTIMIZERS", "OUTER_RULES", "LOCAL_VOTES", "AGGREGATES", "MEAN_CLIP"]
 
@@ -466,32 +465,16 @@ class LocalCub(Shell, VoteSettings, torch.optim.Optimizer):
 
     def _launch_lanes(self, v: Tensor, sizes: list[int], norms: list[float],
                       stats: CommStats) -> tuple[Agreement, Tensor]:
-        """:meth:`PBit.lane_mean`'s arithmetic with its lane-sum all-reduce in flight; returns the
-        agreement (d = unit·Σ_i q_i / P) and this rank's C(v) = unit·q_i."""
-        levels, bits, P, n = self.method.levels, self.method.bits, self.world_size, v.numel()
-        units = (torch.tensor(norms, dtype=torch.float64) * (min(levels, MEAN_CLIP) / levels)).tolist()  # host
-        q = torch.empty_like(v)
-        for qt, vt, unit in zip(q.split(sizes), v.split(sizes), units):
-            if unit > 0:
-                torch.round(vt * (1.0 / unit), out=qt).clamp_(-levels, levels)
-            else:
-                qt.zero_()
-
-        def mean(total: Tensor) -> Tensor:
-            for tt, unit in zip(total.split(sizes), units):
-                tt.mul_(unit / P)
-            return total
-
-        if P > 1:
-            msg = kernels.pack_bytes((q + levels).to(torch.uint8), n, bits)
-            pending = comm.all_reduce_async(msg, self.group, stats)
-            agreement = Agreement(pending, lambda lanes: mean(
-                kernels.unpack_bytes(lanes, n, bits).to(torch.float32) - float(P * levels)), False)  # Σ_i q_i, exact
+        """:meth:`PBit.lane_mean` with its lane-sum all-reduce in flight; returns the agreement
+        (d = unit·Σ_i q_i / P) and this rank's C(v) = unit·q_i."""
+        lanes = self.method
+        units, q, msg = lanes.lane_message(v, sizes, norms)
+        if msg is None:
+            agreement = Agreement.finished(lanes.lane_total(None, q, sizes, units), False)
         else:
-            agreement = Agreement.finished(mean(q.clone()), False)
-        for qt, unit in zip(q.split(sizes), units):
-            qt.mul_(unit)
-        return agreement, q
+            agreement = Agreement(comm.all_reduce_async(msg, self.group, stats),
+                                  lambda summed: lanes.lane_total(summed, q, sizes, units), False)
+        return agreement, lanes.lane_sent(q, sizes, units)
 
     @torch.no_grad()
     def flush(self) -> None:

@@ -125,10 +125,20 @@ class PBit(VoteMethod):
         q_i = clamp(round(v_i/unit_t), −s, s) travels as q_i + s in w-bit lanes; the SUM
         all-reduce adds lanes without carries (2s·P ≤ 2^w − 1), so Σ_i q_i comes back exact.
         Returns (unit·Σ_i q_i / P, unit·q_i): the mean and this rank's C(v), flat fp32.
-        """
+
+        The three halves (:meth:`lane_message`, the all-reduce, :meth:`lane_total`) are public so
+        a caller may keep the all-reduce in flight (LocalCub's streaming rounds)."""
+        units, q, msg = self.lane_message(v, sizes, norms)
+        if msg is not None:
+            comm.all_reduce(msg, group, stats)
+        return self.lane_total(msg, q, sizes, units), self.lane_sent(q, sizes, units)
+
+    def lane_message(self, v: Tensor, sizes: list[int], norms: list[float]) -> tuple[list[float], Tensor,
+                                                                                      Optional[Tensor]]:
+        """(units, q, the lanes to all-reduce: None for one rank) of :meth:`lane_mean`."""
         if self.quantizer != "l1":
             raise ValueError(f"lane_mean sums L1-quantized lanes: it needs quantizer='l1', got {self.quantizer!r}")
-        levels, P, n = self.levels, self.world, v.numel()
+        levels = self.levels
         units = (torch.tensor(norms, dtype=torch.float64) * (min(levels, MEAN_CLIP) / levels)).tolist()  # host
         q = torch.empty_like(v)
         for qt, vt, unit in zip(q.split(sizes), v.split(sizes), units):
@@ -136,13 +146,23 @@ class PBit(VoteMethod):
                 torch.round(vt * (1.0 / unit), out=qt).clamp_(-levels, levels)
             else:
                 qt.zero_()
-        if P > 1:
-            msg = kernels.pack_bytes((q + levels).to(torch.uint8), n, self.bits)
-            comm.all_reduce(msg, group, stats)
-            total = kernels.unpack_bytes(msg, n, self.bits).to(torch.float32) - float(P * levels)  # Σ_i q_i, exact
-        else:
+        msg = kernels.pack_bytes((q + levels).to(torch.uint8), v.numel(), self.bits) if self.world > 1 else None
+        return units, q, msg
+
+    def lane_total(self, lanes: Optional[Tensor], q: Tensor, sizes: list[int], units: list[float]) -> Tensor:
+        """unit·Σ_i q_i / P from the all-reduced ``lanes`` (None: one rank, Σ = this q)."""
+        P = self.world
+        if lanes is None:
             total = q.clone()
-        for tt, qt, unit in zip(total.split(sizes), q.split(sizes), units):
+        else:
+            total = kernels.unpack_bytes(lanes, q.numel(), self.bits).to(torch.float32) - float(P * self.levels)
+        for tt, unit in zip(total.split(sizes), units):
             tt.mul_(unit / P)
+        return total
+
+    @staticmethod
+    def lane_sent(q: Tensor, sizes: list[int], units: list[float]) -> Tensor:
+        """This rank's C(v) = unit·q_i (in place on ``q``)."""
+        for qt, unit in zip(q.split(sizes), units):
             qt.mul_(unit)
-        return total, q
+        return q
