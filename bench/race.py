@@ -115,7 +115,8 @@ def train_one(args, name: str, lr: float, seed: int, data_dir: str) -> dict:
             t_last = time.perf_counter()
             continue
         tx = iface_bytes(dev)["tx"] - tx0
-        v = _evaluate(model, val)
+        with method.evaluation():  # the agreed model (a streaming method's start, not its round in flight)
+            v = _evaluate(model, val)
         evals.append(dict(t=clock, step=step, val=v, tx=tx, train=sum(recent) / len(recent)))
         recent = []
         while next_eval <= clock:

@@ -17,10 +17,15 @@ import torch
 from lioncub import baselines
 from tests.dist import run_workers
 
-STEPS = {"local-adamw-h10": 11, "diloco-h10": 11, "sparseloco-h10": 11}  # one sync point each; others: 3
+# one sync point each (the streaming ones: three, so two delayed outer steps land); others: 3 steps
+STEPS = {"local-adamw-h10": 11, "diloco-h10": 11, "sparseloco-h10": 11, "lcub-grad-h2-nest0.7-adamw-stream": 7,
+         "lcub-mean4-h2-nest0.7-ef-stream": 7}
 PERIOD = {"local-adamw-h10": 10, "diloco-h10": 10, "diloco-h50": 50, "sparseloco-h10": 10, "sparseloco-h50": 50,
-          "lcub-onebit-h2-nest2-ef": 2, "lcub-pbit8l1-h3-lion2-adamw": 3, "lcub-mean4-h2-nest0.7-ef": 2}
-NAMES = list(baselines.METHODS) + ["lcub-onebit-h2-nest2-ef", "lcub-pbit8l1-h3-lion2-adamw", "lcub-mean4-h2-nest0.7-ef"]  # LocalCub
+          "streaming-diloco-h50": 50, "streaming-diloco-h200": 200,
+          "lcub-onebit-h2-nest2-ef": 2, "lcub-pbit8l1-h3-lion2-adamw": 3, "lcub-mean4-h2-nest0.7-ef": 2,
+          "lcub-grad-h2-nest0.7-adamw-stream": 2, "lcub-mean4-h2-nest0.7-ef-stream": 2}
+NAMES = list(baselines.METHODS) + ["lcub-onebit-h2-nest2-ef", "lcub-pbit8l1-h3-lion2-adamw", "lcub-mean4-h2-nest0.7-ef",
+                                   "lcub-grad-h2-nest0.7-adamw-stream", "lcub-mean4-h2-nest0.7-ef-stream"]  # LocalCub
 
 
 def _digest(module) -> str:
@@ -52,7 +57,11 @@ def _train_all(rank, world):
             x = torch.randint(0, 64, (2, 8), generator=gen)
             loss = method.backward(x, x.roll(1, dims=1))
             synced = method.step(lr)
-            log.append((synced, _digest(model), loss))
+            if synced:  # the model the ranks agree on (a streaming method's start, not its round in flight)
+                with method.evaluation():
+                    log.append((synced, _digest(model), loss))
+            else:
+                log.append((synced, _digest(model), loss))
         out[name] = (init, start, log)
     return out, _outer_step_by_hand(rank, world), families
 
@@ -113,8 +122,8 @@ def test_every_step_methods_sync_every_step(runs):
 def test_each_built_method_has_the_family_its_name_is_swept_by(runs):
     """family(name), known before building, is the built adapter's own; the same in one
     process that built every method in turn (building one never changed another's)."""
-    want = {name: ("adamw" if name.startswith(("adamw-", "local-", "diloco-", "sparseloco-"))
-                   or name.endswith("-adamw") else "lion") for name in NAMES}
+    want = {name: ("adamw" if name.startswith(("adamw-", "local-", "diloco-", "streaming-diloco-", "sparseloco-"))
+                   or name.removesuffix("-stream").endswith("-adamw") else "lion") for name in NAMES}
     assert {name: baselines.family(name) for name in NAMES} == want
     assert runs[0][2] == runs[1][2] == want
 

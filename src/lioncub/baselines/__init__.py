@@ -58,6 +58,9 @@ METHODS = {
     "local-adamw-h10": partial(local.LocalSGD, H=10),
     "diloco-h10": partial(local.DiLoCo, H=10),
     "diloco-h50": partial(local.DiLoCo, H=50),
+    # Streaming DiLoCo's overlap (the fp32 exchange in flight during the next round), as LocalCub(delay=1)
+    "streaming-diloco-h50": partial(local.DiLoCo, H=50, delay=1),
+    "streaming-diloco-h200": partial(local.DiLoCo, H=200, delay=1),
     "sparseloco-h10": partial(sparseloco.SparseLoCo, H=10),
     "sparseloco-h50": partial(sparseloco.SparseLoCo, H=50),
     "demo": demo.DeMo,
@@ -69,8 +72,10 @@ METHODS = {
 }
 
 
-# lcub-<vote>-h<H>-<outer><outer_lr>[-ef][-adamw]: a LocalCub configuration by name
-_LOCAL = re.compile(r"lcub-(onebit|gather|pbit4|pbit8l1|mean4|mean8|grad)-h(\d+)-(sgd|nest|lion)(\d+(?:\.\d+)?)(-ef)?(-adamw)?")
+# lcub-<vote>-h<H>-<outer><outer_lr>[-ef][-adamw][-stream]: a LocalCub configuration by name
+# (-stream: delay=1, the round's agreement in flight during the next round)
+_LOCAL = re.compile(r"lcub-(onebit|gather|pbit4|pbit8l1|mean4|mean8|grad)-h(\d+)-(sgd|nest|lion)(\d+(?:\.\d+)?)(-ef)?(-adamw)?"
+                    r"(-stream)?")
 _LOCAL_VOTES = {"onebit": dict(vote="onebit"), "gather": dict(vote="gather"), "pbit4": dict(vote="pbit", bits=4),
                 "pbit8l1": dict(vote="pbit", bits=8, quantizer="l1"), "grad": dict(vote="grad"),
                 # the lanes' sums as a quantized mean of Δ (aggregate='mean'), 4- or 8-bit lanes
@@ -82,10 +87,10 @@ def _local_builder(name: str):
     m = _LOCAL.fullmatch(name)
     if m is None:
         return None
-    vote, H, outer, outer_lr, ef, adamw = m.groups()
+    vote, H, outer, outer_lr, ef, adamw, stream = m.groups()
     return partial(cub.LocalCubMethod, H=int(H), outer={"nest": "nesterov"}.get(outer, outer),
                    outer_lr=float(outer_lr), error_feedback=ef is not None, inner="adamw" if adamw else "lion",
-                   **_LOCAL_VOTES[vote])
+                   delay=1 if stream else 0, **_LOCAL_VOTES[vote])
 
 
 def family(name: str) -> str:
@@ -111,6 +116,6 @@ def _builder(name: str):
     """The registry entry of ``name``, or the LocalCub configuration it spells; ValueError otherwise."""
     builder = METHODS.get(name) or _local_builder(name)
     if builder is None:
-        raise ValueError(f"method must be one of {', '.join(METHODS)} or lcub-<vote>-h<H>-<outer><lr>[-ef][-adamw]; "
+        raise ValueError(f"method must be one of {', '.join(METHODS)} or lcub-<vote>-h<H>-<outer><lr>[-ef][-adamw][-stream]; "
                          f"got {name!r}")
     return builder

@@ -13,6 +13,8 @@ local method is judged on the consensus model, never on one worker's drifted cop
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -50,6 +52,12 @@ class Adapter:
         _, loss = self.forward_module()(x, y)
         loss.backward()
         return float(loss.detach())
+
+    def evaluation(self):
+        """Context manager around an evaluation at a sync point: the module holds the model the
+        ranks agree on inside it. The replicas themselves by default; a streaming method puts its
+        agreed start in (and its own values back after)."""
+        return contextlib.nullcontext()
 
     def step(self, lr: float) -> bool:
         """One optimizer step at ``lr``; True when the replicas agree afterwards.

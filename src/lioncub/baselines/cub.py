@@ -45,12 +45,12 @@ class LocalCubMethod(Adapter):
     def __init__(self, module: nn.Module, *, lr: float, H: int, vote: str = "onebit", bits: int | None = None,
                  quantizer: str | None = None, outer: str = "nesterov", outer_lr: float = 1.0,
                  outer_momentum: float = 0.9, error_feedback: bool = False, aggregate: str = "vote",
-                 inner="lion", group=None, weight_decay: float = 0.0):
+                 inner="lion", delay: int = 0, group=None, weight_decay: float = 0.0):
         super().__init__(module, group=group)
         self.family = self.family_for(inner=inner)
         self.opt = LocalCub(module.parameters(), lr=lr, betas=BETAS, weight_decay=weight_decay, local_steps=H,
                             inner=inner, vote=vote, bits=bits, quantizer=quantizer, outer=outer, outer_lr=outer_lr,
-                            outer_momentum=outer_momentum, error_feedback=error_feedback, aggregate=aggregate, process_group=group, model=module)
+                            outer_momentum=outer_momentum, error_feedback=error_feedback, delay=delay, aggregate=aggregate, process_group=group, model=module)
 
     def step(self, lr: float) -> bool:
         set_lr(self.opt, lr)
@@ -58,3 +58,8 @@ class LocalCubMethod(Adapter):
         self.opt.zero_grad(set_to_none=True)
         self.steps += 1
         return self.opt.synced
+
+    def evaluation(self):
+        """The agreed start θ_s in the module (the same on every rank; with ``delay=1`` each
+        replica otherwise holds θ_s plus its own round in flight)."""
+        return self.opt.agreed()

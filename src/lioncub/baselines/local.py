@@ -93,7 +93,11 @@ class DiLoCo(LocalCubMethod):
     It runs on :class:`~lioncub.LocalCub`'s round loop: ``vote='grad'`` (the fp32 mean of
     Δ, one all-reduce), ``outer='nesterov'`` (PyTorch's ``SGD(nesterov=True)`` rule, the
     same arithmetic op for op: tests/test_baselines.py compares the two bit for bit), and
-    the inner AdamW with the weight decay inside it, as the paper has it."""
+    the inner AdamW with the weight decay inside it, as the paper has it. ``delay=1`` is
+    Streaming DiLoCo's overlap: the fp32 exchange of round k in flight during round k+1, its
+    outer step applied one round late (LocalCub's streaming rounds, docs/local_steps.md); the
+    name becomes ``streaming-diloco-h<H>``. (Streaming DiLoCo's fragments, a slice of the model
+    per sub-round, are not modelled.)"""
 
     family = "adamw"
 
@@ -102,8 +106,8 @@ class DiLoCo(LocalCubMethod):
         return cls.family
 
     def __init__(self, module: nn.Module, *, lr: float, H: int, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, group=None, weight_decay: float = 0.0):
+                 outer_momentum: float = 0.9, delay: int = 0, group=None, weight_decay: float = 0.0):
         super().__init__(module, lr=lr, H=check_period(H), vote="grad", outer="nesterov", outer_lr=outer_lr,
                          outer_momentum=outer_momentum, inner=partial(_inner_adamw, weight_decay=weight_decay),
-                         group=group)
-        self.H, self.name = H, f"diloco-h{H}"
+                         delay=delay, group=group)
+        self.H, self.name = H, ("streaming-" if delay else "") + f"diloco-h{H}"
