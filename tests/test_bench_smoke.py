@@ -74,6 +74,7 @@ def _wire_matches_model(wire: float, model: float, what: str) -> None:
 # --- emulated cluster (root) -----------------------------------------------------------------
 
 
+@pytest.mark.slow  # a bench script's tiny run (~5-7 s): .ci/run runs it after the suite
 @pytest.mark.root
 def test_step_time(tmp_path, netns_clean):
     from bench import step_time as st
@@ -144,6 +145,7 @@ def test_nodes(tmp_path, netns_clean):
     assert len(res["per_rank"]) == 4
 
 
+@pytest.mark.slow  # a bench script's tiny run (~5-7 s): .ci/run runs it after the suite
 @pytest.mark.root
 def test_net_probe(tmp_path, netns_clean):
     out = tmp_path / "net_probe.json"
@@ -197,6 +199,7 @@ def _check_overlap(data: dict, methods: list[str], buckets: list[float]) -> None
 OVERLAP_TINY = ["--workers", "2", "--buckets", "0.05,1", "--rounds", "1", "--warmup", "1", *TINY_GPT]
 
 
+@pytest.mark.slow  # a bench script's tiny run (~5-7 s): .ci/run runs it after the suite
 @pytest.mark.root
 def test_overlap_testbed(tmp_path, netns_clean):
     out = tmp_path / "overlap.json"
@@ -207,6 +210,7 @@ def test_overlap_testbed(tmp_path, netns_clean):
     _check_overlap(data, ["pbit 4", "onebit"], [0.05, 1.0])
 
 
+@pytest.mark.slow  # a bench script's tiny run (~5-7 s): .ci/run runs it after the suite
 def test_overlap_loopback(tmp_path):
     out = tmp_path / "overlap.json"
     _bench("overlap.py", "--loopback", *OVERLAP_TINY, "--methods", "pbit 4", "--out", out)
@@ -218,6 +222,7 @@ def test_overlap_loopback(tmp_path):
 # --- loopback gloo groups and single-process kernels (no root) ---------------------------------
 
 
+@pytest.mark.slow  # a bench script's tiny run (~5-7 s): .ci/run runs it after the suite
 def test_soak(tmp_path):
     out = tmp_path / "soak.json"
     steps, nan_every = 60, 20
@@ -269,6 +274,7 @@ def test_vote_bench(tmp_path):
     assert f"n={n:,} elements" in proc.stdout
 
 
+@pytest.mark.slow  # a bench script's tiny run (~5-7 s): .ci/run runs it after the suite
 def test_opt_step(tmp_path):
     out = tmp_path / "opt_step.json"
     proc = _bench("opt_step.py", "--steps", "1", "--layers", "1", "--embd", "96", "--vocab", "256", "--out", out)
@@ -363,6 +369,7 @@ def test_local_grid_dry_run_is_the_committed_grids():
         assert grid["name"].startswith(f"grid{lines.index(line) + 1} ")
 
 
+@pytest.mark.slow  # a bench script's tiny run (~5-7 s): .ci/run runs it after the suite
 @pytest.mark.root
 def test_local_grid_tiny(tmp_path, netns_clean):
     out = tmp_path / "grid.json"

@@ -58,6 +58,7 @@ def _check_comparison(out, printed: str) -> None:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # the whole default comparison (~18 s): .ci/run runs it after the suite
 def test_default_falls_back_to_loopback_with_one_line_saying_why(tmp_path, corpus_cache):
     out = tmp_path / "cmp"
     proc = _train(*TINY, "--budget", "3", "--out", str(out), "--cache-dir", str(corpus_cache),
@@ -86,6 +87,7 @@ def test_availability_switch(monkeypatch):
     assert testbed_unavailable() == f"{TESTBED_SWITCH}=off turns the emulated link off"
 
 
+@pytest.mark.slow  # the whole default comparison (~18 s): .ci/run runs it after the suite
 @pytest.mark.root
 def test_default_runs_behind_the_emulated_link_and_tears_it_down(tmp_path, corpus_cache):
     assert testbed_unavailable() is None  # root, ip, tc and namespaces: the default goes behind the link
