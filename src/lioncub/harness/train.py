@@ -384,7 +384,7 @@ def summarize(config: TrainConfig, steps: list[dict], evals: list[dict], *, worl
     if evals and "val_acc" in evals[-1]:
         row["final_val_acc"] = evals[-1]["val_acc"]
     if isinstance(optimizer, (LionCub, NodeCub)):
-        vote, bits = (optimizer.vote if isinstance(optimizer, NodeCub) else optimizer).vote_chosen
+        vote, bits = optimizer.vote_chosen
         if isinstance(optimizer, NodeCub):
             row.update(nodes=config.nodes, shard=config.shard)
         row.update(vote_chosen=f"{vote}/{bits}b" if bits else vote, skipped_steps=optimizer.skipped_steps,

@@ -298,6 +298,11 @@ class NodeCub(Shell, torch.optim.Optimizer):
         """The cross-node vote's method name (``'auto'``: its pick), as :attr:`LionCub.vote`."""
         return self.voter.vote
 
+    @property
+    def vote_chosen(self) -> tuple:
+        """(method, lane bits) the cross-node vote runs, as :attr:`LionCub.vote_chosen`."""
+        return self.voter.vote_chosen
+
     # ------------------------------------------------------------------ state
     def fingerprint(self) -> dict:
         return {"nodes": self.layout.nodes, "local_size": self.layout.local_size, "shard": self.shard,
