@@ -72,6 +72,7 @@ def test_dry_run_passes_every_path_on_two_ranks_and_the_ws1_calls(tmp_path):
     assert report["subset"] == ["nccl_ws1_calls", "device_paths_two_ranks"]
 
 
+@pytest.mark.slow  # ~10 s, a whole dry run: .ci/run runs it after the suite
 def test_a_broken_path_is_a_failure_and_exit_code_1(tmp_path):
     """Injected paths: a collective on a tensor off the parameters' device, rank 1 raising while
     rank 0 waits in a collective (killed at once, the rest run in a fresh group: no hang), and
@@ -136,6 +137,7 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
+@pytest.mark.slow  # ~10 s waiting out a time limit: .ci/run runs it after the suite
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
 def test_the_shell_kills_the_whole_process_tree_at_its_limit(tmp_path):
     """GPU_CHECK_LIMIT_S=8 against a run that stalls (two spawned ranks asleep in an injected

@@ -51,6 +51,7 @@ def read_csv(path):
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow  # ~9 s, the whole comparison (tests/test_readme.py checks its output lines): .ci/run runs it after the suite
 def test_default_comparison_writes_wellformed_outputs(tmp_path, corpus_cache):
     out = tmp_path / "cmp"
     printed = lioncub("train", *TINY, "--steps", "6", "--eval-every", "3", "--nproc", "2", "--out", str(out),
@@ -96,7 +97,7 @@ def test_default_comparison_writes_wellformed_outputs(tmp_path, corpus_cache):
 
 
 @pytest.mark.parametrize("model_args", [
-    ["--vote", "onebit", *TINY],
+    pytest.param(["--vote", "onebit", *TINY], marks=pytest.mark.slow),  # ~19 s: two runs and a resume
     pytest.param(["--vote", "pbit", "--model", "resnet18", "--width", "8", "--batch-size", "8", "--no-progress"],
                  marks=pytest.mark.slow),  # ~20 s; the GPT case runs the same resume path (BN buffers: here only)
 ], ids=["gpt-onebit", "resnet-bn"])

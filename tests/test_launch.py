@@ -34,6 +34,7 @@ def test_results_by_rank_and_keep():
     assert spawn(_sum_ranks, 2, 1.0, timeout_s=60, keep={0}) == [(1.0, "1"), None]
 
 
+@pytest.mark.slow  # ~19 s of a worker dying and the others being killed: .ci/run runs it after the suite
 def test_failing_rank_is_named_with_its_traceback_and_the_others_are_killed():
     t0 = time.monotonic()
     with pytest.raises(AssertionError, match=r"(?s)rank 1 failed.*ValueError: boom on purpose"):

@@ -72,6 +72,7 @@ def test_default_falls_back_to_loopback_with_one_line_saying_why(tmp_path, corpu
     _check_comparison(out, proc.stdout)
 
 
+@pytest.mark.slow  # ~7 s, a whole comparison: .ci/run runs it after the suite
 def test_link_none_forces_loopback_without_the_note(tmp_path, corpus_cache):
     proc = _train(*TINY, "--steps", "4", "--eval-every", "2", "--link", "none", "--out", str(tmp_path / "cmp"),
                   "--cache-dir", str(corpus_cache))
