@@ -61,15 +61,15 @@ from typing import Callable, Iterable, Iterator, Optional, Union
 import torch
 from torch import Tensor
 
-from .. import comm, fused, votes
+from .. import comm, votes
 from ..comm import CommStats
 from ..engine import amp, auto, guard
 from ..engine.config import VoteConfig, VoteSettings
 from ..engine.shell import Shell
 from ..lion import Lion
-from ..quantize import quantize
 from ..validate import check_bool, check_choice, check_hyperparameters, check_int
 from ..votes.pbit import MEAN_CLIP
+from .agreement import Agreement, launch_lanes, launch_mean, launch_vote, one_allreduce, sent_value
 from .outer import OUTER_RULES, make_outer
 
 __all__ = ["LocalCub", "INNER_OPTIMIZERS", "OUTER_RULES", "LOCAL_VOTES", "AGGREGATES", "MEAN_CLIP"]
@@ -95,51 +95,6 @@ def _make_inner(inner, groups: list[dict], betas) -> torch.optim.Optimizer:
         return opt
     raise ValueError(f"inner must be one of {INNER_OPTIMIZERS} or a callable(param_groups) -> Optimizer, "
                      f"got {inner!r}")
-
-
-def sent_value(v: Tensor, sizes: list[int], method: votes.VoteMethod) -> Tensor:
-    """C(v): this rank's contribution to ``method``'s vote in the units of ``v`` (flat, fp32).
-
-    Binary votes send sign(v); its magnitude is taken as ``mean|v|`` of each tensor
-    (``sizes``: the tensors' element counts, in order). ``pbit`` with a quantizer sends
-    q(v) with the scale of the whole flat ``v``, as :func:`~lioncub.majority_vote` does.
-    """
-    if method.levels is not None:  # a quantizer's values
-        q = quantize(v, method.quantizer, levels=method.levels)
-        return q.values.to(v.dtype) * q.scale
-    out = torch.sign(v)
-    for o, x in zip(out.split(sizes), v.split(sizes)):
-        o.mul_(x.abs().mean())
-    return out
-
-
-def one_allreduce(method: Optional[votes.VoteMethod]) -> bool:
-    """Whether ``delay=1`` can launch ``method``'s exchange asynchronously: ``'grad'`` (None), or
-    a method whose plan is one all-reduce (its exchange is then the SUM all-reduce of its
-    message, in place: ``sign_allreduce``, ``pbit``)."""
-    return method is None or [kind for kind, _ in method.plan(1)] == ["allreduce"]
-
-
-class Agreement:
-    """A streaming round's agreement: its all-reduce in flight (or none: one rank, an empty
-    vote) and ``read``, which turns the reduced buffer into the round's ``d``. :meth:`result`
-    waits (once) and returns ``(d, signed)``; after it the agreement holds only ``d``."""
-
-    def __init__(self, pending: Optional[comm.Pending], read: Callable[[Optional[Tensor]], Tensor], signed: bool):
-        self.pending, self.read, self.signed, self.d = pending, read, signed, None
-
-    @classmethod
-    def finished(cls, d: Tensor, signed: bool) -> "Agreement":
-        """An agreement whose ``d`` is already known (one rank, or restored from a checkpoint)."""
-        done = cls(None, lambda _: d, signed)
-        done.d = d
-        return done
-
-    def result(self, stats: Optional[CommStats] = None) -> tuple[Tensor, bool]:
-        if self.d is None:
-            self.d = self.read(None if self.pending is None else self.pending.wait(stats))
-            self.pending = self.read = None
-        return self.d, self.signed
 
 
 class LocalCub(Shell, VoteSettings, torch.optim.Optimizer):
@@ -433,48 +388,20 @@ class LocalCub(Shell, VoteSettings, torch.optim.Optimizer):
         P, group = self.world_size, self.group
         sent = None
         if self.aggregate == "mean":
-            agreement, sent = self._launch_lanes(v, sizes, [x / P for x in host[1:]], stats)
+            agreement, sent = launch_lanes(self.method, v, sizes, [x / P for x in host[1:]], group, stats)
         elif self.method is None:  # 'grad': the fp32 mean of Δ
-            if P == 1:
-                agreement = Agreement.finished(v, False)
-            else:
-                agreement = Agreement(comm.all_reduce_async(v, group, stats), lambda total: total.div_(P), False)
+            agreement = launch_mean(v, P, group, stats)
         else:
             if self.error_feedback:
                 sent = sent_value(v, sizes, self.method)
             if P == 1 or v.numel() == 0:
                 agreement = Agreement.finished(self._vote(v, stats), True)
             else:
-                agreement = self._launch_vote(v, stats)
+                agreement = launch_vote(self.method, v, self.rounds, self.generator, group, stats)
         if self.error_feedback:  # e_i ← v_i − C(v_i)
             for s, r, c in zip([self.state[p] for p in self.params], v.split(sizes), sent.split(sizes)):
                 torch.sub(r, c, out=s["residual"].view(-1))
         return agreement
-
-    def _launch_vote(self, v: Tensor, stats: CommStats) -> Agreement:
-        """:meth:`VoteMethod.vote` with its one all-reduce in flight: encode now, decode at the wait."""
-        n, method = v.numel(), self.method
-        t0 = comm.clock(stats)
-        nb = method.part_nbytes(n)
-        msg = torch.empty(method.message_nbytes(nb), dtype=torch.uint8, device=v.device)
-        msg[nb:].zero_()
-        method.encode(v, msg[:nb], self.rounds, self.generator, use_fused=fused.usable([v]))
-        stats.t_quantize_pack += comm.clock(stats) - t0
-        pending = comm.all_reduce_async(msg[:nb], self.group, stats)
-        return Agreement(pending, lambda _: method.decode(msg, 0, n, torch.empty_like(v)), True)
-
-    def _launch_lanes(self, v: Tensor, sizes: list[int], norms: list[float],
-                      stats: CommStats) -> tuple[Agreement, Tensor]:
-        """:meth:`PBit.lane_mean` with its lane-sum all-reduce in flight; returns the agreement
-        (d = unit·Σ_i q_i / P) and this rank's C(v) = unit·q_i."""
-        lanes = self.method
-        units, q, msg = lanes.lane_message(v, sizes, norms)
-        if msg is None:
-            agreement = Agreement.finished(lanes.lane_total(None, q, sizes, units), False)
-        else:
-            agreement = Agreement(comm.all_reduce_async(msg, self.group, stats),
-                                  lambda summed: lanes.lane_total(summed, q, sizes, units), False)
-        return agreement, lanes.lane_sent(q, sizes, units)
 
     @torch.no_grad()
     def flush(self) -> None:

@@ -245,15 +245,22 @@ class VoteMethod:
         the method has none (the caller decodes to int8 u and runs :func:`lioncub.fused.apply`)."""
         return False
 
-    def vote(self, c: Tensor, out: Tensor, step: int, group, stats: CommStats, generator=None) -> Tensor:
-        """One part alone: encode, exchange, decode (``out`` may be ``c``; one tensor: no residual)."""
-        n = c.numel()
+    def encode_message(self, c: Tensor, step: int, stats: CommStats, generator=None) -> tuple[Tensor, int]:
+        """This rank's message for the flat ``c`` alone: (the padded message, its first ``nb``
+        bytes the part), timed as ``t_quantize_pack``. What :meth:`vote` exchanges (and a caller
+        that keeps the exchange in flight, LocalCub's streaming rounds)."""
         t0 = comm.clock(stats)
-        nb = self.part_nbytes(n)
+        nb = self.part_nbytes(c.numel())
         msg = torch.empty(self.message_nbytes(nb), dtype=torch.uint8, device=c.device)
         msg[nb:].zero_()
         self.encode(c, msg[:nb], step, generator, use_fused=fused.usable([c]))
         stats.t_quantize_pack += comm.clock(stats) - t0
+        return msg, nb
+
+    def vote(self, c: Tensor, out: Tensor, step: int, group, stats: CommStats, generator=None) -> Tensor:
+        """One part alone: encode, exchange, decode (``out`` may be ``c``; one tensor: no residual)."""
+        n = c.numel()
+        msg, nb = self.encode_message(c, step, stats, generator)
         voted = self.exchange(msg, nb, step, group, stats)
         t0 = comm.clock(stats)
         u = self.decode(voted, 0, n, out)
