@@ -69,6 +69,7 @@ REQUIREMENTS: dict[str, Callable[[], str | None]] = {
     "transformers": _module("transformers"),  # HF Trainer: tests/test_examples.py, tests/test_ddp_hook.py
     "accelerate": _module("accelerate"),      # HF Trainer: tests/test_examples.py
     "lightning": _module("lightning"),        # tests/test_examples.py Lightning example
+    "torchft": _module("torchft"),            # tests/test_ft.py fault-tolerant rounds (lioncub[ft])
 }
 
 

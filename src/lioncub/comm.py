@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["CommStats", "CollectiveError", "step_context", "all_reduce", "all_reduce_async", "Pending",
+__all__ = ["CommStats", "CollectiveError", "ExternalGroup", "step_context", "all_reduce", "all_reduce_async", "Pending",
            "all_gather", "all_to_all",
            "broadcast", "broadcast_from_first", "barrier", "all_gather_object", "broadcast_object",
            "device_of", "comm_device", "make_generator", "restore_generator", "clock", "step_stats",
@@ -129,7 +129,39 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 
 
 def _size(group) -> int:
+    if isinstance(group, ExternalGroup):
+        return group.size()
     return dist.get_world_size(group)
+
+
+class ExternalGroup:
+    """A group whose all-reduce is not ``torch.distributed``'s: the replica groups of a
+    fault-tolerant job (:class:`lioncub.ft.ReplicaGroup`, over a torchft ``Manager``).
+
+    Only :func:`all_reduce` and :func:`all_reduce_async` take one; the other collectives
+    refuse it. A subclass defines :meth:`size` (the ranks that take part now) and
+    :meth:`launch` (start the in-place all-reduce; return an object whose ``wait()``
+    completes it)."""
+
+    def size(self) -> int:
+        raise NotImplementedError
+
+    def launch(self, t: Tensor, op: str):
+        raise NotImplementedError
+
+
+def _plain(name: str, group) -> None:
+    """Refuse an :class:`ExternalGroup` where only torch.distributed's groups will do."""
+    if isinstance(group, ExternalGroup):
+        raise ValueError(f"{name} needs a torch.distributed process group, got {type(group).__name__} "
+                         "(it offers all_reduce only)")
+
+
+def _launch(t: Tensor, op: str, group, async_op: bool):
+    if isinstance(group, ExternalGroup):
+        work = group.launch(t, op)
+        return work if async_op else work.wait()
+    return dist.all_reduce(t, op=REDUCE_OPS[op], group=group, async_op=async_op)
 
 
 class CollectiveError(RuntimeError):
@@ -183,7 +215,7 @@ def all_reduce(t: Tensor, group=None, stats: CommStats | None = None, *, step: O
     """In-place all-reduce of ``t`` (``op``: ``'sum'`` or ``'max'``)."""
     p = _size(group)
     t0 = clock(stats)
-    _guarded("all_reduce", t, step, lambda: dist.all_reduce(t, op=REDUCE_OPS[op], group=group))
+    _guarded("all_reduce", t, step, lambda: _launch(t, op, group, False))
     _record(stats, 2 * (p - 1) / p * t.numel() * t.element_size(), t0)
     return t
 
@@ -225,13 +257,14 @@ def all_reduce_async(t: Tensor, group=None, stats: CommStats | None = None, *, s
     t0 = clock(stats)
     works = []
     _guarded("all_reduce", t, step,
-             lambda: works.append(dist.all_reduce(t, op=REDUCE_OPS[op], group=group, async_op=True)))
+             lambda: works.append(_launch(t, op, group, True)))
     _record(stats, 2 * (p - 1) / p * t.numel() * t.element_size(), t0)
     return Pending(t, works[0], step)
 
 
 def all_gather(t: Tensor, group=None, stats: CommStats | None = None, *, step: Optional[int] = None) -> Tensor:
     """Gather every rank's ``t`` (same shape) into a ``(P, *t.shape)`` tensor."""
+    _plain("all_gather", group)
     p = _size(group)
     out = torch.empty(p * t.numel(), dtype=t.dtype, device=t.device)
     t0 = clock(stats)
@@ -245,6 +278,7 @@ def all_to_all(t: Tensor, group=None, stats: CommStats | None = None, *, step: O
 
     Returns the received parts in rank order, same shape as ``t``.
     """
+    _plain("all_to_all", group)
     p = _size(group)
     out = torch.empty_like(t)
     t0 = clock(stats)
@@ -256,6 +290,7 @@ def all_to_all(t: Tensor, group=None, stats: CommStats | None = None, *, step: O
 def broadcast(t: Tensor, group=None, stats: CommStats | None = None, *, src: int = 0,
               step: Optional[int] = None) -> Tensor:
     """In place: every rank's ``t`` becomes that of ``group``'s rank ``src`` (a group rank)."""
+    _plain("broadcast", group)
     p = _size(group)
     t0 = clock(stats)
     root = dist.get_global_rank(group, src) if group is not None else src

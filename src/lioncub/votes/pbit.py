@@ -149,15 +149,19 @@ class PBit(VoteMethod):
         msg = kernels.pack_bytes((q + levels).to(torch.uint8), v.numel(), self.bits) if self.world > 1 else None
         return units, q, msg
 
-    def lane_total(self, lanes: Optional[Tensor], q: Tensor, sizes: list[int], units: list[float]) -> Tensor:
-        """unit·Σ_i q_i / P from the all-reduced ``lanes`` (None: one rank, Σ = this q)."""
+    def lane_total(self, lanes: Optional[Tensor], q: Tensor, sizes: list[int], units: list[float],
+                   count: Optional[int] = None) -> Tensor:
+        """unit·Σ_i q_i / count from the all-reduced ``lanes`` (None: one rank, Σ = this q).
+        ``count``: the ranks whose q is a contribution (default P; a rank that sends q = 0
+        adds nothing to the sum, and a fault-tolerant round leaves it out of the mean)."""
         P = self.world
         if lanes is None:
             total = q.clone()
         else:
             total = kernels.unpack_bytes(lanes, q.numel(), self.bits).to(torch.float32) - float(P * self.levels)
+        count = P if count is None else count
         for tt, unit in zip(total.split(sizes), units):
-            tt.mul_(unit / P)
+            tt.mul_(unit / count)
         return total
 
     @staticmethod

@@ -1,0 +1,52 @@
+"""Fault-tolerant LocalCub on torchft (an optional extra: ``pip install 'lioncub[ft]'``).
+
+:class:`FTLocalCub` runs LocalCub's rounds through a torchft ``Manager``: a round that loses a
+replica is not committed and is retried by the survivors, and a replica that (re)joins heals
+from a live peer (docs/fault_tolerance.md). :func:`make_manager` and :func:`start_lighthouse`
+build what it needs for one worker per replica group, every server on the address given
+(loopback by default).
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+
+from .localcub import FT_VOTES, FTLocalCub, QuorumError, ReplicaGroup, TensorTransport, require_torchft
+
+__all__ = ["FTLocalCub", "ReplicaGroup", "TensorTransport", "QuorumError", "FT_VOTES", "require_torchft",
+           "make_manager", "start_lighthouse"]
+
+
+def start_lighthouse(min_replicas: int, *, host: str = "127.0.0.1", port: int = 0, join_timeout_ms: int = 1000,
+                     heartbeat_timeout_ms: int = 1000, quorum_tick_ms: int = 50):
+    """A torchft lighthouse bound to ``host:port`` (port 0: any free one); ``.address()`` is
+    what replicas pass as ``lighthouse=`` (or set as ``TORCHFT_LIGHTHOUSE``). A replica silent
+    for ``heartbeat_timeout_ms`` leaves the next quorum."""
+    require_torchft()
+    from torchft._torchft import LighthouseServer
+    return LighthouseServer(bind=f"{host}:{port}", min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
+                            quorum_tick_ms=quorum_tick_ms, heartbeat_timeout_ms=heartbeat_timeout_ms)
+
+
+def make_manager(replica_id: str, lighthouse: str, *, min_replicas: int = 2, host: str = "127.0.0.1",
+                 timeout_s: float = 10.0, quorum_timeout_s: float = 60.0, connect_timeout_s: float = 10.0):
+    """A torchft ``Manager`` for a replica group of one worker, every server on ``host``.
+
+    ``timeout_s``: a collective's (and the healing transfer's) limit, the longest a death
+    inside a collective can stall the survivors; ``quorum_timeout_s``: how long a replica
+    waits for ``min_replicas`` live replicas before :class:`QuorumError`. Returns the manager;
+    its TCP store (``manager.lioncub_store``) lives as long as it."""
+    require_torchft()
+    import torch.distributed as dist
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=timeout_s)), load_state_dict=None, state_dict=None,
+        min_replica_size=min_replicas, use_async_quorum=False, replica_id=replica_id,
+        lighthouse_addr=lighthouse, store_addr=host, store_port=store.port, rank=0, world_size=1, hostname=host,
+        timeout=timedelta(seconds=timeout_s), quorum_timeout=timedelta(seconds=quorum_timeout_s),
+        connect_timeout=timedelta(seconds=connect_timeout_s),
+        checkpoint_transport=TensorTransport(host, timeout=timedelta(seconds=timeout_s)))
+    manager.lioncub_store = store
+    return manager

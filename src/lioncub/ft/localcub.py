@@ -1,0 +1,310 @@
+r"""LocalCub whose rounds survive a lost replica: the agreement through a torchft ``Manager``.
+
+Each *replica group* (one worker here) trains its H inner steps alone, exactly as
+:class:`~lioncub.LocalCub` does. At a round's end it agrees with whichever replicas are alive::
+
+    repeat:
+        start_quorum()                  # the lighthouse's quorum of live replicas (may heal us)
+        P = num_participants()          # the replicas in this quorum
+        head  = Σ_r [bad_r, took_part_r, mean|v_r| per tensor]     # one float64 all-reduce
+        C     = head[1]                 # the replicas whose Δ is a contribution
+        d     = Σ_r q(v_r) / C          # 'grad': fp32 Δ; 'pbit' + 'mean': 8-bit L1 lanes sized for P
+        if should_commit(): break       # every replica in the quorum finished every collective
+    e_r ← v_r − C(v_r);  θ_s ← outer(θ_s, d);  θ_r ← θ_s          (only on a commit)
+
+A round that loses a member mid-collective is not committed on any survivor: θ_s, the outer
+state and the error-feedback residuals are untouched, and the agreement is retried on the next
+quorum **with the same Δ** (the survivors' H inner steps are still pseudo-gradients from the
+same θ_s, so no work is redone). The dead replica drops out of the next quorum after the
+lighthouse's heartbeat timeout. Since lane widths, scales and the mean follow the quorum
+(``P``, ``C``), a 2-replica round is an ordinary 2-replica LocalCub round.
+
+A replica that (re)joins calls the agreement before its first inner step, with nothing to
+contribute (``took_part = 0``, Δ = 0: it adds nothing to any sum, and the mean is over ``C``).
+Being behind the quorum's step, it is *healed* by torchft inside ``start_quorum`` from a live
+peer, which is then at its round's end (no inner step in flight): θ_s, the outer state (momenta),
+the round counters and the peer's inner optimizer state are copied (copied, not reset: AdamW's
+moments and step count then scale its first steps as the peers' do; a fresh AdamW's first step
+is a full-lr step in every coordinate); its error-feedback residual is zero (a residual is
+what *this* replica meant and did not send: a peer's would resend that peer's mass twice).
+It then applies the round's outer step with everyone else, and is bit-identical to the
+survivors from that commit on.
+
+On a fresh start every replica does the same empty agreement (``C = 0``: nothing is applied,
+no round is counted); torchft's ``init_sync`` makes the starts identical.
+
+The healing transfer is loaded with ``weights_only=True`` (:class:`TensorTransport`): a peer's
+state can hold tensors, numbers and strings only, never code.
+"""
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import comm
+from ..comm import CommStats
+from ..optim.localcub import LocalCub
+from ..validate import check_int
+
+__all__ = ["FTLocalCub", "ReplicaGroup", "TensorTransport", "FT_VOTES", "QuorumError", "require_torchft"]
+
+FT_VOTES = ("grad", "pbit")
+"""The agreements a fault-tolerant round runs: the fp32 mean (``'grad'``) and the 8-bit L1 lane
+mean (``vote='pbit', quantizer='l1', aggregate='mean'``); both are sums, to which a replica that
+sends zero adds nothing."""
+
+
+def require_torchft():
+    """The ``torchft`` module, or a one-line ImportError naming the extra to install."""
+    try:
+        import torchft
+    except ImportError as exc:
+        raise ImportError("fault tolerance needs torchft: pip install 'lioncub[ft]' (torchft 0.2.0)") from exc
+    return torchft
+
+
+class QuorumError(RuntimeError):
+    """No quorum of ``min_replica_size`` replicas formed in time, or a round could not commit."""
+
+
+class ReplicaGroup(comm.ExternalGroup):
+    """The replicas of the manager's current quorum, as a group :func:`lioncub.comm.all_reduce` takes.
+
+    Failures do not raise: torchft records them, later all-reduces of the quorum are no-ops,
+    and ``Manager.should_commit()`` is then False on every replica."""
+
+    def __init__(self, manager):
+        self.manager = manager
+
+    def size(self) -> int:
+        return self.manager.num_participants()
+
+    def launch(self, t: Tensor, op: str):
+        return self.manager.allreduce(t, reduce_op=comm.REDUCE_OPS[op])
+
+
+def _transport_class():
+    from torchft.checkpointing._serialization import _streaming_load
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class _TensorTransport(HTTPTransport):
+        """torchft's HTTP checkpoint transport, loading with ``weights_only=True`` and
+        advertising the host it is given (torchft's advertises ``socket.gethostname()``)."""
+
+        host = "127.0.0.1"
+
+        @classmethod
+        def _load_from_address(cls, address: str, timeout: timedelta) -> object:
+            import urllib.request
+            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+                return _streaming_load(f, weights_only=True)
+
+        def address(self) -> str:
+            return f"http://{self.host}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+    return _TensorTransport
+
+
+def TensorTransport(host: str = "127.0.0.1", timeout: timedelta = timedelta(seconds=60)):
+    """A torchft checkpoint transport whose loads cannot run code, advertised at ``host``
+    (for ``Manager(checkpoint_transport=...)``)."""
+    require_torchft()
+    transport = _transport_class()(timeout=timeout, num_chunks=0)
+    transport.host = host
+    return transport
+
+
+class FTLocalCub(LocalCub):
+    """:class:`~lioncub.LocalCub` across torchft replica groups (see the module docstring).
+
+    Args:
+        params: as LocalCub's.
+        manager: a ``torchft.Manager`` built with ``use_async_quorum=False`` (healing then
+            happens inside ``start_quorum``, while every replica is at its round's end) and
+            without ``load_state_dict``/``state_dict`` of its own for the optimizer: this
+            optimizer registers its state under ``'lioncub'``. :func:`lioncub.ft.make_manager`
+            builds one.
+        max_attempts: agreements tried per round before :class:`QuorumError` (each failed one
+            costs at most the process group's timeout, then a new quorum).
+        **kwargs: LocalCub's; ``vote`` one of :data:`FT_VOTES` (``'pbit'`` with
+            ``quantizer='l1', aggregate='mean'``), ``delay=0``, no ``process_group``: one worker
+            per replica group.
+
+    Attributes beyond LocalCub's: ``uncommitted`` (agreements that did not commit), ``heals``
+    (times this replica was healed from a peer), ``participants`` (P of the last committed
+    round), ``contributors`` (its C), ``last_stall_s`` (seconds from the round's end to its
+    commit, quorums and retries included).
+    """
+
+    def __init__(self, params, manager, *, max_attempts: int = 20, **kwargs):
+        require_torchft()
+        for key, allowed in (("delay", 0), ("process_group", None)):
+            if kwargs.get(key, allowed) != allowed:
+                raise ValueError(f"{key} must be {allowed!r} with torchft, got {kwargs[key]!r}")
+        vote = kwargs.get("vote", "onebit")
+        if vote not in FT_VOTES or (vote == "pbit" and (kwargs.get("aggregate") != "mean"
+                                                        or kwargs.get("quantizer") != "l1")):
+            raise ValueError(f"vote must be 'grad' or 'pbit' with quantizer='l1', aggregate='mean' under torchft "
+                             f"(sums a replica with nothing to send leaves unchanged), got vote={vote!r}")
+        if getattr(manager, "_use_async_quorum", False):
+            raise ValueError("manager must be built with use_async_quorum=False (a replica heals inside "
+                             "start_quorum, at a round's end)")
+        self.max_attempts = check_int("max_attempts", max_attempts, 1)
+        super().__init__(params, **kwargs)
+        if self.world_size != 1:
+            raise ValueError(f"FTLocalCub runs one worker per replica group, got a process group of {self.world_size}")
+        self.manager = manager
+        self.uncommitted, self.heals, self.participants, self.contributors = 0, 0, 0, 0
+        self.last_stall_s = 0.0
+        self._joined, self._healed = False, False
+        self._methods: dict = {}
+        manager.register_state_dict_fn("lioncub", self._load_heal, self._heal_state)
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure=None, grad_scaler=None):
+        if not self._joined:  # a (re)started replica's empty agreement: the quorum, maybe a heal
+            self.join()
+        return super().step(closure, grad_scaler)
+
+    @torch.no_grad()
+    def join(self) -> None:
+        """Join the replicas now (the first :meth:`step` does it): an agreement with nothing to
+        contribute, healed from a peer when this replica is behind. Every replica's first."""
+        self._joined = True
+        with comm.step_context(self.rounds):
+            self._agree(contributing=False)
+
+    def _round(self) -> None:
+        self._agree(contributing=True)
+
+    def _method(self, P: int):
+        if P not in self._methods:  # lanes sized for the quorum's P (every member builds the same)
+            self._methods[P] = self.config.method(P)
+        return self._methods[P]
+
+    def _agree(self, contributing: bool) -> None:
+        sizes = [p.numel() for p in self.params]
+        states = [self.state[p] for p in self.params]
+        began = time.perf_counter()
+        self._healed = False  # a heal in any attempt of this round voids this replica's Δ
+        for _ in range(self.max_attempts):
+            stats = comm.step_stats(self.device)
+            self._start_quorum()
+            took_part = contributing and not self._healed
+            if took_part:
+                delta = torch.cat([(s["start"].float() - p.float()).reshape(-1) for s, p in zip(states, self.params)])
+                v = delta
+                if self.error_feedback:
+                    v = delta + torch.cat([s["residual"].reshape(-1) for s in states])
+            else:
+                delta = v = torch.zeros(sum(sizes), dtype=torch.float32, device=self.device)
+            group = ReplicaGroup(self.manager)
+            P = group.size()
+            mean = self.aggregate == "mean"
+            head = torch.zeros(2 + (len(sizes) if mean else 0), dtype=torch.float64, device=self.device)
+            head[0:1].copy_(torch.logical_not(torch.isfinite(delta).all()).reshape(1))
+            if self._bad_round and took_part:
+                head[0] = 1.0
+            head[1] = float(took_part)
+            if mean and took_part:
+                head[2:] = torch.stack([piece.abs().mean() for piece in v.split(sizes)]).double()
+            comm.all_reduce(head, group, stats)
+            host = head.tolist()  # the round's one host read
+            bad, C = int(round(host[0])), int(round(host[1]))
+            d = sent = None
+            if self.manager.errored() is None and bad == 0 and C > 0:
+                if mean:
+                    lanes = self._method(P)
+                    units, q, msg = lanes.lane_message(v, sizes, [x / C for x in host[2:]])
+                    if msg is not None:
+                        comm.all_reduce(msg, group, stats)
+                    d = lanes.lane_total(msg, q, sizes, units, count=C)
+                    sent = lanes.lane_sent(q, sizes, units)
+                else:
+                    d = v.clone()
+                    comm.all_reduce(d, group, stats)
+                    d /= C
+            if self.manager.should_commit():
+                break
+            self.uncommitted += 1  # θ_s, outer state and residuals untouched: retry on a new quorum
+        else:
+            raise QuorumError(f"round {self.rounds} did not commit in {self.max_attempts} agreements "
+                              "(max_attempts): replicas keep failing")
+        self._bad_round = False
+        self.participants, self.contributors = P, C
+        self.last_stall_s = time.perf_counter() - began
+        self.last_round_stats = stats
+        if bad > 0:
+            self._nonfinite(bad)
+            return
+        if d is None:  # nobody had anything to send (every replica joining): nothing to apply
+            return
+        if self.error_feedback and took_part:  # e_i ← v_i − C(v_i)
+            for s, r, c in zip(states, v.split(sizes), sent.split(sizes)):
+                torch.sub(r, c, out=s["residual"].view(-1))
+        self._outer_step(d.split(sizes), False)
+        self.rounds += 1
+
+    def _start_quorum(self) -> None:
+        try:
+            self.manager.start_quorum()
+        except TimeoutError as exc:
+            raise QuorumError(f"no quorum of min_replica_size={self.manager._min_replica_size} replicas within "
+                              f"the quorum timeout ({self.manager._quorum_timeout}) at round {self.rounds}: "
+                              f"{exc}") from exc
+
+    # ------------------------------------------------------------------ healing
+    def _heal_state(self) -> dict:
+        """What a joining replica copies from this one (called by torchft at this replica's round end)."""
+        keys = self.rule.state_keys
+        return dict(start=[self.state[p]["start"].detach().clone() for p in self.params],
+                    outer=[{k: self.state[p][k].clone() for k in keys} for p in self.params],
+                    inner=_clone(self.inner.state_dict()),
+                    counters=dict(rounds=self.rounds, skipped_rounds=self.skipped_rounds))
+
+    def _load_heal(self, sd: dict) -> None:
+        """Become the peer's replica at its round's end: θ_s, outer and inner state, counters;
+        this replica's own residual is zero and its parameters are θ_s."""
+        with torch.no_grad():
+            for p, start, outer in zip(self.params, sd["start"], sd["outer"]):
+                s = self.state[p]
+                s["start"].copy_(start)
+                p.copy_(start)
+                for k, value in outer.items():
+                    s[k].copy_(value)
+                if self.error_feedback:
+                    s["residual"].zero_()
+        self.inner.load_state_dict(sd["inner"])
+        self.param_groups = self.inner.param_groups
+        self.rounds = int(sd["counters"]["rounds"])
+        self.skipped_rounds = int(sd["counters"]["skipped_rounds"])
+        self.local_step, self._bad_round = 0, False
+        self._healed = True
+        self.heals += 1
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        sd["ft"] = dict(self.manager.state_dict())
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        ft = state_dict.get("ft") if isinstance(state_dict, dict) else None
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "ft"})
+        if ft is not None:
+            self.manager.load_state_dict(ft)
+
+
+def _clone(obj):
+    if isinstance(obj, Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_clone(v) for v in obj)
+    return obj

@@ -1,0 +1,136 @@
+"""One replica of the fault-tolerance tests (tests/test_ft.py), run as its own process.
+
+``--mode ft``: one replica group of one worker under a torchft Manager (FTLocalCub);
+``--mode plain``: rank ``--replica`` of a plain gloo group of ``--world`` (LocalCub), the
+reference. Each trains a small MLP on its own seeded batches (replica r's batch at its inner
+step t depends on (r, t) only), and appends a JSON line per committed round to ``--out``:
+the round, the participants and contributors, and the parameters' float64 sum and a hash of
+their bytes. ``--die-at-step K`` ends this process with SIGKILL just before inner step K
+(``--die-in-agreement``: inside the next round's agreement instead, after the quorum formed).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+
+
+def params_digest(model) -> tuple[str, float]:
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16], float(flat.double().sum())
+
+
+def batch(replica: int, t: int):
+    g = torch.Generator().manual_seed(1000 * replica + t)
+    x = torch.randn(16, 8, generator=g)
+    y = x @ torch.linspace(-1, 1, 8).unsqueeze(1) + 0.1 * torch.randn(16, 1, generator=g)
+    return x, y
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=("ft", "plain"), required=True)
+    ap.add_argument("--replica", type=int, required=True)
+    ap.add_argument("--world", type=int, default=3)
+    ap.add_argument("--lighthouse", default="")
+    ap.add_argument("--master-port", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=0, help="stop after this many committed rounds (0: --steps)")
+    ap.add_argument("--H", type=int, default=4)
+    ap.add_argument("--vote", default="grad")
+    ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--die-at-step", type=int, default=-1)
+    ap.add_argument("--die-in-agreement", action="store_true")
+    ap.add_argument("--save", default="", help="torch.save the optimizer state here after training")
+    ap.add_argument("--load", default="", help="load the optimizer and model state from here first")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    kw = dict(lr=1e-2, local_steps=a.H, inner="adamw", outer="nesterov", outer_lr=0.7, outer_momentum=0.9,
+              weight_decay=0.01)
+    if a.vote == "mean8":
+        kw.update(vote="pbit", bits=8, quantizer="l1", aggregate="mean", error_feedback=True)
+    else:
+        kw.update(vote="grad")
+    if a.mode == "plain":
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.master_port}", rank=a.replica,
+                                world_size=a.world)
+        from lioncub import LocalCub
+        opt = LocalCub(model.parameters(), **kw)
+        manager = None
+    else:
+        from lioncub.ft import FTLocalCub, make_manager
+        manager = make_manager(str(a.replica), a.lighthouse, min_replicas=2, timeout_s=3.0, quorum_timeout_s=30.0)
+        opt = FTLocalCub(model.parameters(), manager, **kw)
+    if a.load:
+        saved = torch.load(a.load, map_location="cpu", weights_only=True)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+
+    log = open(a.out, "a")
+    t0 = time.time()
+
+    def log_round() -> None:
+        digest, total = params_digest(model)
+        rec = dict(replica=a.replica, round=opt.rounds, digest=digest, sum=total, t=time.time() - t0)
+        if manager is not None:
+            rec.update(participants=opt.participants, contributors=opt.contributors, uncommitted=opt.uncommitted,
+                       heals=opt.heals, stall=opt.last_stall_s, wall=time.time())
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
+
+    if manager is not None:
+        before = opt.rounds
+        opt.join()  # the quorum (and a heal, for a replica that restarts) before the first inner step
+        if opt.rounds != before:  # it healed, then took the round's outer step with the others
+            log_round()
+    if a.die_in_agreement:  # die inside the agreement of the round in which step die_at_step falls
+        from lioncub import comm
+        original, target = comm.all_reduce, a.die_at_step
+
+        def dying(t, group=None, stats=None, **kw):
+            if opt.rounds * a.H >= target and t.dtype != torch.float64:  # the round's data, after its head
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(t, group, stats, **kw)
+        comm.all_reduce = dying
+    start_step = opt.rounds * a.H + opt.local_step
+    step = start_step
+    while True:
+        if a.rounds and opt.rounds >= a.rounds:
+            break
+        if not a.rounds and step >= a.steps:
+            break
+        if step == a.die_at_step and not a.die_in_agreement:
+            os.kill(os.getpid(), signal.SIGKILL)
+        x, y = batch(a.replica, step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        before = opt.rounds
+        opt.step()
+        if a.step_sleep:
+            time.sleep(a.step_sleep)
+        step = opt.rounds * a.H + opt.local_step
+        if opt.rounds != before:
+            log_round()
+    if a.save:
+        torch.save(dict(model=model.state_dict(), opt=opt.state_dict()), a.save)
+    log.write(json.dumps(dict(replica=a.replica, done=True, round=opt.rounds, heals=getattr(opt, "heals", 0),
+                              digest=params_digest(model)[0])) + "\n")
+    log.close()
+    if manager is not None:
+        manager.shutdown(wait=False)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
