@@ -11,6 +11,7 @@ from lioncub.cli import main
 
 TINY = ["--model", "gpt-tiny", "--batch-size", "2", "--block-size", "16", "--steps", "1", "--no-progress",
         "--no-compare", "--nproc", "2"]
+FT_TINY = ["--model", "gpt-tiny", "--batch-size", "2", "--block-size", "16", "--no-progress"]  # --ft: no --steps
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +59,12 @@ def bad_inputs(d):
          "overlap=True is not supported with nodes > 1"),
         (["train", *TINY, "--vote", "onebit", "--no-shard", *text], "shard=False applies to nodes > 1 only"),
         (["train", *TINY, "--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
+        (["train", "--ft", *FT_TINY, "--vote", "onebit", "--local-steps", "5", *text],
+         "--ft: --vote must be grad, or pbit with --quantizer l1 --aggregate mean"),
+        (["train", "--ft", *FT_TINY, "--replicas", "1", *text], "--replicas must be >= 2 for fault tolerance, got 1"),
+        (["train", "--ft", *FT_TINY, "--kill-every", "10", "--replicas", "2", *text],
+         "--kill-every needs --replicas > --min-replicas (a kill leaves 1 of the 2 a round needs)"),
+        (["train", "--ft-replica", "0", *FT_TINY, *text], "--ft-replica needs --lighthouse ADDR or TORCHFT_LIGHTHOUSE"),
         (["train", *TINY, "--vote", "majority"], "argument --vote: invalid choice: 'majority'"),
         (["train", *TINY, "--link", "fast"], "--link: rate must be None, bits/s > 0, or like '1gbit'"),
         (["prepare", "--data", "/nonexistent.txt"], "data must be 'shakespeare' or a .txt file; got '/nonexistent.txt'"),

@@ -115,7 +115,112 @@ def _add_train(sub) -> None:
                    f"loopback. Default: the comparison runs behind {DEFAULT_LINK} links when this machine can "
                    f"build them (root, network namespaces; {TESTBED_SWITCH}=0 turns that off), else on loopback "
                    "with a line saying why; single runs on loopback")
+    ft = p.add_argument_group("fault tolerance (torchft; pip install 'lioncub[ft]')")
+    ft.add_argument("--ft", action="store_true",
+                    help="run LocalCub (default: the comparison's LocalCub setting) as --replicas replica groups "
+                    "on torchft: a lighthouse, replicas that survive a lost peer; with --kill-every, a replica is "
+                    "killed on that schedule and restarted --restart-after seconds later (lioncub.ft)")
+    ft.add_argument("--replicas", type=int, default=3, help="--ft: replica groups (default: %(default)s)")
+    ft.add_argument("--min-replicas", type=int, default=2, help="--ft: replicas a round needs (default: %(default)s)")
+    ft.add_argument("--kill-every", type=float, default=0.0, metavar="SECONDS",
+                    help="--ft: SIGKILL a replica every SECONDS (round-robin; 0 = no failures)")
+    ft.add_argument("--restart-after", type=float, default=5.0, metavar="SECONDS",
+                    help="--ft: restart a killed replica after SECONDS (default: %(default)s)")
+    ft.add_argument("--heartbeat-ms", type=int, default=1000,
+                    help="--ft: the lighthouse's heartbeat timeout, after which a silent replica leaves the quorum")
+    ft.add_argument("--ft-replica", type=int, default=None, metavar="K",
+                    help="run as replica K of a fault-tolerant job (one per machine on a real cluster; needs "
+                    "--lighthouse or TORCHFT_LIGHTHOUSE)")
+    ft.add_argument("--lighthouse", default=None, help="--ft-replica: the lighthouse's address (http://HOST:PORT)")
+    ft.add_argument("--ft-host", default="127.0.0.1", help="--ft-replica: the address peers reach this replica at")
+    ft.add_argument("--ft-deadline", type=float, default=None, help=argparse.SUPPRESS)
+    ft.add_argument("--ft-config", default=None, help=argparse.SUPPRESS)
+    ft.add_argument("--ft-timeout", type=float, default=10.0, metavar="SECONDS",
+                    help="--ft/--ft-replica: a collective's time limit (default: %(default)s)")
     p.set_defaults(func=cmd_train, parser=p)
+
+
+FT_DEFAULT_BUDGET_S = 60.0
+_FT_KEYS = ("ft", "replicas", "min_replicas", "kill_every", "restart_after", "heartbeat_ms", "ft_replica", "lighthouse",
+            "ft_host", "ft_deadline", "ft_config", "ft_timeout")
+
+
+def cmd_train_ft(args) -> int:
+    """``--ft`` (the supervisor) and ``--ft-replica K`` (one replica): see :mod:`lioncub.ft.train`."""
+    import json
+
+    try:
+        from .ft import require_torchft
+
+        require_torchft()
+    except ImportError as exc:
+        args.parser.error(str(exc))
+    if args.ft_config:  # the supervisor's resolved config
+        with open(args.ft_config) as f:
+            fields = json.load(f)
+        fields["betas"] = tuple(fields["betas"])
+    else:
+        from .harness.compare import LOCALCUB
+
+        fields = {k: v for k, v in vars(args).items()
+                  if k not in ("func", "parser", "compare", "command", "link", "argv", "budget") + _FT_KEYS}
+        if args.optimizer is None and args.vote is None:  # the comparison's LocalCub, but what was given
+            default = TrainConfig()
+            fields.update({k: v for k, v in LOCALCUB.items() if fields[k] == getattr(default, k)})
+        fields["optimizer"] = "lioncub"
+        fields["vote"] = fields["vote"] or "pbit"
+        fields["betas"] = tuple(fields["betas"])
+        fields["steps"] = 10 ** 9
+        fields["eval_every"] = 0
+        fields["time_budget"] = args.budget if args.budget is not None else FT_DEFAULT_BUDGET_S
+    try:
+        config = TrainConfig(**fields)
+        if config.local_steps < 2:
+            raise ValueError("--ft runs LocalCub: --local-steps must be >= 2")
+        from .ft import FT_VOTES
+
+        if config.vote not in FT_VOTES or (config.vote == "pbit" and (config.aggregate, config.quantizer) != ("mean", "l1")):
+            raise ValueError("--ft: --vote must be grad, or pbit with --quantizer l1 --aggregate mean")
+    except ValueError as exc:
+        args.parser.error(str(exc))
+    from .harness.train import check_inputs
+
+    if args.ft_replica is not None:
+        from .ft.train import replica_main
+
+        lighthouse = args.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
+        if not lighthouse:
+            args.parser.error("--ft-replica needs --lighthouse ADDR or TORCHFT_LIGHTHOUSE")
+        return replica_main(config, args.ft_replica, args.replicas, lighthouse, host=args.ft_host,
+                            deadline=args.ft_deadline,
+                            min_replicas=args.min_replicas, timeout_s=args.ft_timeout)
+    from .ft.train import FTPlan, format_summary, run_ft
+
+    link = None if args.link is None or args.link.lower() == "none" else args.link.lower()
+    plan = FTPlan(replicas=args.replicas, min_replicas=args.min_replicas, kill_every=args.kill_every,
+                  restart_after=args.restart_after, heartbeat_ms=args.heartbeat_ms, timeout_s=args.ft_timeout,
+                  link=link)
+    try:
+        plan.check()
+        check_inputs(config, args.replicas)
+        if link is not None:
+            reason = testbed_unavailable()
+            if reason is not None:
+                raise ValueError(f"--link {args.link}: {reason}")
+    except ValueError as exc:
+        args.parser.error(str(exc))
+    os.makedirs(config.out, exist_ok=True)
+    path = os.path.join(config.out, "ft_config.json")
+    with open(path, "w") as f:
+        json.dump(config.as_dict(), f)
+    try:
+        run = run_ft(config, plan, ["--ft-config", path, "--out", config.out], budget=config.time_budget)
+    except RuntimeError as exc:
+        print(f"lioncub train --ft: {exc}", file=sys.stderr)
+        return 1
+    print(format_summary(run.summary, plan, config.local_steps))
+    print(f"\nwrote {config.out}/ft_summary.json and {config.out}/replica_*.jsonl")
+    return 0
 
 
 def _without_link(argv: list[str]) -> list[str]:
@@ -183,6 +288,8 @@ def _train_behind_link(args, link: str) -> int:
 
 
 def cmd_train(args) -> int:
+    if args.ft or args.ft_replica is not None:
+        return cmd_train_ft(args)
     compare = args.compare if args.compare is not None else (args.optimizer is None and args.vote is None)
     budget = args.budget if args.budget is not None else (
         DEFAULT_BUDGET_S if compare and args.steps is None else None)
@@ -193,7 +300,7 @@ def cmd_train(args) -> int:
     if args.eval_every is None:
         args.eval_every = 0 if budget is not None else TrainConfig().eval_every
     fields = {k: v for k, v in vars(args).items()
-              if k not in ("func", "parser", "compare", "command", "link", "argv", "budget")}
+              if k not in ("func", "parser", "compare", "command", "link", "argv", "budget") + _FT_KEYS}
     fields["time_budget"] = budget
     fields["eval_every_s"] = budget / EVALS_PER_BUDGET if budget is not None else 0.0
     fields["optimizer"] = fields["optimizer"] or "lioncub"

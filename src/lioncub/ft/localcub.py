@@ -6,7 +6,7 @@ Each *replica group* (one worker here) trains its H inner steps alone, exactly a
     repeat:
         start_quorum()                  # the lighthouse's quorum of live replicas (may heal us)
         P = num_participants()          # the replicas in this quorum
-        head  = Σ_r [bad_r, took_part_r, mean|v_r| per tensor]     # one float64 all-reduce
+        head  = Σ_r [bad_r, took_part_r, stop_r, mean|v_r| per tensor]   # one float64 all-reduce
         C     = head[1]                 # the replicas whose Δ is a contribution
         d     = Σ_r q(v_r) / C          # 'grad': fp32 Δ; 'pbit' + 'mean': 8-bit L1 lanes sized for P
         if should_commit(): break       # every replica in the quorum finished every collective
@@ -138,6 +138,10 @@ class FTLocalCub(LocalCub):
     (times this replica was healed from a peer), ``participants`` (P of the last committed
     round), ``contributors`` (its C), ``last_stall_s`` (seconds from the round's end to its
     commit, quorums and retries included).
+
+    Stopping together: a replica that sets ``stop_requested = True`` (its clock ran out) says so
+    in the next agreement; ``stop_agreed`` then turns True on every replica of that commit at
+    once, so no replica is left waiting for a quorum that will not come.
     """
 
     def __init__(self, params, manager, *, max_attempts: int = 20, **kwargs):
@@ -161,6 +165,7 @@ class FTLocalCub(LocalCub):
         self.uncommitted, self.heals, self.participants, self.contributors = 0, 0, 0, 0
         self.last_stall_s = 0.0
         self._joined, self._healed = False, False
+        self.stop_requested, self.stop_agreed = False, False
         self._methods: dict = {}
         manager.register_state_dict_fn("lioncub", self._load_heal, self._heal_state)
 
@@ -206,13 +211,14 @@ class FTLocalCub(LocalCub):
             group = ReplicaGroup(self.manager)
             P = group.size()
             mean = self.aggregate == "mean"
-            head = torch.zeros(2 + (len(sizes) if mean else 0), dtype=torch.float64, device=self.device)
+            head = torch.zeros(3 + (len(sizes) if mean else 0), dtype=torch.float64, device=self.device)
             head[0:1].copy_(torch.logical_not(torch.isfinite(delta).all()).reshape(1))
             if self._bad_round and took_part:
                 head[0] = 1.0
             head[1] = float(took_part)
+            head[2] = float(self.stop_requested)
             if mean and took_part:
-                head[2:] = torch.stack([piece.abs().mean() for piece in v.split(sizes)]).double()
+                head[3:] = torch.stack([piece.abs().mean() for piece in v.split(sizes)]).double()
             comm.all_reduce(head, group, stats)
             host = head.tolist()  # the round's one host read
             bad, C = int(round(host[0])), int(round(host[1]))
@@ -220,7 +226,7 @@ class FTLocalCub(LocalCub):
             if self.manager.errored() is None and bad == 0 and C > 0:
                 if mean:
                     lanes = self._method(P)
-                    units, q, msg = lanes.lane_message(v, sizes, [x / C for x in host[2:]])
+                    units, q, msg = lanes.lane_message(v, sizes, [x / C for x in host[3:]])
                     if msg is not None:
                         comm.all_reduce(msg, group, stats)
                     d = lanes.lane_total(msg, q, sizes, units, count=C)
@@ -237,6 +243,7 @@ class FTLocalCub(LocalCub):
                               "(max_attempts): replicas keep failing")
         self._bad_round = False
         self.participants, self.contributors = P, C
+        self.stop_agreed = self.stop_agreed or host[2] > 0
         self.last_stall_s = time.perf_counter() - began
         self.last_round_stats = stats
         if bad > 0:

@@ -1,0 +1,428 @@
+"""``lioncub train --ft``: LocalCub replica groups on torchft, with failures on a schedule.
+
+Two roles, both reached from the CLI:
+
+* a **replica** (``lioncub train --ft-replica K --replicas N --lighthouse ADDR ...``): one worker,
+  its own world of one (the harness's data, model and evaluation), :class:`FTLocalCub` across the
+  replicas through the lighthouse. It logs one JSON line per committed round to
+  ``OUT/replica_K.jsonl`` (appending across restarts) and, after the replicas agreed to stop,
+  a final line with the validation loss and a hash of the parameters.
+* the **supervisor** (``lioncub train --ft``, :func:`run_ft`): starts a lighthouse (or uses
+  ``TORCHFT_LIGHTHOUSE``), starts N replicas on loopback or each in its own network namespace
+  behind a shaped link (``--link``), kills one with SIGKILL every ``--kill-every`` seconds
+  (round-robin over the replicas, from the last) and restarts it ``--restart-after`` seconds
+  later, then reads the logs into a summary (``OUT/ft_summary.json``): rounds and steps per
+  second, the stall each failure cost, uncommitted rounds, heals, lost or repeated rounds, the
+  final loss and whether the replicas ended identical.
+
+The replicas stop together: each asks to stop once the run's deadline passed
+(``FTLocalCub.stop_requested``), and all stop at the commit that carries the first request.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+
+LIGHTHOUSE_PORT = 29510
+JOIN_TIMEOUT_MS = 10_000
+"""The first quorum waits this long for every replica to start (later ones form at once)."""
+STARTUP_S = 30.0
+"""Seconds granted to the replicas' start (imports, data) before the run's clock starts."""
+
+
+@dataclass
+class FTPlan:
+    """What the supervisor runs (``lioncub train --ft``'s options)."""
+
+    replicas: int = 3
+    min_replicas: int = 2
+    kill_every: float = 0.0  # seconds between kills (0: no failures)
+    restart_after: float = 5.0
+    heartbeat_ms: int = 1000
+    timeout_s: float = 10.0  # a collective's limit: the longest a death inside one stalls the others
+    rejoin_margin_s: float = 15.0  # no kill later than this (plus restart_after) before the deadline
+    link: Optional[str] = None  # a rate (testbed, root), or None: loopback
+
+    def check(self) -> "FTPlan":
+        if self.replicas < 2:
+            raise ValueError(f"--replicas must be >= 2 for fault tolerance, got {self.replicas}")
+        if not 1 <= self.min_replicas <= self.replicas:
+            raise ValueError(f"--min-replicas must be in 1..{self.replicas}, got {self.min_replicas}")
+        if self.kill_every < 0 or self.restart_after < 0:
+            raise ValueError("--kill-every and --restart-after must be >= 0 seconds")
+        if self.kill_every and self.replicas - 1 < self.min_replicas:
+            raise ValueError(f"--kill-every needs --replicas > --min-replicas (a kill leaves {self.replicas - 1} "
+                             f"of the {self.min_replicas} a round needs)")
+        return self
+
+
+# ---------------------------------------------------------------------- the replica
+def params_digest(params) -> str:
+    flat = torch.cat([p.detach().reshape(-1).float().cpu() for p in params])
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
+
+
+def replica_main(config, replica: int, replicas: int, lighthouse: str, *, host: str = "127.0.0.1",
+                 deadline: Optional[float] = None, min_replicas: int = 2, timeout_s: float = 10.0) -> int:
+    """One replica's run (see the module docstring); returns the exit code. ``deadline``: the
+    wall time after which it asks to stop; None: ``config.time_budget`` seconds after it joined
+    (the replicas of a fresh start join at the same commit)."""
+    import torch.distributed as dist
+
+    from ..harness.models import build_model, param_groups
+    from ..harness.train import _Data, batch_loss, evaluate, lane_options, lr_factor
+    from . import FTLocalCub, make_manager
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # the harness's world of one
+    device = torch.device("cpu")
+    torch.manual_seed(config.seed)
+    data = _Data(config, replica, replicas, device)
+    model = build_model(config, data.info).to(device)
+    torch.manual_seed(config.seed + 1000 + replica)
+    groups = param_groups(model, lr=config.lr, weight_decay=config.weight_decay, lr_embed=config.lr_embed,
+                          lr_head=config.lr_head)
+    base_lrs = [g["lr"] for g in groups]
+    manager = make_manager(str(replica), lighthouse, min_replicas=min_replicas, host=host, timeout_s=timeout_s,
+                           quorum_timeout_s=max(60.0, 4 * timeout_s))
+    opt = FTLocalCub(groups, manager, lr=config.lr, betas=config.betas, local_steps=config.local_steps,
+                     inner=config.inner, vote=config.vote, outer=config.outer, outer_lr=config.outer_lr,
+                     error_feedback=config.error_feedback, aggregate=config.aggregate, model=model,
+                     nonfinite=config.nonfinite, **lane_options(config))
+    os.makedirs(config.out, exist_ok=True)
+    log = open(os.path.join(config.out, f"replica_{replica}.jsonl"), "a")
+    params = [p for g in groups for p in g["params"]]
+
+    def write(kind: str, **rec) -> None:
+        log.write(json.dumps(dict(kind=kind, replica=replica, pid=os.getpid(), wall=time.time(), **rec)) + "\n")
+        log.flush()
+
+    def committed(loss: Optional[float]) -> None:
+        s = opt.last_round_stats
+        write("round", round=opt.rounds, participants=opt.participants, contributors=opt.contributors,
+              uncommitted=opt.uncommitted, heals=opt.heals, stall=opt.last_stall_s, loss=loss,
+              bytes_sent=s.bytes_sent)
+        if time.time() >= stop_at:
+            opt.stop_requested = True
+
+    write("start")
+    model.train()
+    before = opt.rounds
+    opt.join()  # the quorum, and a heal when this replica (re)joins a running job
+    write("joined", round=opt.rounds, heals=opt.heals, participants=opt.participants)
+    stop_at = deadline if deadline is not None else time.time() + config.time_budget
+    if opt.rounds != before:
+        committed(None)
+    while not opt.stop_agreed:
+        step = opt.rounds * opt.H + opt.local_step
+        scale = lr_factor(step, config)
+        for g, base in zip(opt.param_groups, base_lrs):
+            g["lr"] = base * scale
+        x, y = data.loader.next_batch()
+        loss, _ = batch_loss(model, x.to(device), y.to(device), config.is_gpt)
+        loss.backward()
+        before = opt.rounds
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if opt.rounds != before:
+            committed(float(loss.detach()))
+    scores = evaluate(model, data.val, config.is_gpt, device)
+    write("final", round=opt.rounds, digest=params_digest(params), **scores)
+    log.close()
+    manager.shutdown(wait=False)
+    dist.destroy_process_group()
+    return 0
+
+
+# ---------------------------------------------------------------------- the supervisor
+@dataclass
+class _Replica:
+    index: int
+    argv: list
+    env: dict
+    proc: Optional[subprocess.Popen] = None
+    lives: int = 0
+    down_since: Optional[float] = None
+
+
+@dataclass
+class FTRun:
+    """The supervisor's record of a run: kills and restarts (wall times), the summary."""
+
+    kills: list = field(default_factory=list)
+    restarts: list = field(default_factory=list)
+    late: list = field(default_factory=list)  # replicas restarted too late to rejoin, stopped unjoined
+    summary: dict = field(default_factory=dict)
+
+
+def lighthouse_main(argv: list[str]) -> int:
+    """``python -m lioncub.ft.train lighthouse BIND MIN_REPLICAS HEARTBEAT_MS``: serve until killed."""
+    from . import start_lighthouse
+
+    host, port = argv[0].rsplit(":", 1)
+    lh = start_lighthouse(int(argv[1]), host=host, port=int(port), heartbeat_timeout_ms=int(argv[2]),
+                          join_timeout_ms=JOIN_TIMEOUT_MS)
+    print(lh.address(), flush=True)
+    signal.sigwait({signal.SIGTERM, signal.SIGINT})
+    lh.shutdown()
+    return 0
+
+
+def run_ft(config, plan: FTPlan, replica_argv: list[str], *, budget: float) -> FTRun:
+    """Run ``plan.replicas`` replicas of ``lioncub train`` (``replica_argv``: its options) for
+    ``budget`` seconds of training, killing and restarting on the plan's schedule; the run's
+    record, its summary also written to ``config.out/ft_summary.json``."""
+    from . import require_torchft
+
+    require_torchft()
+    plan.check()
+    os.makedirs(config.out, exist_ok=True)
+    for k in range(plan.replicas):  # a fresh run: the replicas append to these
+        path = os.path.join(config.out, f"replica_{k}.jsonl")
+        if os.path.exists(path):
+            os.remove(path)
+    testbed = None
+    if plan.link is not None:
+        from ..testbed import Testbed
+
+        testbed = Testbed(plan.replicas, rate=None if plan.link == "unshaped" else plan.link, prefix="lcft").__enter__()
+    run = FTRun()
+    lighthouse_proc = None
+    try:
+        hosts = testbed.ips if testbed is not None else ["127.0.0.1"] * plan.replicas
+        address = os.environ.get("TORCHFT_LIGHTHOUSE") if testbed is None else None
+        if not address:
+            bind = f"{hosts[0]}:{_free_port() if testbed is None else LIGHTHOUSE_PORT}"
+            cmd = [sys.executable, "-m", "lioncub.ft.train", "lighthouse", bind, str(plan.min_replicas),
+                   str(plan.heartbeat_ms)]
+            if testbed is not None:
+                cmd = ["ip", "netns", "exec", testbed.namespaces[0]] + cmd
+            lighthouse_proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True,
+                                               env=dict(os.environ, RUST_LOG="error"))
+            lighthouse_proc.stdout.readline()
+            address = f"http://{bind}"
+        replicas = []
+        for k in range(plan.replicas):
+            argv = [sys.executable, "-m", "lioncub.cli", "train", *replica_argv, "--ft-replica", str(k),
+                    "--replicas", str(plan.replicas), "--min-replicas", str(plan.min_replicas),
+                    "--lighthouse", address, "--ft-host", hosts[k], "--ft-timeout", str(plan.timeout_s)]
+            env = dict(os.environ, OMP_NUM_THREADS="1", RUST_LOG="error")
+            env.pop("TORCHFT_LIGHTHOUSE", None)
+            if testbed is not None:
+                env["GLOO_SOCKET_IFNAME"] = testbed.ifnames[k]
+                argv = ["ip", "netns", "exec", testbed.namespaces[k]] + argv
+            replicas.append(_Replica(k, argv, env))
+        for r in replicas:
+            _start(r)
+        _supervise(config, plan, replicas, run, budget)
+    finally:
+        if lighthouse_proc is not None:
+            _kill(lighthouse_proc)
+        if testbed is not None:
+            testbed.close()
+    run.summary = summarize(config.out, plan, run, budget=budget)
+    with open(os.path.join(config.out, "ft_summary.json"), "w") as f:
+        json.dump(dict(plan=asdict(plan), kills=run.kills, restarts=run.restarts, late=run.late, summary=run.summary),
+                  f, indent=1)
+    return run
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(r: _Replica, extra: tuple = ()) -> None:
+    r.proc = subprocess.Popen(list(r.argv) + list(extra), env=r.env, start_new_session=True, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    r.lives += 1
+    r.down_since = None
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+def _lines(out: str, index: int) -> list[dict]:
+    path = os.path.join(out, f"replica_{index}.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.endswith("\n")]
+
+
+def _stopped(out: str, replicas: list) -> bool:
+    """Whether some replica finished (the agreed stop happened)."""
+    return any(rec["kind"] == "final" for r in replicas for rec in _lines(out, r.index)[-1:])
+
+
+def _joined_since(out: str, r: _Replica) -> bool:
+    """Whether replica ``r``'s current life has joined the others."""
+    kinds = [rec["kind"] for rec in _lines(out, r.index) if rec.get("pid") == r.proc.pid]
+    return "joined" in kinds
+
+
+def _first_commit(out: str) -> Optional[float]:
+    path = os.path.join(out, "replica_0.jsonl")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        for line in f:
+            rec = json.loads(line)
+            if rec["kind"] == "joined":
+                return rec["wall"]
+    return None
+
+
+def _supervise(config, plan: FTPlan, replicas: list, run: FTRun, budget: float) -> None:
+    """Kill and restart on the schedule until every replica has exited (the agreed stop). The
+    run's clock starts at the first commit (the replicas' join); a restarted replica is told the
+    run's deadline."""
+    next_kill, victim, deadline = None, plan.replicas - 1, None
+    hard_stop = time.time() + STARTUP_S * 4 + budget + 120 + plan.timeout_s * 4
+    while True:
+        now = time.time()
+        alive = [r for r in replicas if r.proc is not None and r.proc.poll() is None]
+        if not alive and all(r.down_since is None for r in replicas):
+            break
+        if _stopped(config.out, replicas):  # the run is over: a replica still starting has nothing to join
+            for r in alive:
+                if not _joined_since(config.out, r):
+                    _kill(r.proc)
+                    run.late.append(r.index)
+            for r in replicas:
+                r.down_since = None
+        for r in replicas:  # a replica that failed on its own is an error of the run, not a scheduled kill
+            if r.proc is not None and r.proc.poll() not in (None, 0) and r.down_since is None:
+                err = r.proc.stderr.read()[-3000:]
+                for other in replicas:
+                    if other.proc is not None and other.proc.poll() is None:
+                        _kill(other.proc)
+                raise RuntimeError(f"replica {r.index} exited with {r.proc.returncode}:\n{err}")
+        if deadline is None:
+            first = _first_commit(config.out)
+            if first is not None:
+                deadline = first + budget
+                next_kill = first + plan.kill_every if plan.kill_every else None
+        if next_kill is not None and now >= next_kill and now < deadline - plan.restart_after - plan.rejoin_margin_s:
+            r = replicas[victim]
+            if r.proc is not None and r.proc.poll() is None:
+                _kill(r.proc)
+                r.down_since = time.time()
+                run.kills.append(dict(replica=r.index, wall=r.down_since))
+            victim = (victim - 1) % plan.replicas
+            next_kill += plan.kill_every
+        for r in replicas:
+            if r.down_since is not None and now >= r.down_since + plan.restart_after:
+                _start(r, ["--ft-deadline", f"{deadline:.3f}"])
+                run.restarts.append(dict(replica=r.index, wall=time.time()))
+        if now > hard_stop:
+            for r in alive:
+                _kill(r.proc)
+            raise RuntimeError("the replicas did not stop within 2 minutes of the deadline")
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------------- the summary
+def read_logs(out: str, replicas: int) -> list[list[dict]]:
+    logs = []
+    for k in range(replicas):
+        path = os.path.join(out, f"replica_{k}.jsonl")
+        with open(path) as f:
+            logs.append([json.loads(line) for line in f if line.strip()])
+    return logs
+
+
+def summarize(out: str, plan: FTPlan, run: FTRun, *, budget: float) -> dict:
+    """Throughput, stalls per failure, rounds lost or repeated, the end state (see the module docstring)."""
+    logs = read_logs(out, plan.replicas)
+    commits: dict[int, float] = {}  # round -> its earliest commit time on any replica
+    lost_or_repeated = 0
+    for log in logs:
+        life: list[int] = []
+        for rec in log + [dict(kind="start")]:
+            if rec["kind"] == "start":  # a life's rounds must follow one another: none skipped, none twice
+                lost_or_repeated += sum(1 for a, b in zip(life, life[1:]) if b != a + 1)
+                life = []
+            elif rec["kind"] == "round":
+                life.append(rec["round"])
+                commits[rec["round"]] = min(commits.get(rec["round"], rec["wall"]), rec["wall"])
+    finals = [next((r for r in reversed(log) if r["kind"] == "final"), None) for log in logs]
+    rounds = sorted(commits)
+    walls = [commits[k] for k in rounds]
+    gaps = [b - a for a, b in zip(walls, walls[1:])]
+    typical = statistics.median(gaps) if gaps else 0.0
+    records = sorted((r for log in logs for r in log if r["kind"] == "round"), key=lambda r: r["wall"])
+    agree = statistics.median([r["stall"] for r in records]) if records else 0.0  # a round's end to its commit
+    contributors = {r["round"]: r["contributors"] for r in records}
+
+    def excess_after(wall: float, skip: Optional[int] = None) -> Optional[float]:
+        """The first commit after ``wall`` (on a replica other than ``skip``): its wait less a typical one."""
+        later = [r for r in records if r["wall"] > wall and r["replica"] != skip]
+        return max(0.0, later[0]["stall"] - agree) if later else None
+
+    stalls = []
+    for kill in run.kills:  # detection (the survivors' wait at the next round end) + the rejoin's commit
+        lost = excess_after(kill["wall"], skip=kill["replica"])
+        joined = [r for r in logs[kill["replica"]] if r["kind"] == "joined" and r["wall"] > kill["wall"]]
+        back = excess_after(joined[0]["wall"] - 1e-6, skip=kill["replica"]) if joined else None
+        stalls.append(None if lost is None else lost + (back or 0.0))
+    rejoin = []
+    for restart in run.restarts:  # from the restart to the commit at which the replica joined
+        joined = [r for r in logs[restart["replica"]] if r["kind"] == "joined" and r["wall"] >= restart["wall"]]
+        rejoin.append(joined[0]["wall"] - restart["wall"] if joined else None)
+    done = [f for f in finals if f is not None]
+    span = walls[-1] - walls[0] if len(walls) > 1 else 0.0
+    summary = dict(
+        rounds=rounds[-1] if rounds else 0, span_s=span, rounds_per_s=(len(walls) - 1) / span if span else 0.0,
+        # the replicas' inner steps that went into committed rounds, per second (a lost replica's are missing)
+        replica_rounds_per_s=sum(contributors.get(k, 0) for k in rounds[1:]) / span if span else 0.0,
+        round_s_median=typical, agree_s_median=agree, kills=len(run.kills), restarts=len(run.restarts),
+        stall_s=stalls, stall_mean_s=statistics.mean([s for s in stalls if s is not None])
+        if any(s is not None for s in stalls) else None,
+        stall_max_s=max([s for s in stalls if s is not None], default=None),
+        rejoin_s=rejoin, uncommitted=max((r.get("uncommitted", 0) for log in logs for r in log), default=0),
+        heals=sum(1 for log in logs for r in log if r["kind"] == "joined" and r.get("heals", 0)),
+        lost_or_repeated_rounds=lost_or_repeated,
+        finished=len(done), identical=len({f["digest"] for f in done}) == 1 if done else False,
+        final_round=done[0]["round"] if done else None,
+        val_loss=done[0].get("val_loss") if done else None, budget_s=budget)
+    return summary
+
+
+def format_summary(summary: dict, plan: FTPlan, H: int) -> str:
+    s = summary
+    lines = [f"fault-tolerant LocalCub: {plan.replicas} replicas, kill every {plan.kill_every:g} s "
+             f"(restart after {plan.restart_after:g} s), link {plan.link or 'loopback'}",
+             f"  committed rounds {s['rounds']} in {s['span_s']:.1f} s: {s['rounds_per_s'] * H:.2f} steps/s "
+             f"(H={H}; median round {s['round_s_median']:.2f} s, of which {s['agree_s_median']:.2f} s agreeing), "
+             f"{s['replica_rounds_per_s'] * H:.2f} replica-steps/s",
+             f"  kills {s['kills']}, restarts {s['restarts']}, uncommitted agreements {s['uncommitted']}, "
+             f"lost or repeated rounds {s['lost_or_repeated_rounds']}"]
+    if s["stall_mean_s"] is not None:
+        lines.append(f"  stall per failure: mean {s['stall_mean_s']:.2f} s, max {s['stall_max_s']:.2f} s")
+    lines.append(f"  replicas finished {s['finished']}, identical at the end: {s['identical']}, "
+                 f"val loss {s['val_loss'] if s['val_loss'] is None else round(s['val_loss'], 4)}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["lighthouse"]:
+        sys.exit(lighthouse_main(sys.argv[2:]))
+    sys.exit("usage: python -m lioncub.ft.train lighthouse HOST:PORT MIN_REPLICAS HEARTBEAT_MS")
