@@ -183,21 +183,29 @@ def test_stochastic_sign_mean_is_v_over_max():
 
 
 # ----------------------------------------------------------------------------- resume, bytes, resharding
+def _small_model(**kw):
+    """A 41-parameter MLP (the same start on every call) and its LionCub (``kw``: the options)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+    return model, LionCub(model.parameters(), lr=0.01, **kw)
+
+
+def _train(model, opt, rank, steps, start):
+    """Steps ``start .. start + steps - 1`` on this rank's own batches (seeded by rank and step)."""
+    for step in range(start, start + steps):
+        g = torch.Generator().manual_seed(100 * rank + step)
+        x, y = torch.randn(16, 6, generator=g), torch.randn(16, 1, generator=g)
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
 def _resume_run(rank, world, vote):
-    def make():
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
-        opt = LionCub(model.parameters(), lr=0.01, vote=vote, error_feedback="worker", stochastic_signs=True,
-                      seed=3, bucket_mb=1e-4)  # several buckets, one message
-        return model, opt
+    def make():  # several buckets, one message
+        return _small_model(vote=vote, error_feedback="worker", stochastic_signs=True, seed=3, bucket_mb=1e-4)
 
     def train(model, opt, steps, start):
-        for step in range(start, start + steps):
-            g = torch.Generator().manual_seed(100 * rank + step)
-            x, y = torch.randn(16, 6, generator=g), torch.randn(16, 1, generator=g)
-            model.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
+        _train(model, opt, rank, steps, start)
 
     model, opt = make()
     train(model, opt, 4, 0)
@@ -235,7 +243,7 @@ def test_resume_is_bit_exact_and_the_bytes_are_the_cost_model():
 
 # ----------------------------------------------------------------------------- the arguments
 @pytest.mark.parametrize("kw, exc, match", [
-    (dict(error_feedback="server"), ValueError, "error_feedback must be one of"),
+    (dict(error_feedback="owner"), ValueError, "error_feedback must be one of"),
     (dict(stochastic_signs=1), TypeError, "stochastic_signs must be a bool"),
     (dict(vote="grad", error_feedback="worker"), ValueError, "error_feedback applies to the binary-sign votes"),
     (dict(vote="pbit", quantizer="l1", stochastic_signs=True), ValueError, "stochastic_signs applies to the bin"),

@@ -12,8 +12,8 @@ and every method is a fixed composition of them, which the method object states
 (:func:`method_valid`). :func:`methods` lists the methods, ``grad`` (the plain gradient
 all-reduce) and those of the registry :data:`lioncub.votes.METHODS`, each with what it sends
 in its own words. ``P == 1`` sends nothing and costs nothing. The binary votes' error feedback
-and stochastic signs (:mod:`lioncub.votes.feedback`) keep their scales local: the same bytes,
-priced as the plain method. The same functions serve run time
+(the workers' and ``onebit``'s chunk owners') and stochastic signs (:mod:`lioncub.votes.feedback`)
+keep their scales and residuals local: the same bytes, priced as the plain method. The same functions serve run time
 (:func:`lioncub.engine.auto.choose_vote` adds each method's local cost to :func:`predicted_time`,
 with α and β from :func:`calibrate`) and benchmark reports.
 

@@ -9,6 +9,7 @@ entry                  why a bit-exact continuation needs it
 =====================  ==============================================================
 ``state[i].exp_avg``   this rank's momentum ``m_i`` (never communicated in full)
 ``state[i]`` residual  ``ef_residual`` (``error_feedback='worker'``): this rank's ``e_i``
+``server_residuals``   ``error_feedback='server'``: this chunk owner's ``r`` per message layout
 ``counters.steps``     tie/zero parity of the 1-bit votes (+1 even, -1 odd steps)
 ``generator``          RNG of ``linf`` and ``stochastic_signs``, seeded ``seed + rank``
 ``momentum_sync``      counters of the momentum-sync policy (when the next sync is)
@@ -30,8 +31,10 @@ from the mean of the old ranks' momenta (computed in float64, cast back): the
 same operation as a full momentum synchronisation (``momentum_sync='all'``) at the
 resize point, which the paper treats as harmless (§5). Error-feedback residuals
 (``ef_residual``) are averaged the same way: each new rank starts with the mean
-worker's un-sent mass (docs/votes.md). The step counter (and so
-the tie parity), the skipped-step count and the momentum-sync counters carry over
+worker's un-sent mass (docs/votes.md). Server residuals (``error_feedback='server'`` or
+``'both'``) belong to the chunks a P-rank world cuts the messages into: resharding them is
+refused (``ValueError``). The step counter (and so the tie parity), the skipped-step count
+and the momentum-sync counters carry over
 (they are equal on all old ranks; rank 0's sync state is kept). Each new rank's
 quantizer RNG is seeded from a hash of the old ranks' RNG states and its new rank:
 deterministic, and distinct across ranks. Same world size returns an unchanged
@@ -53,8 +56,9 @@ from typing import Sequence
 import torch
 
 from ..validate import check_int
+from ..votes.feedback import SERVER_FEEDBACK
 
-__all__ = ["reshard_states", "check_loadable", "upgrade_envelope"]
+__all__ = ["reshard_states", "check_loadable", "upgrade_envelope", "check_server_world"]
 
 _LEGACY_CONFIG = ("vote", "bits", "quantizer", "grad_dtype")
 _LEGACY_COUNTERS = ("steps", "skipped_steps")
@@ -144,6 +148,14 @@ def _derived_generator_state(states: Sequence[dict], new_rank: int) -> torch.Ten
                      "here: reshard a checkpoint saved on CUDA where CUDA is available")
 
 
+def check_server_world(error_feedback: str, saved: int, world: int) -> None:
+    """Refuse, naming the argument, server residuals saved by ``saved`` ranks for ``world``
+    ranks: each is one chunk owner's, and the chunks are the P-rank world's."""
+    if error_feedback in SERVER_FEEDBACK and saved != world:
+        raise ValueError(f"error_feedback={error_feedback!r} keeps server residuals per chunk owner of the saved "
+                         f"{saved}-rank world: they do not reshard to {world} ranks; resume on {saved} ranks")
+
+
 def reshard_states(states: Sequence[dict], world_size: int) -> list[dict]:
     """Per-rank LionCub state dicts of an old world -> those of a ``world_size`` world.
 
@@ -163,6 +175,8 @@ def reshard_states(states: Sequence[dict], world_size: int) -> list[dict]:
     _check_old_world(states)
     if world_size == len(states):
         return [copy.deepcopy(sd) for sd in states]
+    check_server_world(_extra(states[0], "states[0]")["config"].get("error_feedback", "none"), len(states),
+                       world_size)
     merged = _mean_momenta(states)
     out = []
     for r in range(world_size):

@@ -145,6 +145,11 @@ class BucketStep:
         self.message_mb = message_mb
         self.method: Optional[VoteMethod] = None
         self._scratch: dict = {}
+        self.server: dict[tuple, Tensor] = {}
+        """The server residuals this rank keeps as a chunk owner (``error_feedback='server'`` /
+        ``'both'``): per message layout (its buckets' parameter indices, a tuple of tuples),
+        the fp32 residual of this rank's chunk. A layout seen again (a step where some
+        parameter had no gradient anywhere travels in other messages) finds its own residual."""
 
     # ------------------------------------------------------------------ tensors
     def buffer(self, key, n: int, dtype: torch.dtype, device) -> Tensor:
@@ -185,6 +190,23 @@ class BucketStep:
                 state["ef_residual"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             out.append(state["ef_residual"])
         return out
+
+    def server_residual(self, buckets: list[Bucket], msg: list[int], m: int, device) -> Tensor:
+        """This rank's server residual of message ``msg`` (indices into ``buckets``, ``m``
+        bytes), zeros the first time the layout travels."""
+        key = tuple(tuple(buckets[b].index) for b in msg)
+        r = self.server.get(key)
+        if r is None:
+            r = self.server[key] = torch.zeros(self.method.owner_elements(m), dtype=torch.float32, device=device)
+        return r
+
+    def server_state(self) -> list:
+        """The server residuals as saved: ``[[layout as lists, residual], ...]`` (the tensors themselves)."""
+        return [[[list(idx) for idx in key], r] for key, r in self.server.items()]
+
+    def load_server_state(self, saved: list, device) -> None:
+        """:meth:`server_state`'s list back (copied onto ``device``)."""
+        self.server = {tuple(tuple(idx) for idx in key): r.to(device, torch.float32, copy=True) for key, r in saved}
 
     @staticmethod
     def grads(bucket: Bucket) -> list[Tensor]:
@@ -319,8 +341,9 @@ class BucketStep:
         for msg, buf in encoded:
             if buf is None:
                 buf = self._encode_message(buckets, msg, "msg", stats, step)[0]
-            voted = method.exchange(buf, sum(method.part_nbytes(buckets[b].numel) for b in msg), step,
-                                    self.group, stats)
+            m = sum(method.part_nbytes(buckets[b].numel) for b in msg)
+            server = dict(residual=self.server_residual(buckets, msg, m, buf.device)) if method.server_feedback else {}
+            voted = method.exchange(buf, m, step, self.group, stats, **server)
             offset = 0
             for b in msg:
                 self.apply_bucket(buckets[b], voted, offset, stats)

@@ -83,7 +83,11 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
         error_feedback: ``'none'`` (default) or ``'worker'``: each rank votes on ``v = c + e``
             and keeps the residual ``e ← v − s·sign(v)`` (``s`` = mean|v| per tensor, kept
             local; ``state[p]['ef_residual']``). Binary-sign votes only (``onebit``, ``gather``,
-            ``pbit`` with ``quantizer=None``); see :mod:`lioncub.votes.feedback`.
+            ``pbit`` with ``quantizer=None``). ``'server'``: ``onebit`` only; the owner of each
+            chunk sends ``σ = sign(a + r)`` of the mean sign ``a = (2k − P)/P`` and keeps
+            ``r ← a + r − σ`` (per message, ``8N/P`` fp32, saved in ``state_dict``; a checkpoint
+            does not reshard to another world size). ``'both'``: the two residuals. The bytes
+            are the plain vote's. See :mod:`lioncub.votes.feedback`.
         stochastic_signs: send +1 with probability (1 + v/M)/2 (``M`` = max|v| per tensor),
             drawn from this rank's generator (``seed + rank``, saved), so the expected message
             is v/M. Binary-sign votes only. With either option the bucket's encode runs as torch
@@ -227,7 +231,8 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
     bucket_mb = property(lambda self: self.config.bucket_mb, doc="Bucket size, MiB of fp32 elements.")
     message_mb = property(lambda self: self.config.message_mb, doc="Message size on the wire, MiB.")
     error_feedback = property(lambda self: self.config.error_feedback,
-                              doc="``'none'`` or ``'worker'``: each rank's residual of its scaled sign.")
+                              doc="``'none'``, ``'worker'`` (each rank's residual of its scaled sign), ``'server'`` "
+                                  "(each chunk owner's residual of its voted sign) or ``'both'``.")
     stochastic_signs = property(lambda self: self.config.stochastic_signs,
                                 doc="Whether the binary signs are drawn, +1 with probability (1 + v/M)/2.")
 
@@ -281,6 +286,10 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
             raise ValueError(f"{type(driver).__name__} encodes during backward, before the step's agreement: "
                              f"it cannot run with error_feedback={self.error_feedback!r} or "
                              f"stochastic_signs={self.stochastic_signs!r}; use overlap=False without the DDP hook")
+        if self.method is not None and self.method.server_feedback:
+            raise ValueError(f"{type(driver).__name__} exchanges each bucket alone: error_feedback="
+                             f"{self.error_feedback!r} keeps the chunk owners' residuals per message of the plain "
+                             "step; use overlap=False without the DDP hook")
         self._driver = driver
 
     def detach_driver(self, driver) -> None:
@@ -417,15 +426,19 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         sd = super().state_dict()
+        server = self.method is not None and self.method.server_feedback  # the chunk owners' residuals
         sd[self.state_key] = self.envelope(dict(steps=self.steps, skipped_steps=self.skipped_steps),
                                            vote_requested=self.vote_requested,
-                                           momentum_sync=self.momentum_sync.state_dict())
+                                           momentum_sync=self.momentum_sync.state_dict(),
+                                           **(dict(server_residuals=self.bucket_step.server_state()) if server else {}))
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
         if isinstance(state_dict, dict) and isinstance(state_dict.get(self.state_key), dict):
             state_dict = {**state_dict, self.state_key: resume.upgrade_envelope(state_dict[self.state_key])}
         extra = state_dict.get(self.state_key) if isinstance(state_dict, dict) else None
+        if isinstance(extra, dict) and "server_residuals" in extra:  # before the rank check: say why
+            resume.check_server_world(extra["config"]["error_feedback"], extra["world_size"], self.world_size)
         if extra is not None and self.vote_requested == "auto" and extra.get("vote_requested") == "auto":
             saved = extra["config"]  # resume with the run's pick
             self._set_config(self.config.resolved(saved["vote"], saved["bits"]))
@@ -439,3 +452,4 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
         self.skipped_steps = int(extra["counters"].get("skipped_steps", 0))
         comm.restore_generator(self.generator, extra["generator"])
         self.momentum_sync.load_state_dict(extra.get("momentum_sync", {}))
+        self.bucket_step.load_server_state(extra.get("server_residuals", []), self.device)

@@ -45,7 +45,8 @@ from ..wire import kernels
 from ..comm import CommStats
 from ..quantize import QUANTIZERS
 from ..validate import check_bool, check_choice
-from .feedback import ERROR_FEEDBACK, add_residuals_, stochastic_sign_values, update_residuals_
+from .feedback import (ERROR_FEEDBACK, SERVER_FEEDBACK, WORKER_FEEDBACK, add_residuals_, stochastic_sign_values,
+                       update_residuals_)
 
 __all__ = ["VoteMethod", "PackedSigns", "TIE_RULES", "parity_step", "binary_signs", "decide", "check_sign_options"]
 
@@ -96,6 +97,10 @@ def check_sign_options(vote: str, quantizer: Optional[str], error_feedback: str,
         name = "error_feedback" if error_feedback != "none" else "stochastic_signs"
         raise ValueError(f"{name} applies to the binary-sign votes only (vote {paths} with quantizer=None), "
                          f"got vote={vote!r}, quantizer={quantizer!r}")
+    if error_feedback in SERVER_FEEDBACK and not cls.CHUNK_OWNERS:
+        owners = ", ".join(repr(c.name) for c in _methods(VoteMethod) if c.CHUNK_OWNERS)
+        raise ValueError(f"error_feedback={error_feedback!r} needs chunk owners that count the votes (vote {owners}), "
+                         f"got vote={vote!r}; 'worker' runs on every binary-sign vote")
 
 
 def _methods(cls: type) -> list[type]:
@@ -125,6 +130,9 @@ class VoteMethod:
     """Lane widths ``bits=`` may take (empty: the method has no lanes and ignores ``bits``)."""
     TAKES_QUANTIZER: ClassVar[bool] = False
     """Whether ``quantizer=`` may name one of :data:`lioncub.quantize.QUANTIZERS` (else only None)."""
+    CHUNK_OWNERS: ClassVar[bool] = False
+    """Whether one rank counts each chunk's votes and sends the voted chunk on (so
+    ``error_feedback='server'`` / ``'both'`` can keep a residual there)."""
     gamma: ClassVar[tuple[float, float]]
     """Local seconds per element on one rank, ``a + b·P`` (encode, count, decide, apply):
     what :mod:`lioncub.engine.auto` adds to the α-β time. Measured as its docstring says."""
@@ -145,8 +153,10 @@ class VoteMethod:
         """Quantizer levels s (values in [−s, s]); None: binary signs."""
         self.bits = self.configure(world, bits, quantizer)
         """Wire bits per element."""
-        self.feedback = error_feedback != "none"
+        self.feedback = error_feedback in WORKER_FEEDBACK
         """Whether each worker votes on ``c + e`` and keeps a residual ``e`` (:mod:`.feedback`)."""
+        self.server_feedback = error_feedback in SERVER_FEEDBACK
+        """Whether each chunk owner sends ``sign(a + r)`` and keeps a residual ``r`` (:mod:`.feedback`)."""
         self.stochastic = stochastic_signs
         """Whether the signs are drawn, +1 with probability (1 + v/M)/2 (:mod:`.feedback`)."""
         if self.feedback or self.stochastic:  # the whole tensor before its first bit; no repeats
@@ -224,10 +234,17 @@ class VoteMethod:
             update_residuals_(v, values, residuals)
         return values
 
-    def exchange(self, msg: Tensor, m: int, step: int, group, stats: CommStats) -> Tensor:
+    def exchange(self, msg: Tensor, m: int, step: int, group, stats: CommStats,
+                 residual: Optional[Tensor] = None) -> Tensor:
         """The collective(s) on the first ``m`` bytes of ``msg`` (``message_nbytes(m)`` long);
-        returns the voted bytes (see the module docstring). Collective: all ranks, same ``m``."""
+        returns the voted bytes (see the module docstring). Collective: all ranks, same ``m``.
+        ``residual``: with :attr:`server_feedback` (:attr:`CHUNK_OWNERS` methods only), this
+        rank's server residual of the message (fp32, :meth:`owner_elements` long), updated."""
         raise NotImplementedError
+
+    def owner_elements(self, m: int) -> int:
+        """The length of this rank's server residual for an ``m``-byte message (its chunk's bits)."""
+        raise NotImplementedError(f"vote {self.name!r} has no chunk owners")
 
     def decode(self, voted: Tensor, offset: int, n: int, out: Tensor) -> Tensor:
         """u of the part at byte ``offset`` (``n`` elements) into the flat ``out``."""

@@ -2,8 +2,8 @@ r"""What a binary-sign message can carry beyond ``sign(c)``: error feedback and 
 
 The 1-bit votes (``onebit``, ``gather``, ``pbit`` with binary signs) send one sign per
 element; a majority vote of signs tracks the median of the workers' ``c_i``, Lion the sign
-of their sum. Two mechanisms put the dropped magnitudes back into the message, each on
-the worker, per tensor ``t`` (docs/votes.md):
+of their sum. Three mechanisms put the dropped magnitudes back into the message: two on the
+worker, per tensor ``t``, and one on ``onebit``'s chunk owners (docs/votes.md):
 
 * **error feedback** (``error_feedback='worker'``, EF-SignSGD): the worker votes on
   ``v_i = c_i + e_i`` and keeps what its message did not say::
@@ -17,15 +17,35 @@ the worker, per tensor ``t`` (docs/votes.md):
   compute. It sets only what the residual keeps. Over steps a worker's ``s_i·σ_i``
   averages to its ``c_i``, so a worker with a small ``c_i`` flips its vote in proportion
   and the count follows ``Σ_i c_i / s_i``, the sum, not the median.
+* **server error feedback** (``error_feedback='server'``, or ``'both'`` with the worker's;
+  ``onebit`` only, dist-EF-SGDM): the rank that owns chunk ``j`` of the message counts its
+  ``k`` votes for +1 of each element and re-compresses the voted value with a residual::
+
+      a = (2k − P)/P                     the mean of the P workers' signs, in [−1, 1]
+      s = a + r                          r: this owner's residual of chunk j
+      σ = sign(s) ∈ {−1, +1}             zeros follow the tie rule; this is what is gathered
+      r ← s − σ                          (so  r + σ = s; exact in fp32 for P a power of 2)
+
+  ``a`` is the voted value in the units of Lion's update: each worker's sign is the step it
+  would take alone, so ``a`` is their average step. The scale of ``C(s) = σ`` is 1, not a
+  mean ``|s|``: 1 is the magnitude every rank applies (``θ ← θ − η·σ``), so ``r`` is exactly
+  the averaged step not yet taken, and ``Σ_t σ_t`` follows ``Σ_t a_t`` within ``|r| ≤ 1``
+  (``|a| ≤ 1`` keeps ``|s| ≤ 2`` and so ``|r| ≤ 1``: a sigma-delta loop). A mean over the
+  chunk would make an element's step depend on which rank owns it and on its neighbours in
+  the message, and would count the padding's votes (all −1) in its mean. With scale 1 the
+  rule is per element, nothing but the bits travels, and the padding's residual stays 0.
+  Without a residual (the first step) ``σ`` is the plain majority, ties included.
 * **stochastic signs** (``stochastic_signs=True``, Jin et al. 2020): ``σ_i = +1`` with
   probability ``(1 + v_i/M_i)/2``, ``M_i = max_t |v_i|`` (a tensor of zeros: 1/2), drawn
   from the optimizer's device generator, so ``E[σ_i] = v_i/M_i``. As fp32 arithmetic:
   ``σ = +1`` where ``r < (v/M + 1)·0.5``, ``r`` the generator's ``torch.rand`` of the
   bucket's length (one draw per element, in bucket order).
 
-Both compose (error feedback on a stochastic sign keeps ``v − s·σ`` of the drawn σ). Both
-read the whole tensor before its first bit, so such buckets skip the fused one-pass encode
-(``c`` is computed, then encoded by torch ops; the fused apply still runs), and neither
+The server residual changes only the owner's count (the workers' encode is as without it).
+The two worker-side mechanisms compose (error feedback on a stochastic sign keeps
+``v − s·σ`` of the drawn σ). Both read the whole tensor before its first bit, so such buckets
+skip the fused one-pass encode (``c`` is computed, then encoded by torch ops; the fused apply
+still runs), and neither
 repeats: a draw advances the generator, a residual changes. The step therefore encodes
 only after its has-grad / finite agreement (never ahead), and overlap / the DDP hook,
 which encode during backward before that agreement, are refused.
@@ -39,10 +59,16 @@ from torch import Tensor
 
 from ..wire import kernels
 
-__all__ = ["ERROR_FEEDBACK", "stochastic_sign_values", "add_residuals_", "update_residuals_"]
+__all__ = ["ERROR_FEEDBACK", "WORKER_FEEDBACK", "SERVER_FEEDBACK", "stochastic_sign_values", "add_residuals_",
+           "update_residuals_", "server_signs_"]
 
-ERROR_FEEDBACK = ("none", "worker")
-"""What ``error_feedback=`` takes: no residual, or each worker's residual of its scaled sign."""
+ERROR_FEEDBACK = ("none", "worker", "server", "both")
+"""What ``error_feedback=`` takes: no residual, each worker's residual of its scaled sign, each
+chunk owner's residual of its voted sign (``onebit``), or both residuals."""
+WORKER_FEEDBACK = ("worker", "both")
+"""The ``error_feedback`` values that keep a worker residual (``state[p]['ef_residual']``)."""
+SERVER_FEEDBACK = ("server", "both")
+"""The ``error_feedback`` values that keep a server residual on the chunk owners."""
 
 
 def _tensors(v: Tensor, sizes: Optional[Sequence[int]]) -> tuple[Tensor, ...]:
@@ -78,3 +104,17 @@ def update_residuals_(v: Tensor, signs: Tensor, residuals: Sequence[Tensor]) -> 
     for vt, bt, e in zip(v.split(sizes), signs[:v.numel()].split(sizes), residuals):
         sent = bt.to(torch.float32).mul_(2).sub_(1).mul_(vt.abs().mean())  # s·σ
         e.copy_(torch.sub(vt, sent).view_as(e))
+
+
+def server_signs_(rows: Tensor, world: int, residual: Tensor, step: int) -> Tensor:
+    """A chunk owner's voted bits with server error feedback, packed; ``residual`` updated.
+
+    ``rows``: (P, C) uint8, row i rank i's packed signs of this chunk; ``residual``: (8C,)
+    fp32, ``r``; ``step``: the tie rule's parity. ``a = (2k − P)/P``, ``s = a + r``,
+    ``σ = sign(s)``, ``r ← s − σ`` (module docstring). Returns σ as C bytes (bit set: +1)."""
+    n = rows.numel() // world * 8
+    k = kernels.unpack_bytes(rows.reshape(-1), world * n, 1).view(world, n).sum(0, dtype=torch.float32)
+    s = k.mul_(2).sub_(world).div_(world).add_(residual)  # (8C,): a + r
+    bits = kernels.sign_bits(s, step)
+    torch.sub(s, bits[:n].to(torch.float32).mul_(2).sub_(1), out=residual)  # r ← s − σ
+    return kernels.pack_bytes(bits, n, 1)

@@ -4,6 +4,12 @@ of the voted bits.
 Zeros of c and tied counts follow the tie rule (the paper's alternating parity by
 default). The message is padded to P equal chunks (zero bytes). Bytes per element per
 rank: 2(P−1)/P · 1/8 (docs/design.md §3).
+
+With server error feedback (``error_feedback='server'`` / ``'both'``) the owner of a chunk
+sends ``sign(a + r)`` instead of the majority, ``a`` the mean of the P signs and ``r`` its
+residual (:func:`~lioncub.votes.feedback.server_signs_`); the residual is ``8·N/P`` fp32 on
+the owner, and the wire is unchanged: the same all-to-all of ``N`` bytes and all-gather of
+``N/P`` bytes per rank, nothing else (``N`` the message padded to P chunks).
 """
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ from torch import Tensor
 from .. import comm, fused
 from ..wire import kernels
 from .base import PackedSigns
+from .feedback import server_signs_
 
 __all__ = ["OneBit"]
 
@@ -22,6 +29,7 @@ class OneBit(PackedSigns):
     TIES = "parity"
     gamma = (1.8e-9, 0.0)  # fused pack; count own chunk of P ranks on words; apply from bits
     auto_rank = 1
+    CHUNK_OWNERS = True
 
     def message_nbytes(self, m):
         return -(-m // self.world) * self.world
@@ -30,10 +38,15 @@ class OneBit(PackedSigns):
         N = -(-n // (8 * self.world)) * self.world  # padded so each rank owns N/P whole bytes
         return [("all_to_all", N), ("all_gather", N // self.world)]
 
-    def exchange(self, msg, m, step, group, stats) -> Tensor:
+    def owner_elements(self, m):
+        return self.message_nbytes(m) // self.world * 8
+
+    def exchange(self, msg, m, step, group, stats, residual=None) -> Tensor:
         mine = comm.all_to_all(msg[:self.message_nbytes(m)], group, stats)  # rank j gets everyone's chunk j
         t0 = comm.clock(stats)
-        voted = kernels.majority_bits(mine.view(self.world, -1), self.world, self.parity(step))
+        rows = mine.view(self.world, -1)  # (P, N/P): row i is rank i's bits of this rank's chunk
+        voted = (kernels.majority_bits(rows, self.world, self.parity(step)) if residual is None
+                 else server_signs_(rows, self.world, residual, self.parity(step)))
         stats.t_unpack_vote += comm.clock(stats) - t0
         return comm.all_gather(voted, group, stats).reshape(-1)
 
