@@ -55,7 +55,13 @@ def _runs(args) -> list[tuple[str, float, int]]:
     grids = {"adamw": [float(v) for v in args.lr_adamw.split(",")],
              "lion": [float(v) for v in args.lr_lion.split(",")]}
     seeds = [int(s) for s in str(args.seeds).split(",")]
-    return [(m, lr, seed) for seed in seeds for m in args.methods.split(",") for lr in grids[baselines.family(m)]]
+    out = []
+    for seed in seeds:
+        for m in args.methods.split(","):
+            name, _, own = m.partition("@")  # name@lr: this method at its own lr, not its family's grid
+            for lr in ([float(own)] if own else grids[baselines.family(name)]):
+                out.append((name, lr, seed))
+    return out
 
 
 def lr_factor(step: int, progress: float, warmup: int, schedule: str, floor: float) -> float:
@@ -90,8 +96,9 @@ def train_one(args, name: str, lr: float, seed: int, data_dir: str) -> dict:
                          rank=rank, world_size=world, seed=seed)
     val = list(eval_batches(os.path.join(data_dir, "val.bin"), block_size=args.block, batch_size=16,
                             n_batches=args.eval_batches, rank=rank, world_size=world))
-    method = baselines.build(name, model, lr=lr)
     n_params = sum(p.numel() for p in model.parameters())
+    regime = measure_regime(model, loader, n_params) if name == REFERENCE else None
+    method = baselines.build(name, model, lr=lr)
     dist.barrier()
     tx0 = iface_bytes(dev)["tx"]
     evals = [dict(t=0.0, step=0, val=_evaluate(model, val), tx=0, train=float("nan"))]
@@ -130,7 +137,78 @@ def train_one(args, name: str, lr: float, seed: int, data_dir: str) -> dict:
         t_last = time.perf_counter()
     del method
     dist.barrier()
-    return dict(method=name, lr=lr, seed=seed, status=status, n_params=n_params, steps=step, evals=evals)
+    return dict(method=name, lr=lr, seed=seed, status=status, n_params=n_params, steps=step, evals=evals,
+                **({"regime": regime} if regime else {}))
+
+
+def measure_regime(model, loader, n_params: int, repeats: int = 3) -> dict:
+    """The race's regime r, measured before the reference's run: the median over ``repeats`` of one
+    forward + backward of a batch (no communication) and of one fp32 SUM all-reduce of ``n_params``
+    elements (the gradient DDP sends each step), the slowest rank's of each; r = all-reduce / compute.
+    The batches are put back (the loader restarts where it was), the gradients cleared."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    state = loader.state_dict()
+    flat = torch.zeros(n_params)
+    compute, wire = [], []
+    for _ in range(repeats):
+        x, y = loader.next_batch()
+        t0 = time.perf_counter()
+        model(x, y)[1].backward()
+        compute.append(time.perf_counter() - t0)
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(flat)
+        wire.append(time.perf_counter() - t0)
+    model.zero_grad(set_to_none=True)
+    loader.load_state_dict(state)
+    slowest = torch.tensor([statistics.median(compute), statistics.median(wire)], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    c, w = slowest.tolist()
+    return dict(compute_s=c, allreduce_s=w, r=w / c)
+
+
+# A GPU setting with the same r (issue 32): r = ring fp32 all-reduce time / compute time per step.
+# For a GPT of N parameters, T tokens per GPU per step, F effective FLOP/s and P nodes on a link of
+# B bit/s: compute = 6·N·T / F; all-reduce = 2·(P-1)/P · 32·N / B; so r = 2·(P-1)/P · 32·F / (6·T·B)
+# and N cancels. The reference GPU: an H100 at F = 4e14 (about 40 % of its dense bf16 peak), T = 16384
+# tokens per GPU per step, P = 4 nodes: r = 1.95e11 / B.
+GPU_SETTING = dict(gpu="H100", flops=4e14, tokens_per_gpu=16384, nodes=4)
+
+
+def gpu_link_for(r: float, setting: dict = GPU_SETTING) -> float:
+    """The link (bit/s) at which ``setting`` sits at regime ``r`` (the arithmetic above)."""
+    P, F, T = setting["nodes"], setting["flops"], setting["tokens_per_gpu"]
+    return 2 * (P - 1) / P * 32 * F / (6 * T * r)
+
+
+def regime_text(runs: list[dict]) -> str:
+    """The measured regime of a race (mean r over the reference's runs) and its GPU counterpart."""
+    rs = [r["regime"] for r in runs if r.get("regime")]
+    s = GPU_SETTING
+    if not rs:  # an earlier race: r from the step rates, the reference's s/step over the fastest method's, less 1
+        ref = [r for r in runs if r["method"] == REFERENCE]
+        if not ref:
+            return "regime: not measured (no reference run)"
+        per_step = {}
+        for r in runs:
+            last = r["evals"][-1]
+            per_step.setdefault(r["method"], []).append(last["t"] / max(1, last["step"]))
+        mean = {m: sum(v) / len(v) for m, v in per_step.items()}
+        r = mean[REFERENCE] / min(mean.values()) - 1
+        return (f"regime r ~ {r:.2g} (estimated: {REFERENCE}'s s/step over the fastest method's, less 1; not measured "
+                f"in this race); the same r on {s['nodes']} {s['gpu']} nodes: a {gpu_link_for(r) / 1e9:.3g} Gbit/s link")
+    r = sum(x["r"] for x in rs) / len(rs)
+    c = sum(x["compute_s"] for x in rs) / len(rs)
+    w = sum(x["allreduce_s"] for x in rs) / len(rs)
+    link = gpu_link_for(r)
+    return (f"regime r = {r:.2g} (fp32 all-reduce {w * 1e3:.0f} ms / compute {c * 1e3:.0f} ms per step, measured by "
+            f"{REFERENCE} before its runs); the same r for a GPT on {s['nodes']} nodes of {s['gpu']}s "
+            f"({s['flops']:.0e} FLOP/s effective, {s['tokens_per_gpu']} tokens per GPU per step): a "
+            f"{link / 1e9:.3g} Gbit/s link (r = 2(P-1)/P·32·F / (6·T·B), the model size cancels)")
 
 
 def worker(args) -> None:
@@ -174,7 +252,7 @@ def _loss_at(run: dict, t: float) -> float:
     return next(e["val"] for e in reversed(run["evals"]) if e["t"] <= t * 1.05)
 
 
-def summarize(runs: list[dict], budget: float) -> dict:
+def summarize(runs: list[dict], budget: float, target_method: str = REFERENCE) -> dict:
     """Per method: its best lr by mean final loss over the seeds all its lrs ran (each lr's own seeds
     where they share none), and mean ± std over every seed of that lr."""
     by: dict[tuple, list] = {}
@@ -195,12 +273,12 @@ def summarize(runs: list[dict], budget: float) -> dict:
     for (name, lr), m in tuned.items():
         if name not in best or m < tuned[best[name]]:
             best[name] = (name, lr)
-    # two targets, both set by Lion fp32 alone (mean over its seeds): its loss at the end of the budget,
-    # and at half of it
+    # two targets, both set by one method alone (Lion fp32 unless told; mean over its seeds): its loss at
+    # the end of the budget, and at half of it
     target = half = None
-    if REFERENCE in best:
-        ref = by[best[REFERENCE]]
-        target = mean_final[best[REFERENCE]]
+    if target_method in best:
+        ref = by[best[target_method]]
+        target = mean_final[best[target_method]]
         half = sum(_loss_at(r, budget / 2) for r in ref) / len(ref)
     rows = []
     for name, key in best.items():
@@ -230,7 +308,7 @@ def summarize(runs: list[dict], budget: float) -> dict:
             row.update({f"time_to_{which}": t, f"time_to_{which}_std": t_sd, f"bytes_to_{which}": b,
                         f"bytes_to_{which}_std": b_sd})
         rows.append(row)
-    return dict(target=target, target_half=half, rows=rows)
+    return dict(target=target, target_half=half, target_method=target_method, rows=rows)
 
 
 def _crossing(evals: list[dict], target: float):
@@ -255,10 +333,11 @@ def _hit(r: dict, ref: dict | None, key: str) -> str:
 
 
 def table(summary: dict) -> str:
-    ref = next((r for r in summary["rows"] if r["method"] == REFERENCE), None)
+    setter = summary.get("target_method", REFERENCE)
+    ref = next((r for r in summary["rows"] if r["method"] == setter), None)
     if ref is None:
-        return "no reference run (lion-ddp)"
-    lines = [f"A = {summary['target']:.3f}: {REFERENCE}'s (best lr, mean over seeds) val loss at the end of the budget; "
+        return f"no run of the target's method ({setter})"
+    lines = [f"A = {summary['target']:.3f}: {setter}'s (best lr, mean over seeds) val loss at the end of the budget; "
              f"B = {summary['target_half']:.3f}: its val loss at half the budget",
              "| method | best lr | val @ budget | steps | s/step | MB/step sent | time to A | x | MB to A "
              "| time to B | x | MB to B |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -316,7 +395,8 @@ def plot(runs: list[dict], summary: dict, path: str, title: str, budget: float, 
 # ---------------------------------------------------------------------- driver
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--methods", default=DEFAULT_METHODS, help="comma list of lioncub.baselines.METHODS")
+    ap.add_argument("--methods", default=DEFAULT_METHODS, help="comma list of lioncub.baselines.METHODS; "
+                    "NAME@LR runs that method at LR only (else at its family's --lr-* grid)")
     ap.add_argument("--lr-adamw", default="1e-3,3e-3", help="AdamW-family learning rates (DDP, local, DiLoCo inner)")
     ap.add_argument("--lr-lion", default="3e-4,1e-3", help="Lion-family learning rates (Lion DDP, Lion Cub)")
     ap.add_argument("--budget", type=float, default=50.0, help="training seconds per run")
@@ -336,6 +416,8 @@ def main(argv=None) -> int:
     ap.add_argument("--block", type=int, default=32, help="tokens per sequence")
     ap.add_argument("--batch", type=int, default=1, help="sequences per worker per step")
     ap.add_argument("--seeds", default="0", help="comma list: every (method, lr) runs once per seed")
+    ap.add_argument("--target", default=REFERENCE, help="the method whose final loss (and half-budget loss) are the "
+                    "targets A and B (default: %(default)s; where it is hopeless, the best peer)")
     ap.add_argument("--out", default=os.path.join(_runner.RESULTS, "race.json"))
     ap.add_argument("--append", metavar="JSON", help="keep the runs of an earlier race.json (a later run of the "
                     "same method and lr replaces it) and report them together")
@@ -400,7 +482,9 @@ def report(path: str) -> int:
             print(f"| {r['method']} | {r['lr']:g} | {r.get('seed', 0)} | {last['step']} | {last['val']:.3f} | "
                   f"{last['t'] / max(1, last['step']):.3f} |")
         return 0
-    res["summary"] = summarize(res["runs"], a["budget"])
+    res["summary"] = summarize(res["runs"], a["budget"], a.get("target") or REFERENCE)
+    res["summary"]["regime"] = regime_text(res["runs"])
+    print(res["summary"]["regime"])
     print(table(res["summary"]))
     with open(path, "w") as f:
         json.dump(res, f, indent=1)

@@ -77,7 +77,7 @@ def run_three(tmp_path: Path, mode: str, *args: str, min_replicas: int = 3, tag:
     return outs
 
 
-@pytest.mark.parametrize("vote", ["grad", "mean8"])
+@pytest.mark.parametrize("vote", ["grad", pytest.param("mean8", marks=pytest.mark.slow)])
 def test_no_failure_equals_localcub_on_a_plain_group(tmp_path, vote):
     """Three replicas on torchft, no failure: every round bit-identical to LocalCub on a 3-rank gloo group."""
     args = ("--steps", "20", "--H", "4", "--vote", vote)

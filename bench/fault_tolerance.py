@@ -1,0 +1,123 @@
+"""What a lost replica costs: ``lioncub train --ft`` with and without failures, side by side.
+
+Runs the fault-tolerant LocalCub (3 replica groups of one worker, the comparison's LocalCub setting:
+H = 50 AdamW steps at lr 1e-3, the 8-bit L1 lane mean with error feedback, Nesterov 0.7) behind an
+emulated link (root; default 100 Mbit/s) for ``--budget`` seconds of training, alternating by seed:
+failure-free, then with a replica killed (SIGKILL) every ``--kill-every`` seconds and restarted
+``--restart-after`` seconds later. Each run is ``lioncub train --ft``'s own; this script only runs
+them and gathers their ``ft_summary.json`` into one JSON with the comparison::
+
+    {"command", "host", "runs": [{"seed", "kill_every", "summary", "kills", "restarts"}, ...],
+     "compare": {"steps_per_s_kept", "replica_steps_per_s_kept", "val_loss": {...}, ...}}
+
+    sudo OMP_NUM_THREADS=1 PYTHONPATH=src python3 -m bench.fault_tolerance            # ~4 min a run
+    ... -m bench.fault_tolerance --seeds 0 --budget 30 --model gpt-tiny --link none --out /tmp/ft.json
+
+Writes bench/results/fault_tolerance.json (bench/README.md, "A lost replica").
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from bench import _runner
+
+
+def run_argv(args, seed: int, kill_every: float, out: str) -> list[str]:
+    argv = ["lioncub", "train", "--ft", "--model", args.model, "--budget", str(args.budget), "--seed", str(seed),
+            "--replicas", str(args.replicas), "--kill-every", f"{kill_every:g}", "--restart-after",
+            f"{args.restart_after:g}", "--heartbeat-ms", str(args.heartbeat_ms), "--out", out, "--no-progress"]
+    if args.link != "none":
+        argv += ["--link", args.link]
+    return argv
+
+
+def r_estimate(summary: dict, args, n_params: int) -> dict:
+    """The regime r: a ring fp32 all-reduce of the gradient on this link over one inner step's compute
+    (a round's time less its agreement, over H)."""
+    from lioncub.harness.compare import LOCALCUB
+    from lioncub.testbed import parse_rate
+
+    H = LOCALCUB["local_steps"]
+    compute = (summary["round_s_median"] - summary["agree_s_median"]) / H
+    if args.link in ("none", "unshaped"):
+        return dict(compute_s=compute, allreduce_s=None, r=None)
+    P = args.replicas
+    wire = 2 * (P - 1) / P * 4 * n_params * 8 / parse_rate(args.link)[1]
+    return dict(compute_s=compute, allreduce_s=wire, r=wire / compute)
+
+
+def mean_std(xs):
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None
+    return dict(mean=statistics.mean(xs), std=statistics.stdev(xs) if len(xs) > 1 else 0.0, n=len(xs))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", type=_runner.comma_list(int), default=[0, 1, 2])
+    ap.add_argument("--budget", type=float, default=200.0, help="training seconds per run")
+    ap.add_argument("--kill-every", type=float, default=30.0, help="seconds between kills in the failure runs")
+    ap.add_argument("--restart-after", type=float, default=5.0, help="seconds a killed replica stays down")
+    ap.add_argument("--heartbeat-ms", type=int, default=1000, help="the lighthouse's heartbeat timeout")
+    ap.add_argument("--replicas", type=int, default=3, help="replica groups of one worker")
+    ap.add_argument("--model", default="gpt-mini")
+    ap.add_argument("--link", default="100mbit", help="a rate, 'unshaped', or 'none' (loopback)")
+    ap.add_argument("--out", default=os.path.join(_runner.RESULTS, "fault_tolerance.json"))
+    args = ap.parse_args()
+
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in args.seeds:
+            for kill in (0.0, args.kill_every):
+                out = os.path.join(tmp, f"s{seed}_k{kill:g}")
+                argv = run_argv(args, seed, kill, out)
+                print(" ".join(argv), flush=True)
+                done = subprocess.run([sys.executable, "-m", "lioncub.cli", *argv[1:]], text=True,
+                                      capture_output=True)
+                print(done.stdout[-1500:], flush=True)
+                if done.returncode:
+                    raise SystemExit(f"run failed ({done.returncode}):\n{done.stderr[-3000:]}")
+                with open(os.path.join(out, "ft_summary.json")) as f:
+                    record = json.load(f)
+                runs.append(dict(seed=seed, kill_every=kill, **record))
+                _runner.write_json(args.out, dict(command=" ".join(run_argv(args, 0, args.kill_every, "OUT")),
+                                                  host=host_note(), runs=runs, compare=compare(runs, args)))
+
+
+def host_note() -> dict:
+    return dict(machine=platform.machine(), cpus=os.cpu_count(), python=platform.python_version(),
+                load=os.getloadavg())
+
+
+def compare(runs: list, args) -> dict:
+    """Failures against none, seed by seed (the ratios) and over seeds (the losses)."""
+    free = {r["seed"]: r["summary"] for r in runs if not r["kill_every"]}
+    hit = {r["seed"]: r["summary"] for r in runs if r["kill_every"]}
+    pairs = [(free[s], hit[s]) for s in sorted(free) if s in hit]
+    n_params = 834_304 if args.model == "gpt-mini" else None
+    out = dict(
+        steps_per_s_kept=[b["rounds_per_s"] / a["rounds_per_s"] for a, b in pairs],
+        replica_steps_per_s_kept=[b["replica_rounds_per_s"] / a["replica_rounds_per_s"] for a, b in pairs],
+        val_loss=dict(failure_free=mean_std([s["val_loss"] for s in free.values()]),
+                      with_failures=mean_std([s["val_loss"] for s in hit.values()])),
+        stall_mean_s=mean_std([s["stall_mean_s"] for s in hit.values()]),
+        stall_max_s=max([s["stall_max_s"] for s in hit.values() if s["stall_max_s"] is not None], default=None),
+        lost_or_repeated_rounds=sum(s["lost_or_repeated_rounds"] for s in list(free.values()) + list(hit.values())),
+        identical=all(s["identical"] for s in list(free.values()) + list(hit.values())),
+        kills=sum(s["kills"] for s in hit.values()),
+        uncommitted=sum(s["uncommitted"] for s in hit.values()))
+    if n_params and free:
+        out["regime"] = r_estimate(next(iter(free.values())), args, n_params)
+    return out
+
+
+if __name__ == "__main__":
+    main()
