@@ -60,6 +60,36 @@ def mean_std(xs):
     return dict(mean=statistics.mean(xs), std=statistics.stdev(xs) if len(xs) > 1 else 0.0, n=len(xs))
 
 
+def table(result: dict) -> str:
+    """The runs and their comparison as markdown (bench/README.md, "A lost replica")."""
+    from lioncub.harness.compare import LOCALCUB
+
+    H = LOCALCUB["local_steps"]
+    lines = ["| seed | kills | steps/s | replica-steps/s | round (agree) s | stall per failure mean / max s "
+             "| rejoin s | uncommitted | lost/repeated rounds | identical | val loss |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for run in result["runs"]:
+        s = run["summary"]
+        stall = (f"{s['stall_mean_s']:.2f} / {s['stall_max_s']:.2f}" if s["stall_mean_s"] is not None else "-")
+        rejoin = [x for x in s["rejoin_s"] if x is not None]
+        rejoin = f"{statistics.mean(rejoin):.1f}" if rejoin else "-"
+        lines.append(f"| {run['seed']} | {s['kills']} | {s['rounds_per_s'] * H:.2f} | {s['replica_rounds_per_s'] * H:.2f} "
+                     f"| {s['round_s_median']:.2f} ({s['agree_s_median']:.2f}) | {stall} | {rejoin} | {s['uncommitted']} "
+                     f"| {s['lost_or_repeated_rounds']} | {s['identical']} | {s['val_loss']:.4f} |")
+    c = result["compare"]
+    kept = ", ".join(f"{x:.3f}" for x in c["steps_per_s_kept"])
+    work = ", ".join(f"{x:.3f}" for x in c["replica_steps_per_s_kept"])
+    free, hit = c["val_loss"]["failure_free"], c["val_loss"]["with_failures"]
+    lines += ["", f"steps/s kept with failures, seed by seed: {kept}; replica-steps/s kept: {work}",
+              f"val loss: failure-free {free['mean']:.4f} ± {free['std']:.4f} (n={free['n']}), with failures "
+              f"{hit['mean']:.4f} ± {hit['std']:.4f} (n={hit['n']})"]
+    if c.get("regime"):
+        g = c["regime"]
+        lines.append(f"regime: compute {g['compute_s'] * 1e3:.0f} ms per step, an fp32 ring all-reduce of the gradient "
+                     f"{g['allreduce_s'] * 1e3:.0f} ms on this link: r = {g['r']:.1f}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=_runner.comma_list(int), default=[0, 1, 2])
@@ -71,7 +101,12 @@ def main() -> None:
     ap.add_argument("--model", default="gpt-mini")
     ap.add_argument("--link", default="100mbit", help="a rate, 'unshaped', or 'none' (loopback)")
     ap.add_argument("--out", default=os.path.join(_runner.RESULTS, "fault_tolerance.json"))
+    ap.add_argument("--report-only", metavar="JSON", help="print the table of an earlier run's JSON; run nothing")
     args = ap.parse_args()
+    if args.report_only:
+        with open(args.report_only) as f:
+            print(table(json.load(f)))
+        return
 
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -88,8 +123,10 @@ def main() -> None:
                 with open(os.path.join(out, "ft_summary.json")) as f:
                     record = json.load(f)
                 runs.append(dict(seed=seed, kill_every=kill, **record))
-                _runner.write_json(args.out, dict(command=" ".join(run_argv(args, 0, args.kill_every, "OUT")),
-                                                  host=host_note(), runs=runs, compare=compare(runs, args)))
+                result = dict(command=" ".join(run_argv(args, 0, args.kill_every, "OUT")), host=host_note(), runs=runs,
+                              compare=compare(runs, args))
+                _runner.write_json(args.out, result)
+    print(table(result))
 
 
 def host_note() -> dict:
