@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from tests.dist import run_workers
@@ -42,6 +43,7 @@ def _run(rank, world, kind, inf_rank, inf_step, scaled):
             "skipped": getattr(opt, "skipped_steps", None)}
 
 
+@pytest.mark.slow
 def test_lioncub_and_nodecub_skip_together_and_keep_equal_scales():
     for kind in ("lioncub", "nodecub"):
         out = run_workers(_run, 2, kind, 0, 1, True)

@@ -88,7 +88,7 @@ def _votes_and_replicas(rank, world):
     return report
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_votes_match_reference_and_replicas_stay_identical(world):
     reports = run_workers(_votes_and_replicas, world)
     assert all(r == reports[0] for r in reports)
@@ -166,7 +166,7 @@ def _update_is_the_reference(rank, world):
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])  # 3 and 4 ranks: the slow pass
 def test_update_is_the_reference_for_every_vote_and_quantizer(world):
     reports = run_workers(_update_is_the_reference, world)
     assert len(reports[0]) == (len(SIGN_VOTES) + 2 * len(QUANTIZED)) * 2
@@ -194,7 +194,7 @@ def _message_sizes(rank, world):
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_messages_of_several_buckets_change_nothing_but_collectives(world):
     for cfg, (finals, counts) in run_workers(_message_sizes, world)[0].items():
         # quantized pbit normalises per bucket (its part), wherever the part travels

@@ -49,6 +49,7 @@ def _dry_run(out: Path, *args, timeout: float = 300):
     return r, json.loads(report_file.read_text())
 
 
+@pytest.mark.slow
 def test_dry_run_passes_every_path_on_two_ranks_and_the_ws1_calls(tmp_path):
     """Every path of PATHS, the DDP hook ones included, on 2 gloo ranks under the audit: no
     error, no violation, collectives seen, both replicas' parameters bit-identical; and every

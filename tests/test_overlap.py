@@ -137,7 +137,7 @@ def _worker(rank, world, votes):
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_overlap_matches_votes_after_backward(world):
     res = run_workers(_worker, world, VOTES if world == 2 else VOTES[:2])
     assert all(r == res[0] for r in res)

@@ -94,7 +94,7 @@ def _hand_run(rank, world, steps):
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_each_owner_keeps_s_minus_what_it_sent(world):
     steps = 2
     runs = run_workers(_hand_run, world, steps)
@@ -151,6 +151,7 @@ def _resume_run(rank, world, mode):
     return wire, same, same_state, same_server, opt.state_dict()
 
 
+@pytest.mark.slow
 def test_resume_is_bit_exact_the_bytes_are_the_plain_votes_and_another_world_is_refused():
     results = run_workers(_resume_run, 3, "both")
     for wire, same, same_state, same_server, _ in results:

@@ -73,7 +73,7 @@ def _tie_worker(rank, world):
     return checked, ties
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_lioncub_step_applies_the_tie_rule(world):
     results = run_workers(_tie_worker, world)
     assert results[0][0] == 2 * 2 * len(RUNS) * 3

@@ -61,7 +61,7 @@ def _check_all(rank, world):
     return checked
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_every_method_matches_reference(world):
     counts = run_workers(_check_all, world)
     assert counts[0] > 0 and len(set(counts)) == 1
