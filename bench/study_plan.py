@@ -196,6 +196,7 @@ def best_batch_lrs(records: list[dict], seed: int) -> dict:
 VOTE_QUALITY = (
     ("1-bit EF (onebit-ef)", "onebit", dict(error_feedback="worker")),
     ("1-bit EF worker+server (onebit-ef2)", "onebit", dict(error_feedback="both")),
+    ("1-bit EF server (onebit-efs)", "onebit", dict(error_feedback="server")),
     ("1-bit stochastic (onebit-stoch)", "onebit", dict(stochastic_signs=True)),
     ("1-bit EF + stochastic (onebit-ef-stoch)", "onebit", dict(error_feedback="worker", stochastic_signs=True)),
     ("4-bit binary EF (pbit-ef)", "pbit", dict(bits=4, error_feedback="worker")),
