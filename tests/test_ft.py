@@ -271,3 +271,12 @@ def test_lioncub_train_ft_survives_scheduled_kills(tmp_path):
     assert summary["kills"] == 2 and summary["restarts"] == 2
     assert summary["lost_or_repeated_rounds"] == 0 and summary["identical"] and summary["finished"] == 3
     assert all(s is not None for s in summary["stall_s"]) and summary["heals"] >= 2
+
+
+def test_no_lighthouse_reachable_is_a_clear_error():
+    """make_manager with nothing listening at the lighthouse's address: one line naming it."""
+    from lioncub.ft import make_manager
+
+    port = free_port()  # bound and released: nothing listens there now
+    with pytest.raises(ConnectionError, match=rf"no torchft lighthouse reachable at http://127.0.0.1:{port}"):
+        make_manager("x", f"http://127.0.0.1:{port}", connect_timeout_s=1.0)

@@ -191,9 +191,14 @@ def cmd_train_ft(args) -> int:
         lighthouse = args.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
         if not lighthouse:
             args.parser.error("--ft-replica needs --lighthouse ADDR or TORCHFT_LIGHTHOUSE")
-        return replica_main(config, args.ft_replica, args.replicas, lighthouse, host=args.ft_host,
-                            deadline=args.ft_deadline,
-                            min_replicas=args.min_replicas, timeout_s=args.ft_timeout)
+        from .ft import QuorumError
+
+        try:
+            return replica_main(config, args.ft_replica, args.replicas, lighthouse, host=args.ft_host,
+                                deadline=args.ft_deadline, min_replicas=args.min_replicas, timeout_s=args.ft_timeout)
+        except (ConnectionError, QuorumError) as exc:  # what a user fixes: one line, not a traceback
+            print(f"lioncub train --ft-replica {args.ft_replica}: {exc}", file=sys.stderr)
+            return 1
     from .ft.train import FTPlan, format_summary, run_ft
 
     link = None if args.link is None or args.link.lower() == "none" else args.link.lower()

@@ -41,6 +41,7 @@ def make_manager(replica_id: str, lighthouse: str, *, min_replicas: int = 2, hos
     from torchft.process_group import ProcessGroupGloo
 
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+    _check_reachable(lighthouse, connect_timeout_s)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=timeout_s)), load_state_dict=None, state_dict=None,
         min_replica_size=min_replicas, use_async_quorum=False, replica_id=replica_id,
@@ -50,3 +51,17 @@ def make_manager(replica_id: str, lighthouse: str, *, min_replicas: int = 2, hos
         checkpoint_transport=TensorTransport(host, timeout=timedelta(seconds=timeout_s)))
     manager.lioncub_store = store
     return manager
+
+
+def _check_reachable(lighthouse: str, timeout_s: float) -> None:
+    """A one-line ConnectionError when nothing listens at the lighthouse's address."""
+    import socket
+    from urllib.parse import urlparse
+
+    where = urlparse(lighthouse if "://" in lighthouse else f"http://{lighthouse}")
+    try:
+        with socket.create_connection((where.hostname, where.port or 29510), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise ConnectionError(f"lighthouse: no torchft lighthouse reachable at {lighthouse} within {timeout_s:g} s "
+                              f"({exc}); start one (torchft_lighthouse --min_replicas N) or set TORCHFT_LIGHTHOUSE")
