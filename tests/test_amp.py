@@ -56,6 +56,7 @@ def test_lioncub_and_nodecub_skip_together_and_keep_equal_scales():
             assert torch.equal(p, q), kind  # replicas identical
 
 
+@pytest.mark.slow
 def test_scaled_run_equals_the_unscaled_run_bit_for_bit():
     """Scaling by a power of two and unscaling is exact: without an overflow the scaled
     run gives the very parameters of the run without a scaler."""

@@ -263,6 +263,7 @@ def _encode_first_vs_agree_first(rank, world):
 
 
 @pytest.mark.skipif(not __import__("lioncub").fused.available(), reason="no C compiler: no fused loops")
+@pytest.mark.slow
 def test_encoding_before_the_agreement_changes_no_byte_and_no_result():
     for cfg, runs in run_workers(_encode_first_vs_agree_first, 3)[0].items():
         (log_f, state_f), (log_h, state_h), (log_t, state_t) = runs

@@ -190,6 +190,7 @@ def _on_group(rank, world):
     return out
 
 
+@pytest.mark.slow
 def test_validation_nonfinite_and_replica_guard_on_four_ranks():
     res = run_workers(_on_group, 4)
     for r, out in enumerate(res):
