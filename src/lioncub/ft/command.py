@@ -1,0 +1,97 @@
+"""``lioncub train --ft`` (the supervisor) and ``--ft-replica K`` (one replica): the command's side
+of :mod:`lioncub.ft.train`."""
+from __future__ import annotations
+
+import os
+import sys
+
+from ..harness.config import TrainConfig
+
+FT_DEFAULT_BUDGET_S = 60.0
+_FT_KEYS = ("ft", "replicas", "min_replicas", "kill_every", "restart_after", "heartbeat_ms", "ft_replica", "lighthouse",
+            "ft_host", "ft_deadline", "ft_config", "ft_timeout")
+
+
+def cmd_train_ft(args) -> int:
+    """``--ft`` (the supervisor) and ``--ft-replica K`` (one replica): see :mod:`lioncub.ft.train`."""
+    import json
+
+    try:
+        from . import require_torchft
+
+        require_torchft()
+    except ImportError as exc:
+        args.parser.error(str(exc))
+    if args.ft_config:  # the supervisor's resolved config
+        with open(args.ft_config) as f:
+            fields = json.load(f)
+        fields["betas"] = tuple(fields["betas"])
+    else:
+        from ..harness.compare import LOCALCUB
+
+        fields = {k: v for k, v in vars(args).items()
+                  if k not in ("func", "parser", "compare", "command", "link", "argv", "budget") + _FT_KEYS}
+        if args.optimizer is None and args.vote is None:  # the comparison's LocalCub, but what was given
+            default = TrainConfig()
+            fields.update({k: v for k, v in LOCALCUB.items() if fields[k] == getattr(default, k)})
+        fields["optimizer"] = "lioncub"
+        fields["vote"] = fields["vote"] or "pbit"
+        fields["betas"] = tuple(fields["betas"])
+        fields["steps"] = 10 ** 9
+        fields["eval_every"] = 0
+        fields["time_budget"] = args.budget if args.budget is not None else FT_DEFAULT_BUDGET_S
+    try:
+        config = TrainConfig(**fields)
+        if config.local_steps < 2:
+            raise ValueError("--ft runs LocalCub: --local-steps must be >= 2")
+        from . import FT_VOTES
+
+        if config.vote not in FT_VOTES or (config.vote == "pbit" and (config.aggregate, config.quantizer) != ("mean", "l1")):
+            raise ValueError("--ft: --vote must be grad, or pbit with --quantizer l1 --aggregate mean")
+    except ValueError as exc:
+        args.parser.error(str(exc))
+    from ..harness.train import check_inputs
+
+    if args.ft_replica is not None:
+        from .train import replica_main
+
+        lighthouse = args.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
+        if not lighthouse:
+            args.parser.error("--ft-replica needs --lighthouse ADDR or TORCHFT_LIGHTHOUSE")
+        from . import QuorumError
+
+        try:
+            return replica_main(config, args.ft_replica, args.replicas, lighthouse, host=args.ft_host,
+                                deadline=args.ft_deadline, min_replicas=args.min_replicas, timeout_s=args.ft_timeout)
+        except (ConnectionError, QuorumError) as exc:  # what a user fixes: one line, not a traceback
+            print(f"lioncub train --ft-replica {args.ft_replica}: {exc}", file=sys.stderr)
+            return 1
+    from .train import FTPlan, format_summary, run_ft
+
+    link = None if args.link is None or args.link.lower() == "none" else args.link.lower()
+    plan = FTPlan(replicas=args.replicas, min_replicas=args.min_replicas, kill_every=args.kill_every,
+                  restart_after=args.restart_after, heartbeat_ms=args.heartbeat_ms, timeout_s=args.ft_timeout,
+                  link=link)
+    try:
+        plan.check()
+        check_inputs(config, args.replicas)
+        if link is not None:
+            from ..cli import testbed_unavailable
+
+            reason = testbed_unavailable()
+            if reason is not None:
+                raise ValueError(f"--link {args.link}: {reason}")
+    except ValueError as exc:
+        args.parser.error(str(exc))
+    os.makedirs(config.out, exist_ok=True)
+    path = os.path.join(config.out, "ft_config.json")
+    with open(path, "w") as f:
+        json.dump(config.as_dict(), f)
+    try:
+        run = run_ft(config, plan, ["--ft-config", path, "--out", config.out], budget=config.time_budget)
+    except RuntimeError as exc:
+        print(f"lioncub train --ft: {exc}", file=sys.stderr)
+        return 1
+    print(format_summary(run.summary, plan, config.local_steps))
+    print(f"\nwrote {config.out}/ft_summary.json and {config.out}/replica_*.jsonl")
+    return 0
