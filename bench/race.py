@@ -141,6 +141,18 @@ def train_one(args, name: str, lr: float, seed: int, data_dir: str) -> dict:
                 **({"regime": regime} if regime else {}))
 
 
+def worker(args) -> None:
+    """One rank: every (method, lr, seed) in turn, each run's record appended as it finishes."""
+    import torch.distributed as dist
+
+    rank = _runner.init_worker(timeout_s=300)
+    with open(_runner.rank_file(args.out_dir, rank, "jsonl"), "a") as f:
+        for name, lr, seed in _runs(args):
+            f.write(json.dumps(train_one(args, name, lr, seed, args.data_dir)) + "\n")
+            f.flush()  # a later crash keeps the runs done so far
+    dist.destroy_process_group()
+
+
 # ---------------------------------------------------------------------- report
 def merge(per_rank: list[list[dict]]) -> list[dict]:
     """Rank 0's records with ``tx`` replaced by the mean over ranks."""

@@ -75,15 +75,3 @@ def regime_text(runs: list[dict]) -> str:
             f"{REFERENCE} before its runs); the same r for a GPT on {s['nodes']} nodes of {s['gpu']}s "
             f"({s['flops']:.0e} FLOP/s effective, {s['tokens_per_gpu']} tokens per GPU per step): a "
             f"{link / 1e9:.3g} Gbit/s link (r = 2(P-1)/P·32·F / (6·T·B), the model size cancels)")
-
-
-def worker(args) -> None:
-    """One rank: every (method, lr, seed) in turn, each run's record appended as it finishes."""
-    import torch.distributed as dist
-
-    rank = _runner.init_worker(timeout_s=300)
-    with open(_runner.rank_file(args.out_dir, rank, "jsonl"), "a") as f:
-        for name, lr, seed in _runs(args):
-            f.write(json.dumps(train_one(args, name, lr, seed, args.data_dir)) + "\n")
-            f.flush()  # a later crash keeps the runs done so far
-    dist.destroy_process_group()

@@ -1,6 +1,5 @@
 """The DDP comm hook on real gloo groups: bit-identical to LionCub without DDP, gradient
 accumulation with ddp.no_sync(), clear errors; and HF Trainer (skipped without transformers)."""
-import importlib.util
 import os
 
 import pytest

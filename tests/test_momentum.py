@@ -9,7 +9,7 @@ from lioncub import CommStats, LionCub
 from lioncub.harness.models.gpt import build_gpt
 from lioncub.harness.models.resnet import resnet18
 from lioncub.harness.models.vit import vit_tiny
-from lioncub.engine.momentum import Adaptive, MomentumSync, divergence_sketch, io_parameters, label_params, sync_bytes
+from lioncub.engine.momentum import Adaptive, divergence_sketch, io_parameters, label_params, sync_bytes
 from tests.dist import run_workers
 
 

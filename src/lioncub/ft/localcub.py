@@ -40,13 +40,11 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import Optional
 
 import torch
 from torch import Tensor
 
 from .. import comm
-from ..comm import CommStats
 from ..optim.localcub import LocalCub
 from ..validate import check_int
 

@@ -119,7 +119,6 @@ def run_in_testbed(argv: list[str], nproc: int, link, *, prefix: str = "lct", no
     this terminal; the other ranks' output is kept only when a worker fails. Needs root.
     Returns the first non-zero exit code, else 0.
     """
-    import subprocess
     import sys
 
     from ..testbed.netem import Testbed, check_available, wait_all
