@@ -87,7 +87,7 @@ def worker(args, out_dir: str) -> None:
             ovl.remove_hooks()
             out["runs"].append({"method": label, "bucket_mb": bucket, "sizes": sizes,
                                 "times": {k: v[args.warmup:] for k, v in times.items()}})
-            del model, plain, ovl, params
+            model = plain = ovl = params = None  # free them (the closures above read these names)
     _runner.finish(out_dir, out)
 
 

@@ -70,6 +70,7 @@ REQUIREMENTS: dict[str, Callable[[], str | None]] = {
     "accelerate": _module("accelerate"),      # HF Trainer: tests/test_examples.py
     "lightning": _module("lightning"),        # tests/test_examples.py Lightning example
     "torchft": _module("torchft"),            # tests/test_ft.py fault-tolerant rounds (lioncub[ft])
+    "pyflakes": _module("pyflakes"),          # tests/test_lint.py undefined names, unused imports
 }
 
 

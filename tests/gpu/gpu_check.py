@@ -324,7 +324,7 @@ def check_bandwidth(device: str, n: int, reps: int) -> dict:
         src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
         t_copy = _time(lambda: dst.copy_(src), sync, reps)
-        del src, dst
+        src = dst = None  # free them (the lambda above reads these names)
         t_torch = _time(torch_call, sync, max(reps // 2, 1))
         out.append(dict(kernel=name, elements=n, bytes=nbytes, ms=round(t * 1e3, 4), gbps=round(nbytes / t / 1e9, 1),
                         copy_ms=round(t_copy * 1e3, 4), copy_gbps=round(nbytes / t_copy / 1e9, 1),

@@ -19,6 +19,7 @@ and every ``log_every`` steps one record goes to ``RUN/metrics.jsonl``::
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import random
 import statistics
@@ -66,7 +67,7 @@ def check_inputs(config: TrainConfig, world: int, *, prepare: bool = True) -> No
             raise ValueError(f"--bits/--quantizer: {exc}") from None
     if config.tensorboard:
         try:
-            import torch.utils.tensorboard  # noqa: F401
+            importlib.import_module("torch.utils.tensorboard")  # needs the tensorboard package
         except ImportError:
             raise ValueError(f"--tensorboard {config.tensorboard!r}: needs the tensorboard package "
                              "(pip install tensorboard)") from None
