@@ -55,7 +55,7 @@ class Spec:
     quantizer: str | None = None
     tie_rule: str | None = None
     error_feedback: str = "none"  # LionCub's error_feedback / stochastic_signs (issue 34)
-    stochastic_signs: bool = False
+    stochastic_signs: bool | float = False  # a float k: M = k·mean|v|
     beta2: float = 0.99
     sync: str = "none"
     tied: bool = True
@@ -200,6 +200,14 @@ VOTE_QUALITY = (
     ("1-bit stochastic (onebit-stoch)", "onebit", dict(stochastic_signs=True)),
     ("1-bit EF + stochastic (onebit-ef-stoch)", "onebit", dict(error_feedback="worker", stochastic_signs=True)),
     ("4-bit binary EF (pbit-ef)", "pbit", dict(bits=4, error_feedback="worker")),
+    # the next round (docs/results.md "Closing the gap"): server EF at a larger lr (its steps shrink where the
+    # workers split; the decay lr·wd kept at 1e-4), and stochastic signs scaled to a typical magnitude
+    ("1-bit EF server lr=2e-4 wd=0.5 (onebit-efs-lr2)", "onebit", dict(error_feedback="server", lr=2e-4,
+                                                                        weight_decay=0.5)),
+    ("1-bit stochastic M=0.5 mean (onebit-stoch-m0.5)", "onebit", dict(stochastic_signs=0.5)),
+    ("1-bit stochastic M=1 mean (onebit-stoch-m1)", "onebit", dict(stochastic_signs=1.0)),
+    ("1-bit stochastic M=2 mean (onebit-stoch-m2)", "onebit", dict(stochastic_signs=2.0)),
+    ("1-bit, ties hold the last vote (onebit-hold)", "onebit", dict(tie_rule="hold")),
 )
 
 
@@ -218,7 +226,7 @@ def ablate_plan(seeds) -> list[Spec]:
         for rule in ("plus", "minus"):
             out.append(Spec("ablate", f"1-bit, ties {rule}", vote="onebit", tie_rule=rule, **g))
         for label, vote, extra in VOTE_QUALITY:
-            out.append(Spec("ablate", label, vote=vote, **extra, **g))
+            out.append(Spec("ablate", label, vote=vote, **dict(g, **extra)))
         for b2 in (0.99, 0.95):
             if b2 != 0.99:
                 out.append(Spec("ablate", f"Lion b2={b2}", beta2=b2, **g))

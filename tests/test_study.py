@@ -367,8 +367,11 @@ def test_ablate_plan_applies_each_variant():
             "4-bit Linf": (4, "linf"), "4-bit L1": (4, "l1")}
     model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8))
     seen = set()
+    own = {label: extra for label, _, extra in study_plan.VOTE_QUALITY}  # a variant may carry its own lr, wd
     for s in specs:
-        assert (s.lr, s.weight_decay, s.steps, s.batch) == (1e-4, 1.0, 2000, 3)
+        extra = own.get(s.label, {})
+        assert (s.lr, s.weight_decay, s.steps, s.batch) == (extra.get("lr", 1e-4), extra.get("weight_decay", 1.0),
+                                                            2000, 3)
         assert s.sync == "none" or "sync" in s.label
         opt = study.run_optimizer(s, model.parameters(), model)
         if s.label in want:
@@ -381,7 +384,7 @@ def test_ablate_plan_applies_each_variant():
             assert opt.vote == "pbit" and opt.bits == 4 and opt.momentum_sync.kind == s.label.split()[2].rstrip(",")
             assert opt.defaults["betas"] == (0.9, float(s.label.split("b2=")[1]))
             seen.add(s.label)
-    assert len(seen) == 6 + 3 + 7
+    assert len(seen) == 6 + 4 + 7  # lanes, tie rules (alternate, plus, minus, hold), syncs
     recipe = {s.key() for s in study_plan.recipe_plan([0])}
     assert sorted(s.label for s in specs if s.key() in recipe) == [
         "1-bit, ties alternate (default)", "4-bit binary", "8-bit L1", "Lion lr=0.0001 wd=1"]

@@ -133,13 +133,13 @@ def _check_feedback(results, theta, log):
 
 
 # ----------------------------------------------------------------------------- stochastic signs
-def _stochastic_runs(rank, world, votes, seed, steps):
-    return [_stochastic_run(rank, vote, seed, steps) for vote in votes]
+def _stochastic_runs(rank, world, votes, seed, steps, scale=True):
+    return [_stochastic_run(rank, vote, seed, steps, scale) for vote in votes]
 
 
-def _stochastic_run(rank, vote, seed, steps):
+def _stochastic_run(rank, vote, seed, steps, scale=True):
     params = _params()
-    opt = LionCub(params, lr=LR, betas=(BETA1, BETA2), vote=vote, stochastic_signs=True, seed=seed, check_every=1)
+    opt = LionCub(params, lr=LR, betas=(BETA1, BETA2), vote=vote, stochastic_signs=scale, seed=seed, check_every=1)
     gen = torch.Generator().manual_seed(seed + rank)  # the reference's own copy of this rank's draws
     order = opt.buckets[0].params  # the bucket's flat order (last-registered first)
     out = []
@@ -152,7 +152,8 @@ def _stochastic_run(rank, vote, seed, steps):
         sigma = []
         for c, r in zip(cs, draws.split([c.numel() for c in cs])):
             c = c.reshape(-1)
-            sigma.append(torch.where(r < (c / c.abs().max() + 1) * 0.5, 1.0, -1.0))
+            x = c / c.abs().max() if scale is True else (c / (c.abs().mean() * scale)).clamp(-1, 1)
+            sigma.append(torch.where(r < (x + 1) * 0.5, 1.0, -1.0))
         before = [p.detach().clone() for p in order]
         opt.step()
         total = sum(_all(torch.cat(sigma)))
@@ -162,9 +163,27 @@ def _stochastic_run(rank, vote, seed, steps):
     return out
 
 
-def test_stochastic_signs_are_the_reference_draws():
-    for per_rank in run_workers(_stochastic_runs, WORLD, ["onebit", "gather"], 5, 3):
+@pytest.mark.parametrize("scale", [True, 1.5])
+def test_stochastic_signs_are_the_reference_draws(scale):
+    for per_rank in run_workers(_stochastic_runs, WORLD, ["onebit", "gather"], 5, 3, scale):
         assert all(same for per_vote in per_rank for same in per_vote)
+
+
+def test_scaled_stochastic_sign_mean_is_the_clipped_ratio():
+    """``stochastic_signs=k``: M = k·mean|v|; over K draws the mean message is clip(v/M, −1, 1)
+    within 5 standard errors; elements with |v| ≥ M send their sign every time."""
+    v = torch.tensor([3.0, -1.5, 0.75, 0.0, -3.0, 2.0, -0.25, 1.0])  # mean|v| = 1.4375
+    k, K = 1.25, 20000
+    bits = stochastic_sign_values(v.repeat(K), 0, torch.Generator().manual_seed(0), [v.numel()] * K, scale=k)
+    sigma = bits[:v.numel() * K].view(K, -1).float() * 2 - 1
+    x = (v / (k * v.abs().mean())).clamp(-1, 1)
+    assert x[0] == 1 and x[4] == -1 and x[5] == 1 and abs(x[2]) < 1  # some clipped, some not
+    bound = 5 * ((1 - x ** 2) / K).sqrt().clamp_min(1e-12)
+    assert ((sigma.mean(0) - x).abs() <= bound).all()
+    for i in (0, 4, 5):  # |v| ≥ M: certain
+        assert torch.equal(sigma[:, i], torch.full((K,), float(x[i])))
+    max_scaled = stochastic_sign_values(v.repeat(K), 0, torch.Generator().manual_seed(0), [v.numel()] * K)
+    assert not torch.equal(max_scaled, bits)  # the scale is used: M = max|v| draws differently
 
 
 def test_stochastic_sign_mean_is_v_over_max():
@@ -244,7 +263,9 @@ def test_resume_is_bit_exact_and_the_bytes_are_the_cost_model():
 # ----------------------------------------------------------------------------- the arguments
 @pytest.mark.parametrize("kw, exc, match", [
     (dict(error_feedback="owner"), ValueError, "error_feedback must be one of"),
-    (dict(stochastic_signs=1), TypeError, "stochastic_signs must be a bool"),
+    (dict(stochastic_signs="yes"), TypeError, "stochastic_signs must be a bool or a float > 0"),
+    (dict(stochastic_signs=-1.0), ValueError, "stochastic_signs must be a bool or a finite float > 0"),
+    (dict(stochastic_signs=float("inf")), ValueError, "stochastic_signs must be a bool or a finite float > 0"),
     (dict(vote="grad", error_feedback="worker"), ValueError, "error_feedback applies to the binary-sign votes"),
     (dict(vote="pbit", quantizer="l1", stochastic_signs=True), ValueError, "stochastic_signs applies to the bin"),
     (dict(vote="sign_allreduce", error_feedback="worker"), ValueError, "error_feedback applies"),
@@ -279,3 +300,5 @@ def test_the_study_plans_each_mechanism_as_its_own_experiment():
         opt = study.run_optimizer(specs[label], model.parameters(), model)
         assert (opt.vote, opt.error_feedback, opt.stochastic_signs) == (
             vote, extra.get("error_feedback", "none"), extra.get("stochastic_signs", False)), label
+        lr, wd = study_plan.LION_GRID[0]
+        assert (specs[label].lr, specs[label].weight_decay) == (extra.get("lr", lr), extra.get("weight_decay", wd))

@@ -9,8 +9,9 @@ constructor reads ``self.H = check_int("local_steps", local_steps, low=1)``.
 """
 from __future__ import annotations
 
+import math
 from numbers import Real
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Union
 
 __all__ = ["check_int", "check_number", "check_bool", "check_optional_bool", "check_choice",
            "check_optional_choice", "check_fraction", "check_hyperparameters"]
@@ -52,6 +53,17 @@ def check_bool(name: str, value) -> bool:
     """``value`` if it is a ``bool``; else TypeError."""
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def check_stochastic(name: str, value) -> Union[bool, float]:
+    """``value`` if it is a bool or a finite real > 0 (not a bool); else TypeError / ValueError."""
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, Real):
+        raise TypeError(f"{name} must be a bool or a float > 0 (the scale k of M = k·mean|v|), got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a bool or a finite float > 0 (the scale k of M = k·mean|v|), got {value!r}")
     return value
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from .. import votes
 from ..quantize import QUANTIZERS
@@ -41,7 +41,7 @@ class VoteConfig:
     bucket_mb: float = 25.0
     message_mb: float = 25.0
     error_feedback: str = "none"
-    stochastic_signs: bool = False
+    stochastic_signs: Union[bool, float] = False
 
     def __post_init__(self):
         check_choice("vote", self.vote, OPTIMIZER_VOTES)

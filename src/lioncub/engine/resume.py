@@ -9,7 +9,8 @@ entry                  why a bit-exact continuation needs it
 =====================  ==============================================================
 ``state[i].exp_avg``   this rank's momentum ``m_i`` (never communicated in full)
 ``state[i]`` residual  ``ef_residual`` (``error_feedback='worker'``): this rank's ``e_i``
-``server_residuals``   ``error_feedback='server'``: this chunk owner's ``r`` per message layout
+``server_residuals``   ``error_feedback='server'``: this chunk owner's ``r`` per message layout;
+                       ``tie='hold'``: its chunk's last voted bits (uint8)
 ``counters.steps``     tie/zero parity of the 1-bit votes (+1 even, -1 odd steps)
 ``generator``          RNG of ``linf`` and ``stochastic_signs``, seeded ``seed + rank``
 ``momentum_sync``      counters of the momentum-sync policy (when the next sync is)
@@ -148,12 +149,18 @@ def _derived_generator_state(states: Sequence[dict], new_rank: int) -> torch.Ten
                      "here: reshard a checkpoint saved on CUDA where CUDA is available")
 
 
-def check_server_world(error_feedback: str, saved: int, world: int) -> None:
-    """Refuse, naming the argument, server residuals saved by ``saved`` ranks for ``world``
-    ranks: each is one chunk owner's, and the chunks are the P-rank world's."""
-    if error_feedback in SERVER_FEEDBACK and saved != world:
+def check_server_world(error_feedback: str, saved: int, world: int, tie: str = "alternate") -> None:
+    """Refuse, naming the argument, chunk-owner state (server residuals, ``tie='hold'``'s last
+    votes) saved by ``saved`` ranks for ``world`` ranks: each is one chunk owner's, and the
+    chunks are the P-rank world's."""
+    if saved == world:
+        return
+    if error_feedback in SERVER_FEEDBACK:
         raise ValueError(f"error_feedback={error_feedback!r} keeps server residuals per chunk owner of the saved "
                          f"{saved}-rank world: they do not reshard to {world} ranks; resume on {saved} ranks")
+    if tie == "hold":
+        raise ValueError(f"tie='hold' keeps the last votes per chunk owner of the saved {saved}-rank world: "
+                         f"they do not reshard to {world} ranks; resume on {saved} ranks")
 
 
 def reshard_states(states: Sequence[dict], world_size: int) -> list[dict]:
@@ -175,8 +182,9 @@ def reshard_states(states: Sequence[dict], world_size: int) -> list[dict]:
     _check_old_world(states)
     if world_size == len(states):
         return [copy.deepcopy(sd) for sd in states]
-    check_server_world(_extra(states[0], "states[0]")["config"].get("error_feedback", "none"), len(states),
-                       world_size)
+    config = _extra(states[0], "states[0]")["config"]
+    check_server_world(config.get("error_feedback", "none"), len(states), world_size,
+                       tie=config.get("tie", "alternate"))
     merged = _mean_momenta(states)
     out = []
     for r in range(world_size):

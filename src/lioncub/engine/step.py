@@ -192,12 +192,16 @@ class BucketStep:
         return out
 
     def server_residual(self, buckets: list[Bucket], msg: list[int], m: int, device) -> Tensor:
-        """This rank's server residual of message ``msg`` (indices into ``buckets``, ``m``
-        bytes), zeros the first time the layout travels."""
+        """This rank's chunk-owner state of message ``msg`` (indices into ``buckets``, ``m``
+        bytes): the server residual (fp32 zeros the first time the layout travels) or, with
+        ``tie='hold'``, the chunk's last voted bits (packed, all +1 the first time)."""
         key = tuple(tuple(buckets[b].index) for b in msg)
         r = self.server.get(key)
         if r is None:
-            r = self.server[key] = torch.zeros(self.method.owner_elements(m), dtype=torch.float32, device=device)
+            n = self.method.owner_elements(m)
+            r = self.server[key] = (torch.zeros(n, dtype=torch.float32, device=device)
+                                    if self.method.owner_state == "residual"  # tie='hold': all +1 at first
+                                    else torch.full((n // 8,), 0xFF, dtype=torch.uint8, device=device))
         return r
 
     def server_state(self) -> list:
@@ -206,7 +210,8 @@ class BucketStep:
 
     def load_server_state(self, saved: list, device) -> None:
         """:meth:`server_state`'s list back (copied onto ``device``)."""
-        self.server = {tuple(tuple(idx) for idx in key): r.to(device, torch.float32, copy=True) for key, r in saved}
+        dtype = torch.float32 if self.method.owner_state == "residual" else torch.uint8
+        self.server = {tuple(tuple(idx) for idx in key): r.to(device, dtype, copy=True) for key, r in saved}
 
     @staticmethod
     def grads(bucket: Bucket) -> list[Tensor]:
@@ -342,7 +347,7 @@ class BucketStep:
             if buf is None:
                 buf = self._encode_message(buckets, msg, "msg", stats, step)[0]
             m = sum(method.part_nbytes(buckets[b].numel) for b in msg)
-            server = dict(residual=self.server_residual(buckets, msg, m, buf.device)) if method.server_feedback else {}
+            server = dict(residual=self.server_residual(buckets, msg, m, buf.device)) if method.owner_state else {}
             voted = method.exchange(buf, m, step, self.group, stats, **server)
             offset = 0
             for b in msg:

@@ -40,7 +40,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Union
 
 import torch
 from torch import Tensor
@@ -79,7 +79,10 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
             ``'alternate'`` (the paper's: +1 on even steps, −1 on odd; the default), ``'plus'``
             (always +1) or ``'minus'`` (always −1). ``onebit``: zeros and ties; ``gather`` and
             ``pbit`` with ``quantizer=None``: zeros (ties vote 0). Other votes (and ``'auto'``,
-            which may pick ``sign_allreduce``) accept only ``'alternate'``.
+            which may pick ``sign_allreduce``) accept only ``'alternate'``. ``'hold'`` (``onebit``
+            only): a tied count repeats the element's last vote, which its chunk owner keeps
+            (N/P bytes per message, saved in ``state_dict``, not resharded; zeros of c alternate;
+            not with server error feedback, overlap or the DDP hook).
         error_feedback: ``'none'`` (default) or ``'worker'``: each rank votes on ``v = c + e``
             and keeps the residual ``e ← v − s·sign(v)`` (``s`` = mean|v| per tensor, kept
             local; ``state[p]['ef_residual']``). Binary-sign votes only (``onebit``, ``gather``,
@@ -88,7 +91,8 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
             ``r ← a + r − σ`` (per message, ``8N/P`` fp32, saved in ``state_dict``; a checkpoint
             does not reshard to another world size). ``'both'``: the two residuals. The bytes
             are the plain vote's. See :mod:`lioncub.votes.feedback`.
-        stochastic_signs: send +1 with probability (1 + v/M)/2 (``M`` = max|v| per tensor),
+        stochastic_signs: send +1 with probability (1 + v/M)/2 (``True``: ``M`` = max|v| per
+            tensor; a float k > 0: ``M`` = k·mean|v| per tensor, v/M clipped to [−1, 1]),
             drawn from this rank's generator (``seed + rank``, saved), so the expected message
             is v/M. Binary-sign votes only. With either option the bucket's encode runs as torch
             ops after the step's agreement (no fused one-pass encode, nothing encoded ahead) and
@@ -154,7 +158,7 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
         quantizer: Optional[str] = None,
         tie: str = "alternate",
         error_feedback: str = "none",
-        stochastic_signs: bool = False,
+        stochastic_signs: Union[bool, float] = False,
         grad_dtype: str = "fp32",
         fused: Optional[bool] = None,
         process_group=None,
@@ -286,10 +290,11 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
             raise ValueError(f"{type(driver).__name__} encodes during backward, before the step's agreement: "
                              f"it cannot run with error_feedback={self.error_feedback!r} or "
                              f"stochastic_signs={self.stochastic_signs!r}; use overlap=False without the DDP hook")
-        if self.method is not None and self.method.server_feedback:
-            raise ValueError(f"{type(driver).__name__} exchanges each bucket alone: error_feedback="
-                             f"{self.error_feedback!r} keeps the chunk owners' residuals per message of the plain "
-                             "step; use overlap=False without the DDP hook")
+        if self.method is not None and self.method.owner_state:
+            what = (f"error_feedback={self.error_feedback!r} keeps the chunk owners' residuals"
+                    if self.method.server_feedback else "tie='hold' keeps the chunk owners' last votes")
+            raise ValueError(f"{type(driver).__name__} exchanges each bucket alone: {what} per message of the "
+                             "plain step; use overlap=False without the DDP hook")
         self._driver = driver
 
     def detach_driver(self, driver) -> None:
@@ -426,7 +431,7 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         sd = super().state_dict()
-        server = self.method is not None and self.method.server_feedback  # the chunk owners' residuals
+        server = self.method is not None and self.method.owner_state  # the chunk owners' residuals / held votes
         sd[self.state_key] = self.envelope(dict(steps=self.steps, skipped_steps=self.skipped_steps),
                                            vote_requested=self.vote_requested,
                                            momentum_sync=self.momentum_sync.state_dict(),
@@ -438,7 +443,8 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
             state_dict = {**state_dict, self.state_key: resume.upgrade_envelope(state_dict[self.state_key])}
         extra = state_dict.get(self.state_key) if isinstance(state_dict, dict) else None
         if isinstance(extra, dict) and "server_residuals" in extra:  # before the rank check: say why
-            resume.check_server_world(extra["config"]["error_feedback"], extra["world_size"], self.world_size)
+            resume.check_server_world(extra["config"]["error_feedback"], extra["world_size"], self.world_size,
+                                      tie=extra["config"].get("tie", "alternate"))
         if extra is not None and self.vote_requested == "auto" and extra.get("vote_requested") == "auto":
             saved = extra["config"]  # resume with the run's pick
             self._set_config(self.config.resolved(saved["vote"], saved["bits"]))

@@ -185,6 +185,9 @@ class LocalCub(StreamingRounds, Shell, VoteSettings, torch.optim.Optimizer):
     ):
         check_hyperparameters(lr, betas, weight_decay)
         self.H = check_int("local_steps", local_steps, 1)
+        if tie == "hold":
+            raise ValueError("tie='hold' (ties repeat the chunk owner's last vote) is LionCub's: a LocalCub round "
+                             "votes once per round; use tie='alternate', 'plus' or 'minus'")
         config = VoteConfig(vote=vote, bits=bits, quantizer=quantizer, tie=tie, seed=seed)
         self.rule = make_outer(outer, lr=outer_lr, momentum=outer_momentum, betas=outer_betas)
         """The outer rule object (:mod:`lioncub.optim.outer`)."""

@@ -7,7 +7,7 @@ method through :func:`lookup` or :func:`make`, never by testing its name.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 from .base import TIE_RULES, VoteMethod, binary_signs, check_sign_options, check_tie_rule, decide, parity_step
 from .feedback import ERROR_FEEDBACK
@@ -43,7 +43,7 @@ def lookup(method: str) -> type[VoteMethod]:
 
 
 def make(method: str, world: int, bits: Optional[int] = None, quantizer: Optional[str] = None,
-         tie: str = "alternate", *, error_feedback: str = "none", stochastic_signs: bool = False) -> VoteMethod:
+         tie: str = "alternate", *, error_feedback: str = "none", stochastic_signs: Union[bool, float] = False) -> VoteMethod:
     """Vote method ``method`` configured for ``world`` ranks (validated: see :class:`VoteMethod`;
     ``error_feedback`` / ``stochastic_signs``: :mod:`lioncub.votes.feedback`)."""
     return lookup(method)(world, bits, quantizer, tie, error_feedback=error_feedback,

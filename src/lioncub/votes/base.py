@@ -35,7 +35,7 @@ change it: one part alone is :func:`lioncub.majority_vote`, element for element.
 """
 from __future__ import annotations
 
-from typing import ClassVar, Optional
+from typing import ClassVar, Optional, Union
 
 import torch
 from torch import Tensor
@@ -44,21 +44,23 @@ from .. import comm, fused
 from ..wire import kernels
 from ..comm import CommStats
 from ..quantize import QUANTIZERS
-from ..validate import check_bool, check_choice
+from ..validate import check_choice, check_stochastic
 from .feedback import (ERROR_FEEDBACK, SERVER_FEEDBACK, WORKER_FEEDBACK, add_residuals_, stochastic_sign_values,
                        update_residuals_)
 
 __all__ = ["VoteMethod", "PackedSigns", "TIE_RULES", "parity_step", "binary_signs", "decide", "check_sign_options"]
 
-TIE_RULES = ("alternate", "plus", "minus")
-"""Where a zero of c (and, for ``onebit``, a tied count) goes on the 1-bit paths."""
+TIE_RULES = ("alternate", "plus", "minus", "hold")
+"""Where a zero of c (and, for ``onebit``, a tied count) goes on the 1-bit paths. ``'hold'``
+(``onebit`` only): a tied count repeats the element's previous vote, kept by its chunk owner;
+zeros of c alternate."""
 
 
 def parity_step(tie: str, step: int) -> int:
     """The step whose parity decides zeros and ties under rule ``tie``: ``step`` itself
     (``'alternate'``), 0 (``'plus'``: +1) or 1 (``'minus'``: −1). Every path that decides
     a zero or a tie (torch, fused loops, overlap, DDP hook) reads only ``step % 2``."""
-    return step if tie == "alternate" else 0 if tie == "plus" else 1
+    return step if tie in ("alternate", "hold") else 0 if tie == "plus" else 1
 
 
 def binary_signs(c: Tensor, step: int) -> Tensor:
@@ -86,11 +88,13 @@ def check_tie_rule(tie: str, has_rule: bool, vote: str, quantizer: Optional[str]
                          f"got vote={vote!r}, quantizer={quantizer!r}")
 
 
-def check_sign_options(vote: str, quantizer: Optional[str], error_feedback: str, stochastic_signs: bool) -> None:
-    """Refuse an unknown ``error_feedback`` / a non-bool ``stochastic_signs``, and either where
-    the message is not binary signs (the 1-bit paths of :func:`check_tie_rule`)."""
+def check_sign_options(vote: str, quantizer: Optional[str], error_feedback: str,
+                       stochastic_signs: Union[bool, float]) -> None:
+    """Refuse an unknown ``error_feedback`` / a ``stochastic_signs`` neither a bool nor a finite
+    float > 0, and either where the message is not binary signs (the 1-bit paths of
+    :func:`check_tie_rule`)."""
     check_choice("error_feedback", error_feedback, ERROR_FEEDBACK)
-    check_bool("stochastic_signs", stochastic_signs)
+    check_stochastic("stochastic_signs", stochastic_signs)
     cls = next((c for c in _methods(VoteMethod) if c.name == vote), None)
     if (error_feedback != "none" or stochastic_signs) and not (cls and cls.has_tie_rule(quantizer)):
         paths = ", ".join(repr(c.name) for c in _methods(VoteMethod) if c.has_tie_rule(None))
@@ -145,7 +149,8 @@ class VoteMethod:
     optimizer may encode before its has-grad / finite agreement and encode again after."""
 
     def __init__(self, world: int, bits: Optional[int] = None, quantizer: Optional[str] = None,
-                 tie: str = "alternate", *, error_feedback: str = "none", stochastic_signs: bool = False):
+                 tie: str = "alternate", *, error_feedback: str = "none",
+                 stochastic_signs: Union[bool, float] = False):
         self.check_options(bits, quantizer, tie)
         check_sign_options(type(self).name, quantizer, error_feedback, stochastic_signs)
         self.world, self.quantizer, self.tie = world, quantizer, tie
@@ -157,8 +162,18 @@ class VoteMethod:
         """Whether each worker votes on ``c + e`` and keeps a residual ``e`` (:mod:`.feedback`)."""
         self.server_feedback = error_feedback in SERVER_FEEDBACK
         """Whether each chunk owner sends ``sign(a + r)`` and keeps a residual ``r`` (:mod:`.feedback`)."""
-        self.stochastic = stochastic_signs
+        if tie == "hold" and self.server_feedback:
+            raise ValueError(f"tie='hold' and error_feedback={error_feedback!r} both decide the chunk owners' "
+                             "ties (the held vote, the residual): choose one")
+        self.owner_state: Optional[str] = ("residual" if self.server_feedback else "held" if tie == "hold"
+                                           else None)
+        """What each chunk owner keeps per element between steps: the server residual (fp32),
+        its last voted bits (``tie='hold'``, packed), or nothing."""
+        self.stochastic = bool(stochastic_signs)
         """Whether the signs are drawn, +1 with probability (1 + v/M)/2 (:mod:`.feedback`)."""
+        self.stochastic_scale: Optional[float] = (None if isinstance(stochastic_signs, bool)
+                                                  else float(stochastic_signs))
+        """M = this·mean|v| per tensor (v/M clipped to [−1, 1]); None: M = max|v|."""
         if self.feedback or self.stochastic:  # the whole tensor before its first bit; no repeats
             self.one_pass = self.repeatable = False
 
@@ -178,6 +193,10 @@ class VoteMethod:
         if bits is not None and cls.LANE_BITS and bits not in cls.LANE_BITS:
             raise ValueError(f"bits must be None or one of {cls.LANE_BITS} for vote {cls.name!r}, got {bits!r}")
         check_tie_rule(tie, cls.has_tie_rule(quantizer), cls.name, quantizer)
+        if tie == "hold" and not cls.CHUNK_OWNERS:
+            owners = ", ".join(repr(c.name) for c in _methods(VoteMethod) if c.CHUNK_OWNERS)
+            raise ValueError(f"tie='hold' needs chunk owners that keep each element's last vote (vote {owners}), "
+                             f"got vote={cls.name!r}")
 
     def configure(self, world: int, bits: Optional[int], quantizer: Optional[str]) -> int:
         """Check the world-size limits, set :attr:`levels`; return the wire bits per element."""
@@ -228,8 +247,8 @@ class VoteMethod:
         :attr:`feedback`: ``v ← v + e`` first and ``e ← v − s·σ`` after (:mod:`.feedback`)."""
         if self.feedback:
             add_residuals_(v, residuals)
-        values = (stochastic_sign_values(v, step, generator, sizes) if self.stochastic
-                  else kernels.sign_bits(v, self.parity(step)))
+        values = (stochastic_sign_values(v, step, generator, sizes, scale=self.stochastic_scale)
+                  if self.stochastic else kernels.sign_bits(v, self.parity(step)))
         if self.feedback:
             update_residuals_(v, values, residuals)
         return values

@@ -37,7 +37,10 @@ worker, per tensor ``t``, and one on ``onebit``'s chunk owners (docs/votes.md):
   Without a residual (the first step) ``σ`` is the plain majority, ties included.
 * **stochastic signs** (``stochastic_signs=True``, Jin et al. 2020): ``σ_i = +1`` with
   probability ``(1 + v_i/M_i)/2``, ``M_i = max_t |v_i|`` (a tensor of zeros: 1/2), drawn
-  from the optimizer's device generator, so ``E[σ_i] = v_i/M_i``. As fp32 arithmetic:
+  from the optimizer's device generator, so ``E[σ_i] = v_i/M_i``. ``stochastic_signs=k`` (a
+  float > 0) scales to a typical magnitude instead, ``M_i = k·mean_t |v_i|`` with ``v_i/M_i``
+  clipped to [−1, 1]: elements above ``M_i`` send their sign, the rest a coin biased by
+  ``v_i/M_i`` (less variance than ``max``, some bias on the clipped ones). As fp32 arithmetic:
   ``σ = +1`` where ``r < (v/M + 1)·0.5``, ``r`` the generator's ``torch.rand`` of the
   bucket's length (one draw per element, in bucket order).
 
@@ -76,16 +79,22 @@ def _tensors(v: Tensor, sizes: Optional[Sequence[int]]) -> tuple[Tensor, ...]:
     return (v,) if sizes is None else v.split(list(sizes))
 
 
-def stochastic_sign_values(v: Tensor, step: int, generator, sizes: Optional[Sequence[int]] = None) -> Tensor:
+def stochastic_sign_values(v: Tensor, step: int, generator, sizes: Optional[Sequence[int]] = None,
+                           scale: Optional[float] = None) -> Tensor:
     """σ = +1 with probability (1 + v/M)/2 per tensor, as the word-padded 0/1 bytes of
     :func:`lioncub.wire.kernels.sign_bits` (``[:v.numel()]`` are the signs; ``step`` sizes the
-    buffer only: a draw needs no tie rule). One ``torch.rand`` of ``v``'s length from ``generator``."""
+    buffer only: a draw needs no tie rule). One ``torch.rand`` of ``v``'s length from ``generator``.
+    ``scale``: None, M = max|v|; k > 0, M = k·mean|v| and v/M clipped to [−1, 1]."""
     n = v.numel()
     buf = kernels.sign_bits(v[:0], step, length=n)  # zeroed, word-padded
     draws = torch.rand(n, generator=generator, device=v.device, dtype=torch.float32)
     for vt, rt, bt in zip(_tensors(v, sizes), _tensors(draws, sizes), _tensors(buf[:n].view(torch.bool), sizes)):
-        top = vt.abs().amax() if vt.numel() else vt.new_zeros(())
+        if not vt.numel():
+            continue
+        top = vt.abs().amax() if scale is None else vt.abs().mean().mul_(scale)
         ratio = vt / top.clamp_min(torch.finfo(torch.float32).tiny)  # a tensor of zeros: 0, p = 1/2
+        if scale is not None:
+            ratio.clamp_(-1.0, 1.0)
         torch.lt(rt, ratio.add_(1).mul_(0.5), out=bt)
     return buf
 

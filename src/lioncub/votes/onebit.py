@@ -10,6 +10,10 @@ sends ``sign(a + r)`` instead of the majority, ``a`` the mean of the P signs and
 residual (:func:`~lioncub.votes.feedback.server_signs_`); the residual is ``8·N/P`` fp32 on
 the owner, and the wire is unchanged: the same all-to-all of ``N`` bytes and all-gather of
 ``N/P`` bytes per rank, nothing else (``N`` the message padded to P chunks).
+
+With ``tie='hold'`` a tied count repeats the element's previous vote: the owner keeps its
+chunk's last voted bits (``N/P`` bytes, all +1 before the first step) and ORs them into the
+ties (:func:`~lioncub.wire.kernels.majority_bits_held`); the wire is unchanged.
 """
 from __future__ import annotations
 
@@ -45,8 +49,15 @@ class OneBit(PackedSigns):
         mine = comm.all_to_all(msg[:self.message_nbytes(m)], group, stats)  # rank j gets everyone's chunk j
         t0 = comm.clock(stats)
         rows = mine.view(self.world, -1)  # (P, N/P): row i is rank i's bits of this rank's chunk
-        voted = (kernels.majority_bits(rows, self.world, self.parity(step)) if residual is None
-                 else server_signs_(rows, self.world, residual, self.parity(step)))
+        if self.owner_state == "held" and residual is None:
+            raise ValueError("tie='hold' keeps each chunk owner's last vote between steps: it runs in "
+                             "LionCub's step (not a single vote call)")
+        if residual is None:
+            voted = kernels.majority_bits(rows, self.world, self.parity(step))
+        elif self.owner_state == "held":
+            voted = kernels.majority_bits_held(rows, self.world, residual)
+        else:
+            voted = server_signs_(rows, self.world, residual, self.parity(step))
         stats.t_unpack_vote += comm.clock(stats) - t0
         return comm.all_gather(voted, group, stats).reshape(-1)
 

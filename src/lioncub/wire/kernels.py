@@ -45,6 +45,7 @@ __all__ = [
     "unpack_pm1",
     "vote_bits",
     "majority_bits",
+    "majority_bits_held",
     "spread_votes",
     "vote_lanes",
 ]
@@ -227,6 +228,20 @@ def majority_bits(packed: Tensor, world: int, step: int) -> Tensor:
         gt |= eq
     m = packed.reshape(packed.shape[0], -1).shape[1] if packed.dim() > 1 else packed.numel()
     return gt.view(torch.uint8)[:m]
+
+
+def majority_bits_held(packed: Tensor, world: int, held: Tensor) -> Tensor:
+    """The 1-bit vote of the P rows, packed: 2k > P wins, a tie repeats ``held`` (the
+    element's last vote, packed uint8 of the rows' byte length), which is then updated to
+    this vote. Returns uint8 of the rows' byte length."""
+    gt, eq = vote_bits(packed, world)
+    m = held.numel()
+    last = torch.zeros_like(gt).view(torch.uint8)
+    last[:m] = held
+    gt |= eq & last.view(gt.dtype)
+    out = gt.view(torch.uint8)[:m]
+    held.copy_(out)
+    return out
 
 
 def _as_dtype(u8: Tensor, dtype: torch.dtype, out: Tensor | None) -> Tensor:
