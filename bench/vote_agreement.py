@@ -10,7 +10,10 @@ what the 1-bit, 4-bit binary and 8-bit L1 votes would send, against sign(Σ c_i)
 
 - ``flip``: the vote's sign is opposite; ``zero``: the vote is 0 where Σ c_i is not;
 - ``flip_mass`` / ``zero_mass``: the same, weighted by |Σ c_i| (the share of Lion's
-  "evidence" the vote gets wrong or drops); ``ties``: Σ_i sign(c_i) = 0.
+  "evidence" the vote gets wrong or drops); ``ties``: Σ_i sign(c_i) = 0;
+- ``applied``: the same rates of what the run's own step moved, read from its parameters one
+  step later (``--variants`` probes the study's ablate runs, e.g. issue 34's variants, whose
+  vote is not one of the three above).
 
 The probe reads the optimizer's state only, so the run's final loss equals the study's record
 of the same experiment (checked when ``--study`` has it). Run alone on the host (4 workers)::
@@ -29,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from bench.study import Job as StudyJob, train_one
-from bench.study_plan import RECIPE, Spec, _batch_spec
+from bench.study_plan import RECIPE, Spec, _batch_spec, ablate_plan
 from lioncub.harness.data import ensure_prepared
 from lioncub.harness.launch import spawn_local
 from lioncub.harness.metrics import read_jsonl
@@ -39,6 +42,7 @@ from lioncub.votes.api import reference_vote
 PROBE_VOTES = {"1-bit": dict(method="onebit"), "4-bit binary": dict(method="pbit", bits=4),
                "8-bit L1": dict(method="pbit", bits=8, quantizer="l1")}
 RATES = ("flip", "zero", "flip_mass", "zero_mass")
+APPLIED = "applied"  # what the run's own step moved (its variant's real vote), read from the parameters
 WINDOWS = ((0, 400), (400, None))  # the byte-unigram plateau (every run leaves it by step 400), then the rest
 
 
@@ -60,6 +64,20 @@ def agreement(cs: list[torch.Tensor], step: int) -> dict:
     return out
 
 
+def applied_rates(before: torch.Tensor, after: torch.Tensor, lr: float, wd: float, total: torch.Tensor) -> dict:
+    """What the step that ran actually applied, against sign(``total``) (Σ_i c_i of that step):
+    u = (θ_before·(1 − lr·wd) − θ_after) / lr, read as −1 / 0 / +1 (|·| < 1/2: 0), and its
+    ``flip`` / ``zero`` rates and masses as :func:`agreement`'s. Any variant's real step (error
+    feedback, stochastic signs, held ties): nothing is recomputed, the parameters are read."""
+    step = (before.double() * (1 - lr * wd) - after.double()) / lr
+    u = torch.where(step.abs() < 0.5, 0.0, torch.sign(step))
+    exact, mass = torch.sign(total), total.abs()
+    whole = float(mass.sum()) or 1.0
+    flip, zero = u * exact < 0, (u == 0) & (exact != 0)
+    return {"flip": float(flip.double().mean()), "zero": float(zero.double().mean()),
+            "flip_mass": float(mass[flip].sum()) / whole, "zero_mass": float(mass[zero].sum()) / whole}
+
+
 def window_means(probes: list[dict]) -> dict:
     """{window label: {vote: {rate: mean over the window's probes}}}, windows as ``WINDOWS``."""
     out = {}
@@ -71,6 +89,9 @@ def window_means(probes: list[dict]) -> dict:
         out[label] = {"ties": sum(p["ties"] for p in inside) / len(inside)}
         for name in PROBE_VOTES:
             out[label][name] = {r: sum(p[name][r] for p in inside) / len(inside) for r in RATES}
+        applied = [p["applied"] for p in inside if "applied" in p]
+        if applied:
+            out[label][APPLIED] = {r: sum(a[r] for a in applied) / len(applied) for r in RATES}
     return out
 
 
@@ -91,15 +112,24 @@ def agreement_worker(job: Job) -> list[dict]:
     """Every rank trains every spec with the probe; every rank returns the records."""
     records = []
     for spec in job.specs:
-        probes = []
+        probes, last = [], {}
+
+        def theta(opt):
+            return torch.cat([p.detach().reshape(-1).float() for g in opt.param_groups for p in g["params"]])
 
         def probe(step, opt):
+            if step % job.every == 1 and last:  # the probed step has run: what did it apply?
+                probes[-1]["applied"] = applied_rates(last["theta"], theta(opt), last["lr"], last["wd"], last["total"])
+                last.clear()
             if step % job.every:
                 return
             c = torch.cat([x.reshape(-1).float() for x in update_vectors(opt)])
             everyone = [torch.empty_like(c) for _ in range(dist.get_world_size())]
             dist.all_gather(everyone, c)
             probes.append({"step": step, **agreement(everyone, getattr(opt, "steps", 0))})
+            group = opt.param_groups[0]
+            last.update(theta=theta(opt), lr=group["lr"], wd=group["weight_decay"],
+                        total=sum(x.double() for x in everyone))
 
         t0 = time.perf_counter()
         rec = train_one(spec, job.cache_dir, eval_every=spec.steps // 20, probe=probe)
@@ -118,7 +148,7 @@ def table(records: list[dict], study: list[dict]) -> list[str]:
     lines = ["| run | steps | ties | vote | flip | zero | flip mass | zero mass |", "|---|---|---|---|---|---|---|---|"]
     for rec in records:
         for window, w in rec["windows"].items():
-            for name in PROBE_VOTES:
+            for name in [*PROBE_VOTES, *([APPLIED] if APPLIED in w else [])]:
                 v = w[name]
                 lines.append(f"| {rec['label']} | {window} | {100 * w['ties']:.1f} % | {name} | "
                              + " | ".join(f"{100 * v[r]:.2f} %" for r in RATES) + " |")
@@ -136,6 +166,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--per-worker", default="3,12", help="comma list of sequences per worker")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--variants", default="", help="';'-separated labels of the study's ablate runs to probe too "
+                                                   "(e.g. '1-bit, ties hold the last vote (onebit-hold)')")
     ap.add_argument("--every", type=int, default=25, help="probe every N steps")
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--study", default="bench/results/study_recipe.jsonl", help="records to check the losses against")
@@ -147,7 +179,13 @@ def main(argv=None) -> None:
 
     cache_dir = default_cache_dir()
     ensure_prepared("shakespeare", cache_dir)
-    specs = [agreement_spec(int(p), seed=a.seed) for p in a.per_worker.split(",")]
+    specs = [agreement_spec(int(p), seed=a.seed) for p in a.per_worker.split(",") if p]
+    if a.variants:  # the study's ablate runs by label (issue 34's variants: study_plan.VOTE_QUALITY)
+        ablate = {s.label: s for s in ablate_plan([a.seed])}
+        unknown = [v for v in a.variants.split(";") if v not in ablate]
+        if unknown:
+            raise SystemExit(f"--variants: no ablate run labelled {unknown[0]!r}; labels: {sorted(ablate)}")
+        specs += [ablate[v] for v in a.variants.split(";")]
     records = spawn_local(agreement_worker, Job(specs, out="", cache_dir=cache_dir, every=a.every), a.nproc)
     lines = table(records, read_jsonl(a.study, partial=True))
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)

@@ -41,6 +41,17 @@ def test_agreement_by_hand():
         va.agreement(_CS[:1], step=0)
 
 
+def test_applied_rates_by_hand():
+    """The step read back from the parameters: θ·(1 − lr·wd) − lr·u with u = +1, −1, 0, +1, −1."""
+    lr, wd = 0.5, 0.1
+    before = torch.tensor([1.0, 2.0, -1.0, 0.0, 4.0])
+    u = torch.tensor([1.0, -1.0, 0.0, 1.0, -1.0])
+    after = before * (1 - lr * wd) - lr * u
+    total = torch.tensor([3.0, -1.0, 2.0, -4.0, 0.0], dtype=torch.float64)  # Lion's sign: +, -, +, -, 0
+    got = va.applied_rates(before, after, lr, wd, total)  # coordinate 3 flips (mass 4), 2 is dropped (mass 2)
+    assert got == {"flip": 1 / 5, "zero": 1 / 5, "flip_mass": 4 / 10, "zero_mass": 2 / 10}
+
+
 def test_window_means():
     probes = [{"step": s, "ties": t, **{n: {r: x for r in va.RATES} for n in va.PROBE_VOTES}}
               for s, t, x in ((0, 0.1, 0.2), (200, 0.3, 0.4), (400, 0.5, 0.6), (1975, 0.7, 0.8))]
@@ -67,6 +78,9 @@ def test_probe_on_a_gloo_run_leaves_training_unchanged(corpus_cache):
                 assert all(0.0 <= p[name][r] <= 1.0 for r in va.RATES)
         # two workers cannot outvote each other: every disagreement is a tie, which 4-bit sends as 0 and
         # 1-bit as ±1 ("ties" counts Σ sign(c_i) = 0; the votes also turn exact zeros of c into ±1 votes)
+        # the 1-bit run applies the 1-bit vote: what its parameters moved is that vote, rate for rate
+        assert [p["step"] for p in probed["probes"] if "applied" in p] == [0, 2]
+        assert all(p["applied"] == p["1-bit"] for p in probed["probes"] if "applied" in p)
         for p in probed["probes"]:
             four, one = p["4-bit binary"], p["1-bit"]
             assert four["flip"] == 0 and 0 < four["zero"] and abs(four["zero"] - p["ties"]) < 0.01
