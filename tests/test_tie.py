@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from lioncub import LionCub, majority_vote, reference_vote, votes
-from lioncub.votes.api import TIE_RULES
+from lioncub.votes.api import TIE_RULES as ALL_TIE_RULES
+
+TIE_RULES = tuple(t for t in ALL_TIE_RULES if t != "hold")  # 'hold' keeps owner state: tests/test_tie_hold.py
 from tests.dist import run_workers
 
 N = 999  # not a multiple of 8: packed tails are exercised
@@ -116,7 +118,7 @@ def test_reference_rules_by_hand():
 
 
 def test_tie_is_validated():
-    with pytest.raises(ValueError, match=r"tie must be one of \('alternate', 'plus', 'minus'\), got 'random'"):
+    with pytest.raises(ValueError, match=r"tie must be one of \('alternate', 'plus', 'minus', 'hold'\), got 'random'"):
         LionCub([torch.nn.Parameter(torch.zeros(3))], vote="onebit", tie="random")
     for kw in (dict(vote="grad"), dict(vote="sign_allreduce"), dict(vote="pbit", quantizer="l1"),
                dict(vote="auto")):

@@ -122,3 +122,10 @@ def test_resume_is_bit_exact_and_the_held_votes_do_not_reshard():
 def test_what_hold_cannot_run_with_is_refused(make, match):
     with pytest.raises(ValueError, match=match):
         make(_params())
+
+
+def test_a_single_vote_call_refuses_hold():
+    from lioncub.votes.api import reference_vote
+
+    with pytest.raises(ValueError, match="tie='hold' repeats each chunk owner's last vote"):
+        reference_vote([torch.ones(4), -torch.ones(4)], method="onebit", tie="hold")

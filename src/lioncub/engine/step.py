@@ -210,7 +210,8 @@ class BucketStep:
 
     def load_server_state(self, saved: list, device) -> None:
         """:meth:`server_state`'s list back (copied onto ``device``)."""
-        dtype = torch.float32 if self.method.owner_state == "residual" else torch.uint8
+        held = self.method is not None and self.method.owner_state == "held"
+        dtype = torch.uint8 if held else torch.float32
         self.server = {tuple(tuple(idx) for idx in key): r.to(device, dtype, copy=True) for key, r in saved}
 
     @staticmethod

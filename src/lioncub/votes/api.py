@@ -24,6 +24,13 @@ from . import TIE_RULES, VOTE_METHODS, pbit_levels
 __all__ = ["VOTE_METHODS", "TIE_RULES", "majority_vote", "reference_vote", "pbit_levels"]
 
 
+def _stateless(tie: str) -> None:
+    """One vote call keeps no state between steps: refuse ``tie='hold'`` (LionCub's step only)."""
+    if tie == "hold":
+        raise ValueError("tie='hold' repeats each chunk owner's last vote, kept between steps by LionCub's step; "
+                         "a single vote call has none: use tie='alternate', 'plus' or 'minus'")
+
+
 def majority_vote(
     c: Tensor,
     *,
@@ -56,6 +63,7 @@ def majority_vote(
     if not torch.is_floating_point(c):
         raise TypeError(f"c must be a floating-point tensor, got {c.dtype}")
     cls.check_options(bits, quantizer, tie)
+    _stateless(tie)
     if out is not None and (out.shape != c.shape or out.dtype != c.dtype or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous tensor of c's shape {tuple(c.shape)} and dtype {c.dtype}, "
                          f"got shape {tuple(out.shape)}, dtype {out.dtype}, contiguous={out.is_contiguous()}")
@@ -85,6 +93,7 @@ def reference_vote(
     ``generators[i]`` must be in the state rank ``i``'s generator had. ``tie``: as
     :func:`majority_vote` (zeros of c and, for ``onebit``, tied counts).
     """
+    _stateless(tie)
     vote = votes.make(method, len(cs), bits, quantizer, tie)
     u = vote.reference([c.detach().reshape(-1) for c in cs], vote.parity(step), generators)
     return u.view(cs[0].shape).to(cs[0].dtype)
