@@ -204,6 +204,8 @@ VOTE_QUALITY = (
     # workers split; the decay lr·wd kept at 1e-4), and stochastic signs scaled to a typical magnitude
     ("1-bit EF server lr=2e-4 wd=0.5 (onebit-efs-lr2)", "onebit", dict(error_feedback="server", lr=2e-4,
                                                                         weight_decay=0.5)),
+    ("1-bit EF server lr=4e-4 wd=0.25 (onebit-efs-lr4)", "onebit", dict(error_feedback="server", lr=4e-4,
+                                                                         weight_decay=0.25)),
     ("1-bit stochastic M=0.5 mean (onebit-stoch-m0.5)", "onebit", dict(stochastic_signs=0.5)),
     ("1-bit stochastic M=1 mean (onebit-stoch-m1)", "onebit", dict(stochastic_signs=1.0)),
     ("1-bit stochastic M=2 mean (onebit-stoch-m2)", "onebit", dict(stochastic_signs=2.0)),
