@@ -118,7 +118,7 @@ def agreement_worker(job: Job) -> list[dict]:
             return torch.cat([p.detach().reshape(-1).float() for g in opt.param_groups for p in g["params"]])
 
         def probe(step, opt):
-            if step % job.every == 1 and last:  # the probed step has run: what did it apply?
+            if last:  # the call after a probe: the probed step has run, what did it apply?
                 probes[-1]["applied"] = applied_rates(last["theta"], theta(opt), last["lr"], last["wd"], last["total"])
                 last.clear()
             if step % job.every:

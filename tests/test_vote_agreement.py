@@ -64,13 +64,16 @@ def _probed_and_plain(rank, world, cache_dir):
     spec = dataclasses.replace(va.agreement_spec(3), layers=2, embd=32, block=32, batch=2, steps=5, warmup=1)
     job = va.Job([spec], out="", cache_dir=cache_dir, every=2)
     probed = va.agreement_worker(job)[0]
+    every_step = va.agreement_worker(dataclasses.replace(job, every=1))[0]
     plain = study.train_one(spec, job.cache_dir, eval_every=5)
-    return probed, plain["final"]["val_loss"]
+    return probed, plain["final"]["val_loss"], every_step
 
 
 def test_probe_on_a_gloo_run_leaves_training_unchanged(corpus_cache):
     """Fails if the probe is not called at every ``every``-th step, or if it changes the run."""
-    for probed, plain in run_workers(_probed_and_plain, 2, str(corpus_cache)):
+    for probed, plain, every_step in run_workers(_probed_and_plain, 2, str(corpus_cache)):
+        # probing every step: each step but the last has what it applied (the next call reads it)
+        assert [p["step"] for p in every_step["probes"] if "applied" in p] == [0, 1, 2, 3]
         assert [p["step"] for p in probed["probes"]] == [0, 2, 4]
         assert probed["final"]["val_loss"] == plain  # bit for bit
         for p in probed["probes"]:
