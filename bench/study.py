@@ -67,6 +67,8 @@ def make_optimizer(spec: Spec, params, **kw) -> torch.optim.Optimizer:
         extra["tie"] = spec.tie_rule
     if spec.error_feedback != "none" or spec.stochastic_signs:  # issue 34's variants (study_plan.VOTE_QUALITY)
         extra.update(error_feedback=spec.error_feedback, stochastic_signs=spec.stochastic_signs)
+    if spec.aggregate != "vote":
+        extra.update(aggregate=spec.aggregate, mean_adapt=spec.mean_adapt, mean_range=spec.mean_range)
     return LionCub(params, vote=spec.vote, **extra, **kw)
 
 

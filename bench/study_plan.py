@@ -56,6 +56,9 @@ class Spec:
     tie_rule: str | None = None
     error_feedback: str = "none"  # LionCub's error_feedback / stochastic_signs (issue 34)
     stochastic_signs: bool | float = False  # a float k: M = k·mean|v|
+    aggregate: str = "vote"  # LionCub's aggregate: 'mean' is the 1-bit compressed mean (issue 34)
+    mean_adapt: float = 1.25  # its γ and R (LionCub's mean_adapt / mean_range)
+    mean_range: float = 30.0
     beta2: float = 0.99
     sync: str = "none"
     tied: bool = True
@@ -83,7 +86,8 @@ class Spec:
 
 
 _LATER_FIELDS = dict(optimizer="lion", layers=2, heads=4, embd=32, block=BLOCK, batch=8, weight_decay=0.1, warmup=10,
-                     error_feedback="none", stochastic_signs=False)
+                     error_feedback="none", stochastic_signs=False, aggregate="vote",
+                     mean_adapt=1.25, mean_range=30.0)
 # nanoGPT's CPU recipe for Shakespeare: gpt-mini's shape, a global batch of 12 sequences of 64 tokens
 RECIPE = dict(layers=4, heads=4, embd=128, block=64, batch=3, warmup=100, steps=2000)
 ADAMW = dict(optimizer="adamw", lr=1e-3, weight_decay=0.1)
@@ -210,6 +214,14 @@ VOTE_QUALITY = (
     ("1-bit stochastic M=1 mean (onebit-stoch-m1)", "onebit", dict(stochastic_signs=1.0)),
     ("1-bit stochastic M=2 mean (onebit-stoch-m2)", "onebit", dict(stochastic_signs=2.0)),
     ("1-bit, ties hold the last vote (onebit-hold)", "onebit", dict(tie_rule="hold")),
+    # the third round: the same two 1-bit collectives carry an error-fed compressed mean of the gradients'
+    # innovation, and every rank runs exact Lion on the decoded mean with a shared momentum
+    ("1-bit mean, Lion on a shared momentum (onebit-mean)", "onebit", dict(aggregate="mean")),
+    ("1-bit mean, flat scales (onebit-mean-flat)", "onebit", dict(aggregate="mean", mean_adapt=1.0)),
+    ("1-bit mean, gamma=1.15 (onebit-mean-g1.15)", "onebit", dict(aggregate="mean", mean_adapt=1.15)),
+    ("1-bit mean, gamma=1.5 (onebit-mean-g1.5)", "onebit", dict(aggregate="mean", mean_adapt=1.5)),
+    ("1-bit mean, R=100 (onebit-mean-r100)", "onebit", dict(aggregate="mean", mean_range=100.0)),
+    ("1-bit mean, R=10 (onebit-mean-r10)", "onebit", dict(aggregate="mean", mean_range=10.0)),
 )
 
 

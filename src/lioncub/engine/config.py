@@ -11,10 +11,13 @@ new config (the object is frozen: a config never changes under the optimizer hol
 from __future__ import annotations
 
 import dataclasses
+import math
+from numbers import Real
 from dataclasses import dataclass
 from typing import Optional, Union
 
 from .. import votes
+from ..votes.mean import AGGREGATES, OneBitMean
 from ..quantize import QUANTIZERS
 from ..validate import check_choice, check_int, check_number, check_optional_bool, check_optional_choice
 
@@ -42,6 +45,9 @@ class VoteConfig:
     message_mb: float = 25.0
     error_feedback: str = "none"
     stochastic_signs: Union[bool, float] = False
+    aggregate: str = "vote"
+    mean_adapt: float = OneBitMean.ADAPT
+    mean_range: float = OneBitMean.SHAPE_RANGE
 
     def __post_init__(self):
         check_choice("vote", self.vote, OPTIMIZER_VOTES)
@@ -51,6 +57,7 @@ class VoteConfig:
         votes.check_tie(self.tie, self.vote, self.quantizer)
         check_optional_bool("fused", self.fused)
         votes.check_sign_options(self.vote, self.quantizer, self.error_feedback, self.stochastic_signs)
+        check_aggregate(self)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {self.seed!r}")
         object.__setattr__(self, "bucket_mb", check_number("bucket_mb", self.bucket_mb))
@@ -69,6 +76,8 @@ class VoteConfig:
             raise ValueError("vote='auto' is resolved first (VoteConfig.resolved)")
         if not self.votes:
             return None
+        if self.aggregate == "mean":
+            return OneBitMean(world, self.tie, adapt=self.mean_adapt, shape_range=self.mean_range)
         return votes.make(self.vote, world, self.bits, self.quantizer, self.tie, error_feedback=self.error_feedback,
                           stochastic_signs=self.stochastic_signs)
 
@@ -80,7 +89,33 @@ class VoteConfig:
         """The settings a checkpoint must have been saved with to resume bit-exactly."""
         return dict(vote=self.vote, bits=self.bits, quantizer=self.quantizer, tie=self.tie,
                     grad_dtype=self.grad_dtype, error_feedback=self.error_feedback,
-                    stochastic_signs=self.stochastic_signs)
+                    stochastic_signs=self.stochastic_signs, aggregate=self.aggregate,
+                    **(dict(mean_adapt=self.mean_adapt, mean_range=self.mean_range) if self.aggregate == "mean"
+                       else {}))
+
+
+def check_aggregate(config: "VoteConfig") -> None:
+    """Refuse an unknown ``aggregate``, and ``'mean'`` (:mod:`lioncub.votes.mean`) anywhere but on
+    ``vote='onebit'`` without the vote's own residuals, draws or held ties."""
+    check_choice("aggregate", config.aggregate, AGGREGATES)
+    for name, default in (("mean_adapt", OneBitMean.ADAPT), ("mean_range", OneBitMean.SHAPE_RANGE)):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, Real) or not (math.isfinite(value) and value >= 1):
+            raise ValueError(f"{name} must be a finite number >= 1, got {value!r}")
+        if config.aggregate != "mean" and value != default:
+            raise ValueError(f"{name} applies to aggregate='mean' only, got aggregate={config.aggregate!r}")
+    if config.aggregate != "mean":
+        return
+    if config.vote != "onebit":
+        raise ValueError(f"aggregate='mean' runs on onebit's all-to-all and all-gather: it needs vote='onebit', "
+                         f"got vote={config.vote!r}")
+    if config.error_feedback != "none" or config.stochastic_signs:
+        name = "error_feedback" if config.error_feedback != "none" else "stochastic_signs"
+        raise ValueError(f"aggregate='mean' keeps its own residuals on both sides: {name} must keep its default, "
+                         f"got {name}={getattr(config, name)!r}")
+    if config.tie == "hold":
+        raise ValueError("tie='hold' repeats a voted sign; aggregate='mean' votes none: use tie='alternate', "
+                         "'plus' or 'minus'")
 
 
 class VoteSettings:

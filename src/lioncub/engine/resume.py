@@ -149,12 +149,16 @@ def _derived_generator_state(states: Sequence[dict], new_rank: int) -> torch.Ten
                      "here: reshard a checkpoint saved on CUDA where CUDA is available")
 
 
-def check_server_world(error_feedback: str, saved: int, world: int, tie: str = "alternate") -> None:
+def check_server_world(error_feedback: str, saved: int, world: int, tie: str = "alternate",
+                       aggregate: str = "vote") -> None:
     """Refuse, naming the argument, chunk-owner state (server residuals, ``tie='hold'``'s last
     votes) saved by ``saved`` ranks for ``world`` ranks: each is one chunk owner's, and the
     chunks are the P-rank world's."""
     if saved == world:
         return
+    if aggregate == "mean":
+        raise ValueError(f"aggregate='mean' keeps residuals per chunk owner of the saved {saved}-rank world: they "
+                         f"do not reshard to {world} ranks; resume on {saved} ranks")
     if error_feedback in SERVER_FEEDBACK:
         raise ValueError(f"error_feedback={error_feedback!r} keeps server residuals per chunk owner of the saved "
                          f"{saved}-rank world: they do not reshard to {world} ranks; resume on {saved} ranks")
@@ -184,7 +188,7 @@ def reshard_states(states: Sequence[dict], world_size: int) -> list[dict]:
         return [copy.deepcopy(sd) for sd in states]
     config = _extra(states[0], "states[0]")["config"]
     check_server_world(config.get("error_feedback", "none"), len(states), world_size,
-                       tie=config.get("tie", "alternate"))
+                       tie=config.get("tie", "alternate"), aggregate=config.get("aggregate", "vote"))
     merged = _mean_momenta(states)
     out = []
     for r in range(world_size):

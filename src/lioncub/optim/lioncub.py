@@ -97,6 +97,18 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
             is v/M. Binary-sign votes only. With either option the bucket's encode runs as torch
             ops after the step's agreement (no fused one-pass encode, nothing encoded ahead) and
             ``overlap`` / the DDP hook are refused.
+        aggregate: ``'vote'`` (the default: the majority vote of the signs of ``c``) or ``'mean'``
+            (``vote='onebit'`` only): the same two 1-bit collectives carry a compressed mean of the
+            gradients instead, with error feedback on the workers and on the chunk owners (plus 4
+            bytes per tensor per chunk for the scales), and every rank runs Lion's exact update on
+            the decoded mean with a momentum that is the same on every rank
+            (:mod:`lioncub.votes.mean`). Residuals: one per element (``state[p]['ef_residual']``)
+            and the owner's ``8N/P`` fp32 (saved, not resharded). Not with ``error_feedback``,
+            ``stochastic_signs``, ``tie='hold'``, overlap or the DDP hook.
+        mean_adapt, mean_range: ``aggregate='mean'`` only: each element's magnitude, shared by all
+            ranks and read from the signs every rank receives, grows by ``mean_adapt`` (γ ≥ 1) where
+            the sign repeats and shrinks by it where the sign flips, within ``[1/mean_range,
+            mean_range]`` of its tensor's mean (γ = 1: one flat scale per tensor).
         grad_dtype: ``vote='grad'`` only: ``'fp32'`` or ``'bf16'`` all-reduce.
         fused: the backend of the per-parameter passes, chosen once per bucket here, as
             ``torch.optim`` optimizers take it: None (default) the fused loops of
@@ -159,6 +171,9 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
         tie: str = "alternate",
         error_feedback: str = "none",
         stochastic_signs: Union[bool, float] = False,
+        aggregate: str = "vote",
+        mean_adapt: float = 1.25,
+        mean_range: float = 30.0,
         grad_dtype: str = "fp32",
         fused: Optional[bool] = None,
         process_group=None,
@@ -185,7 +200,8 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
         check_bool("overlap", overlap)
         config = VoteConfig(vote=vote, bits=bits, quantizer=quantizer, tie=tie, seed=seed, grad_dtype=grad_dtype,
                             fused=fused, bucket_mb=bucket_mb, message_mb=message_mb,
-                            error_feedback=error_feedback, stochastic_signs=stochastic_signs)
+                            error_feedback=error_feedback, stochastic_signs=stochastic_signs,
+                            aggregate=aggregate, mean_adapt=mean_adapt, mean_range=mean_range)
         auto.check_auto_args(vote, alpha, beta, gamma)
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults)
@@ -237,6 +253,8 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
     error_feedback = property(lambda self: self.config.error_feedback,
                               doc="``'none'``, ``'worker'`` (each rank's residual of its scaled sign), ``'server'`` "
                                   "(each chunk owner's residual of its voted sign) or ``'both'``.")
+    aggregate = property(lambda self: self.config.aggregate,
+                         doc="``'vote'`` (the majority vote of signs) or ``'mean'`` (the 1-bit compressed mean).")
     stochastic_signs = property(lambda self: self.config.stochastic_signs,
                                 doc="Whether the binary signs are drawn, +1 with probability (1 + v/M)/2.")
 
@@ -286,6 +304,10 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
         if self._driver is not None:
             raise ValueError(f"this LionCub is already driven by {type(self._driver).__name__}; "
                              "remove it first (remove_hooks())")
+        if self.config.aggregate == "mean":
+            raise ValueError(f"{type(driver).__name__} encodes during backward, before the step's agreement: "
+                             "aggregate='mean' updates its residuals at every encode; use overlap=False without "
+                             "the DDP hook")
         if self.method is not None and (self.method.feedback or self.method.stochastic):
             raise ValueError(f"{type(driver).__name__} encodes during backward, before the step's agreement: "
                              f"it cannot run with error_feedback={self.error_feedback!r} or "
@@ -444,7 +466,8 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
         extra = state_dict.get(self.state_key) if isinstance(state_dict, dict) else None
         if isinstance(extra, dict) and "server_residuals" in extra:  # before the rank check: say why
             resume.check_server_world(extra["config"]["error_feedback"], extra["world_size"], self.world_size,
-                                      tie=extra["config"].get("tie", "alternate"))
+                                      tie=extra["config"].get("tie", "alternate"),
+                                      aggregate=extra["config"].get("aggregate", "vote"))
         if extra is not None and self.vote_requested == "auto" and extra.get("vote_requested") == "auto":
             saved = extra["config"]  # resume with the run's pick
             self._set_config(self.config.resolved(saved["vote"], saved["bits"]))

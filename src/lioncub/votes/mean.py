@@ -1,0 +1,191 @@
+r"""``aggregate='mean'`` on ``onebit``: a 1-bit compressed mean of the gradients, then Lion's own
+step on a momentum every rank shares (docs/votes.md, "The 1-bit mean").
+
+A majority vote of the signs of ``c_i = β1·m_i + (1−β1)·g_i`` follows the median of the workers'
+signs; Lion steps by the sign of their sum, and where the workers split the two differ (docs/results.md,
+part B). This aggregate sends the same bits (one per element in each of ``onebit``'s two
+collectives) but makes them carry a magnitude over time, with error feedback on both sides
+(EF-SignSGD on the workers, dist-EF-SGDM's second residual on the chunk owners), and keeps the
+sign for the very end: every rank decodes the same estimate ĝ of the mean gradient and runs
+exact Lion on it. The momentum is therefore the same on every rank (it is updated only from ĝ),
+and what a rank compresses is only what the others do not know, its gradient's innovation over
+that shared momentum. Per step, per tensor ``t`` of the message and per chunk ``j`` (the
+element range rank j owns)::
+
+    δ_i = g_i − m                         (−g_i with maximize) the innovation; m is shared
+    v_i = δ_i + e_i                       e_i: rank i's residual
+    σ_i = sign(v_i), α_i = mean_t |v_i|   e_i ← v_i − α_i·σ_i          (so e_i + α_i·σ_i = v_i)
+      all_to_all: chunk j of σ_i (1 bit per element) and rank i's T scales α_i → rank j
+    a   = (1/P)·Σ_i α_i·σ_i               on chunk j's owner, per element
+    s   = a + r                           r: the owner's residual of its chunk
+    τ = sign(s), β = mean_piece |s|       a piece: one tensor's elements in chunk j
+    r   ← s − β·τ                         (so r + β·τ = s)
+      all_gather: τ (1 bit per element) and the owner's T scales β (0 where t is not in chunk j)
+    ĝ   = m + β·τ                         the same on every rank
+    u = sign(β1·m + (1−β1)·ĝ),  θ ← θ·(1 − ηλ) − η·u,  m ← β2·m + (1−β2)·ĝ       (Lion on ĝ)
+
+Zeros of ``v`` and ``s`` follow the tie rule's parity; with the residuals they are as good as either
+sign. The sums of what was sent follow the sums of what was meant within a residual, so
+``Σ_t ĝ_t`` follows ``Σ_t mean_i g_i``: the momentum, an average over ~1/(1−β2) steps, sees the
+compression error only as the difference of two residuals. The bytes per rank and step are
+``onebit``'s, ``(P−1)·(N/P)`` in each collective, plus ``4·T`` per chunk in each (the scales: O(1)
+per tensor). The state beside Lion's momentum: one residual per parameter element (``ef_residual``,
+local) and the owner's fp32 residual of its chunk (as ``error_feedback='server'``: saved in
+``state_dict``, not resharded).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import comm
+from ..comm import CommStats
+from ..wire import kernels
+from .feedback import add_residuals_
+from .onebit import OneBit
+
+__all__ = ["OneBitMean", "AGGREGATES", "pieces"]
+
+AGGREGATES = ("vote", "mean")
+"""What ``aggregate=`` takes on :class:`~lioncub.LionCub`: the majority vote of the signs (the
+default), or the 1-bit compressed mean of the gradients with Lion's step on a shared momentum."""
+
+
+ADAPT_DEFAULT = 1.25
+RANGE_DEFAULT = 30.0
+
+
+def pieces(tensors: list[tuple[int, int]], chunk: int) -> list[tuple[int, int, int, int]]:
+    """Each tensor's elements cut at the chunk boundaries: ``(tensor, chunk, lo, hi)`` for the
+    message elements ``[lo, hi)`` of tensor ``tensor`` (``tensors[k] = (start, numel)`` in message
+    elements) that lie in chunk ``chunk`` (elements ``[chunk·E, (chunk+1)·E)``, ``E`` = ``chunk``)."""
+    out = []
+    for t, (start, n) in enumerate(tensors):
+        lo, end = start, start + n
+        while lo < end:
+            j = lo // chunk
+            hi = min(end, (j + 1) * chunk)
+            out.append((t, j, lo, hi))
+            lo = hi
+    return out
+
+
+class OneBitMean(OneBit):
+    """``onebit``'s collectives carrying the 1-bit compressed mean (module docstring). Used through
+    :class:`~lioncub.LionCub` (``vote='onebit', aggregate='mean'``), whose step calls
+    :meth:`encode_mean`, :meth:`exchange_mean` and :meth:`decode_mean` per message."""
+
+    aggregate = "mean"
+    ADAPT = ADAPT_DEFAULT
+    """γ: a repeated sign grows an element's shared magnitude ``h`` by this factor, a flip shrinks it."""
+    SHAPE_RANGE = RANGE_DEFAULT
+    """R: ``h`` stays in [1/R, R] (mean 1 over each tensor)."""
+
+    def __init__(self, world: int, tie: str = "alternate", *, adapt: float = ADAPT_DEFAULT,
+                 shape_range: float = RANGE_DEFAULT):
+        if tie == "hold":
+            raise ValueError("tie='hold' repeats a voted sign; aggregate='mean' votes none (its zeros follow the "
+                             "tie rule's parity): use tie='alternate', 'plus' or 'minus'")
+        super().__init__(world, None, None, tie)
+        self.adapt, self.shape_range = float(adapt), float(shape_range)
+        self.owner_state = "residual"
+        self.one_pass = self.repeatable = False  # a residual changes at every encode
+
+    # ------------------------------------------------------------------ the worker
+    def encode_mean(self, v: Tensor, dst: Tensor, step: int, sizes: list[int], residuals: list[Tensor],
+                    shape: Tensor) -> Tensor:
+        """Pack ``σ = sign(v + e)`` of the flat fp32 innovation ``v`` (overwritten by ``v + e``) into
+        ``dst`` and update the residuals ``e ← v − α·h·σ``; returns the scales ``α`` (fp32, one per
+        tensor of ``sizes``: the least-squares fit Σ|v|·h / Σh², 0 for an empty tensor). ``shape``:
+        the flat per-element magnitudes ``h`` every rank shares (:meth:`adapt_shape_`)."""
+        n = v.numel()
+        add_residuals_(v, residuals)
+        bits = kernels.sign_bits(v, self.parity(step))
+        alphas = torch.zeros(len(sizes), dtype=torch.float32, device=v.device)
+        for k, (vt, bt, e, ht) in enumerate(zip(v.split(sizes), bits[:n].split(sizes), residuals,
+                                               shape.split(sizes))):
+            if not vt.numel():
+                continue
+            alpha = torch.dot(vt.abs(), ht).div_(torch.dot(ht, ht))
+            alphas[k] = alpha
+            e.copy_(torch.sub(vt, bt.to(torch.float32).mul_(2).sub_(1).mul_(ht).mul_(alpha)).view_as(e))
+        dst.copy_(kernels.pack_bytes(bits, n, 1))
+        return alphas
+
+    # ------------------------------------------------------------------ the collectives and the owner
+    def exchange_mean(self, msg: Tensor, m: int, alphas: Tensor, tensors: list[tuple[int, int]], step: int,
+                      group, stats: CommStats, residual: Tensor, shape: Tensor) -> Tensor:
+        """The two collectives of a message (``msg``: ``message_nbytes(m)`` bytes; ``alphas``: the T
+        scales of ``tensors``, ``(start, numel)`` in message elements) with this rank's chunk
+        re-compressed in between (``residual``: its fp32 owner residual, updated). Returns the
+        gathered ``(P, C + 4T)`` bytes: row j the owner j's packed ``τ`` then its T scales ``β``."""
+        P, T = self.world, alphas.numel()
+        N = self.message_nbytes(m)
+        C = N // P
+        E = 8 * C
+        t0 = comm.clock(stats)
+        send = torch.empty((P, C + 4 * T), dtype=torch.uint8, device=msg.device)
+        send[:, :C].copy_(msg[:N].view(P, C))
+        send[:, C:].copy_(alphas.contiguous().view(torch.uint8).expand(P, 4 * T))
+        stats.t_quantize_pack += comm.clock(stats) - t0
+        got = comm.all_to_all(send.view(-1), group, stats).view(P, C + 4 * T)
+        t0 = comm.clock(stats)
+        me = dist.get_rank(group)
+        mine = [(t, lo - me * E, hi - me * E) for t, j, lo, hi in pieces(tensors, E) if j == me]
+        weights = got[:, C:].contiguous().view(torch.float32)  # (P, T): every rank's α
+        a = torch.zeros(E, dtype=torch.float32, device=msg.device)
+        signs = torch.empty(E, dtype=torch.float32, device=msg.device)
+        for i in range(P):
+            kernels.unpack_pm1(got[i, :C], E, torch.float32, out=signs)
+            for t, lo, hi in mine:
+                a[lo:hi].addcmul_(signs[lo:hi], weights[i, t])
+        h = shape[me * E:(me + 1) * E]
+        s = a.mul_(h).div_(P).add_(residual)  # padding: 0 + 0
+        bits = kernels.sign_bits(s, self.parity(step))
+        betas = torch.zeros(T, dtype=torch.float32, device=msg.device)
+        sent = torch.zeros(E, dtype=torch.float32, device=msg.device)  # β·τ; padding 0
+        for t, lo, hi in mine:
+            ht = h[lo:hi]
+            beta = torch.dot(s[lo:hi].abs(), ht).div_(torch.dot(ht, ht))
+            betas[t] = beta
+            torch.mul(bits[lo:hi].to(torch.float32).mul_(2).sub_(1).mul_(ht), beta, out=sent[lo:hi])
+        torch.sub(s, sent, out=residual)
+        out = torch.empty(C + 4 * T, dtype=torch.uint8, device=msg.device)
+        out[:C].copy_(kernels.pack_bytes(bits, E, 1))
+        out[C:].copy_(betas.view(torch.uint8))
+        stats.t_unpack_vote += comm.clock(stats) - t0
+        return comm.all_gather(out, group, stats)
+
+    def decode_mean(self, gathered: Tensor, offset: int, n: int, tensors: list[tuple[int, int]],
+                    out: Tensor, shape: Tensor, bits: Optional[Tensor] = None) -> Tensor:
+        """``β·h·τ`` of the part at byte ``offset`` (``n`` elements, whole tensors of the message's
+        ``tensors``; ``shape``: their ``h``) into the flat fp32 ``out``. ``bits``: the gathered ``τ``
+        bytes as one flat message (``gathered[:, :C]`` flattened; made here when None)."""
+        T = len(tensors)
+        C = gathered.shape[1] - 4 * T
+        if bits is None:
+            bits = gathered[:, :C].reshape(-1)
+        betas = gathered[:, C:].contiguous().view(torch.float32)  # (P, T)
+        kernels.unpack_pm1(bits[offset:offset + self.part_nbytes(n)], n, torch.float32, out=out)
+        out.mul_(shape)
+        base, end = 8 * offset, 8 * offset + n
+        for t, j, lo, hi in pieces(tensors, 8 * C):
+            if base <= lo and hi <= end:
+                out[lo - base:hi - base].mul_(betas[j, t])
+        return out
+
+    def adapt_shape_(self, signed: Tensor, tau: Tensor) -> None:
+        """One tensor's shared magnitudes after a step, in place: ``signed`` holds ``h·τ_prev``
+        (``h`` > 0; all +1 at first), ``tau`` the step's decoded signs (±1, or 0·… where β = 0: its
+        sign is taken as +1). A sign that repeats grows ``h`` by γ, one that flips shrinks it by γ
+        (adaptive delta modulation: a run of equal signs says the residual outgrows the step);
+        then ``h`` is rescaled to mean 1 over the tensor and clipped to [1/R, R]."""
+        if self.adapt == 1.0 or not signed.numel():
+            return
+        up = (signed >= 0) == (tau >= 0)
+        h = signed.abs().mul_(torch.where(up, self.adapt, 1.0 / self.adapt))
+        h.div_(h.mean()).clamp_(1.0 / self.shape_range, self.shape_range)
+        torch.where(tau >= 0, h, h.neg(), out=signed)
