@@ -50,6 +50,7 @@ from .. import comm, fused
 from ..engine.step import GRAD_DTYPES, Bucket, BucketPlan, BucketStep
 from ..comm import CommStats
 from ..engine.config import OPTIMIZER_VOTES, VoteConfig, VoteSettings
+from ..votes.mean import ADAPT_DEFAULT, RANGE_DEFAULT
 from ..engine.shell import NONFINITE_ALIASES, NONFINITE_POLICIES, Shell
 from ..validate import check_bool, check_hyperparameters, check_optional_bool
 
@@ -172,8 +173,8 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
         error_feedback: str = "none",
         stochastic_signs: Union[bool, float] = False,
         aggregate: str = "vote",
-        mean_adapt: float = 1.25,
-        mean_range: float = 30.0,
+        mean_adapt: float = ADAPT_DEFAULT,
+        mean_range: float = RANGE_DEFAULT,
         grad_dtype: str = "fp32",
         fused: Optional[bool] = None,
         process_group=None,
