@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -68,14 +69,15 @@ def make_optimizer(spec: Spec, params, **kw) -> torch.optim.Optimizer:
     if spec.error_feedback != "none" or spec.stochastic_signs:  # issue 34's variants (study_plan.VOTE_QUALITY)
         extra.update(error_feedback=spec.error_feedback, stochastic_signs=spec.stochastic_signs)
     if spec.aggregate != "vote":
-        extra.update(aggregate=spec.aggregate, mean_adapt=spec.mean_adapt, mean_range=spec.mean_range)
+        extra.update(aggregate=spec.aggregate, mean_adapt=spec.mean_adapt, mean_range=spec.mean_range,
+                     mean_norm=spec.mean_norm, mean_restart=spec.mean_restart)
     return LionCub(params, vote=spec.vote, **extra, **kw)
 
 
 def run_optimizer(spec: Spec, params, model: torch.nn.Module) -> torch.optim.Optimizer:
     """The optimizer a run trains with: ``make_optimizer`` with the spec's lr, β2, seed and
     momentum sync (every 10 steps), skipping non-finite steps."""
-    return make_optimizer(spec, params, lr=spec.lr, betas=(0.9, spec.beta2), seed=spec.seed, model=model,
+    return make_optimizer(spec, params, lr=spec.lr, betas=(spec.beta1, spec.beta2), seed=spec.seed, model=model,
                           momentum_sync=spec.sync, sync_every=10, nonfinite="skip_step")
 
 
@@ -139,6 +141,9 @@ def train_one(spec: Spec, cache_dir: str, eval_every: int, probe=None) -> dict:
     for step in range(spec.steps):
         for g, b in zip(opt.param_groups, base):
             g["lr"] = b * lr_at(step, spec.steps, spec.warmup, floor=0.1)
+        if spec.lion_restart and step == spec.lion_restart:  # the control of LionCub's mean_restart
+            for state in opt.state.values():
+                state["exp_avg"].zero_()
         x, y = loader.next_batch()
         loss, _ = batch_loss(model, x, y, is_gpt)
         loss.backward()
@@ -150,6 +155,8 @@ def train_one(spec: Spec, cache_dir: str, eval_every: int, probe=None) -> dict:
         done = step + 1
         if done % every == 0 or done == spec.steps:
             curve.append({"step": done, **evaluate(model, val, is_gpt)})
+            if os.environ.get("LIONCUB_STUDY_PROGRESS") and rank == 0:  # one line per evaluation, to stderr
+                print(f"[study] {spec.label} seed {spec.seed} step {done}: {curve[-1]}", file=sys.stderr, flush=True)
     train_loss = torch.tensor(sum(losses[-20:]) / len(losses[-20:]), dtype=torch.float64)
     dist.all_reduce(train_loss)
     rec = {"key": spec.key(), **asdict(spec), "world": world, "final": curve[-1],

@@ -59,6 +59,10 @@ class Spec:
     aggregate: str = "vote"  # LionCub's aggregate: 'mean' is the 1-bit compressed mean (issue 34)
     mean_adapt: float = 1.25  # its γ and R (LionCub's mean_adapt / mean_range)
     mean_range: float = 30.0
+    mean_norm: str = "arithmetic"  # LionCub's mean_norm
+    mean_restart: int = 0  # LionCub's mean_restart (its default is 50; the first runs had none)
+    lion_restart: int = 0  # vote='grad' only: Lion's momentum set to zero before this step (the control of mean_restart)
+    beta1: float = 0.9  # Lion's β1: the weight 1 − β1 of the step's gradient against the momentum
     beta2: float = 0.99
     sync: str = "none"
     tied: bool = True
@@ -74,6 +78,11 @@ class Spec:
     weight_decay: float = 0.1
     warmup: int = 10
 
+    def __post_init__(self):
+        if self.lion_restart and (self.vote != "grad" or self.optimizer != "lion"):
+            raise ValueError(f"lion_restart restarts Lion's momentum (vote='grad'); the 1-bit mean has mean_restart, "
+                             f"got vote={self.vote!r}, optimizer={self.optimizer!r}")
+
     def key(self) -> str:
         """Identity of the run without its part/label: equal keys are the same experiment.
         Fields at their tiny-study defaults are left out, so earlier records keep their keys."""
@@ -87,7 +96,8 @@ class Spec:
 
 _LATER_FIELDS = dict(optimizer="lion", layers=2, heads=4, embd=32, block=BLOCK, batch=8, weight_decay=0.1, warmup=10,
                      error_feedback="none", stochastic_signs=False, aggregate="vote",
-                     mean_adapt=1.25, mean_range=30.0)
+                     mean_adapt=1.25, mean_range=30.0, mean_norm="arithmetic", mean_restart=0,
+                     lion_restart=0, beta1=0.9)
 # nanoGPT's CPU recipe for Shakespeare: gpt-mini's shape, a global batch of 12 sequences of 64 tokens
 RECIPE = dict(layers=4, heads=4, embd=128, block=64, batch=3, warmup=100, steps=2000)
 ADAMW = dict(optimizer="adamw", lr=1e-3, weight_decay=0.1)
@@ -222,6 +232,23 @@ VOTE_QUALITY = (
     ("1-bit mean, gamma=1.5 (onebit-mean-g1.5)", "onebit", dict(aggregate="mean", mean_adapt=1.5)),
     ("1-bit mean, R=100 (onebit-mean-r100)", "onebit", dict(aggregate="mean", mean_range=100.0)),
     ("1-bit mean, R=10 (onebit-mean-r10)", "onebit", dict(aggregate="mean", mean_range=10.0)),
+    # the fourth round: h's geometric mean held at 1, not its arithmetic mean
+    ("1-bit mean, geometric norm (onebit-mean-geo)", "onebit", dict(aggregate="mean", mean_norm="geometric")),
+    # Lion's β1 for the mean: the decoded innovation ĝ − m carries the compression's error on top of the
+    # gradient noise, and 1 − β1 is its weight in the step's sign
+    ("1-bit mean, beta1=0.95 (onebit-mean-b0.95)", "onebit", dict(aggregate="mean", beta1=0.95)),
+    ("1-bit mean, beta1=0.95, geometric norm (onebit-mean-geo-b0.95)", "onebit",
+     dict(aggregate="mean", mean_norm="geometric", beta1=0.95)),
+    ("Lion beta1=0.95 (lion-b0.95)", "grad", dict(beta1=0.95)),
+    # the momentum and both residuals restart from zero at step 50, the magnitudes h kept (LionCub's default
+    # mean_restart), and the same restart of Lion's momentum: does the restart help any Lion, or the mean?
+    ("1-bit mean, restart at 50 (onebit-mean-rs50)", "onebit", dict(aggregate="mean", mean_restart=50)),
+    ("Lion, momentum restart at 50 (lion-rs50)", "grad", dict(lion_restart=50)),
+    # ... and at 48 sequences (12 per worker) for the recipe's 2000 steps: part B's B=48@2000 point, whose
+    # best lr for Lion and the 1-bit vote was the recipe's 1e-4 (Lion and the vote: part B's records)
+    ("B=48@2000 1-bit mean, restart at 50 (onebit-mean-rs50-b48)", "onebit",
+     dict(aggregate="mean", mean_restart=50, batch=12)),
+    ("B=48@2000 Lion, momentum restart at 50 (lion-rs50-b48)", "grad", dict(lion_restart=50, batch=12)),
 )
 
 

@@ -37,14 +37,15 @@ HAND = {  # worked out on paper from the module docstring's rules (betas 0.5, 0.
     "r": {0: [0.5, -1.5, 0.5, 0.5], 1: [-0.5, -0.5, 0.25, 0.25]},  # rank 0 owns the 4 elements
     "m": {0: [1.25] * 4, 1: [1.5625, 0.9375, 0.9375, 1.5625]},
     "theta": {0: [-1.0] * 4, 1: [-2.0] * 4},
-    # h·τ: after step 1 the repeated signs grew by γ and the flips shrank by 1/γ, then mean 1
-    "shape": {0: [1.0] * 4, 1: [1.0, -1.0 / OneBitMean.ADAPT ** 2, -1.0 / OneBitMean.ADAPT ** 2, 1.0]},
+    # h·τ: after step 1 the repeated signs grew by γ and the flips shrank by 1/γ; their geometric mean is
+    # already 1 (mean_norm='geometric'); the arithmetic mean (γ + 1/γ)/2 divides them (the default)
+    "shape": {0: [1.0] * 4, 1: [OneBitMean.ADAPT, -1.0 / OneBitMean.ADAPT, -1.0 / OneBitMean.ADAPT, OneBitMean.ADAPT]},
 }
 
 
-def _hand_run(rank, world):
+def _hand_run(rank, world, norm):
     p = torch.nn.Parameter(torch.zeros(4))
-    opt = LionCub([p], lr=1.0, betas=(0.5, 0.5), vote="onebit", aggregate="mean")
+    opt = LionCub([p], lr=1.0, betas=(0.5, 0.5), vote="onebit", aggregate="mean", mean_norm=norm)
     out = []
     for step in range(2):
         p.grad = torch.tensor(HAND_GRADS[rank, step])
@@ -55,16 +56,19 @@ def _hand_run(rank, world):
     return out
 
 
-def test_by_hand_two_steps():
-    out = run_workers(_hand_run, 2)
+@pytest.mark.parametrize("norm", ["geometric", "arithmetic"])
+def test_by_hand_two_steps(norm):
+    out = run_workers(_hand_run, 2, norm)
     for step in range(2):
         for rank in range(2):
             got = out[rank][step]
             assert torch.equal(got["e"], torch.tensor(HAND["e"][rank, step])), (rank, step, got["e"])
             assert torch.equal(got["m"], torch.tensor(HAND["m"][step]))
             assert torch.equal(got["theta"], torch.tensor(HAND["theta"][step]))
-            want = torch.tensor(HAND["shape"][step])  # before the division by the mean (exact at step 0)
-            assert torch.allclose(got["shape"], want / want.abs().mean(), rtol=1e-6, atol=0)
+            want = torch.tensor(HAND["shape"][step])  # geometric mean 1; the arithmetic mean divides it
+            if norm == "arithmetic":
+                want = want / want.abs().mean()
+            assert torch.allclose(got["shape"], want, rtol=1e-6, atol=0), (norm, got["shape"])
         # the owner's chunk: 8 elements, the 4 of the tensor then padding (residual 0); rank 1 owns padding
         assert torch.equal(out[0][step]["r"], torch.tensor(HAND["r"][step] + [0.0] * 4))
         assert torch.equal(out[1][step]["r"], torch.zeros(8))
@@ -88,9 +92,13 @@ def _grad(rank, step, shape):
     return torch.randn(shape, generator=g)
 
 
-def _make(params):
+RESTART = 4  # the momentum and the residuals restart after 4 steps (of 6): after the resume's save at 3
+
+
+def _make(params, norm="arithmetic", restart=RESTART):
     return LionCub([dict(params=[params[0]], **GROUPS[0]), dict(params=[params[1]], **GROUPS[1])], betas=BETAS,
-                   vote="onebit", aggregate="mean", bucket_mb=12 * 4 / 2**20, check_every=1)
+                   vote="onebit", aggregate="mean", mean_norm=norm, mean_restart=restart, bucket_mb=12 * 4 / 2**20,
+                   check_every=1)
 
 
 def _signs(x, step):
@@ -101,8 +109,8 @@ def _signs(x, step):
 class Reference:
     """Every rank's part of the compressed mean, from all ranks' gradients, in plain torch."""
 
-    def __init__(self, params, order):
-        self.order = order  # the message's tensors, in message order: (param index, start element)
+    def __init__(self, params, order, norm, restart):
+        self.order, self.norm, self.restart = order, norm, restart  # the message's tensors, in message order: (param index, start element)
         self.theta = [p.detach().clone() for p in params]
         self.m = [torch.zeros_like(p) for p in params]
         self.shape = [torch.ones(p.numel()) for p in params]  # h·τ_prev, shared
@@ -114,6 +122,10 @@ class Reference:
     def step(self, grads, step):
         """``grads[rank][k]``: rank's gradient of parameter k."""
         total = self.r.numel()
+        if step == self.restart:  # the momentum and both residuals restart from zero; h is kept
+            self.m = [torch.zeros_like(m) for m in self.m]
+            self.e = [[torch.zeros_like(e) for e in es] for es in self.e]
+            self.r = torch.zeros(total)
         a, h = torch.zeros(total), torch.zeros(total)
         for k, start in self.order:
             h[start:start + self.m[k].numel()] = self.shape[k].abs()
@@ -143,7 +155,8 @@ class Reference:
             piece = sent[start:start + n]
             old = self.shape[k]  # a repeated sign grows h by γ, a flip shrinks it; mean 1, clipped
             grown = old.abs() * torch.where((old >= 0) == (piece >= 0), GAMMA, 1 / GAMMA)
-            grown = (grown / grown.mean()).clamp(1 / RANGE, RANGE)
+            centre = torch.exp(torch.mean(torch.log(grown))) if self.norm == "geometric" else grown.mean()
+            grown = (grown / centre).clamp(1 / RANGE, RANGE)
             self.shape[k] = torch.where(piece >= 0, grown, -grown)
             ghat = (piece + self.m[k].reshape(-1)).view_as(self.m[k])
             u = torch.mul(self.m[k], BETAS[0]).add_(ghat, alpha=1 - BETAS[0]).sign_()
@@ -151,9 +164,9 @@ class Reference:
             self.m[k].mul_(BETAS[1]).add_(ghat, alpha=1 - BETAS[1])
 
 
-def _reference_run(rank, world, steps):
+def _reference_run(rank, world, steps, norm, restart):
     params = _params()
-    opt = _make(params)
+    opt = _make(params, norm, restart)
     assert len(opt.buckets) == 2 and len(opt.messages()) == 1
     index = {id(p): k for k, p in enumerate(params)}
     order, byte = [], 0
@@ -163,7 +176,7 @@ def _reference_run(rank, world, steps):
             order.append((index[id(p)], start))
             start += p.numel()
         byte += -(-bucket.numel // 8)
-    ref = Reference(params, order)
+    ref = Reference(params, order, norm, restart)
     same, spread = [], 0.0
     for step in range(steps):
         for p, shape in zip(params, SHAPES):
@@ -192,8 +205,9 @@ def _reference_run(rank, world, steps):
     return same, torch.equal(r, mine), moved, [p.detach().clone() for p in params], spread, (extra, collectives)
 
 
-def test_every_step_equals_the_reference_and_the_replicas_agree():
-    out = run_workers(_reference_run, WORLD, 6)
+@pytest.mark.parametrize("norm, restart", [("arithmetic", RESTART), ("geometric", 0)])
+def test_every_step_equals_the_reference_and_the_replicas_agree(norm, restart):
+    out = run_workers(_reference_run, WORLD, 6, norm, restart)
     for same, owner_ok, moved, _, spread, (extra, collectives) in out:
         assert (extra, collectives) == (8 * (WORLD - 1) * len(SHAPES), 0)  # 4 bytes per tensor, each collective
         assert all(same), same
@@ -243,6 +257,16 @@ def _mismatch_run(rank, world):
     plain = LionCub(_params(), vote="onebit")
     with pytest.raises(ValueError, match="aggregate='mean'"):
         plain.load_state_dict(sd)
+    with pytest.raises(ValueError, match="mean_norm='arithmetic' but this optimizer has mean_norm='geometric'"):
+        _make(_params(), "geometric").load_state_dict(sd)
+    with pytest.raises(ValueError, match=f"mean_restart={RESTART} but this optimizer has mean_restart=0"):
+        _make(_params(), restart=0).load_state_dict(sd)
+    # a checkpoint saved before mean_norm and mean_restart existed ran the arithmetic mean and no restart
+    old = {**sd, "lioncub": {**sd["lioncub"], "config": {k: v for k, v in sd["lioncub"]["config"].items()
+                                                           if k not in ("mean_norm", "mean_restart")}}}
+    with pytest.raises(ValueError, match="mean_restart=0 but this optimizer has mean_restart=50"):
+        LionCub(_params(), vote="onebit", aggregate="mean").load_state_dict(old)
+    _make(_params(), "arithmetic", 0).load_state_dict(old)
     return True
 
 
@@ -257,6 +281,11 @@ def test_a_checkpoint_of_the_mean_does_not_load_into_the_vote():
     (dict(vote="onebit", aggregate="mean", tie="hold"), "aggregate='mean' votes none"),
     (dict(vote="onebit", aggregate="mean", overlap=True), "aggregate='mean' updates its residuals"),
     (dict(vote="onebit", aggregate="median"), "aggregate must be one of"),
+    (dict(vote="onebit", aggregate="mean", mean_norm="median"), "mean_norm must be one of"),
+    (dict(vote="onebit", mean_norm="geometric"), "mean_norm applies to aggregate='mean' only"),
+    (dict(vote="onebit", aggregate="mean", mean_restart=-1), "mean_restart must be an int >= 0"),
+    (dict(vote="onebit", aggregate="mean", mean_restart=2.5), "mean_restart must be an int >= 0"),
+    (dict(vote="onebit", mean_restart=10), "mean_restart applies to aggregate='mean' only"),
 ])
 def test_what_the_mean_cannot_run_with_is_refused(kw, match):
     with pytest.raises(ValueError, match=match):

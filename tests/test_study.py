@@ -360,6 +360,12 @@ def test_left_plateau_is_the_first_evaluation_below_the_exit_loss():
     assert study_report.left_plateau(curve[:2]) is None
 
 
+def test_lion_restart_is_lions_only():
+    with pytest.raises(ValueError, match="lion_restart restarts Lion's momentum"):
+        study_plan.Spec("ablate", "x", vote="onebit", lion_restart=50)
+    assert study_plan.Spec("ablate", "x", lion_restart=50).lion_restart == 50
+
+
 def test_ablate_plan_applies_each_variant():
     """Fails if an ablation row's optimizer lacks its lanes, quantizer, tie rule, β2 or sync."""
     specs = study_plan.ablate_plan([0])
@@ -371,9 +377,13 @@ def test_ablate_plan_applies_each_variant():
     for s in specs:
         extra = own.get(s.label, {})
         assert (s.lr, s.weight_decay, s.steps, s.batch) == (extra.get("lr", 1e-4), extra.get("weight_decay", 1.0),
-                                                            2000, 3)
+                                                            2000, extra.get("batch", 3))
         assert s.sync == "none" or "sync" in s.label
         opt = study.run_optimizer(s, model.parameters(), model)
+        assert opt.defaults["betas"][0] == s.beta1 == extra.get("beta1", 0.9), s.label
+        if s.aggregate == "mean":  # issue 34's 1-bit mean variants carry their norm and restart to LionCub
+            assert (opt.aggregate, opt.config.mean_norm, opt.config.mean_restart) == \
+                ("mean", extra.get("mean_norm", "arithmetic"), extra.get("mean_restart", 0)), s.label
         if s.label in want:
             assert (opt.vote, opt.bits, opt.quantizer) == ("pbit", *want[s.label]), s.label
             seen.add(s.label)

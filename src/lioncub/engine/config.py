@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from .. import votes
-from ..votes.mean import AGGREGATES, OneBitMean
+from ..votes.mean import AGGREGATES, NORMS, OneBitMean
 from ..quantize import QUANTIZERS
 from ..validate import check_choice, check_int, check_number, check_optional_bool, check_optional_choice
 
@@ -48,6 +48,8 @@ class VoteConfig:
     aggregate: str = "vote"
     mean_adapt: float = OneBitMean.ADAPT
     mean_range: float = OneBitMean.SHAPE_RANGE
+    mean_norm: str = OneBitMean.NORM
+    mean_restart: int = OneBitMean.RESTART
 
     def __post_init__(self):
         check_choice("vote", self.vote, OPTIMIZER_VOTES)
@@ -77,7 +79,8 @@ class VoteConfig:
         if not self.votes:
             return None
         if self.aggregate == "mean":
-            return OneBitMean(world, self.tie, adapt=self.mean_adapt, shape_range=self.mean_range)
+            return OneBitMean(world, self.tie, adapt=self.mean_adapt, shape_range=self.mean_range,
+                              norm=self.mean_norm, restart=self.mean_restart)
         return votes.make(self.vote, world, self.bits, self.quantizer, self.tie, error_feedback=self.error_feedback,
                           stochastic_signs=self.stochastic_signs)
 
@@ -90,8 +93,21 @@ class VoteConfig:
         return dict(vote=self.vote, bits=self.bits, quantizer=self.quantizer, tie=self.tie,
                     grad_dtype=self.grad_dtype, error_feedback=self.error_feedback,
                     stochastic_signs=self.stochastic_signs, aggregate=self.aggregate,
-                    **(dict(mean_adapt=self.mean_adapt, mean_range=self.mean_range) if self.aggregate == "mean"
-                       else {}))
+                    **(dict(mean_adapt=self.mean_adapt, mean_range=self.mean_range, mean_norm=self.mean_norm,
+                            mean_restart=self.mean_restart) if self.aggregate == "mean" else {}))
+
+
+SAVED_BEFORE = {"mean_norm": "arithmetic", "mean_restart": 0}
+"""Fingerprint settings added after checkpoints of ``aggregate='mean'`` were first saved, with the
+value those checkpoints ran with (:func:`saved_fingerprint`)."""
+
+
+def saved_fingerprint(config: dict) -> dict:
+    """A checkpoint's saved fingerprint, with the settings it predates filled in as it ran them
+    (an ``aggregate='mean'`` checkpoint without ``mean_norm`` held h's arithmetic mean at 1)."""
+    if config.get("aggregate") != "mean":
+        return config
+    return {**SAVED_BEFORE, **config}
 
 
 def check_aggregate(config: "VoteConfig") -> None:
@@ -104,6 +120,12 @@ def check_aggregate(config: "VoteConfig") -> None:
             raise ValueError(f"{name} must be a finite number >= 1, got {value!r}")
         if config.aggregate != "mean" and value != default:
             raise ValueError(f"{name} applies to aggregate='mean' only, got aggregate={config.aggregate!r}")
+    check_choice("mean_norm", config.mean_norm, NORMS)
+    if config.aggregate != "mean" and config.mean_norm != OneBitMean.NORM:
+        raise ValueError(f"mean_norm applies to aggregate='mean' only, got aggregate={config.aggregate!r}")
+    check_int("mean_restart", config.mean_restart, 0)
+    if config.aggregate != "mean" and config.mean_restart != OneBitMean.RESTART:
+        raise ValueError(f"mean_restart applies to aggregate='mean' only, got aggregate={config.aggregate!r}")
     if config.aggregate != "mean":
         return
     if config.vote != "onebit":

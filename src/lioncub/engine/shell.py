@@ -26,6 +26,7 @@ from torch import Tensor
 
 from .. import comm
 from . import guard
+from .config import saved_fingerprint
 from ..validate import check_choice, check_int
 
 __all__ = ["Shell", "world_of", "NONFINITE_POLICIES", "NONFINITE_ALIASES"]
@@ -111,7 +112,7 @@ class Shell:
         if env.get("kind", kind) != kind:
             raise ValueError(f"state_dict was saved by {env['kind']}, not {kind}")
         mine = self.fingerprint()
-        for key, value in env["config"].items():
+        for key, value in saved_fingerprint(env["config"]).items():
             if key in mine and mine[key] != value:
                 raise ValueError(f"checkpoint was saved with {key}={value!r} but this optimizer has "
                                  f"{key}={mine[key]!r}")

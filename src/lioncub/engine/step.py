@@ -326,6 +326,10 @@ class BucketStep:
         shape = self.buffer("shape", 8 * method.message_nbytes(m), torch.float32, device)
         shape.zero_()  # h of the message's elements (padding 0)
         alphas, tensors, offset = [], [], 0
+        residual = self.server_residual(buckets, msg, m, device)
+        if step == method.restart > 0:  # the momentum and both residuals restart; h is kept
+            for t in [t for bucket in parts for t in self.momenta(bucket) + self.residuals(bucket)] + [residual]:
+                t.zero_()
         for bucket, nb in zip(parts, nbs):
             exp_avgs, grads = self.momenta(bucket), self.grads(bucket)
             t0 = comm.clock(stats)
@@ -342,7 +346,6 @@ class BucketStep:
                                              h))
             offset += nb
             stats.t_quantize_pack += comm.clock(stats) - t0
-        residual = self.server_residual(buckets, msg, m, device)
         gathered = method.exchange_mean(buf, m, torch.cat(alphas), tensors, step, self.group, stats, residual,
                                         shape)
         t0 = comm.clock(stats)

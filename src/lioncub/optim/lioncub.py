@@ -50,7 +50,7 @@ from .. import comm, fused
 from ..engine.step import GRAD_DTYPES, Bucket, BucketPlan, BucketStep
 from ..comm import CommStats
 from ..engine.config import OPTIMIZER_VOTES, VoteConfig, VoteSettings
-from ..votes.mean import ADAPT_DEFAULT, RANGE_DEFAULT
+from ..votes.mean import ADAPT_DEFAULT, NORM_DEFAULT, RANGE_DEFAULT, RESTART_DEFAULT
 from ..engine.shell import NONFINITE_ALIASES, NONFINITE_POLICIES, Shell
 from ..validate import check_bool, check_hyperparameters, check_optional_bool
 
@@ -110,6 +110,12 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
             ranks and read from the signs every rank receives, grows by ``mean_adapt`` (γ ≥ 1) where
             the sign repeats and shrinks by it where the sign flips, within ``[1/mean_range,
             mean_range]`` of its tensor's mean (γ = 1: one flat scale per tensor).
+        mean_norm: ``aggregate='mean'`` only: which mean of a tensor's magnitudes is held at 1,
+            ``'arithmetic'`` (the default) or ``'geometric'`` (the range centred on the typical
+            element in log scale).
+        mean_restart: ``aggregate='mean'`` only: after this many steps (default 50; 0: never) the
+            shared momentum and both residuals restart from zero, keeping the adapted magnitudes:
+            what the first steps put there was compressed with magnitudes still flat.
         grad_dtype: ``vote='grad'`` only: ``'fp32'`` or ``'bf16'`` all-reduce.
         fused: the backend of the per-parameter passes, chosen once per bucket here, as
             ``torch.optim`` optimizers take it: None (default) the fused loops of
@@ -175,6 +181,8 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
         aggregate: str = "vote",
         mean_adapt: float = ADAPT_DEFAULT,
         mean_range: float = RANGE_DEFAULT,
+        mean_norm: str = NORM_DEFAULT,
+        mean_restart: int = RESTART_DEFAULT,
         grad_dtype: str = "fp32",
         fused: Optional[bool] = None,
         process_group=None,
@@ -202,7 +210,8 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
         config = VoteConfig(vote=vote, bits=bits, quantizer=quantizer, tie=tie, seed=seed, grad_dtype=grad_dtype,
                             fused=fused, bucket_mb=bucket_mb, message_mb=message_mb,
                             error_feedback=error_feedback, stochastic_signs=stochastic_signs,
-                            aggregate=aggregate, mean_adapt=mean_adapt, mean_range=mean_range)
+                            aggregate=aggregate, mean_adapt=mean_adapt, mean_range=mean_range,
+                            mean_norm=mean_norm, mean_restart=mean_restart)
         auto.check_auto_args(vote, alpha, beta, gamma)
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults)

@@ -47,7 +47,7 @@ from ..wire import kernels
 from .feedback import add_residuals_
 from .onebit import OneBit
 
-__all__ = ["OneBitMean", "AGGREGATES", "pieces"]
+__all__ = ["OneBitMean", "AGGREGATES", "NORMS", "pieces"]
 
 AGGREGATES = ("vote", "mean")
 """What ``aggregate=`` takes on :class:`~lioncub.LionCub`: the majority vote of the signs (the
@@ -56,6 +56,11 @@ default), or the 1-bit compressed mean of the gradients with Lion's step on a sh
 
 ADAPT_DEFAULT = 1.25
 RANGE_DEFAULT = 30.0
+NORMS = ("arithmetic", "geometric")
+"""What ``mean_norm=`` takes: which mean of a tensor's shared magnitudes ``h`` is held at 1 (the
+first is the default)."""
+NORM_DEFAULT = NORMS[0]
+RESTART_DEFAULT = 50
 
 
 def pieces(tensors: list[tuple[int, int]], chunk: int) -> list[tuple[int, int, int, int]]:
@@ -83,14 +88,25 @@ class OneBitMean(OneBit):
     """γ: a repeated sign grows an element's shared magnitude ``h`` by this factor, a flip shrinks it."""
     SHAPE_RANGE = RANGE_DEFAULT
     """R: ``h`` stays in [1/R, R] (mean 1 over each tensor)."""
+    NORM = NORM_DEFAULT
+    """Which mean of each tensor's ``h`` is held at 1: ``'arithmetic'`` (the default), or
+    ``'geometric'``, which centres the range [1/R, R] on the typical element in log scale (a few
+    large ``h`` then do not pull the rest towards 1/R; it trained no better: docs/results.md)."""
+
+    RESTART = RESTART_DEFAULT
+    """The step (completed steps) at which the shared momentum and both residuals restart from zero,
+    the magnitudes ``h`` kept (0: never). What the first steps put there was sent while ``h`` was
+    still flat (all 1 at first), the regime where the compression is worst."""
 
     def __init__(self, world: int, tie: str = "alternate", *, adapt: float = ADAPT_DEFAULT,
-                 shape_range: float = RANGE_DEFAULT):
+                 shape_range: float = RANGE_DEFAULT, norm: str = NORM_DEFAULT, restart: int = RESTART_DEFAULT):
         if tie == "hold":
             raise ValueError("tie='hold' repeats a voted sign; aggregate='mean' votes none (its zeros follow the "
                              "tie rule's parity): use tie='alternate', 'plus' or 'minus'")
         super().__init__(world, None, None, tie)
-        self.adapt, self.shape_range = float(adapt), float(shape_range)
+        if norm not in NORMS:
+            raise ValueError(f"mean_norm must be one of {NORMS}, got {norm!r}")
+        self.adapt, self.shape_range, self.norm, self.restart = float(adapt), float(shape_range), norm, int(restart)
         self.owner_state = "residual"
         self.one_pass = self.repeatable = False  # a residual changes at every encode
 
@@ -182,10 +198,12 @@ class OneBitMean(OneBit):
         (``h`` > 0; all +1 at first), ``tau`` the step's decoded signs (±1, or 0·… where β = 0: its
         sign is taken as +1). A sign that repeats grows ``h`` by γ, one that flips shrinks it by γ
         (adaptive delta modulation: a run of equal signs says the residual outgrows the step);
-        then ``h`` is rescaled to mean 1 over the tensor and clipped to [1/R, R]."""
+        then ``h`` is rescaled to mean 1 over the tensor (its geometric mean, exp of the mean of
+        log h, or its arithmetic mean: :attr:`NORM`) and clipped to [1/R, R]."""
         if self.adapt == 1.0 or not signed.numel():
             return
         up = (signed >= 0) == (tau >= 0)
         h = signed.abs().mul_(torch.where(up, self.adapt, 1.0 / self.adapt))
-        h.div_(h.mean()).clamp_(1.0 / self.shape_range, self.shape_range)
+        centre = h.log().mean().exp() if self.norm == "geometric" else h.mean()
+        h.div_(centre).clamp_(1.0 / self.shape_range, self.shape_range)
         torch.where(tau >= 0, h, h.neg(), out=signed)
