@@ -141,7 +141,8 @@ def train_one(spec: Spec, cache_dir: str, eval_every: int, probe=None) -> dict:
     for step in range(spec.steps):
         for g, b in zip(opt.param_groups, base):
             g["lr"] = b * lr_at(step, spec.steps, spec.warmup, floor=0.1)
-        if spec.lion_restart and step == spec.lion_restart:  # the control of LionCub's mean_restart
+        if spec.momentum_restart and step == spec.momentum_restart:  # the control of LionCub's mean_restart
+            # (Lion's momentum; each worker's own under a vote)
             for state in opt.state.values():
                 state["exp_avg"].zero_()
         x, y = loader.next_batch()

@@ -61,7 +61,7 @@ class Spec:
     mean_range: float = 30.0
     mean_norm: str = "arithmetic"  # LionCub's mean_norm
     mean_restart: int = 0  # LionCub's mean_restart (its default is 50; the first runs had none)
-    lion_restart: int = 0  # vote='grad' only: Lion's momentum set to zero before this step (the control of mean_restart)
+    momentum_restart: int = 0  # the momenta set to zero before this step: the control of mean_restart on Lion, the vote
     beta1: float = 0.9  # Lion's β1: the weight 1 − β1 of the step's gradient against the momentum
     beta2: float = 0.99
     sync: str = "none"
@@ -79,9 +79,9 @@ class Spec:
     warmup: int = 10
 
     def __post_init__(self):
-        if self.lion_restart and (self.vote != "grad" or self.optimizer != "lion"):
-            raise ValueError(f"lion_restart restarts Lion's momentum (vote='grad'); the 1-bit mean has mean_restart, "
-                             f"got vote={self.vote!r}, optimizer={self.optimizer!r}")
+        if self.momentum_restart and (self.aggregate == "mean" or self.optimizer != "lion"):
+            raise ValueError(f"momentum_restart zeroes the momenta of Lion and the votes; the 1-bit mean restarts with "
+                             f"mean_restart, got aggregate={self.aggregate!r}, optimizer={self.optimizer!r}")
 
     def key(self) -> str:
         """Identity of the run without its part/label: equal keys are the same experiment.
@@ -97,7 +97,7 @@ class Spec:
 _LATER_FIELDS = dict(optimizer="lion", layers=2, heads=4, embd=32, block=BLOCK, batch=8, weight_decay=0.1, warmup=10,
                      error_feedback="none", stochastic_signs=False, aggregate="vote",
                      mean_adapt=1.25, mean_range=30.0, mean_norm="arithmetic", mean_restart=0,
-                     lion_restart=0, beta1=0.9)
+                     momentum_restart=0, beta1=0.9)
 # nanoGPT's CPU recipe for Shakespeare: gpt-mini's shape, a global batch of 12 sequences of 64 tokens
 RECIPE = dict(layers=4, heads=4, embd=128, block=64, batch=3, warmup=100, steps=2000)
 ADAMW = dict(optimizer="adamw", lr=1e-3, weight_decay=0.1)
@@ -243,12 +243,13 @@ VOTE_QUALITY = (
     # the momentum and both residuals restart from zero at step 50, the magnitudes h kept (LionCub's default
     # mean_restart), and the same restart of Lion's momentum: does the restart help any Lion, or the mean?
     ("1-bit mean, restart at 50 (onebit-mean-rs50)", "onebit", dict(aggregate="mean", mean_restart=50)),
-    ("Lion, momentum restart at 50 (lion-rs50)", "grad", dict(lion_restart=50)),
+    ("Lion, momentum restart at 50 (lion-rs50)", "grad", dict(momentum_restart=50)),
+    ("1-bit, momentum restart at 50 (onebit-rs50)", "onebit", dict(momentum_restart=50)),
     # ... and at 48 sequences (12 per worker) for the recipe's 2000 steps: part B's B=48@2000 point, whose
     # best lr for Lion and the 1-bit vote was the recipe's 1e-4 (Lion and the vote: part B's records)
     ("B=48@2000 1-bit mean, restart at 50 (onebit-mean-rs50-b48)", "onebit",
      dict(aggregate="mean", mean_restart=50, batch=12)),
-    ("B=48@2000 Lion, momentum restart at 50 (lion-rs50-b48)", "grad", dict(lion_restart=50, batch=12)),
+    ("B=48@2000 Lion, momentum restart at 50 (lion-rs50-b48)", "grad", dict(momentum_restart=50, batch=12)),
 )
 
 

@@ -360,10 +360,12 @@ def test_left_plateau_is_the_first_evaluation_below_the_exit_loss():
     assert study_report.left_plateau(curve[:2]) is None
 
 
-def test_lion_restart_is_lions_only():
-    with pytest.raises(ValueError, match="lion_restart restarts Lion's momentum"):
-        study_plan.Spec("ablate", "x", vote="onebit", lion_restart=50)
-    assert study_plan.Spec("ablate", "x", lion_restart=50).lion_restart == 50
+def test_momentum_restart_is_not_the_means():
+    with pytest.raises(ValueError, match="the 1-bit mean restarts with mean_restart"):
+        study_plan.Spec("ablate", "x", vote="onebit", aggregate="mean", momentum_restart=50)
+    with pytest.raises(ValueError, match="momentum_restart zeroes the momenta of Lion"):
+        study_plan.Spec("ablate", "x", optimizer="adamw", momentum_restart=50)
+    assert study_plan.Spec("ablate", "x", vote="onebit", momentum_restart=50).momentum_restart == 50
 
 
 def test_ablate_plan_applies_each_variant():
