@@ -243,6 +243,8 @@ VOTE_QUALITY = (
     # the momentum and both residuals restart from zero at step 50, the magnitudes h kept (LionCub's default
     # mean_restart), and the same restart of Lion's momentum: does the restart help any Lion, or the mean?
     ("1-bit mean, restart at 50 (onebit-mean-rs50)", "onebit", dict(aggregate="mean", mean_restart=50)),
+    ("1-bit mean, restart at 25 (onebit-mean-rs25)", "onebit", dict(aggregate="mean", mean_restart=25)),
+    ("1-bit mean, restart at 100 (onebit-mean-rs100)", "onebit", dict(aggregate="mean", mean_restart=100)),
     ("Lion, momentum restart at 50 (lion-rs50)", "grad", dict(momentum_restart=50)),
     ("1-bit, momentum restart at 50 (onebit-rs50)", "onebit", dict(momentum_restart=50)),
     # ... and at 48 sequences (12 per worker) for the recipe's 2000 steps: part B's B=48@2000 point, whose
