@@ -19,6 +19,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.dist import run_workers
 
@@ -98,9 +99,10 @@ def test_default_comparison_writes_wellformed_outputs(tmp_path, corpus_cache):
 
 @pytest.mark.parametrize("model_args", [
     pytest.param(["--vote", "onebit", *TINY], marks=pytest.mark.slow),  # ~19 s: two runs and a resume
+    pytest.param(["--vote", "onebit", "--aggregate", "mean", *TINY], marks=pytest.mark.slow),  # the 1-bit mean
     pytest.param(["--vote", "pbit", "--model", "resnet18", "--width", "8", "--batch-size", "8", "--no-progress"],
                  marks=pytest.mark.slow),  # ~20 s; the GPT case runs the same resume path (BN buffers: here only)
-], ids=["gpt-onebit", "resnet-bn"])
+], ids=["gpt-onebit", "gpt-onebit-mean", "resnet-bn"])
 def test_resume_reproduces_uninterrupted_run_bit_for_bit(tmp_path, model_args, corpus_cache):
     common = [*model_args, "--steps", "6", "--eval-every", "3", "--cache-dir", str(corpus_cache)]
     full = tmp_path / "full"
@@ -117,6 +119,10 @@ def test_resume_reproduces_uninterrupted_run_bit_for_bit(tmp_path, model_args, c
     after = read_jsonl(resumed / "metrics.jsonl")
     assert [(r["kind"], r["step"]) for r in after] == [(r["kind"], r["step"]) for r in records]
     assert [r.get("loss", r.get("val_loss")) for r in after] == [r.get("loss", r.get("val_loss")) for r in records]
+    if "mean" in model_args:  # the run was the 1-bit mean (its checkpoint says so); its owner residuals do not reshard
+        saved = torch.load(full / "ckpt" / "step_0000003" / "rank0.pt", weights_only=True)["optimizer"]["lioncub"]
+        assert (saved["config"]["aggregate"], saved["config"]["mean_restart"]) == ("mean", 50)
+        return
     if "resnet18" in model_args:
         return
     # The same checkpoint continued on 3 workers: momenta averaged, data shards re-cut (replicas checked).
@@ -257,6 +263,7 @@ def test_cli_rejects_bad_arguments(capsys):
                            "overlap=True is not supported with local_steps > 1"),
                           (["train", "--no-compare", "--local-steps", "2", "--aggregate", "mean", "--eval-every", "2"],
                            "aggregate='mean' sums L1-quantized lanes"),
+                          (["train", "--no-compare", "--aggregate", "mean"], "it needs vote='onebit' and nodes=1"),
                           (["train", "--no-compare", "--timeout", "0"], "timeout must be > 0"),
                           (["analyze", "--vote", "grad"], "vote must be one of"),
                           (["plot", "/nonexistent-run"], "has no metrics.jsonl")):

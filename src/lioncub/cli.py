@@ -74,7 +74,8 @@ def _add_train(sub) -> None:
     p.add_argument("--outer-lr", type=float, default=d.outer_lr, help="local steps: outer lr (default: %(default)s)")
     p.add_argument("--error-feedback", action="store_true", help="local steps: keep compression residuals")
     p.add_argument("--aggregate", choices=("vote", "mean"), default=d.aggregate,
-                   help="local steps: 'vote' (sign step) or 'mean' (summed L1 lanes; --vote pbit --quantizer l1)")
+                   help="'vote' (sign step) or 'mean': every step, the 1-bit mean (--vote onebit); "
+                   "local steps, summed L1 lanes (--vote pbit --quantizer l1)")
     p.add_argument("--delay", type=int, choices=(0, 1), default=d.delay,
                    help="local steps: 1 streams rounds, each round's exchange overlapped with the next round's "
                    "inner steps and its outer step applied one round late (default: %(default)s)")

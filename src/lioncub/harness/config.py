@@ -216,9 +216,14 @@ class TrainConfig:
         if not self.outer_lr > 0:
             raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}")
         if self.local_steps == 1:
-            changed = [f"{n}={getattr(self, n)!r}" for n, d in _LOCAL_ONLY.items() if getattr(self, n) != d]
+            # aggregate='mean' every step is LionCub's 1-bit mean (vote='onebit'; LionCub checks the rest)
+            changed = [f"{n}={getattr(self, n)!r}" for n, d in _LOCAL_ONLY.items()
+                       if getattr(self, n) != d and n != "aggregate"]
             if changed:
                 raise ValueError(f"{', '.join(changed)} apply to local_steps > 1 only")
+            if self.aggregate == "mean" and (self.vote != "onebit" or self.nodes > 1):
+                raise ValueError("aggregate='mean' every step is the 1-bit mean: it needs vote='onebit' and nodes=1, "
+                                 f"got vote={self.vote!r}, nodes={self.nodes}")
             return
         _choice("vote", self.vote, LOCAL_VOTES + ("auto",))
         if self.aggregate == "mean" and (self.vote != "pbit" or self.quantizer != "l1"):
@@ -259,6 +264,7 @@ class TrainConfig:
             bits = f"-{self.bits}b" if self.bits else ""
             quant = f"-{self.quantizer}" if self.quantizer else ""
             local = f"-h{self.local_steps}-{self.aggregate}" if self.local_steps > 1 else ""
+            local += "-mean" if self.local_steps == 1 and self.aggregate == "mean" else ""
             local += "-streaming" if self.delay else ""
             nodes = f"-{self.nodes}nodes{'' if self.shard else '-unsharded'}" if self.nodes > 1 else ""
             return f"lioncub-{self.vote}{bits}{quant}{local}{nodes}"

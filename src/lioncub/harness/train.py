@@ -200,7 +200,7 @@ def make_optimizer(config: TrainConfig, groups: list[dict], model=None):
         return LionCub(groups, lr=config.lr, betas=config.betas, vote=config.vote, grad_dtype=config.grad_dtype,
                        seed=config.seed, model=model, momentum_sync=config.momentum_sync,
                        sync_every=config.sync_every, nonfinite=config.nonfinite, check_every=config.check_every,
-                       overlap=config.overlap, **extra)
+                       overlap=config.overlap, aggregate=config.aggregate, **extra)
     if config.optimizer == "lion":
         return Lion(groups, lr=config.lr, betas=config.betas)
     return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas)
