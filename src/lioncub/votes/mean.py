@@ -24,6 +24,9 @@ element range rank j owns)::
     ĝ   = m + β·τ                         the same on every rank
     u = sign(β1·m + (1−β1)·ĝ),  θ ← θ·(1 − ηλ) − η·u,  m ← β2·m + (1−β2)·ĝ       (Lion on ĝ)
 
+After ``restart`` steps (``mean_restart``, default 50) ``m`` and both residuals are set to zero on
+every rank, ``h`` kept: what the first steps left there was compressed while ``h`` was still flat.
+
 Zeros of ``v`` and ``s`` follow the tie rule's parity; with the residuals they are as good as either
 sign. The sums of what was sent follow the sums of what was meant within a residual, so
 ``Σ_t ĝ_t`` follows ``Σ_t mean_i g_i``: the momentum, an average over ~1/(1−β2) steps, sees the
