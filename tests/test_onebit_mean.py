@@ -205,7 +205,8 @@ def _reference_run(rank, world, steps, norm, restart):
     return same, torch.equal(r, mine), moved, [p.detach().clone() for p in params], spread, (extra, collectives)
 
 
-@pytest.mark.parametrize("norm, restart", [("arithmetic", RESTART), ("geometric", 0)])
+@pytest.mark.parametrize("norm, restart", [("arithmetic", RESTART),
+                                           pytest.param("geometric", 0, marks=pytest.mark.slow)])  # ~11 s each
 def test_every_step_equals_the_reference_and_the_replicas_agree(norm, restart):
     out = run_workers(_reference_run, WORLD, 6, norm, restart)
     for same, owner_ok, moved, _, spread, (extra, collectives) in out:

@@ -163,7 +163,7 @@ def _stochastic_run(rank, vote, seed, steps, scale=True):
     return out
 
 
-@pytest.mark.parametrize("scale", [True, 1.5])
+@pytest.mark.parametrize("scale", [True, pytest.param(1.5, marks=pytest.mark.slow)])  # 1.5: ~7 s, after the suite
 def test_stochastic_signs_are_the_reference_draws(scale):
     for per_rank in run_workers(_stochastic_runs, WORLD, ["onebit", "gather"], 5, 3, scale):
         assert all(same for per_vote in per_rank for same in per_vote)
