@@ -237,9 +237,6 @@ VOTE_QUALITY = (
     # Lion's β1 for the mean: the decoded innovation ĝ − m carries the compression's error on top of the
     # gradient noise, and 1 − β1 is its weight in the step's sign
     ("1-bit mean, beta1=0.95 (onebit-mean-b0.95)", "onebit", dict(aggregate="mean", beta1=0.95)),
-    ("1-bit mean, beta1=0.95, geometric norm (onebit-mean-geo-b0.95)", "onebit",
-     dict(aggregate="mean", mean_norm="geometric", beta1=0.95)),
-    ("Lion beta1=0.95 (lion-b0.95)", "grad", dict(beta1=0.95)),
     # the momentum and both residuals restart from zero at step 50, the magnitudes h kept (LionCub's default
     # mean_restart), and the same restart of Lion's momentum: does the restart help any Lion, or the mean?
     ("1-bit mean, restart at 50 (onebit-mean-rs50)", "onebit", dict(aggregate="mean", mean_restart=50)),

@@ -110,7 +110,8 @@ class Reference:
     """Every rank's part of the compressed mean, from all ranks' gradients, in plain torch."""
 
     def __init__(self, params, order, norm, restart):
-        self.order, self.norm, self.restart = order, norm, restart  # the message's tensors, in message order: (param index, start element)
+        self.order = order  # the message's tensors, in message order: (param index, start element)
+        self.norm, self.restart = norm, restart
         self.theta = [p.detach().clone() for p in params]
         self.m = [torch.zeros_like(p) for p in params]
         self.shape = [torch.ones(p.numel()) for p in params]  # h·τ_prev, shared
@@ -287,6 +288,7 @@ def test_a_checkpoint_of_the_mean_does_not_load_into_the_vote():
     (dict(vote="onebit", aggregate="mean", mean_restart=-1), "mean_restart must be an int >= 0"),
     (dict(vote="onebit", aggregate="mean", mean_restart=2.5), "mean_restart must be an int >= 0"),
     (dict(vote="onebit", mean_restart=10), "mean_restart applies to aggregate='mean' only"),
+    (dict(vote="pbit", mean_adapt=2.0), "mean_adapt applies to aggregate='mean' only"),
 ])
 def test_what_the_mean_cannot_run_with_is_refused(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -93,9 +93,12 @@ class VoteConfig:
         return dict(vote=self.vote, bits=self.bits, quantizer=self.quantizer, tie=self.tie,
                     grad_dtype=self.grad_dtype, error_feedback=self.error_feedback,
                     stochastic_signs=self.stochastic_signs, aggregate=self.aggregate,
-                    **(dict(mean_adapt=self.mean_adapt, mean_range=self.mean_range, mean_norm=self.mean_norm,
-                            mean_restart=self.mean_restart) if self.aggregate == "mean" else {}))
+                    **({name: getattr(self, name) for name in MEAN_DEFAULTS} if self.aggregate == "mean" else {}))
 
+
+MEAN_DEFAULTS = dict(mean_adapt=OneBitMean.ADAPT, mean_range=OneBitMean.SHAPE_RANGE, mean_norm=OneBitMean.NORM,
+                     mean_restart=OneBitMean.RESTART)
+"""``aggregate='mean'``'s own settings and their defaults (any other aggregate refuses a change)."""
 
 SAVED_BEFORE = {"mean_norm": "arithmetic", "mean_restart": 0}
 """Fingerprint settings added after checkpoints of ``aggregate='mean'`` were first saved, with the
@@ -114,18 +117,15 @@ def check_aggregate(config: "VoteConfig") -> None:
     """Refuse an unknown ``aggregate``, and ``'mean'`` (:mod:`lioncub.votes.mean`) anywhere but on
     ``vote='onebit'`` without the vote's own residuals, draws or held ties."""
     check_choice("aggregate", config.aggregate, AGGREGATES)
-    for name, default in (("mean_adapt", OneBitMean.ADAPT), ("mean_range", OneBitMean.SHAPE_RANGE)):
+    for name in ("mean_adapt", "mean_range"):
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, Real) or not (math.isfinite(value) and value >= 1):
             raise ValueError(f"{name} must be a finite number >= 1, got {value!r}")
-        if config.aggregate != "mean" and value != default:
-            raise ValueError(f"{name} applies to aggregate='mean' only, got aggregate={config.aggregate!r}")
     check_choice("mean_norm", config.mean_norm, NORMS)
-    if config.aggregate != "mean" and config.mean_norm != OneBitMean.NORM:
-        raise ValueError(f"mean_norm applies to aggregate='mean' only, got aggregate={config.aggregate!r}")
     check_int("mean_restart", config.mean_restart, 0)
-    if config.aggregate != "mean" and config.mean_restart != OneBitMean.RESTART:
-        raise ValueError(f"mean_restart applies to aggregate='mean' only, got aggregate={config.aggregate!r}")
+    for name, default in MEAN_DEFAULTS.items():
+        if config.aggregate != "mean" and getattr(config, name) != default:
+            raise ValueError(f"{name} applies to aggregate='mean' only, got aggregate={config.aggregate!r}")
     if config.aggregate != "mean":
         return
     if config.vote != "onebit":
