@@ -1,22 +1,31 @@
 """Run a function on a real multi-process torch.distributed (gloo) group.
 
 Tests call ``run_workers(fn, world_size, *args)``; ``fn(rank, world_size, *args)``
-runs in each spawned worker after ``init_process_group`` and may return a
-picklable value. The list of per-rank return values comes back in rank order.
-An exception in any worker fails the test with that worker's traceback.
+runs in each worker after ``init_process_group`` and may return a picklable value. The list
+of per-rank return values comes back in rank order. An exception in any worker fails the test
+with that worker's traceback.
 
 The workers are started by the library's one local launcher
 (:func:`lioncub.testbed.launch.spawn`, one CPU thread each); this module only turns its
-WorkerError into a test failure. Spawning costs ~2 s per group (torch import), so tests
-batch several checks into one ``fn`` rather than spawning per check.
+WorkerError into a test failure. They are forked from a forkserver that imported torch and
+lioncub once for the whole run (``PRELOAD``): every call still gets fresh processes (no state
+carries from one test to the next: seeds, globals, process groups), with the test's own
+environment and working directory, but skips the ~2 s of imports each spawned interpreter pays.
 """
 from __future__ import annotations
 
-from lioncub.testbed.launch import WorkerError, spawn
+from lioncub.testbed.launch import WorkerError, preload, spawn
+
+PRELOAD = ("torch", "torch.distributed", "numpy", "lioncub", "pytest", "tests.dist")
+"""What the forkserver imports once (not triton or torchft: a test that needs them imports them,
+and triton's interpreter switch must be set before its import)."""
+START_METHOD = "forkserver"
+
+preload(PRELOAD)
 
 
 def run_workers(fn, world_size: int, *args, timeout_s: float = 120.0, allow_exit=(), deadline_s=None):
-    """Spawn ``world_size`` gloo workers running ``fn``; return their results by rank.
+    """Start ``world_size`` gloo workers running ``fn``; return their results by rank.
 
     ``timeout_s`` is the process group's timeout. ``allow_exit``: ranks that may die
     or fail (their result is None) without the others being killed, for tests of
@@ -24,6 +33,7 @@ def run_workers(fn, world_size: int, *args, timeout_s: float = 120.0, allow_exit
     Raises AssertionError naming the failing rank, with its traceback.
     """
     try:
-        return spawn(fn, world_size, *args, timeout_s=timeout_s, deadline_s=deadline_s, allow_exit=allow_exit)
+        return spawn(fn, world_size, *args, timeout_s=timeout_s, deadline_s=deadline_s, allow_exit=allow_exit,
+                     start_method=START_METHOD)
     except WorkerError as exc:
         raise AssertionError(str(exc)) from None

@@ -24,7 +24,7 @@ import threading
 import time
 import traceback
 
-__all__ = ["WorkerError", "free_port", "spawn"]
+__all__ = ["WorkerError", "free_port", "spawn", "preload"]
 
 
 class WorkerError(RuntimeError):
@@ -51,11 +51,16 @@ def _one_thread(rank: int, world_size: int) -> str:
     return "gloo"
 
 
-def _entry(rank, world_size, port, fn, args, out_dir, timeout_s, setup, keep):
+def _entry(rank, world_size, port, job, out_dir, timeout_s, keep, env, cwd):
     import torch.distributed as dist
 
     path = os.path.join(out_dir, f"{rank}.pkl")
     try:
+        if env is not None:  # a forkserver's child: the caller's environment and directory, not the server's
+            os.environ.clear()
+            os.environ.update(env)
+            os.chdir(cwd)
+        fn, args, setup = pickle.loads(job)  # after the environment: unpickling imports fn's module
         backend = (setup or _one_thread)(rank, world_size)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
@@ -84,7 +89,7 @@ def _raise_exit(signum, frame):
 
 
 def spawn(fn, nproc: int, *args, timeout_s: float = 600.0, deadline_s: float | None = None,
-          allow_exit=(), setup=None, keep=None) -> list:
+          allow_exit=(), setup=None, keep=None, start_method: str = "spawn") -> list:
     """Run ``fn(rank, nproc, *args)`` on ``nproc`` local workers; return their results by rank.
 
     Args:
@@ -97,6 +102,11 @@ def spawn(fn, nproc: int, *args, timeout_s: float = 600.0, deadline_s: float | N
             (threads, environment, device); default one CPU thread and gloo.
         keep: ranks whose results come back (default all; the others' are None), for results
             that only one rank's copy of is wanted.
+        start_method: ``'spawn'`` (a fresh interpreter per worker) or ``'forkserver'``: each worker
+            forked from one server process that imported the modules of :func:`preload` once, so a
+            group starts in milliseconds instead of seconds of imports; still a fresh process per
+            worker (nothing carries over between calls), with the caller's environment and working
+            directory applied before ``fn`` is unpickled.
 
     Raises WorkerError for the first failing rank not in ``allow_exit``. A SIGTERM to the
     launcher (from the main thread) kills the workers too.
@@ -105,14 +115,18 @@ def spawn(fn, nproc: int, *args, timeout_s: float = 600.0, deadline_s: float | N
 
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc must be an int >= 1; got {nproc!r}")
+    if start_method not in ("spawn", "forkserver"):
+        raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {start_method!r}")
     allow_exit = set(allow_exit)
     keep = None if keep is None else set(keep)
+    job = pickle.dumps((fn, args, setup))
+    env, cwd = (dict(os.environ), os.getcwd()) if start_method == "forkserver" else (None, None)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the rendezvous is on loopback
     deadline = time.monotonic() + (2 * timeout_s if deadline_s is None else deadline_s)
     main = threading.current_thread() is threading.main_thread()
     with tempfile.TemporaryDirectory(prefix="lioncub-spawn-") as out_dir:
-        ctx = mp.start_processes(_entry, args=(nproc, free_port(), fn, args, out_dir, timeout_s, setup, keep),
-                                 nprocs=nproc, join=False, start_method="spawn")
+        ctx = mp.start_processes(_entry, args=(nproc, free_port(), job, out_dir, timeout_s, keep, env, cwd),
+                                 nprocs=nproc, join=False, start_method=start_method)
         procs = ctx.processes
         previous = signal.signal(signal.SIGTERM, _raise_exit) if main else None
         try:
@@ -143,6 +157,15 @@ def spawn(fn, nproc: int, *args, timeout_s: float = 600.0, deadline_s: float | N
                 raise _first_failure(out_dir, procs, [r], allow_exit)
             results.append(payload if status == "ok" else None)
         return results
+
+
+def preload(modules) -> None:
+    """Modules the forkserver imports once, before its first fork (``start_method='forkserver'``).
+    Call before the first forkserver spawn of the process; later calls have no effect on a server
+    already running."""
+    import multiprocessing
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(modules))
 
 
 def _first_failure(out_dir: str, procs, failed: list[int], allow_exit: set) -> WorkerError:
