@@ -6,7 +6,10 @@ reference. Each trains a small MLP on its own seeded batches (replica r's batch 
 step t depends on (r, t) only), and appends a JSON line per committed round to ``--out``:
 the round, the participants and contributors, and the parameters' float64 sum and a hash of
 their bytes. ``--die-at-step K`` ends this process with SIGKILL just before inner step K
-(``--die-in-agreement``: inside the next round's agreement instead, after the quorum formed).
+``--fault REPLICA:ROUND:POINT[:ACTION[:TIMES]]`` (repeatable): a failure at a chosen point of a
+round (lioncub.ft.faults; only this replica's apply). ``--nan-at REPLICA:K``: that replica's gradient
+is NaN at its inner step K (once). A QuorumError ends the process with exit code 3 and its message on
+stderr.
 """
 from __future__ import annotations
 
@@ -42,20 +45,24 @@ def main() -> None:
     ap.add_argument("--master-port", type=int, default=0)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=0, help="stop after this many committed rounds (0: --steps)")
+    ap.add_argument("--stop-file", default="", help="--rounds under torchft: ask to stop only once this file exists")
     ap.add_argument("--H", type=int, default=4)
     ap.add_argument("--vote", default="grad")
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--die-at-step", type=int, default=-1)
-    ap.add_argument("--die-in-agreement", action="store_true")
+    ap.add_argument("--fault", action="append", default=[])
+    ap.add_argument("--nan-at", default="-1:-1", help="REPLICA:STEP")
+    ap.add_argument("--max-attempts", type=int, default=20)
     ap.add_argument("--save", default="", help="torch.save the optimizer state here after training")
     ap.add_argument("--load", default="", help="load the optimizer and model state from here first")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    from lioncub.ft import QuorumError  # (importable without torchft: only FTLocalCub needs it)
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     kw = dict(lr=1e-2, local_steps=a.H, inner="adamw", outer="nesterov", outer_lr=0.7, outer_momentum=0.9,
-              weight_decay=0.01)
+              weight_decay=0.01, nonfinite="skip")
     if a.vote == "mean8":
         kw.update(vote="pbit", bits=8, quantizer="l1", aggregate="mean", error_feedback=True)
     else:
@@ -70,7 +77,9 @@ def main() -> None:
     else:
         from lioncub.ft import FTLocalCub, make_manager
         manager = make_manager(str(a.replica), a.lighthouse, min_replicas=2, timeout_s=3.0, quorum_timeout_s=30.0)
-        opt = FTLocalCub(model.parameters(), manager, **kw)
+        opt = FTLocalCub(model.parameters(), manager, max_attempts=a.max_attempts, **kw)
+        from lioncub.ft.faults import install, parse_fault
+        install(opt, [parse_fault(spec) for spec in a.fault], a.replica)
     if a.load:
         saved = torch.load(a.load, map_location="cpu", weights_only=True)
         model.load_state_dict(saved["model"])
@@ -81,7 +90,8 @@ def main() -> None:
 
     def log_round() -> None:
         digest, total = params_digest(model)
-        rec = dict(replica=a.replica, round=opt.rounds, digest=digest, sum=total, t=time.time() - t0)
+        rec = dict(replica=a.replica, round=opt.rounds, digest=digest, sum=total, t=time.time() - t0,
+                   skipped=opt.skipped_rounds)
         if manager is not None:
             rec.update(participants=opt.participants, contributors=opt.contributors, uncommitted=opt.uncommitted,
                        heals=opt.heals, stall=opt.last_stall_s, wall=time.time())
@@ -93,33 +103,35 @@ def main() -> None:
         opt.join()  # the quorum (and a heal, for a replica that restarts) before the first inner step
         if opt.rounds != before:  # it healed, then took the round's outer step with the others
             log_round()
-    if a.die_in_agreement:  # die inside the agreement of the round in which step die_at_step falls
-        from lioncub import comm
-        original, target = comm.all_reduce, a.die_at_step
-
-        def dying(t, group=None, stats=None, **kw):
-            if opt.rounds * a.H >= target and t.dtype != torch.float64:  # the round's data, after its head
-                os.kill(os.getpid(), signal.SIGKILL)
-            return original(t, group, stats, **kw)
-        comm.all_reduce = dying
     start_step = opt.rounds * a.H + opt.local_step
     step = start_step
     while True:
-        if a.rounds and opt.rounds >= a.rounds:
+        if a.rounds and manager is None and opt.rounds >= a.rounds:
             break
+        if a.rounds and manager is not None:  # stop together, at the commit that carries the first request
+            if opt.stop_agreed:
+                break
+            opt.stop_requested = opt.rounds >= a.rounds - 1 and (not a.stop_file or os.path.exists(a.stop_file))
         if not a.rounds and step >= a.steps:
             break
-        if step == a.die_at_step and not a.die_in_agreement:
+        if step == a.die_at_step:
             os.kill(os.getpid(), signal.SIGKILL)
         x, y = batch(a.replica, step)
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
-        before = opt.rounds
-        opt.step()
+        if [a.replica, step] == [int(x) for x in a.nan_at.split(":")] and opt.skipped_rounds == 0:
+            model[0].weight.grad[0, 0] = float("nan")
+        before, skipped = opt.rounds, opt.skipped_rounds
+        try:
+            opt.step()
+        except QuorumError as exc:
+            print(f"QuorumError: {exc}", file=sys.stderr, flush=True)
+            log.close()
+            os._exit(3)
         if a.step_sleep:
             time.sleep(a.step_sleep)
         step = opt.rounds * a.H + opt.local_step
-        if opt.rounds != before:
+        if opt.rounds != before or opt.skipped_rounds != skipped:
             log_round()
     if a.save:
         torch.save(dict(model=model.state_dict(), opt=opt.state_dict()), a.save)

@@ -125,6 +125,10 @@ def _add_train(sub) -> None:
     ft.add_argument("--min-replicas", type=int, default=2, help="--ft: replicas a round needs (default: %(default)s)")
     ft.add_argument("--kill-every", type=float, default=0.0, metavar="SECONDS",
                     help="--ft: SIGKILL a replica every SECONDS (round-robin; 0 = no failures)")
+    ft.add_argument("--ft-fault", action="append", default=[], metavar="REPLICA:ROUND:POINT[:ACTION]",
+                    help="--ft: a failure at a chosen point of a round instead of a clock (repeatable; POINT inner, "
+                    "head, lanes or commit; ACTION kill (default; restarted --restart-after seconds later) or "
+                    "error: docs/fault_tolerance.md)")
     ft.add_argument("--restart-after", type=float, default=5.0, metavar="SECONDS",
                     help="--ft: restart a killed replica after SECONDS (default: %(default)s)")
     ft.add_argument("--heartbeat-ms", type=int, default=1000,

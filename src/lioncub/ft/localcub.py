@@ -137,6 +137,11 @@ class FTLocalCub(LocalCub):
     round), ``contributors`` (its C), ``last_stall_s`` (seconds from the round's end to its
     commit, quorums and retries included).
 
+    ``fault_hook``: None, or ``fault_hook(point, round)`` called at the first inner step of a round
+    (``'inner'``), after its quorum (``'head'``), before its data all-reduce (``'lanes'``) and before
+    ``should_commit()`` (``'commit'``) of every contributing agreement: failures at chosen points,
+    armed by :func:`lioncub.ft.faults.install`.
+
     Stopping together: a replica that sets ``stop_requested = True`` (its clock ran out) says so
     in the next agreement; ``stop_agreed`` then turns True on every replica of that commit at
     once, so no replica is left waiting for a quorum that will not come.
@@ -165,6 +170,7 @@ class FTLocalCub(LocalCub):
         self._joined, self._healed = False, False
         self.stop_requested, self.stop_agreed = False, False
         self._methods: dict = {}
+        self.fault_hook = None  # fault_hook(point, round): failures at chosen points (lioncub.ft.faults)
         manager.register_state_dict_fn("lioncub", self._load_heal, self._heal_state)
 
     # ------------------------------------------------------------------ step
@@ -172,6 +178,8 @@ class FTLocalCub(LocalCub):
     def step(self, closure=None, grad_scaler=None):
         if not self._joined:  # a (re)started replica's empty agreement: the quorum, maybe a heal
             self.join()
+        if self.local_step == 0:
+            self._fault("inner", True)
         return super().step(closure, grad_scaler)
 
     @torch.no_grad()
@@ -184,6 +192,10 @@ class FTLocalCub(LocalCub):
 
     def _round(self) -> None:
         self._agree(contributing=True)
+
+    def _fault(self, point: str, contributing: bool) -> None:
+        if self.fault_hook is not None and contributing:
+            self.fault_hook(point, self.rounds + 1)
 
     def _method(self, P: int):
         if P not in self._methods:  # lanes sized for the quorum's P (every member builds the same)
@@ -198,6 +210,7 @@ class FTLocalCub(LocalCub):
         for _ in range(self.max_attempts):
             stats = comm.step_stats(self.device)
             self._start_quorum()
+            self._fault("head", contributing)
             took_part = contributing and not self._healed
             if took_part:
                 delta = torch.cat([(s["start"].float() - p.float()).reshape(-1) for s, p in zip(states, self.params)])
@@ -222,6 +235,7 @@ class FTLocalCub(LocalCub):
             bad, C = int(round(host[0])), int(round(host[1]))
             d = sent = None
             if self.manager.errored() is None and bad == 0 and C > 0:
+                self._fault("lanes", contributing)
                 if mean:
                     lanes = self._method(P)
                     units, q, msg = lanes.lane_message(v, sizes, [x / C for x in host[3:]])
@@ -233,6 +247,7 @@ class FTLocalCub(LocalCub):
                     d = v.clone()
                     comm.all_reduce(d, group, stats)
                     d /= C
+            self._fault("commit", contributing)
             if self.manager.should_commit():
                 break
             self.uncommitted += 1  # θ_s, outer state and residuals untouched: retry on a new quorum

@@ -12,7 +12,8 @@ Two roles, both reached from the CLI:
   behind a shaped link (``--link``), kills one with SIGKILL every ``--kill-every`` seconds
   (round-robin over the replicas, from the last) and restarts it ``--restart-after`` seconds
   later, then reads the logs into a summary (``OUT/ft_summary.json``): rounds and steps per
-  second, the stall each failure cost, uncommitted rounds, heals, lost or repeated rounds, the
+  second, the stall each failure cost, uncommitted rounds, heals, lost or repeated rounds (and the
+  rounds a live replica took from a peer by a heal, after its own agreement did not commit), the
   final loss and whether the replicas ended identical.
 
 The replicas stop together: each asks to stop once the run's deadline passed
@@ -52,6 +53,7 @@ class FTPlan:
     timeout_s: float = 10.0  # a collective's limit: the longest a death inside one stalls the others
     rejoin_margin_s: float = 15.0  # no kill later than this (plus restart_after) before the deadline
     link: Optional[str] = None  # a rate (testbed, root), or None: loopback
+    faults: tuple = ()  # lioncub.ft.faults specs, REPLICA:ROUND:POINT[:ACTION], each armed in its replica's first life
 
     def check(self) -> "FTPlan":
         if self.replicas < 2:
@@ -63,6 +65,14 @@ class FTPlan:
         if self.kill_every and self.replicas - 1 < self.min_replicas:
             raise ValueError(f"--kill-every needs --replicas > --min-replicas (a kill leaves {self.replicas - 1} "
                              f"of the {self.min_replicas} a round needs)")
+        from .faults import parse_fault
+
+        for spec in self.faults:
+            fault = parse_fault(spec)
+            if fault.replica >= self.replicas:
+                raise ValueError(f"--ft-fault {spec}: replica must be < --replicas ({self.replicas})")
+        if self.faults and self.kill_every:
+            raise ValueError("--ft-fault and --kill-every are two schedules of failures: give one")
         return self
 
 
@@ -73,10 +83,12 @@ def params_digest(params) -> str:
 
 
 def replica_main(config, replica: int, replicas: int, lighthouse: str, *, host: str = "127.0.0.1",
-                 deadline: Optional[float] = None, min_replicas: int = 2, timeout_s: float = 10.0) -> int:
+                 deadline: Optional[float] = None, min_replicas: int = 2, timeout_s: float = 10.0,
+                 faults=()) -> int:
     """One replica's run (see the module docstring); returns the exit code. ``deadline``: the
     wall time after which it asks to stop; None: ``config.time_budget`` seconds after it joined
-    (the replicas of a fresh start join at the same commit)."""
+    (the replicas of a fresh start join at the same commit). ``faults``: the
+    :class:`~lioncub.ft.faults.Fault` s to arm (this replica's only fire)."""
     import torch.distributed as dist
 
     from ..harness.models import build_model, param_groups
@@ -98,6 +110,9 @@ def replica_main(config, replica: int, replicas: int, lighthouse: str, *, host: 
                      inner=config.inner, vote=config.vote, outer=config.outer, outer_lr=config.outer_lr,
                      error_feedback=config.error_feedback, aggregate=config.aggregate, model=model,
                      nonfinite=config.nonfinite, **lane_options(config))
+    from .faults import install
+
+    install(opt, faults, replica)
     os.makedirs(config.out, exist_ok=True)
     log = open(os.path.join(config.out, f"replica_{replica}.jsonl"), "a")
     params = [p for g in groups for p in g["params"]]
@@ -152,6 +167,7 @@ class _Replica:
     proc: Optional[subprocess.Popen] = None
     lives: int = 0
     down_since: Optional[float] = None
+    kill_planned: bool = False  # a kill fault is armed in this life: its SIGKILL is a scheduled kill
 
 
 @dataclass
@@ -221,8 +237,12 @@ def run_ft(config, plan: FTPlan, replica_argv: list[str], *, budget: float) -> F
                 env["GLOO_SOCKET_IFNAME"] = testbed.ifnames[k]
                 argv = ["ip", "netns", "exec", testbed.namespaces[k]] + argv
             replicas.append(_Replica(k, argv, env))
+        from .faults import parse_fault
+
         for r in replicas:
-            _start(r)
+            mine = [spec for spec in plan.faults if parse_fault(spec).replica == r.index]
+            _start(r, [arg for spec in mine for arg in ("--ft-fault", spec)])
+            r.kill_planned = any(parse_fault(spec).action == "kill" for spec in mine)
         _supervise(config, plan, replicas, run, budget)
     finally:
         if lighthouse_proc is not None:
@@ -249,6 +269,7 @@ def _start(r: _Replica, extra: tuple = ()) -> None:
                               stderr=subprocess.PIPE, text=True)
     r.lives += 1
     r.down_since = None
+    r.kill_planned = False
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -308,6 +329,10 @@ def _supervise(config, plan: FTPlan, replicas: list, run: FTRun, budget: float) 
                     run.late.append(r.index)
             for r in replicas:
                 r.down_since = None
+        for r in replicas:  # a replica killed by its armed fault: a scheduled kill, restarted on schedule
+            if r.kill_planned and r.proc.poll() == -signal.SIGKILL and r.down_since is None:
+                r.down_since, r.kill_planned = time.time(), False
+                run.kills.append(dict(replica=r.index, wall=r.down_since))
         for r in replicas:  # a replica that failed on its own is an error of the run, not a scheduled kill
             if r.proc is not None and r.proc.poll() not in (None, 0) and r.down_since is None:
                 err = r.proc.stderr.read()[-3000:]
@@ -353,15 +378,19 @@ def summarize(out: str, plan: FTPlan, run: FTRun, *, budget: float) -> dict:
     """Throughput, stalls per failure, rounds lost or repeated, the end state (see the module docstring)."""
     logs = read_logs(out, plan.replicas)
     commits: dict[int, float] = {}  # round -> its earliest commit time on any replica
-    lost_or_repeated = 0
+    lost_or_repeated, healed_over = 0, 0
     for log in logs:
-        life: list[int] = []
+        life: list[tuple[int, int]] = []  # (round, heals) of each commit of this life
         for rec in log + [dict(kind="start")]:
             if rec["kind"] == "start":  # a life's rounds must follow one another: none skipped, none twice
-                lost_or_repeated += sum(1 for a, b in zip(life, life[1:]) if b != a + 1)
+                for (a, heals_a), (b, heals_b) in zip(life, life[1:]):
+                    if b > a + 1 and heals_b > heals_a:  # it did not commit a round its peers did, then healed
+                        healed_over += b - a - 1
+                    elif b != a + 1:
+                        lost_or_repeated += 1
                 life = []
             elif rec["kind"] == "round":
-                life.append(rec["round"])
+                life.append((rec["round"], rec.get("heals", 0)))
                 commits[rec["round"]] = min(commits.get(rec["round"], rec["wall"]), rec["wall"])
     finals = [next((r for r in reversed(log) if r["kind"] == "final"), None) for log in logs]
     rounds = sorted(commits)
@@ -399,7 +428,7 @@ def summarize(out: str, plan: FTPlan, run: FTRun, *, budget: float) -> dict:
         stall_max_s=max([s for s in stalls if s is not None], default=None),
         rejoin_s=rejoin, uncommitted=max((r.get("uncommitted", 0) for log in logs for r in log), default=0),
         heals=sum(1 for log in logs for r in log if r["kind"] == "joined" and r.get("heals", 0)),
-        lost_or_repeated_rounds=lost_or_repeated,
+        lost_or_repeated_rounds=lost_or_repeated, healed_over_rounds=healed_over,
         finished=len(done), identical=len({f["digest"] for f in done}) == 1 if done else False,
         final_round=done[0]["round"] if done else None,
         val_loss=done[0].get("val_loss") if done else None, budget_s=budget)
@@ -414,7 +443,8 @@ def format_summary(summary: dict, plan: FTPlan, H: int) -> str:
              f"(H={H}; median round {s['round_s_median']:.2f} s, of which {s['agree_s_median']:.2f} s agreeing), "
              f"{s['replica_rounds_per_s'] * H:.2f} replica-steps/s",
              f"  kills {s['kills']}, restarts {s['restarts']}, uncommitted agreements {s['uncommitted']}, "
-             f"lost or repeated rounds {s['lost_or_repeated_rounds']}"]
+             f"lost or repeated rounds {s['lost_or_repeated_rounds']}, rounds taken from a peer by a heal after "
+             f"an uncommitted agreement {s['healed_over_rounds']}"]
     if s["stall_mean_s"] is not None:
         lines.append(f"  stall per failure: mean {s['stall_mean_s']:.2f} s, max {s['stall_max_s']:.2f} s")
     lines.append(f"  replicas finished {s['finished']}, identical at the end: {s['identical']}, "
