@@ -313,6 +313,23 @@ def test_bad_settings_are_refused():
         FTLocalCub(p, NoManager(), vote="grad", max_attempts=0)
 
 
+def test_bad_fault_specs_are_refused_in_one_line():
+    from lioncub.ft.faults import Fault, parse_fault
+    from lioncub.ft.train import FTPlan
+
+    assert parse_fault("2:5:lanes") == Fault(2, 5, "lanes", "kill")
+    assert parse_fault("1:3:commit:error") == Fault(1, 3, "commit", "error")
+    for spec, message in (("2:5", "REPLICA:ROUND:POINT"), ("a:5:head", "REPLICA:ROUND:POINT"),
+                          ("2:5:middle", "point must be one of inner, head, lanes, commit"),
+                          ("2:5:head:explode", "action must be one of kill, error"), ("2:0:head", "round >= 1")):
+        with pytest.raises(ValueError, match=message):
+            parse_fault(spec)
+    with pytest.raises(ValueError, match=r"--ft-fault 3:5:head: replica must be < --replicas \(3\)"):
+        FTPlan(faults=("3:5:head",)).check()
+    with pytest.raises(ValueError, match="--ft-fault and --kill-every"):
+        FTPlan(faults=("1:5:head",), kill_every=10).check()
+
+
 def test_no_quorum_in_time_is_a_clear_error():
     """A lone replica under min_replicas=2: QuorumError naming min_replica_size and the timeout."""
     import torch
