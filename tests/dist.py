@@ -14,14 +14,34 @@ environment and working directory, but skips the ~2 s of imports each spawned in
 """
 from __future__ import annotations
 
+import os
+
 from lioncub.testbed.launch import WorkerError, preload, spawn
 
-PRELOAD = ("torch", "torch.distributed", "numpy", "lioncub", "pytest", "tests.dist")
-"""What the forkserver imports once (not triton or torchft: a test that needs them imports them,
-and triton's interpreter switch must be set before its import)."""
+PRELOAD = ("torch", "torch.distributed", "torch.optim", "torch._dynamo", "numpy", "lioncub", "pytest", "tests.dist")
+"""What the forkserver imports once. ``torch._dynamo``: every ``torch.optim.Optimizer`` imports it
+on construction (~3 s of CPU per worker otherwise); it imports triton where triton is installed,
+so the server starts with ``TRITON_INTERPRET=1`` (workers have no GPU: triton can only interpret,
+and tests/test_triton.py's kernels call triton.language's own, which must be interpreted too)."""
 START_METHOD = "forkserver"
 
-preload(PRELOAD)
+
+def _start_server() -> None:
+    import multiprocessing.forkserver
+
+    preload(PRELOAD)
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        multiprocessing.forkserver.ensure_running()  # (imports PRELOAD while collection goes on)
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+_start_server()
 
 
 def run_workers(fn, world_size: int, *args, timeout_s: float = 120.0, allow_exit=(), deadline_s=None):
