@@ -204,9 +204,21 @@ def _marked(item) -> list[str]:
     return names + [_norm(n) for mark in item.iter_markers("requires") for n in mark.args]
 
 
+def imported_tests(items) -> list[str]:
+    """Collected test functions that a test module imported rather than defined (a library function
+    whose name starts with ``test`` becomes a "test" that checks nothing of its own)."""
+    return [item.nodeid for item in items if isinstance(item, pytest.Function) and item.module is not None
+            and getattr(item.function, "__module__", item.module.__name__) != item.module.__name__]
+
+
 def pytest_collection_modifyitems(items):
     """A marked test that lacks a requirement not named in LIONCUB_REQUIRE gets a skip mark (its
-    own location in the report); each requirement probed once."""
+    own location in the report); each requirement probed once. A test function a module imported
+    stops the run (``imported_tests``)."""
+    imported = imported_tests(items)
+    if imported:
+        raise pytest.UsageError(f"collected functions imported into a test module, not defined there: {imported}; "
+                                "import them under a name that does not start with 'test'")
     wanted, why = required(), {}
     for item in items:
         for name in _marked(item):

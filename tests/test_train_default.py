@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from lioncub.cli import DEFAULT_LINK, TESTBED_SWITCH, loopback_note, testbed_unavailable
+from lioncub.cli import DEFAULT_LINK, TESTBED_SWITCH, loopback_note
+from lioncub.cli import testbed_unavailable as _testbed_unavailable  # (its name starts with "test": pytest would run it)
 
 from tests.test_harness_train import ROOT, read_csv, read_jsonl
 
@@ -85,13 +86,13 @@ def test_link_none_forces_loopback_without_the_note(tmp_path, corpus_cache):
 
 def test_availability_switch(monkeypatch):
     monkeypatch.setenv(TESTBED_SWITCH, "off")
-    assert testbed_unavailable() == f"{TESTBED_SWITCH}=off turns the emulated link off"
+    assert _testbed_unavailable() == f"{TESTBED_SWITCH}=off turns the emulated link off"
 
 
 @pytest.mark.slow  # the whole default comparison (~18 s): .ci/run runs it after the suite
 @pytest.mark.root
 def test_default_runs_behind_the_emulated_link_and_tears_it_down(tmp_path, corpus_cache):
-    assert testbed_unavailable() is None  # root, ip, tc and namespaces: the default goes behind the link
+    assert _testbed_unavailable() is None  # root, ip, tc and namespaces: the default goes behind the link
     before = _namespaces()
     out = tmp_path / "cmp"
     proc = _train(*TINY, "--budget", "3", "--out", str(out), "--cache-dir", str(corpus_cache))
