@@ -27,21 +27,20 @@ START_METHOD = "forkserver"
 
 
 def _start_server() -> None:
+    """Start the forkserver if it is not running (at the first call: a session that runs no group
+    never pays for it; again if it died)."""
     import multiprocessing.forkserver
 
     preload(PRELOAD)
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        multiprocessing.forkserver.ensure_running()  # (imports PRELOAD while collection goes on)
+        multiprocessing.forkserver.ensure_running()
     finally:
         if saved is None:
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = saved
-
-
-_start_server()
 
 
 def run_workers(fn, world_size: int, *args, timeout_s: float = 120.0, allow_exit=(), deadline_s=None):
@@ -52,6 +51,7 @@ def run_workers(fn, world_size: int, *args, timeout_s: float = 120.0, allow_exit
     worker failure. ``deadline_s`` bounds the whole run (default ``2 * timeout_s``).
     Raises AssertionError naming the failing rank, with its traceback.
     """
+    _start_server()
     try:
         return spawn(fn, world_size, *args, timeout_s=timeout_s, deadline_s=deadline_s, allow_exit=allow_exit,
                      start_method=START_METHOD)
