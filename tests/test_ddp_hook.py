@@ -204,3 +204,48 @@ def _nodecub_worker(rank, world):
 def test_ddp_hook_refuses_a_nodecub():
     """NodeCub runs its own in-node mean and cross-node vote; the DDP hook refuses it in one line."""
     assert all(run_workers(_nodecub_worker, 2))
+
+
+_REFUSED = [  # what the DDP hook cannot carry: the option, and the words the refusal must say
+    (dict(vote="onebit", aggregate="mean"), "aggregate='mean' updates its residuals"),
+    (dict(vote="pbit", error_feedback="worker"), "error_feedback='worker'"),
+    (dict(vote="onebit", error_feedback="worker"), "error_feedback='worker'"),
+    (dict(vote="onebit", error_feedback="server"), "error_feedback='server' keeps the chunk owners' residuals"),
+    (dict(vote="onebit", error_feedback="both"), "error_feedback='both'"),
+    (dict(vote="pbit", stochastic_signs=True), "stochastic_signs=True"),
+    (dict(vote="onebit", tie="hold"), "tie='hold' keeps the chunk owners' last votes"),
+]
+
+
+def _hook_refusals(rank, world):
+    """Each option through the DDP comm hook itself (register(), not overlap=True): refused in one line
+    naming the hook and the option, the optimizer left undriven and the DDP model without a hook (a
+    valid registration then works); a GradScaler under the hook is refused at its step."""
+    out = []
+    for cfg, _ in _REFUSED:
+        _, _, ddp, opt = _pair(cfg)
+        try:
+            register(ddp, opt)
+            out.append(None)
+        except ValueError as exc:
+            out.append(str(exc))
+        assert opt.driver is None and getattr(ddp, "_lioncub_vote", None) is None
+        register(ddp, LionCub(ddp.parameters(), lr=0.01, vote="pbit"))  # the model still takes a hook
+    _, _, ddp, opt = _pair(dict(vote="pbit"))
+    register(ddp, opt)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(_loss(ddp, rank, 0)).backward()
+    try:
+        scaler.step(opt)
+        out.append(None)
+    except ValueError as exc:
+        out.append(str(exc))
+    return out
+
+
+def test_the_ddp_hook_refuses_what_it_cannot_carry():
+    for messages in run_workers(_hook_refusals, 2):
+        for (cfg, words), msg in zip(_REFUSED, messages):
+            assert msg is not None and "\n" not in msg, cfg
+            assert msg.startswith("DDPVote ") and words in msg and "the DDP hook" in msg, (cfg, msg)
+        assert messages[-1] is not None and "GradScaler" in messages[-1] and "DDP hook" in messages[-1]
