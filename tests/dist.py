@@ -31,6 +31,9 @@ def _start_server() -> None:
     never pays for it; again if it died)."""
     import multiprocessing.forkserver
 
+    from lioncub import fused
+
+    fused.available()  # the C loops built once, into the run's LIONCUB_CACHE: workers load them, none compiles
     preload(PRELOAD)
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
