@@ -320,3 +320,21 @@ def test_loading_a_live_state_dict_does_not_share_momenta():
     twin.step()
     assert all(torch.equal(opt.state[p]["exp_avg"], m) for p, m in zip(a.parameters(), before))
     assert not all(torch.equal(twin.state[q]["exp_avg"], m) for q, m in zip(b.parameters(), before))
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+def test_a_localcub_checkpoint_on_another_world_size_is_refused_in_one_line(delay):
+    """LocalCub's per-worker state has no rule that would make it another world's: the harness's resume
+    refuses it naming both sizes, instead of loading one worker's state everywhere or pointing at
+    reshard_states (which reads LionCub's only)."""
+    from lioncub import LocalCub
+    from lioncub.harness.checkpoint import reshard_optimizer
+
+    params = [torch.nn.Parameter(torch.ones(3))]
+    opt = LocalCub(params, lr=1e-2, local_steps=2, vote="grad", delay=delay)
+    params[0].grad = torch.ones(3)
+    opt.step()
+    states = [opt.state_dict(), opt.state_dict()]
+    with pytest.raises(ValueError, match=r"^--resume: this checkpoint was saved by LocalCub on 2 workers and this "
+                                         r"run has 3: .* resume it on 2 workers$"):
+        reshard_optimizer(states, opt, 0, 3)

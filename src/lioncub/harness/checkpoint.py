@@ -29,7 +29,9 @@ Resuming on another world size (:func:`load_checkpoint` reads every old
   rank starts from the old ranks' mean momentum; step parity carries over). The
   ``pbit`` lane width and ``vote='auto'``'s pick are the new world's (the old
   width could overflow with more workers). Lion/AdamW state (identical on all
-  ranks under the gradient allreduce): old rank 0's.
+  ranks under the gradient allreduce): old rank 0's. LocalCub (``delay=1`` too) is
+  refused in one line: its inner optimizer's moments, residuals and a round in
+  progress are per worker, with no rule that would make them another world's.
 - model buffers (BatchNorm statistics, per rank): floating ones averaged over the
   old ranks, the others (counters) from old rank 0.
 - data position: the shards are re-cut for the new world, so a position cannot
@@ -291,6 +293,10 @@ def reshard_optimizer(states: list[dict], optimizer, rank: int, world: int) -> d
     if "nodecub" in states[0]:
         raise ValueError(f"--resume: this checkpoint was saved by a --nodes run of {len(states)} ranks; it resumes "
                          f"on {len(states)} ranks in the same nodes only (this run has {world})")
+    if "local" in states[0]:
+        raise ValueError(f"--resume: this checkpoint was saved by LocalCub on {len(states)} workers and this run has "
+                         f"{world}: LocalCub's per-worker state (its inner optimizer's moments, error-feedback "
+                         f"residuals, a round in progress) does not reshard; resume it on {len(states)} workers")
     if "lioncub" not in states[0]:
         return states[0]  # Lion / AdamW under a gradient allreduce: the same state on every rank
     from .. import votes
