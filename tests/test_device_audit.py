@@ -48,6 +48,15 @@ def test_path_keeps_every_collective_on_the_device_within_its_sync_budget(rows, 
     assert row["max_syncs_per_step"] <= BUDGET[name], row["worst_step_syncs"]
 
 
+def test_every_constructor_option_has_an_audited_path():
+    """An option added to LionCub, LocalCub or NodeCub (or a state-keeping option of NodeCub's vote)
+    that no audited path sets fails here until a path sets it (or NOT_PATH_CHANGING says why it
+    need not)."""
+    from lioncub.testing.paths import uncovered_options
+
+    assert uncovered_options() == {"LionCub": set(), "LocalCub": set(), "NodeCub": set(), "NodeCub vote_args": set()}
+
+
 def test_every_lioncub_step_reads_the_host_once(rows):
     """The target: one host read per LionCub step (its agreement), for every vote and
     quantizer, with overlap, auto, check_every, momentum sync, resume and the non-finite branch."""
@@ -131,8 +140,9 @@ def test_one_device_per_optimizer_and_the_error_names_the_parameter():
     assert lioncub.LionCub([b], lr=1e-3).device == torch.device("meta")
 
 
-def test_timing_off_reports_zero_times_and_exact_bytes():
-    """timing=False (CUDA's default) leaves every time at 0; CPU's default measures them."""
+def test_timing_off_reports_zero_times_and_the_same_bytes():
+    """timing=False (CUDA's default) leaves every time at 0; CPU's default measures them. The
+    bytes do not depend on it: none in a world of one (no process group, no vote)."""
     import torch
 
     import lioncub
@@ -146,6 +156,7 @@ def test_timing_off_reports_zero_times_and_exact_bytes():
         s = opt.last_step_stats
         times = [s.t_quantize_pack, s.t_collective, s.t_unpack_vote, s.t_apply]
         assert (sum(times) > 0) is timed, (timing, times)
+        assert (s.bytes_sent, s.n_collectives) == (0, 0), (timing, s.bytes_sent, s.n_collectives)
     with pytest.raises(TypeError, match="timing must be None, True or False"):
         lioncub.LionCub(model.parameters(), timing="yes")
 

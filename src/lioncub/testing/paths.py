@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-__all__ = ["PATHS", "SYNC_BUDGET", "META_SKIP", "TinyLM"]
+__all__ = ["PATHS", "SYNC_BUDGET", "META_SKIP", "TinyLM", "NOT_PATH_CHANGING", "uncovered_options"]
 
 
 class TinyLM(nn.Module):
@@ -109,6 +109,22 @@ def _to_cpu(obj):
     return obj
 
 
+def lioncub_scaler(device, audit, steps: int = 3, **kw) -> None:
+    """fp16-style loss scaling: GradScaler.step(opt) unscales, and the step agrees on the skip."""
+    import lioncub as lc
+    model = _model(device)
+    opt = lc.LionCub(model.parameters(), lr=1e-3, bucket_mb=0.001, **kw)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 4)
+    for k in range(steps):
+        x = torch.randint(0, 37, (4, 6), device=device)
+        with audit.phase(f"backward {k}"):
+            scaler.scale(model(x).float().square().mean()).backward()
+        with audit.phase(f"step {k}"):
+            scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+
 def ddp_hook(device, audit, steps: int = 3, vote: str = "pbit") -> None:
     import lioncub as lc
     from lioncub.ddp import hook
@@ -189,8 +205,36 @@ def _paths() -> dict[str, Callable]:
     out["localcub pbit linf"] = p(localcub, vote="pbit", bits=8, quantizer="linf")
     out["localcub mean"] = p(localcub, vote="pbit", bits=8, quantizer="l1", aggregate="mean")
     out["localcub onebit ef nesterov"] = p(localcub, vote="onebit", error_feedback=True, outer="nesterov")
+    # every option a user can set (COVERED / NOT_PATH_CHANGING below): the state-keeping variants
+    out["lioncub onebit mean"] = p(lioncub, vote="onebit", aggregate="mean", mean_restart=2)
+    out["lioncub onebit mean geometric"] = p(lioncub, vote="onebit", aggregate="mean", mean_norm="geometric",
+                                             mean_adapt=1.5, mean_range=10.0, mean_restart=0)
+    for ef in ("worker", "server", "both"):
+        out[f"lioncub onebit error_feedback {ef}"] = p(lioncub, vote="onebit", error_feedback=ef)
+    out["lioncub pbit stochastic_signs"] = p(lioncub, vote="pbit", stochastic_signs=True, seed=1)
+    out["lioncub onebit tie hold"] = p(lioncub, vote="onebit", tie="hold")
+    out["lioncub pbit unfused, small messages, bf16 sync"] = p(lioncub, vote="pbit", fused=False, message_mb=0.0005,
+                                                              momentum_sync="all", sync_every=1,
+                                                              sync_dtype="bf16")
+    out["lioncub pbit untimed"] = p(lioncub, vote="pbit", timing=False)
+    out["lioncub auto (given alpha, beta, gamma)"] = p(lioncub, vote="auto", alpha=1e-4, beta=1e-9,
+                                                      gamma={"onebit": (1e-9, 0.0)})
+    out["lioncub grad scaler"] = p(lioncub_scaler, vote="pbit")
+    out["localcub lion inner, lion outer, tie minus"] = p(localcub, vote="onebit", inner="lion", outer="lion",
+                                                         outer_lr=0.5, outer_betas=(0.9, 0.99), tie="minus")
+    out["localcub sgd outer momentum"] = p(localcub, vote="grad", outer="sgd", outer_momentum=0.9)
+    out["localcub mean delay 1"] = p(localcub, vote="pbit", bits=8, quantizer="l1", aggregate="mean",
+                                     error_feedback=True, delay=1)
+    out["localcub auto skip check"] = p(localcub, vote="auto", alpha=1e-4, beta=1e-9, gamma={"pbit": (1e-9, 0.0)},
+                                        nonfinite="skip", check_every=1)
     out["nodecub pbit"] = p(nodecub, vote="pbit")
     out["nodecub onebit"] = p(nodecub, vote="onebit")
+    out["nodecub unsharded skip check, mean"] = p(nodecub, shard=False, nonfinite="skip", check_every=1,
+                                                   vote="onebit", aggregate="mean")
+    for ef in ("worker", "server"):
+        out[f"nodecub onebit error_feedback {ef}"] = p(nodecub, vote="onebit", error_feedback=ef)
+    out["nodecub pbit stochastic_signs"] = p(nodecub, vote="pbit", stochastic_signs=True)
+    out["nodecub onebit tie hold"] = p(nodecub, vote="onebit", tie="hold")
     out["sparseloco"] = p(baseline, name="sparseloco-h10", steps=11)
     out["demo"] = p(baseline, name="demo")
     return out
@@ -207,8 +251,65 @@ for _name in PATHS:
         SYNC_BUDGET[_name] = 2  # the inner step's NaN check (keeps it out of the inner state) + the round's read
     if _name.startswith("nodecub"):
         SYNC_BUDGET[_name] = 3  # the node mean's gradient presence, the world's NaN verdict, the vote's read
+    if _name == "nodecub unsharded skip check, mean":
+        SYNC_BUDGET[_name] = 4  # + check_every=1's replica check on each step
+    if _name == "localcub auto skip check":
+        SYNC_BUDGET[_name] = 3  # + check_every=1's replica check after each round
 
 META_SKIP: dict[str, str] = {name: "DDP's C++ reducer cannot run on meta tensors (it crashes in backward); "
                              "the hook's launch/apply are the overlap driver's, audited there, and "
                              "make gpu-check runs this path on CUDA" for name in PATHS if name.startswith("ddp hook")}
 """Paths the meta audit cannot run, and why."""
+
+
+# ---------------------------------------------------------------------- coverage of the options
+_OPTIMIZER_OF = {lioncub: "LionCub", lioncub_skip: "LionCub", lioncub_resume: "LionCub", lioncub_scaler: "LionCub",
+                 ddp_hook: "LionCub", localcub: "LocalCub", nodecub: "NodeCub"}
+_SET_INSIDE = {lioncub: {"bucket_mb", "model"}, lioncub_skip: {"bucket_mb", "nonfinite"},
+               lioncub_resume: {"bucket_mb"}, lioncub_scaler: {"bucket_mb"}, ddp_hook: {"model"},
+               localcub: {"local_steps", "model"}, nodecub: {"layout", "model"}}
+"""The options a path function passes its optimizer itself (beyond its keyword arguments)."""
+
+NOT_PATH_CHANGING: dict[str, str] = {
+    "params": "what is optimized, not how",
+    "lr": "a number in the same arithmetic", "betas": "numbers in the same arithmetic",
+    "weight_decay": "a number in the same arithmetic", "maximize": "a sign flip of the gradient, on the device",
+    "outer_lr": "a number in the same arithmetic", "outer_momentum": "a number in the same arithmetic",
+    "outer_betas": "numbers in the same arithmetic",
+    "seed": "the generator's start, not where it lives (stochastic_signs' paths draw from it)",
+    "process_group": "the audit's fake group is the world; a subgroup goes through the same collectives",
+    "_verified": "internal: NodeCub's own LionCub skips a check NodeCub made",
+}
+"""Constructor options no audited path needs to set, and why: they change values, not which
+collectives, devices or host reads a step uses."""
+
+
+NODECUB_VOTE_OPTIONS = ("vote", "error_feedback", "stochastic_signs", "tie", "aggregate")
+"""The options of NodeCub's cross-node LionCub (its ``**vote_args``) that keep state of their own or
+change the vote's collectives: each needs a NodeCub path too."""
+
+
+def uncovered_options() -> dict[str, set[str]]:
+    """Per optimizer, the constructor options that no path of :data:`PATHS` sets and that are not
+    in :data:`NOT_PATH_CHANGING` (and, under ``'NodeCub vote_args'``, the
+    :data:`NODECUB_VOTE_OPTIONS` no NodeCub path sets): a new option must come with an audited path,
+    or a reason here."""
+    import inspect
+
+    import lioncub as lc
+
+    named = {n: set(inspect.signature(getattr(lc, n).__init__).parameters) - {"self", "vote_args"}
+             for n in ("LionCub", "LocalCub", "NodeCub")}
+    set_by: dict[str, set[str]] = {n: set() for n in named}
+    vote_args: set[str] = set()
+    for run in PATHS.values():
+        fn, keywords = (run.func, set(run.keywords)) if isinstance(run, functools.partial) else (run, set())
+        if fn not in _OPTIMIZER_OF:
+            continue
+        name = _OPTIMIZER_OF[fn]
+        set_by[name] |= keywords | _SET_INSIDE[fn]
+        if name == "NodeCub":
+            vote_args |= keywords - named["NodeCub"]
+    out = {n: named[n] - set_by[n] - set(NOT_PATH_CHANGING) for n in named}
+    out["NodeCub vote_args"] = set(NODECUB_VOTE_OPTIONS) - vote_args
+    return out
