@@ -10,8 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lioncub import LocalCub, majority_vote, votes
-from lioncub.comm import CommStats
+from lioncub import LocalCub, majority_vote
 from tests.dist import run_workers
 
 SHAPES = [(7, 5), (13,), (3, 3, 3)]
@@ -43,98 +42,151 @@ def _flat(tensors) -> torch.Tensor:
     return torch.cat([t.detach().float().reshape(-1) for t in tensors])
 
 
-def _blocking_d(cfg: dict, v: torch.Tensor, sizes: list[int], rounds: int, world: int) -> tuple[torch.Tensor, bool]:
-    """The round's d as the blocking path computes it from the ranks' v (collective)."""
+def _lane_mean_by_hand(v: torch.Tensor, sizes: list[int], world: int, bits: int = 8) -> torch.Tensor:
+    """The 8-bit L1 lane mean (docs/local_steps.md) from the math, no lanes or packing: s = ⌊(2^w − 1) / 2P⌋
+    levels, per tensor t the ranks' mean of mean|v_i| M_t (summed by one float64 all-reduce, as the head
+    carries it), unit_t = min(s, 4)·M_t / s, q_i = clamp(round(v_i / unit_t), −s, s), d = unit_t·Σ_i q_i / P
+    (the q_i gathered and summed here)."""
+    s = (2 ** bits - 1) // (2 * world)
+    norms = torch.stack([piece.abs().mean() for piece in v.split(sizes)]).double()
+    dist.all_reduce(norms)
+    units = [float(m) / world * (min(s, 4) / s) for m in norms]
+    q = torch.cat([torch.round(piece * (1.0 / u)).clamp(-s, s) if u > 0 else torch.zeros_like(piece)
+                   for piece, u in zip(v.split(sizes), units)])
+    everyone = [torch.empty_like(q) for _ in range(world)]
+    dist.all_gather(everyone, q)
+    total = torch.stack(everyone).sum(0)
+    return torch.cat([piece * (u / world) for piece, u in zip(total.split(sizes), units)])
+
+
+def _agreed_d(cfg: dict, v: torch.Tensor, sizes: list[int], rounds: int, world: int) -> tuple[torch.Tensor, bool]:
+    """The round's d from the ranks' v (collective): the fp32 mean, the lane mean by hand, or the
+    exact reference vote (lioncub.majority_vote, checked against hand votes in tests/test_vote.py)."""
     if cfg["vote"] == "grad":
         total = v.clone()
         dist.all_reduce(total)
         return total / world, False
     if cfg.get("aggregate") == "mean":
-        norms = torch.stack([piece.abs().mean() for piece in v.split(sizes)]).double()
-        dist.all_reduce(norms)
-        method = votes.make("pbit", world, bits=cfg["bits"], quantizer=cfg["quantizer"])
-        d, _ = method.lane_mean(v.clone(), sizes, [x / world for x in norms.tolist()], None, CommStats())
-        return d, False
+        return _lane_mean_by_hand(v, sizes, world, cfg["bits"]), False
     return majority_vote(v.clone(), method=cfg["vote"], bits=cfg.get("bits"), quantizer=cfg.get("quantizer"),
                          step=rounds), True
 
 
-def _streaming_rounds(rank, world):
-    """Per aggregation, at each agreement: (θ_s equals θ_s − α·d of the blocking d of the previous
-    round's v, θ_i equals θ_s − Δ_i, θ_s identical on every rank, max |d − float64 mean Δ| for 'grad')."""
+def _outer_by_hand(outer: str, start: torch.Tensor, d: torch.Tensor, signed: bool, m: torch.Tensor) -> torch.Tensor:
+    """θ_s's next value under the outer rule (docs/local_steps.md), on flat tensors; ``m`` (the rule's
+    momentum) is updated in place. α and the rule's constants are OUTER's."""
+    alpha, mu, (b1, b2) = OUTER[outer]["outer_lr"], 0.9, (0.9, 0.99)
+    if outer == "sgd":
+        return start.add(d, alpha=-alpha * LR if signed else -alpha)
+    d = d * LR if signed else d
+    if outer == "nesterov":  # b ← μ·b + d; θ_s ← θ_s − α·(d + μ·b)
+        m.mul_(mu).add_(d)
+        return start.add(d.add(m, alpha=mu), alpha=-alpha)
+    c = m.mul(b1).add_(d, alpha=1 - b1)  # lion: c = β1·m + (1−β1)·d; θ_s ← θ_s − α·η·sign(c); m ← β2·m + (1−β2)·d
+    m.mul_(b2).add_(d, alpha=1 - b2)
+    return start.add(c.sign(), alpha=-alpha * LR)
+
+
+OUTER = {"sgd": dict(outer_lr=ALPHA), "nesterov": dict(outer_lr=0.7, outer_momentum=0.9),
+         "lion": dict(outer_lr=4.0, outer_betas=(0.9, 0.99))}
+
+
+def _rounds_by_hand(rank, world, delay: int, outer: str, names, nan_step: int = -1):
+    """Per aggregation of ``names``, at each round's end: (θ_s equals the outer rule by hand applied to
+    the agreed d of this round's v (delay=0) or of the previous round's (delay=1); θ_i equals θ_s
+    (delay=0), θ_s − Δ_i (delay=1, rebased) or, after a skipped round, θ_s; θ_s identical on every
+    rank; max |d − float64 mean Δ| for 'grad'). ``nan_step``: rank 1's gradient is NaN there, which
+    skips that inner step on rank 1 and the round on every rank (nonfinite='skip_round')."""
     H, out = 2, {}
-    for name, cfg in AGGREGATIONS.items():
+    for name in names:
+        cfg = AGGREGATIONS[name]
         params = _params()
         sizes = [p.numel() for p in params]
-        opt = LocalCub(params, lr=LR, local_steps=H, inner=_sgd, outer="sgd", outer_lr=ALPHA, delay=1, **cfg)
-        flight, checks = None, []  # flight: (v, Δ, rounds) of the round in flight
-        began = _flat(params)  # where this worker's round began: its parameters after the last round's end
+        opt = LocalCub(params, lr=LR, local_steps=H, inner=_sgd, outer=outer, delay=delay, nonfinite="skip_round",
+                       **OUTER[outer], **cfg)
+        m = torch.zeros(sum(sizes))  # the outer rule's momentum, by hand
+        flight, checks = None, []  # flight: (v, Δ, rounds) of the round in flight (delay=1)
+        began = _flat(params)  # where this worker's round began
         for step in range(4 * H):
             grads = _grads(params, rank, step)
+            if step == nan_step and rank == 1:
+                grads[0][0, 0] = float("nan")
             for p, g in zip(params, grads):
                 p.grad = g
             ends = (step + 1) % H == 0
-            if ends:  # this round's v, from the inner SGD step the optimizer is about to take
-                after = [p.detach().add(g, alpha=-LR) for p, g in zip(params, grads)]
-                delta = began - _flat(after)
+            if ends:  # this round's v, from the inner SGD step the optimizer is about to take (or skips)
+                after = _flat(params) if step == nan_step and rank == 1 else \
+                    _flat([p.detach().add(g, alpha=-LR) for p, g in zip(params, grads)])
+                delta = began - after
                 v = delta + _flat(opt.state[p]["residual"] for p in params) if opt.error_feedback else delta.clone()
                 start = _flat(opt.state[p]["start"] for p in params)
             opt.step()
             if not ends:
                 continue
+            skipped = step // H == nan_step // H
             new_start = _flat(opt.state[p]["start"] for p in params)
-            if flight is None:
-                assert torch.equal(new_start, start) and torch.equal(_flat(params), _flat(after))  # nothing applied
+            applied = v if delay == 0 else (flight[0] if flight is not None else None)
+            if applied is not None and not (delay == 0 and skipped):
+                d, signed = _agreed_d(cfg, applied, sizes, opt.rounds - 1, world)
+                expected = _outer_by_hand(outer, start, d, signed, m)
             else:
-                d, signed = _blocking_d(cfg, flight[0], sizes, flight[2], world)
-                expected = start.add(d, alpha=-ALPHA * LR if signed else -ALPHA)
-                rebased = torch.equal(_flat(params), new_start - delta)
-                err64 = None
-                if name == "grad":
-                    everyone = [torch.empty_like(flight[1], dtype=torch.float64) for _ in range(world)]
-                    dist.all_gather(everyone, flight[1].double())
-                    err64 = float((start.double() - new_start.double() - torch.stack(everyone).mean(0)).abs().max())
-                sums = new_start.double().sum().reshape(1)
-                all_sums = [torch.empty_like(sums) for _ in range(world)]
-                dist.all_gather(all_sums, sums)
-                checks.append((torch.equal(new_start, expected), rebased,
-                               all(torch.equal(s, all_sums[0]) for s in all_sums), err64))
-            flight, began = (v, delta, opt.rounds), _flat(params)
-        out[name] = (checks, opt.rounds)
+                d, expected = None, start
+            if skipped or delay == 0:
+                want = expected  # every replica at θ_s
+            else:
+                want = expected - delta if flight is not None else after  # rebased; or its own progress
+            err64 = None
+            if name == "grad" and d is not None:
+                mine = (v if delay == 0 else flight[1]).double()
+                everyone = [torch.empty_like(mine) for _ in range(world)]
+                dist.all_gather(everyone, mine)
+                err64 = float((d.double() - torch.stack(everyone).mean(0)).abs().max())
+            sums = new_start.double().sum().reshape(1)
+            all_sums = [torch.empty_like(sums) for _ in range(world)]
+            dist.all_gather(all_sums, sums)
+            checks.append((torch.equal(new_start, expected), torch.equal(_flat(params), want),
+                           all(torch.equal(x, all_sums[0]) for x in all_sums), err64))
+            flight = (v, delta, opt.rounds) if delay == 1 and not skipped else None
+            began = _flat(params)
+        out[name] = (checks, opt.rounds, opt.skipped_rounds)
     return out
+
+
+def _check(res, rounds: int, skipped: int = 0) -> None:
+    for name, (checks, n, skips) in res.items():
+        assert (n, skips, len(checks)) == (rounds, skipped, 4), name
+        for k, (same_d, placed, identical, err64) in enumerate(checks):
+            assert same_d, f"{name}, round {k}: θ_s is not the outer rule by hand on the agreed d"
+            assert placed, f"{name}, round {k}: θ_i is not where the rule puts it"
+            assert identical, f"{name}, round {k}: θ_s differs between ranks"
+            if err64 is not None:  # fp32 mean of 3 ranks' Δ (|Δ| ~ 2·2^-6) against float64: a few ulps
+                assert err64 < 1e-6, err64
 
 
 def test_each_round_applies_the_blocking_agreement_one_round_late_and_rebases_the_round_in_flight():
-    for res in run_workers(_streaming_rounds, 3):
-        for name, (checks, rounds) in res.items():
-            assert rounds == 3 and len(checks) == 3, name  # 4 rounds: 3 applied, 1 in flight
-            for same_d, rebased, identical, err64 in checks:
-                assert same_d, f"{name}: the applied d is not the blocking agreement of the previous round"
-                assert rebased, f"{name}: θ_i is not θ_s − Δ_i"
-                assert identical, f"{name}: θ_s differs between ranks"
-                if name == "grad":  # fp32 sum of 3 ranks' Δ (|Δ| ~ 2·2^-6) against float64: a few ulps of θ ~ 1
-                    assert err64 < 1e-6, err64
+    for res in run_workers(_rounds_by_hand, 3, 1, "sgd", list(AGGREGATIONS)):
+        _check(res, rounds=3)  # 4 rounds: 3 applied, 1 in flight
 
 
-# ------------------------------------------------------------------ delay=0 is today's LocalCub
-def _delay_zero(rank, world):
-    out = {}
-    for name, cfg in AGGREGATIONS.items():
-        a, b = _params(), _params()
-        today = LocalCub(a, lr=1e-2, local_steps=2, outer="nesterov", **cfg)
-        zero = LocalCub(b, lr=1e-2, local_steps=2, outer="nesterov", delay=0, **cfg)
-        for step in range(6):
-            for p, q, g in zip(a, b, _grads(a, rank, step)):
-                p.grad, q.grad = g, g.clone()
-            today.step()
-            zero.step()
-        out[name] = all(torch.equal(x, y) for x, y in zip(a, b)) and "origin" not in zero.state[b[0]]
-    return out
+def test_delay_zero_applies_each_rounds_own_agreement_by_hand():
+    for res in run_workers(_rounds_by_hand, 3, 0, "sgd", list(AGGREGATIONS)):
+        _check(res, rounds=4)
 
 
-def test_delay_zero_is_todays_localcub_for_every_aggregation():
-    for res in run_workers(_delay_zero, 2):
-        assert all(res.values()), res
+@pytest.mark.parametrize("delay", [0, 1])
+def test_nesterov_and_lion_outer_rules_by_hand_under_each_delay(delay):
+    for outer, names in (("nesterov", ["grad", "mean"]), ("lion", ["mean", "vote"])):
+        for res in run_workers(_rounds_by_hand, 3, delay, outer, names):
+            _check(res, rounds=4 - delay)
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+def test_a_nonfinite_round_is_skipped_on_every_rank_by_hand(delay):
+    """Rank 1's NaN at the first inner step of round 1: that inner step is skipped on rank 1, the round on
+    every rank (θ_i ← θ_s; with delay=1 the agreement in flight is applied first and nothing is launched,
+    so round 2 applies nothing and round 3 applies round 2's)."""
+    for res in run_workers(_rounds_by_hand, 3, delay, "sgd", ["grad", "mean"], 2):
+        _check(res, rounds=3 if delay == 0 else 2, skipped=1)
 
 
 # ------------------------------------------------------------------ error feedback by hand
