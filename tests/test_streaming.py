@@ -42,11 +42,12 @@ def _flat(tensors) -> torch.Tensor:
     return torch.cat([t.detach().float().reshape(-1) for t in tensors])
 
 
-def _lane_mean_by_hand(v: torch.Tensor, sizes: list[int], world: int, bits: int = 8) -> torch.Tensor:
+def _lane_mean_by_hand(v: torch.Tensor, sizes: list[int], world: int, bits: int = 8) -> tuple[torch.Tensor,
+                                                                                            torch.Tensor]:
     """The 8-bit L1 lane mean (docs/local_steps.md) from the math, no lanes or packing: s = ⌊(2^w − 1) / 2P⌋
     levels, per tensor t the ranks' mean of mean|v_i| M_t (summed by one float64 all-reduce, as the head
     carries it), unit_t = min(s, 4)·M_t / s, q_i = clamp(round(v_i / unit_t), −s, s), d = unit_t·Σ_i q_i / P
-    (the q_i gathered and summed here)."""
+    (the q_i gathered and summed here). Returns (d, this rank's C(v_i) = unit_t·q_i)."""
     s = (2 ** bits - 1) // (2 * world)
     norms = torch.stack([piece.abs().mean() for piece in v.split(sizes)]).double()
     dist.all_reduce(norms)
@@ -56,7 +57,18 @@ def _lane_mean_by_hand(v: torch.Tensor, sizes: list[int], world: int, bits: int 
     everyone = [torch.empty_like(q) for _ in range(world)]
     dist.all_gather(everyone, q)
     total = torch.stack(everyone).sum(0)
-    return torch.cat([piece * (u / world) for piece, u in zip(total.split(sizes), units)])
+    return (torch.cat([piece * (u / world) for piece, u in zip(total.split(sizes), units)]),
+            torch.cat([piece * u for piece, u in zip(q.split(sizes), units)]))
+
+
+def _sent_by_hand(cfg: dict, v: torch.Tensor, sizes: list[int], world: int):
+    """C(v_i), what this rank's v contributes (collective for the mean), where the test writes it by hand:
+    the lane mean's unit_t·q_i, sign_allreduce's mean|v_t|·sign(v_t) per tensor; None otherwise."""
+    if cfg.get("aggregate") == "mean":
+        return _lane_mean_by_hand(v, sizes, world, cfg["bits"])[1]
+    if cfg["vote"] == "sign_allreduce":
+        return torch.cat([piece.sign() * piece.abs().mean() for piece in v.split(sizes)])
+    return None
 
 
 def _agreed_d(cfg: dict, v: torch.Tensor, sizes: list[int], rounds: int, world: int) -> tuple[torch.Tensor, bool]:
@@ -67,7 +79,7 @@ def _agreed_d(cfg: dict, v: torch.Tensor, sizes: list[int], rounds: int, world: 
         dist.all_reduce(total)
         return total / world, False
     if cfg.get("aggregate") == "mean":
-        return _lane_mean_by_hand(v, sizes, world, cfg["bits"]), False
+        return _lane_mean_by_hand(v, sizes, world, cfg["bits"])[0], False
     return majority_vote(v.clone(), method=cfg["vote"], bits=cfg.get("bits"), quantizer=cfg.get("quantizer"),
                          step=rounds), True
 
@@ -95,8 +107,10 @@ def _rounds_by_hand(rank, world, delay: int, outer: str, names, nan_step: int = 
     """Per aggregation of ``names``, at each round's end: (θ_s equals the outer rule by hand applied to
     the agreed d of this round's v (delay=0) or of the previous round's (delay=1); θ_i equals θ_s
     (delay=0), θ_s − Δ_i (delay=1, rebased) or, after a skipped round, θ_s; θ_s identical on every
-    rank; max |d − float64 mean Δ| for 'grad'). ``nan_step``: rank 1's gradient is NaN there, which
-    skips that inner step on rank 1 and the round on every rank (nonfinite='skip_round')."""
+    rank; the residual e_i equals v_i − C(v_i) by hand (the mean, sign_allreduce) or, after a skipped
+    round, the one before it (None: not checked); max |d − float64 mean Δ| for 'grad'). ``nan_step``:
+    rank 1's gradient is NaN there, which skips that inner step on rank 1 and the round on every rank
+    (nonfinite='skip_round')."""
     H, out = 2, {}
     for name in names:
         cfg = AGGREGATIONS[name]
@@ -118,7 +132,8 @@ def _rounds_by_hand(rank, world, delay: int, outer: str, names, nan_step: int = 
                 after = _flat(params) if step == nan_step and rank == 1 else \
                     _flat([p.detach().add(g, alpha=-LR) for p, g in zip(params, grads)])
                 delta = began - after
-                v = delta + _flat(opt.state[p]["residual"] for p in params) if opt.error_feedback else delta.clone()
+                e = _flat(opt.state[p]["residual"] for p in params) if opt.error_feedback else None
+                v = delta + e if e is not None else delta.clone()
                 start = _flat(opt.state[p]["start"] for p in params)
             opt.step()
             if not ends:
@@ -135,6 +150,10 @@ def _rounds_by_hand(rank, world, delay: int, outer: str, names, nan_step: int = 
                 want = expected  # every replica at θ_s
             else:
                 want = expected - delta if flight is not None else after  # rebased; or its own progress
+            # e_i ← v_i − C(v_i) when the round launched its agreement; a skipped round leaves e_i as it was
+            sent = None if e is None or skipped else _sent_by_hand(cfg, v, sizes, world)
+            want_e = e if skipped else None if sent is None else v - sent
+            kept = None if want_e is None else torch.equal(_flat(opt.state[p]["residual"] for p in params), want_e)
             err64 = None
             if name == "grad" and d is not None:
                 mine = (v if delay == 0 else flight[1]).double()
@@ -145,7 +164,7 @@ def _rounds_by_hand(rank, world, delay: int, outer: str, names, nan_step: int = 
             all_sums = [torch.empty_like(sums) for _ in range(world)]
             dist.all_gather(all_sums, sums)
             checks.append((torch.equal(new_start, expected), torch.equal(_flat(params), want),
-                           all(torch.equal(x, all_sums[0]) for x in all_sums), err64))
+                           all(torch.equal(x, all_sums[0]) for x in all_sums), kept, err64))
             flight = (v, delta, opt.rounds) if delay == 1 and not skipped else None
             began = _flat(params)
         out[name] = (checks, opt.rounds, opt.skipped_rounds)
@@ -155,10 +174,13 @@ def _rounds_by_hand(rank, world, delay: int, outer: str, names, nan_step: int = 
 def _check(res, rounds: int, skipped: int = 0) -> None:
     for name, (checks, n, skips) in res.items():
         assert (n, skips, len(checks)) == (rounds, skipped, 4), name
-        for k, (same_d, placed, identical, err64) in enumerate(checks):
+        for k, (same_d, placed, identical, kept, err64) in enumerate(checks):
             assert same_d, f"{name}, round {k}: θ_s is not the outer rule by hand on the agreed d"
             assert placed, f"{name}, round {k}: θ_i is not where the rule puts it"
             assert identical, f"{name}, round {k}: θ_s differs between ranks"
+            # the residual by hand: every round of the mean and sign_allreduce, a skipped round of any
+            assert kept if name in ("mean", "vote") else kept is not False, \
+                f"{name}, round {k}: the residual is not v − C(v) by hand (or not kept on a skip)"
             if err64 is not None:  # fp32 mean of 3 ranks' Δ (|Δ| ~ 2·2^-6) against float64: a few ulps
                 assert err64 < 1e-6, err64
 
@@ -211,7 +233,8 @@ def test_error_feedback_residuals_of_two_streaming_rounds_by_hand():
     assert torch.equal(e00, torch.tensor([0.0, 0.125, 0.25, 0.125]))
     assert torch.equal(e10, torch.tensor([-0.125, -0.125, -0.125, 0.125]))
     assert torch.equal(s00, torch.zeros(4)) and torch.equal(s10, torch.zeros(4))
-    assert torch.equal(p00, -torch.tensor([0.25, -0.125, 0.5, -0.125]))  # θ_0 = −g0, its own progress
+    assert torch.equal(p00, -torch.tensor([0.25, -0.125, 0.5, -0.125]))  # θ_i = −g_i, its own progress
+    assert torch.equal(p10, -torch.tensor([-0.5, 0.25, 0.25, 0.5]))
     # round 1: v = g1 + e. Rank 0: [.5, .625, 0, .125], mean|v| = .3125 -> e = [.1875, .3125, 0, −.1875];
     # rank 1: v = e, mean|v| = .125 -> e = 0
     assert torch.equal(e01, torch.tensor([0.1875, 0.3125, 0.0, -0.1875]))
