@@ -4,8 +4,10 @@ NodeCub = the node's mean gradient (one in-node all-reduce), then a LionCub over
 with the options given. The reference here builds that composition by hand: the node mean with
 ``dist.all_reduce`` over the node's ranks, then a plain LionCub with the same options over the
 cross-node group. With ``shard=False`` NodeCub must equal it bit for bit (parameters and every state
-entry) for each option; with ``shard=True`` (each local rank votes its own tensors) every rank of the
-job must hold the same parameters after each step.
+entry) for each option, and (the reference cannot see this) all 4 ranks must hold the same parameters:
+the two local ranks of a node vote in different cross-node groups, so a per-rank draw seeded by the
+global rank would split them. With ``shard=True`` (each local rank votes its own tensors) every rank
+of the job must hold the same parameters after each step too.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ OPTIONS = [  # every option NodeCub passes to its cross-node LionCub that change
     dict(vote="pbit", stochastic_signs=True, seed=3),
     dict(vote="onebit", tie="hold"),
     dict(vote="onebit", aggregate="mean"),
+    dict(vote="onebit", aggregate="mean", mean_restart=2, mean_norm="geometric"),
 ]
 STEPS = 3
 
@@ -40,6 +43,14 @@ def _grads(params, rank, step):
 
 def _state(opt, params):
     return [{k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)} for p in params]
+
+
+def _replicas(params, world) -> bool:
+    """Whether every rank of the job holds these parameters bit for bit."""
+    mine = torch.cat([p.detach().reshape(-1) for p in params])
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    return all(torch.equal(every[0], x) for x in every)
 
 
 def _worker(rank, world):
@@ -63,10 +74,7 @@ def _worker(rank, world):
             ref_opt.step()
             sharded_opt.step()
             same &= all(torch.equal(a, b) for a, b in zip(node, ref))
-            mine = torch.cat([p.detach().reshape(-1) for p in sharded])
-            every = [torch.empty_like(mine) for _ in range(world)]
-            dist.all_gather(every, mine)
-            replicas &= all(torch.equal(every[0], x) for x in every)
+            replicas &= _replicas(node, world) and _replicas(sharded, world)
         voter = _state(opt.voter, node)
         state_same = all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
                          for a, b in zip(voter, _state(ref_opt, ref)))
