@@ -5,8 +5,7 @@
 reference. Each trains a small MLP on its own seeded batches (replica r's batch at its inner
 step t depends on (r, t) only), and appends a JSON line per committed round to ``--out``:
 the round, the participants and contributors, and the parameters' float64 sum and a hash of
-their bytes. ``--die-at-step K`` ends this process with SIGKILL just before inner step K
-``--fault REPLICA:ROUND:POINT[:ACTION[:TIMES]]`` (repeatable): a failure at a chosen point of a
+their bytes. ``--fault REPLICA:ROUND:POINT[:ACTION]`` (repeatable): a failure at a chosen point of a
 round (lioncub.ft.faults; only this replica's apply). ``--nan-at REPLICA:K``: that replica's gradient
 is NaN at its inner step K (once). A QuorumError ends the process with exit code 3 and its message on
 stderr.
@@ -17,7 +16,6 @@ import argparse
 import hashlib
 import json
 import os
-import signal
 import sys
 import time
 
@@ -49,7 +47,6 @@ def main() -> None:
     ap.add_argument("--H", type=int, default=4)
     ap.add_argument("--vote", default="grad")
     ap.add_argument("--step-sleep", type=float, default=0.0)
-    ap.add_argument("--die-at-step", type=int, default=-1)
     ap.add_argument("--fault", action="append", default=[])
     ap.add_argument("--nan-at", default="-1:-1", help="REPLICA:STEP")
     ap.add_argument("--max-attempts", type=int, default=20)
@@ -114,8 +111,6 @@ def main() -> None:
             opt.stop_requested = opt.rounds >= a.rounds - 1 and (not a.stop_file or os.path.exists(a.stop_file))
         if not a.rounds and step >= a.steps:
             break
-        if step == a.die_at_step:
-            os.kill(os.getpid(), signal.SIGKILL)
         x, y = batch(a.replica, step)
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()

@@ -239,10 +239,11 @@ def run_ft(config, plan: FTPlan, replica_argv: list[str], *, budget: float) -> F
             replicas.append(_Replica(k, argv, env))
         from .faults import parse_fault
 
-        for r in replicas:
-            mine = [spec for spec in plan.faults if parse_fault(spec).replica == r.index]
-            _start(r, [arg for spec in mine for arg in ("--ft-fault", spec)])
-            r.kill_planned = any(parse_fault(spec).action == "kill" for spec in mine)
+        faults = [(spec, parse_fault(spec)) for spec in plan.faults]
+        for r in replicas:  # each replica's faults, armed in its first life only
+            mine = [(spec, f) for spec, f in faults if f.replica == r.index]
+            _start(r, [arg for spec, _ in mine for arg in ("--ft-fault", spec)])
+            r.kill_planned = any(f.action == "kill" for _, f in mine)
         _supervise(config, plan, replicas, run, budget)
     finally:
         if lighthouse_proc is not None:

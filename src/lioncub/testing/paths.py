@@ -205,7 +205,7 @@ def _paths() -> dict[str, Callable]:
     out["localcub pbit linf"] = p(localcub, vote="pbit", bits=8, quantizer="linf")
     out["localcub mean"] = p(localcub, vote="pbit", bits=8, quantizer="l1", aggregate="mean")
     out["localcub onebit ef nesterov"] = p(localcub, vote="onebit", error_feedback=True, outer="nesterov")
-    # every option a user can set (COVERED / NOT_PATH_CHANGING below): the state-keeping variants
+    # every option a user can set (uncovered_options / NOT_PATH_CHANGING below): the state-keeping variants
     out["lioncub onebit mean"] = p(lioncub, vote="onebit", aggregate="mean", mean_restart=2)
     out["lioncub onebit mean geometric"] = p(lioncub, vote="onebit", aggregate="mean", mean_norm="geometric",
                                              mean_adapt=1.5, mean_range=10.0, mean_restart=0)
