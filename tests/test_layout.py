@@ -14,12 +14,15 @@ import pytest
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "lioncub"
 
-LAYERS = ["base", "wire", "fused", "votes", "engine", "optim", "ddp", "tools"]
+LAYERS = ["base", "wire", "fused", "votes", "engine", "optim", "ddp", "api", "instruments", "testbed", "baselines",
+          "testing", "harness", "ft", "cli"]
+"""The library's floors (base .. ddp), the package's public names (``lioncub/__init__.py``), then the
+tools' floors: the paper's instruments, the emulated cluster and launcher, the peers we race, the
+device audit and the paths it runs (peers included), the harness, torchft, the command."""
 BASE = {"comm", "validate", "quantize", "lion"}
-PACKAGES = {"wire": "wire", "fused": "fused", "votes": "votes", "engine": "engine", "optim": "optim", "ddp": "ddp"}
-# the old module paths kept for one release: each only names its new module (see test below)
-SHIMS = {"distributed", "local_steps", "hierarchy", "bucket_step", "guard", "momentum", "resume", "amp", "auto",
-         "cost", "overlap", "ddp_hook", "kernels", "packing", "triton_kernels", "vote"}
+PACKAGES = {"wire": "wire", "fused": "fused", "votes": "votes", "engine": "engine", "optim": "optim", "ddp": "ddp",
+            "": "api", "testing": "testing", "instruments": "instruments", "testbed": "testbed",
+            "baselines": "baselines", "harness": "harness", "ft": "ft", "cli": "cli"}
 
 
 def layer_of(module: str) -> str:
@@ -29,7 +32,9 @@ def layer_of(module: str) -> str:
         return "base"
     if head in PACKAGES:
         return PACKAGES[head]
-    return "tools"  # the root, the shims, instruments, baselines, harness, testbed, testing, cli
+    if not (SRC / f"{head}.py").exists() and not (SRC / head).is_dir():
+        return "api"  # a name the package root defines or re-exports (``from lioncub import LionCub``)
+    raise AssertionError(f"lioncub.{module} has no layer: add it to LAYERS / PACKAGES in tests/test_layout.py")
 
 
 def _module_name(path: pathlib.Path) -> tuple[str, bool]:
@@ -93,11 +98,23 @@ def test_the_rule_catches_an_upward_import(tmp_path, monkeypatch):
         test_imports_run_down_the_layers()
 
 
-@pytest.mark.parametrize("old", sorted(SHIMS))
-def test_an_old_module_path_is_the_new_module(old):
-    import importlib
+def test_the_rule_catches_a_tool_importing_the_command(tmp_path, monkeypatch):
+    """The tools' floors: torchft's command reaching into the ``lioncub`` command (the circle
+    ``cli`` <-> ``ft.command`` this rule now forbids) and the harness into torchft are reported."""
+    fake = tmp_path / "lioncub"
+    for sub in ("ft", "harness"):
+        (fake / sub).mkdir(parents=True)
+    (fake / "ft" / "command.py").write_text("def f():\n    from ..cli import testbed_unavailable\n")
+    (fake / "harness" / "train.py").write_text("from ..ft import FTLocalCub\nfrom ..testbed import spawn\n")
+    monkeypatch.setattr(sys.modules[__name__], "SRC", fake)
+    with pytest.raises(AssertionError) as err:
+        test_imports_run_down_the_layers()
+    assert [line.strip() for line in str(err.value).splitlines()[1:3]] == ["ft/command.py:2 (ft) imports cli (cli)",
+                                                 "harness/train.py:1 (harness) imports ft (ft)"]
 
-    shim = (SRC / f"{old}.py").read_text()
-    assert len([line for line in shim.splitlines() if line.strip()]) <= 4, "a shim only names its new module"
-    module = importlib.import_module(f"lioncub.{old}")
-    assert module.__name__ != f"lioncub.{old}" and importlib.import_module(module.__name__) is module
+
+def test_no_module_at_the_root_but_the_base_and_the_tools():
+    """The package root holds the base modules, the instruments and the command only (the old
+    one-release module paths are gone: CHANGELOG.md)."""
+    names = {p.stem for p in SRC.glob("*.py")} - {"__init__"}
+    assert names == BASE | {"instruments", "cli"}

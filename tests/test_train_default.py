@@ -12,8 +12,9 @@ import sys
 
 import pytest
 
-from lioncub.cli import DEFAULT_LINK, TESTBED_SWITCH, loopback_note
-from lioncub.cli import testbed_unavailable as _testbed_unavailable  # (its name starts with "test": pytest would run it)
+from lioncub.cli import DEFAULT_LINK, loopback_note
+from lioncub.testbed import TESTBED_SWITCH
+from lioncub.testbed import testbed_unavailable as _testbed_unavailable  # (its name starts with "test": pytest would run it)
 
 from tests.test_harness_train import ROOT, read_csv, read_jsonl
 

@@ -18,6 +18,8 @@ import argparse
 import os
 import sys
 
+from .ft.command import _FT_KEYS, cmd_train_ft
+from .testbed import TESTBED_SWITCH, testbed_unavailable
 from .harness.config import DEVICES, MODELS, MOMENTUM_SYNCS, NONFINITE, OPTIMIZERS, QUANTIZERS, VOTES, TrainConfig
 
 
@@ -145,8 +147,6 @@ def _add_train(sub) -> None:
     p.set_defaults(func=cmd_train, parser=p)
 
 
-from .ft.command import _FT_KEYS, cmd_train_ft  # noqa: E402  (``--ft`` / ``--ft-replica``)
-
 
 def _without_link(argv: list[str]) -> list[str]:
     out, skip = [], False
@@ -167,28 +167,6 @@ DEFAULT_LINK = "100mbit"
 DEFAULT_BUDGET_S = 35.0
 EVALS_PER_BUDGET = 14
 STEP_CAP = 50_000  # --budget without --steps: steps are capped at STEP_CAP * --local-steps
-TESTBED_SWITCH = "LIONCUB_TESTBED"  # =0: the default comparison does not try the emulated link
-
-
-def testbed_unavailable() -> str | None:
-    """Why the default comparison cannot run behind an emulated link here, or None when it can:
-    ``LIONCUB_TESTBED=0``, not root, no ``ip``/``tc``, or network namespaces that cannot be made
-    (a probe builds and tears down a one-worker testbed)."""
-    if os.environ.get(TESTBED_SWITCH, "").strip().lower() in ("0", "off", "no", "false"):
-        return f"{TESTBED_SWITCH}={os.environ[TESTBED_SWITCH]} turns the emulated link off"
-    from .testbed import Testbed, check_available
-
-    reason = check_available()
-    if reason is not None:
-        return reason
-    try:
-        with Testbed(1, rate=None, prefix="lcprobe"):
-            pass
-    except RuntimeError as exc:
-        return f"network namespaces cannot be made here ({exc})"
-    return None
-
-
 def loopback_note(reason: str) -> str:
     """The one line the default comparison prints when it falls back to loopback."""
     return (f"lioncub train: on loopback, not behind an emulated slow link ({reason}); Lion Cub is for slow "

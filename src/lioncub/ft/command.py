@@ -80,7 +80,7 @@ def cmd_train_ft(args) -> int:
         plan.check()
         check_inputs(config, args.replicas)
         if link is not None:
-            from ..cli import testbed_unavailable
+            from ..testbed import testbed_unavailable
 
             reason = testbed_unavailable()
             if reason is not None:

@@ -10,7 +10,7 @@ Nothing in the optimizer imports this package; the harness (``--link``), the CLI
 ``env`` report, the benchmarks and the tests do.
 """
 from .launch import WorkerError, free_port, spawn
-from .netem import Testbed, check_available, iface_bytes, parse_rate, setup_commands
+from .netem import TESTBED_SWITCH, Testbed, check_available, iface_bytes, parse_rate, setup_commands, testbed_unavailable
 
 __all__ = ["Testbed", "check_available", "parse_rate", "setup_commands", "iface_bytes",
-           "spawn", "free_port", "WorkerError"]
+           "spawn", "free_port", "WorkerError", "TESTBED_SWITCH", "testbed_unavailable"]

@@ -45,7 +45,8 @@ import tempfile
 import threading
 import time
 
-__all__ = ["Testbed", "check_available", "parse_rate", "setup_commands", "iface_bytes", "wait_all"]
+__all__ = ["Testbed", "check_available", "parse_rate", "setup_commands", "iface_bytes", "wait_all",
+           "TESTBED_SWITCH", "testbed_unavailable"]
 
 _RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit)$", re.IGNORECASE)
 _UNIT = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}  # tc's SI units
@@ -337,3 +338,24 @@ def _unregister(tb: Testbed) -> None:
 
 
 atexit.register(_cleanup_all)
+
+
+TESTBED_SWITCH = "LIONCUB_TESTBED"
+"""The environment switch: ``LIONCUB_TESTBED=0`` keeps ``lioncub train``'s default comparison off the emulated link."""
+
+
+def testbed_unavailable() -> str | None:
+    """Why the default comparison cannot run behind an emulated link here, or None when it can:
+    ``LIONCUB_TESTBED=0``, not root, no ``ip``/``tc``, or network namespaces that cannot be made
+    (a probe builds and tears down a one-worker testbed)."""
+    if os.environ.get(TESTBED_SWITCH, "").strip().lower() in ("0", "off", "no", "false"):
+        return f"{TESTBED_SWITCH}={os.environ[TESTBED_SWITCH]} turns the emulated link off"
+    reason = check_available()
+    if reason is not None:
+        return reason
+    try:
+        with Testbed(1, rate=None, prefix="lcprobe"):
+            pass
+    except RuntimeError as exc:
+        return f"network namespaces cannot be made here ({exc})"
+    return None

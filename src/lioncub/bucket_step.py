@@ -1,6 +1,0 @@
-"""Moved to :mod:`lioncub.engine.step`; this path stays for one release (the same module object)."""
-import sys as _sys
-
-from .engine import step as _moved
-
-_sys.modules[__name__] = _moved
