@@ -299,7 +299,7 @@ def test_bad_settings_are_refused():
             raise AssertionError("not reached")
 
     p = [torch.nn.Parameter(torch.zeros(3))]
-    with pytest.raises(ValueError, match="vote must be 'grad' or 'pbit'"):
+    with pytest.raises(ValueError, match="under torchft a round's aggregation must be a sum"):
         FTLocalCub(p, NoManager(), vote="onebit")
     with pytest.raises(ValueError, match="delay must be 0"):
         FTLocalCub(p, NoManager(), vote="grad", delay=1)

@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 from lioncub import Lion, LionCub, LocalCub
-from lioncub.optim.localcub import MEAN_CLIP, sent_value
+from lioncub.optim.localcub import MEAN_CLIP
+from lioncub.votes.rounds import sent_value
 from lioncub import votes
 from lioncub.votes.api import pbit_levels
 from tests.dist import run_workers

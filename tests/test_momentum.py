@@ -108,9 +108,9 @@ def _check_sync(rank, world, tied, dtype):
     pre = {}
     real_average = sync.average
 
-    def spy(optimizer, idx, stats=None):  # record the momenta just before the all-reduce
-        pre.update({i: optimizer.state[params[i]]["exp_avg"].clone() for i in range(len(params))})
-        real_average(optimizer, idx, stats)
+    def spy(state, idx, stats=None):  # record the momenta just before the all-reduce
+        pre.update({i: state[params[i]]["exp_avg"].clone() for i in range(len(params))})
+        real_average(state, idx, stats)
 
     sync.average = spy
     bytes_, colls = [], []
@@ -158,7 +158,7 @@ def _check_adaptive(rank, world):
         exact.append(float((allm - allm.mean(0)).square().sum() / allm.square().sum()))
     opt.steps = 2  # as if two steps had completed: this is a check step
     stats = CommStats()
-    opt.momentum_sync.after_step(opt, stats)
+    opt.momentum_sync.after_step(opt.steps, opt.state, stats)
     r = opt.momentum_sync.last_divergence
     post = [opt.state[p]["exp_avg"] for p in (w0, b0, w1, b1)]
     return dict(exact=exact, est=[r[n] for n in ("0.weight", "0.bias", "1.weight", "1.bias")],

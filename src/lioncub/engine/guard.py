@@ -23,7 +23,7 @@ with the same message.
 from __future__ import annotations
 
 import hashlib
-from typing import Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -31,7 +31,7 @@ from torch import Tensor
 from .. import comm
 from ..comm import CommStats
 
-__all__ = ["param_names", "check_same_params", "grads_finite", "all_finite", "agree", "handle_nonfinite",
+__all__ = ["param_names", "check_same_params", "grads_finite", "all_finite", "agree", "Verdict", "handle_nonfinite",
            "replicas_differ", "check_replicas"]
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -143,19 +143,36 @@ def all_finite(*flags):
     return acc
 
 
+class Verdict(NamedTuple):
+    """What every rank learns from :func:`agree`, the same on all of them."""
+
+    active: list[bool]
+    """Per parameter passed, whether some rank has a gradient for it."""
+    bad_ranks: int
+    """How many ranks hold a non-finite value (or a loss scaler's overflow); 0 on the ordinary path."""
+    extra: list
+    """``extra`` summed over the ranks, as host numbers (empty without one)."""
+
+
 def agree(params: list[Tensor], group, world_size: int, device: torch.device, stats: Optional[CommStats] = None, *,
-          finite=None, extra: Optional[Tensor] = None, scaler_inf: Optional[Tensor] = None
-          ) -> tuple[list[bool], int, int]:
-    """A step's one small all-reduce and its one host read (``LionCub.step``). Summed over
-    ranks, on ``device``: per parameter the number of ranks *without* a gradient, then the
-    number of ranks whose gradient holds a NaN/Inf, then ``extra`` (the replica check's flag,
-    on the steps that check), each 0 on the ordinary path. ``finite``: this rank's answer when
-    already known (a bool, or a 0-dim bool tensor from the fused encode), else checked here.
-    ``scaler_inf``: the loss scaler's found-inf of this rank (counted with the non-finite
-    ranks). Returns (active per parameter, non-finite ranks, extra's sum)."""
+          finite=None, extra: Optional[Tensor] = None, scaler_inf: Optional[Tensor] = None) -> Verdict:
+    """The finite agreement every optimizer runs: one small all-reduce and one host read.
+
+    Summed over the ranks of ``group`` (``world_size`` of them; none with one), on ``device``:
+    per parameter of ``params`` the number of ranks *without* a gradient (LionCub's step; a round
+    passes none), then the number of ranks holding a non-finite value, then ``extra`` (what else
+    the caller needs summed at the same point: the replica check's flag, a round's per-tensor
+    scales, torchft's contributor count), each 0 on the ordinary path. ``finite``: this rank's
+    answer when already known (a bool, or a 0-dim bool tensor: the fused encode's, a round's
+    ``isfinite(Δ).all()``), else its gradients are checked here. ``scaler_inf``: the loss scaler's
+    found-inf of this rank (counted with the non-finite ranks). The vector is integer (uint8, int32
+    past 255 ranks) unless ``extra`` is floating point, then float64."""
     n = len(params)
-    dtype = torch.uint8 if world_size <= 255 else torch.int32  # a sum of P flags must not wrap
-    counts = torch.zeros(n + 1 + (extra is not None), dtype=dtype, device=device)
+    if extra is not None and torch.is_floating_point(extra):
+        dtype = torch.float64
+    else:
+        dtype = torch.uint8 if world_size <= 255 else torch.int32  # a sum of P flags must not wrap
+    counts = torch.zeros(n + 1 + (0 if extra is None else extra.numel()), dtype=dtype, device=device)
     for i, p in enumerate(params):  # a missing gradient is rare: one scalar fill each
         if p.grad is None:
             counts[i] = 1
@@ -170,11 +187,11 @@ def agree(params: list[Tensor], group, world_size: int, device: torch.device, st
         counts[n:n + 1].add_((scaler_inf.to(device, non_blocking=True).reshape(1) > 0).to(dtype))
         counts[n:n + 1].clamp_(max=1)
     if extra is not None:
-        counts[n + 1:].copy_(extra)
+        counts[n + 1:].copy_(extra.reshape(-1))
     if world_size > 1:
         comm.all_reduce(counts, group, stats)
-    host = counts.tolist()  # the step's one host sync
-    return [c < world_size for c in host[:n]], host[n], host[n + 1] if extra is not None else 0
+    host = counts.tolist()  # the one host sync
+    return Verdict([c < world_size for c in host[:n]], int(host[n]), host[n + 1:])
 
 
 def _first_nonfinite(params: list[Tensor]) -> Optional[int]:
@@ -184,17 +201,17 @@ def _first_nonfinite(params: list[Tensor]) -> Optional[int]:
     return None
 
 
-def handle_nonfinite(optimizer, params: list[Tensor], bad_ranks: int) -> None:
-    """Apply ``optimizer.nonfinite`` once all ranks agree that ``bad_ranks`` > 0 of them
-    hold a NaN/Inf gradient: raise, or return so the step is skipped everywhere
+def handle_nonfinite(policy: str, params: list[Tensor], bad_ranks: int, *, step: int, names=None) -> None:
+    """Apply the ``nonfinite`` policy once all ranks agree that ``bad_ranks`` > 0 of them hold a
+    NaN/Inf gradient at ``step``: ``'raise'`` raises (naming this rank's first non-finite
+    parameter, by ``names`` where known), ``'skip'`` returns so the step is skipped everywhere
     (parameters, momenta, step parity and RNG untouched; the caller counts the skip)."""
-    if optimizer.nonfinite == "raise":
+    if policy == "raise":
         i = _first_nonfinite(params)
-        names = getattr(optimizer, "_param_names", None)
         here = ("this rank's gradients are finite" if i is None else
                 f"this rank holds a non-finite gradient in {_label(i, names, params[i].shape)}")
         raise FloatingPointError(
-            f"non-finite gradient on {bad_ranks} rank(s) at step {optimizer.steps} ({here}); "
+            f"non-finite gradient on {bad_ranks} rank(s) at step {step} ({here}); "
             "pass nonfinite='skip' to skip such steps on all ranks"
         )
 

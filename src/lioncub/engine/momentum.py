@@ -49,6 +49,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn as nn
@@ -203,81 +204,83 @@ class MomentumSync:
     """Averages selected momenta across ranks every ``every`` completed steps (see module doc).
 
     LionCub builds one from its ``momentum_sync``, ``sync_every``, ``sync_dtype`` and
-    ``model`` arguments and calls :meth:`after_step` after every completed step.
-    Attributes: ``kind``, ``selected`` (optimizer param indices), ``names`` (every param's
-    name), ``n_syncs``, ``n_checks``, ``bytes_sent`` (momentum traffic so far, per rank),
-    ``sync_counts`` (name -> times averaged) and ``last_divergence`` (name -> r, adaptive).
+    ``model`` arguments, its parameters, group and bucket size, and calls :meth:`after_step`
+    with its step count and state after every completed step. Attributes: ``kind``,
+    ``selected`` (indices into ``params``), ``names`` (every param's name), ``n_syncs``,
+    ``n_checks``, ``bytes_sent`` (momentum traffic so far, per rank), ``sync_counts``
+    (name -> times averaged) and ``last_divergence`` (name -> r, adaptive).
     """
 
-    def __init__(self, policy="none", *, every: int = 10, dtype: str = "fp32", model=None, optimizer=None):
+    def __init__(self, policy="none", *, every: int = 10, dtype: str = "fp32", model=None,
+                 params: Sequence[Tensor] = (), group=None, world_size: int = 1, chunk_mb: float = 25.0):
         check_int("sync_every", every, 1)
         if dtype not in SYNC_DTYPES:
             raise ValueError(f"sync_dtype must be one of {tuple(SYNC_DTYPES)}, got {dtype!r}")
-        params = [] if optimizer is None else _params(optimizer)
-        self.kind, self.selected = _resolve(policy, params, model)
+        self.params = list(params)
+        self.group, self.world_size = group, world_size
+        self.chunk = max(1, int(chunk_mb * 2**20 / 4))  # elements per momentum all-reduce
+        self.kind, self.selected = _resolve(policy, self.params, model)
         self.adaptive = policy if isinstance(policy, Adaptive) else Adaptive() if self.kind == "adaptive" else None
         self.every, self.dtype = every, dtype
-        self.names = label_params(params, model)
+        self.names = label_params(self.params, model)
         self.n_syncs, self.n_checks, self.bytes_sent = 0, 0, 0.0
         self.sync_counts: dict[str, int] = {}
         self.last_divergence: dict[str, float] = {}
 
-    def after_step(self, optimizer, stats: CommStats) -> None:
-        if self.kind == "none" or optimizer.world_size == 1 or optimizer.steps % self.every:
+    def after_step(self, steps: int, state, stats: CommStats) -> None:
+        """After ``steps`` completed steps: average what the policy selects (collective on its
+        step). ``state``: the optimizer's per-parameter state (``state[p]['exp_avg']``)."""
+        if self.kind == "none" or self.world_size == 1 or steps % self.every:
             return
-        params = _params(optimizer)
-        idx = [i for i in self.selected if "exp_avg" in optimizer.state[params[i]]]
+        idx = [i for i in self.selected if "exp_avg" in state[self.params[i]]]
         if self.kind == "adaptive":
-            r = self.divergence(optimizer, idx, stats)
+            r = self.divergence(state, idx, stats)
             idx = [i for i in idx if r[i] > self.adaptive.threshold]
-        self.average(optimizer, idx, stats)
+        self.average(state, idx, stats)
 
-    def divergence(self, optimizer, idx: list[int], stats: CommStats | None = None) -> dict[int, float]:
+    def divergence(self, state, idx: list[int], stats: CommStats | None = None) -> dict[int, float]:
         """Relative divergence r per param index, estimated with one small all-reduce (collective)."""
-        params = _params(optimizer)
         if not idx:
             self.n_checks += 1
             return {}
-        device = optimizer.state[params[idx[0]]]["exp_avg"].device
+        momenta = [state[self.params[i]]["exp_avg"] for i in idx]
         # the same seed on every rank: the same signs (a generator of the momenta's device)
-        gen = comm.make_generator(device, self.adaptive.seed * 1_000_003 + self.n_checks)
+        gen = comm.make_generator(momenta[0].device, self.adaptive.seed * 1_000_003 + self.n_checks)
         self.n_checks += 1
-        sk = [divergence_sketch(optimizer.state[params[i]]["exp_avg"], self.adaptive.buckets, gen) for i in idx]
+        sk = [divergence_sketch(m, self.adaptive.buckets, gen) for m in momenta]
         buf = torch.cat(sk + [torch.stack([z.square().sum() for z in sk])])  # [z_1 .. z_T, ||z_t||²]
-        self._all_reduce(buf, optimizer, stats)
+        self._all_reduce(buf, stats)
         sums = buf[: buf.numel() - len(idx)].split([z.numel() for z in sk])  # Σ_i z_i per tensor
         sq = buf[buf.numel() - len(idx):]  # Σ_i ||z_i||² per tensor
         both = torch.stack([sq, torch.stack([z.square().sum() for z in sums])]).tolist()  # one host read
         out = {}
         for k, i in enumerate(idx):
             den = both[0][k]
-            num = den - both[1][k] / optimizer.world_size
+            num = den - both[1][k] / self.world_size
             out[i] = max(0.0, num / den) if den > 0 else 0.0
             self.last_divergence[self.names[i]] = out[i]
         return out
 
     @torch.no_grad()
-    def average(self, optimizer, idx: list[int], stats: CommStats | None = None) -> None:
+    def average(self, state, idx: list[int], stats: CommStats | None = None) -> None:
         """Replace the momenta of params ``idx`` by their mean over ranks (collective)."""
         if not idx:
             return
-        params = _params(optimizer)
-        ms = [optimizer.state[params[i]]["exp_avg"] for i in idx]
-        limit = max(1, int(getattr(optimizer, "bucket_mb", 25.0) * 2**20 / 4))
-        for chunk in _chunks(ms, limit):
+        ms = [state[self.params[i]]["exp_avg"] for i in idx]
+        for chunk in _chunks(ms, self.chunk):
             flat = torch.cat([m.reshape(-1).to(SYNC_DTYPES[self.dtype]) for m in chunk])
-            self._all_reduce(flat, optimizer, stats)
-            flat.div_(optimizer.world_size)
+            self._all_reduce(flat, stats)
+            flat.div_(self.world_size)
             for m, piece in zip(chunk, flat.split([m.numel() for m in chunk])):
                 m.copy_(piece.view_as(m))
         self.n_syncs += 1
         for i in idx:
             self.sync_counts[self.names[i]] = self.sync_counts.get(self.names[i], 0) + 1
 
-    def _all_reduce(self, t: Tensor, optimizer, stats: CommStats | None) -> None:
+    def _all_reduce(self, t: Tensor, stats: CommStats | None) -> None:
         mine = CommStats()
         mine.sync = getattr(stats, "sync", None)  # timed as the step is
-        comm.all_reduce(t, optimizer.group, mine)
+        comm.all_reduce(t, self.group, mine)
         self.bytes_sent += mine.bytes_sent
         if stats is not None:
             stats.add(mine)
@@ -296,10 +299,6 @@ class MomentumSync:
         self.bytes_sent = float(state.get("bytes_sent", 0.0))
         self.sync_counts = dict(state.get("sync_counts", {}))
         self.last_divergence = dict(state.get("last_divergence", {}))
-
-
-def _params(optimizer) -> list[Tensor]:
-    return [p for g in optimizer.param_groups for p in g["params"]]
 
 
 def _chunks(ms: list[Tensor], limit: int):

@@ -44,9 +44,9 @@ def cmd_train_ft(args) -> int:
         config = TrainConfig(**fields)
         if config.local_steps < 2:
             raise ValueError("--ft runs LocalCub: --local-steps must be >= 2")
-        from . import FT_VOTES
+        from ..votes.rounds import round_is_partial
 
-        if config.vote not in FT_VOTES or (config.vote == "pbit" and (config.aggregate, config.quantizer) != ("mean", "l1")):
+        if not round_is_partial(config.vote, config.quantizer, config.aggregate):
             raise ValueError("--ft: --vote must be grad, or pbit with --quantizer l1 --aggregate mean")
     except ValueError as exc:
         args.parser.error(str(exc))

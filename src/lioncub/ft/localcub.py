@@ -45,15 +45,12 @@ import torch
 from torch import Tensor
 
 from .. import comm
+from ..engine import guard
 from ..optim.localcub import LocalCub
 from ..validate import check_int
+from ..votes.rounds import PARTIAL_NEEDS, round_aggregation, round_is_partial
 
-__all__ = ["FTLocalCub", "ReplicaGroup", "TensorTransport", "FT_VOTES", "QuorumError", "require_torchft"]
-
-FT_VOTES = ("grad", "pbit")
-"""The agreements a fault-tolerant round runs: the fp32 mean (``'grad'``) and the 8-bit L1 lane
-mean (``vote='pbit', quantizer='l1', aggregate='mean'``); both are sums, to which a replica that
-sends zero adds nothing."""
+__all__ = ["FTLocalCub", "ReplicaGroup", "TensorTransport", "QuorumError", "require_torchft"]
 
 
 def require_torchft():
@@ -153,10 +150,9 @@ class FTLocalCub(LocalCub):
             if kwargs.get(key, allowed) != allowed:
                 raise ValueError(f"{key} must be {allowed!r} with torchft, got {kwargs[key]!r}")
         vote = kwargs.get("vote", "onebit")
-        if vote not in FT_VOTES or (vote == "pbit" and (kwargs.get("aggregate") != "mean"
-                                                        or kwargs.get("quantizer") != "l1")):
-            raise ValueError(f"vote must be 'grad' or 'pbit' with quantizer='l1', aggregate='mean' under torchft "
-                             f"(sums a replica with nothing to send leaves unchanged), got vote={vote!r}")
+        if not round_is_partial(vote, kwargs.get("quantizer"), kwargs.get("aggregate", "vote")):
+            raise ValueError(f"under torchft a round's aggregation must be a sum that a replica with nothing to send "
+                             f"leaves unchanged: {PARTIAL_NEEDS}; got vote={vote!r}")
         if getattr(manager, "_use_async_quorum", False):
             raise ValueError("manager must be built with use_async_quorum=False (a replica heals inside "
                              "start_quorum, at a round's end)")
@@ -197,14 +193,16 @@ class FTLocalCub(LocalCub):
         if self.fault_hook is not None and contributing:
             self.fault_hook(point, self.rounds + 1)
 
-    def _method(self, P: int):
+    def _aggregation(self, P: int):
         if P not in self._methods:  # lanes sized for the quorum's P (every member builds the same)
-            self._methods[P] = self.config.method(P)
+            self._methods[P] = round_aggregation(self.config.method(P), P, self.aggregate)
         return self._methods[P]
 
     def _agree(self, contributing: bool) -> None:
+        """The round's agreement on the quorum torchft forms, retried until it commits. The same
+        pieces as LocalCub's round (its pseudo-gradient, :func:`~lioncub.engine.guard.agree`, its
+        aggregation); only the group, the count C of contributing replicas and the commit differ."""
         sizes = [p.numel() for p in self.params]
-        states = [self.state[p] for p in self.params]
         began = time.perf_counter()
         self._healed = False  # a heal in any attempt of this round voids this replica's Δ
         for _ in range(self.max_attempts):
@@ -213,40 +211,26 @@ class FTLocalCub(LocalCub):
             self._fault("head", contributing)
             took_part = contributing and not self._healed
             if took_part:
-                delta = torch.cat([(s["start"].float() - p.float()).reshape(-1) for s, p in zip(states, self.params)])
-                v = delta
-                if self.error_feedback:
-                    v = delta + torch.cat([s["residual"].reshape(-1) for s in states])
+                delta, v = self._pseudo_gradient("start")
             else:
                 delta = v = torch.zeros(sum(sizes), dtype=torch.float32, device=self.device)
             group = ReplicaGroup(self.manager)
             P = group.size()
-            mean = self.aggregate == "mean"
-            head = torch.zeros(3 + (len(sizes) if mean else 0), dtype=torch.float64, device=self.device)
-            head[0:1].copy_(torch.logical_not(torch.isfinite(delta).all()).reshape(1))
-            if self._bad_round and took_part:
-                head[0] = 1.0
-            head[1] = float(took_part)
-            head[2] = float(self.stop_requested)
-            if mean and took_part:
-                head[3:] = torch.stack([piece.abs().mean() for piece in v.split(sizes)]).double()
-            comm.all_reduce(head, group, stats)
-            host = head.tolist()  # the round's one host read
-            bad, C = int(round(host[0])), int(round(host[1]))
-            d = sent = None
+            aggregation = self._aggregation(P)
+            head = aggregation.head(v, sizes)  # (zeros from a replica with nothing to send)
+            extra = torch.zeros(2 + (0 if head is None else head.numel()), dtype=torch.float64, device=self.device)
+            extra[0], extra[1] = float(took_part), float(self.stop_requested)  # C, and a stop asked for
+            if head is not None:
+                extra[2:] = head
+            verdict = guard.agree([], group, P, self.device, stats, extra=extra,
+                                  finite=False if self._bad_round and took_part else torch.isfinite(delta).all())
+            bad, C = verdict.bad_ranks, int(round(verdict.extra[0]))
+            agreement = sent = None
             if self.manager.errored() is None and bad == 0 and C > 0:
                 self._fault("lanes", contributing)
-                if mean:
-                    lanes = self._method(P)
-                    units, q, msg = lanes.lane_message(v, sizes, [x / C for x in host[3:]])
-                    if msg is not None:
-                        comm.all_reduce(msg, group, stats)
-                    d = lanes.lane_total(msg, q, sizes, units, count=C)
-                    sent = lanes.lane_sent(q, sizes, units)
-                else:
-                    d = v.clone()
-                    comm.all_reduce(d, group, stats)
-                    d /= C
+                agreement, sent = self._launch(v, sizes, verdict.extra[2:], C, stats, aggregation=aggregation,
+                                               group=group)
+                agreement.result(stats)
             self._fault("commit", contributing)
             if self.manager.should_commit():
                 break
@@ -256,18 +240,18 @@ class FTLocalCub(LocalCub):
                               "(max_attempts): replicas keep failing")
         self._bad_round = False
         self.participants, self.contributors = P, C
-        self.stop_agreed = self.stop_agreed or host[2] > 0
+        self.stop_agreed = self.stop_agreed or verdict.extra[1] > 0
         self.last_stall_s = time.perf_counter() - began
         self.last_round_stats = stats
         if bad > 0:
             self._nonfinite(bad)
             return
-        if d is None:  # nobody had anything to send (every replica joining): nothing to apply
+        if agreement is None:  # nobody had anything to send (every replica joining): nothing to apply
             return
-        if self.error_feedback and took_part:  # e_i ← v_i − C(v_i)
-            for s, r, c in zip(states, v.split(sizes), sent.split(sizes)):
-                torch.sub(r, c, out=s["residual"].view(-1))
-        self._outer_step(d.split(sizes), False)
+        if took_part:
+            self._keep_residuals(v, sent, sizes)
+        d, signed = agreement.result()
+        self._outer_step(d.split(sizes), signed)
         self.rounds += 1
 
     def _start_quorum(self) -> None:

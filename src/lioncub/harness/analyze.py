@@ -110,7 +110,8 @@ def _train(cfg: AnalyzeConfig, rank: int, world: int, *, measure: bool) -> dict:
     policy = "none" if measure else Adaptive(threshold=cfg.threshold)
     opt = LionCub(model.parameters(), lr=cfg.lr, betas=(0.9, cfg.beta2), vote=cfg.vote, model=model,
                   momentum_sync=policy, sync_every=cfg.sync_every)
-    probe = MomentumSync(Adaptive(threshold=cfg.threshold), model=model, optimizer=opt)
+    probe = MomentumSync(Adaptive(threshold=cfg.threshold), model=model, params=list(model.parameters()),
+                         group=opt.group, world_size=opt.world_size)
     next_batch, source = _batches(cfg, rank, world)
     out = {"data": source, "loss": [], "ties": [], "records": [], "bytes_per_step": []}
     t0 = time.perf_counter()
@@ -123,7 +124,7 @@ def _train(cfg: AnalyzeConfig, rank: int, world: int, *, measure: bool) -> dict:
         if measure and (step % cfg.every == 0 or step == cfg.steps - 1) and step > 0:
             rec = ins.analyze(opt, model, seed=cfg.seed)
             idx = [i for i, p in enumerate(model.parameters()) if "exp_avg" in opt.state[p]]
-            r = probe.divergence(opt, idx)  # what the adaptive policy would see (not counted)
+            r = probe.divergence(opt.state, idx)  # what the adaptive policy would see (not counted)
             rec["adaptive_r"] = {probe.names[i]: v for i, v in r.items()}
             if step != cfg.steps - 1:
                 rec["distribution"].pop("all")  # keep one full histogram: the last

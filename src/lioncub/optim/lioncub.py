@@ -240,8 +240,8 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
             config = config.resolved(picked, picked_bits)
         self._set_config(config)
         self.momentum_sync = momentum.MomentumSync(
-            momentum_sync, every=sync_every, dtype=sync_dtype, model=model, optimizer=self
-        )
+            momentum_sync, every=sync_every, dtype=sync_dtype, model=model, params=params, group=self.group,
+            world_size=self.world_size, chunk_mb=config.bucket_mb)
         if overlap:
             from ..engine.overlap import Overlap  # hooks every param; launches votes during backward
 
@@ -381,7 +381,17 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
     _step_supports_amp_scaling = True
     """``GradScaler.step`` always calls :meth:`step` (on every rank) and hands it the scaler."""
 
-    def _step(self, closure, grad_scaler=None):
+    @torch.no_grad()
+    def step_agreed(self, verdict: guard.Verdict):
+        """One step whose agreement (:func:`~lioncub.engine.guard.agree`: which parameters have a
+        gradient anywhere, how many ranks hold a non-finite one) the caller already made over a
+        group that contains this optimizer's: NodeCub's one agreement over the world, which its
+        cross-node vote would otherwise repeat (an all-reduce and a host read more per step).
+        Collective as :meth:`step`."""
+        with comm.step_context(self.steps):
+            return self._step(None, None, verdict)
+
+    def _step(self, closure, grad_scaler=None, verdict: Optional[guard.Verdict] = None):
         loss = self.run_closure(closure)
         stats = self.new_stats()
         params = [p for _, p in self.param_entries]
@@ -398,25 +408,28 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
         finite = None
         if driver is None and self.method is not None and run.encodes_ahead(buckets):
             early, finite = run.encode_messages(buckets, stats, self.steps, ahead=self.encode_ahead)
-            rest = [p for msg, buf in early if buf is None for b in msg for p in buckets[b].params]
-            finite = guard.all_finite(finite, guard.grads_finite(rest))  # messages beyond the ones ahead
+            if verdict is None:  # messages beyond the ones ahead
+                rest = [p for msg, buf in early if buf is None for b in msg for p in buckets[b].params]
+                finite = guard.all_finite(finite, guard.grads_finite(rest))
         elif driver is not None:
             finite = driver.finite() if callable(getattr(driver, "finite", None)) else None
-        check = None  # the replica check of the previous step's result, read with the agreement
-        if self.check_due(self.steps) and self._checked != self.steps:
-            check = guard.replicas_differ(params, self.group, self.world_size, step=self.steps, stats=stats)
-            self._checked = self.steps
-        active, bad_ranks, diverged = guard.agree(params, self.group, self.world_size, self.device, stats,
-                                                  finite=finite, extra=None if check is None else check[0],
-                                                  scaler_inf=scaler_inf)
-        if diverged:
-            guard.report_replicas(check[1], params, step=self.steps, names=self._param_names)
+        if verdict is None:  # (NodeCub agrees over the whole world for its voter)
+            check = None  # the replica check of the previous step's result, read with the agreement
+            if self.check_due(self.steps) and self._checked != self.steps:
+                check = guard.replicas_differ(params, self.group, self.world_size, step=self.steps, stats=stats)
+                self._checked = self.steps
+            verdict = guard.agree(params, self.group, self.world_size, self.device, stats, finite=finite,
+                                  extra=None if check is None else check[0], scaler_inf=scaler_inf)
+            if any(verdict.extra):
+                guard.report_replicas(check[1], params, step=self.steps, names=self._param_names)
+        active, bad_ranks = verdict.active, verdict.bad_ranks
         amp.record_agreed(self, grad_scaler, bad_ranks)
         if bad_ranks:
             if driver is not None:
                 driver.discard()
             if scaler_inf is None:
-                guard.handle_nonfinite(self, params, bad_ranks)  # raises, or we skip this step
+                guard.handle_nonfinite(self.nonfinite, params, bad_ranks, step=self.steps,
+                                      names=self._param_names)  # raises, or we skip this step
             self.skipped_steps += 1
             self.last_step_stats = stats
             return loss
@@ -434,7 +447,7 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
             else:
                 run.step_messages(parts, stats, self.steps)
         self.steps += 1
-        self.momentum_sync.after_step(self, stats)
+        self.momentum_sync.after_step(self.steps, self.state, stats)
         self.last_step_stats = stats
         return loss
 

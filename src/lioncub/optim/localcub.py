@@ -69,7 +69,8 @@ from ..engine.shell import Shell
 from ..lion import Lion
 from ..validate import check_bool, check_choice, check_hyperparameters, check_int
 from ..votes.pbit import MEAN_CLIP
-from .agreement import Agreement, one_allreduce, sent_value
+from ..votes.rounds import ROUND_AGGREGATES as AGGREGATES
+from ..votes.rounds import Agreement, check_round_aggregate, round_aggregation
 from .outer import OUTER_RULES, make_outer
 from .streaming import StreamingRounds
 
@@ -77,7 +78,6 @@ __all__ = ["LocalCub", "INNER_OPTIMIZERS", "OUTER_RULES", "LOCAL_VOTES", "AGGREG
 
 INNER_OPTIMIZERS = ("lion", "adamw")
 LOCAL_VOTES = ("grad",) + votes.VOTE_METHODS
-AGGREGATES = ("vote", "mean")
 DELAYS = (0, 1)
 """``delay=``: 0, every round agreed before the next begins; 1, streaming rounds."""
 
@@ -197,10 +197,8 @@ class LocalCub(StreamingRounds, Shell, VoteSettings, torch.optim.Optimizer):
         if error_feedback and quantizer == "linf":
             raise ValueError("error_feedback cannot replay the stochastic quantizer 'linf'; "
                              "use quantizer='l1', 'l0', 'lp', 'log' or 'sign'")
-        self.aggregate = check_choice("aggregate", aggregate, AGGREGATES)
-        if aggregate == "mean" and (vote != "pbit" or quantizer != "l1"):
-            raise ValueError("aggregate='mean' sums L1-quantized lanes: it needs vote='pbit' and quantizer='l1', "
-                             f"got vote={vote!r}, quantizer={quantizer!r}")
+        check_round_aggregate(aggregate, votes.METHODS.get(vote), vote, quantizer)
+        self.aggregate = aggregate
         auto.check_auto_args(vote, alpha, beta, gamma)
         self.delay = check_int("delay", delay, min(DELAYS), max(DELAYS), what="rounds an outer step is applied late")
         if delay and vote == "auto":
@@ -224,10 +222,9 @@ class LocalCub(StreamingRounds, Shell, VoteSettings, torch.optim.Optimizer):
             self.round_costs = {k: dict(v, per_step_s=v["total_s"] / self.H) for k, v in costs.items()}
             config = config.resolved(picked, picked_bits)
         self._set_config(config)
-        if self.delay and not one_allreduce(self.method):
-            streams = tuple(m for m in votes.VOTE_METHODS if one_allreduce(votes.make(m, 2)))
-            raise ValueError(f"delay=1 overlaps one all-reduce per round: vote must be 'grad' or one of {streams}, "
-                             f"got vote={vote!r}")
+        if self.delay and not self.aggregation.streams:
+            raise ValueError(f"delay=1 overlaps one all-reduce per round: vote must be 'grad' or one of "
+                             f"{votes.STREAMING_VOTES}, got vote={vote!r}")
         self._pending: Optional[Agreement] = None
         """delay=1: the last round's agreement, launched and not yet applied."""
         for p in self.params:
@@ -241,6 +238,8 @@ class LocalCub(StreamingRounds, Shell, VoteSettings, torch.optim.Optimizer):
         """The vote settings and the one vote method object every round uses (None: ``'grad'``)."""
         self.config = config
         self.method = config.method(self.world_size)
+        self.aggregation = round_aggregation(self.method, self.world_size, self.aggregate)
+        """How a round's v_i become d (:mod:`lioncub.votes.rounds`)."""
         self.vote_chosen = (config.vote, config.bits)
 
     outer = property(lambda self: self.rule.name, doc="The outer rule's name.")
@@ -303,54 +302,52 @@ class LocalCub(StreamingRounds, Shell, VoteSettings, torch.optim.Optimizer):
     def _round(self) -> None:
         stats = comm.step_stats(self.device)
         sizes = [p.numel() for p in self.params]
-        states = [self.state[p] for p in self.params]
-        began = "origin" if self.delay else "start"  # where this worker's round began
-        delta = torch.cat([(s[began].float() - p.float()).reshape(-1) for s, p in zip(states, self.params)])
-        v = delta
-        if self.error_feedback:
-            v = delta + torch.cat([s["residual"].reshape(-1) for s in states])
-        # one tiny all-reduce: how many ranks hold a non-finite value, and (aggregate='mean') Σ_i mean|v_i|
-        # of every tensor
-        head = torch.zeros(1 + (len(sizes) if self.aggregate == "mean" else 0), dtype=torch.float64,
-                           device=v.device)  # NCCL takes device tensors only
-        head[0:1].copy_(torch.logical_not(torch.isfinite(delta).all()).reshape(1))  # on the device
-        if self._bad_round:
-            head[0] = 1.0
-        if self.aggregate == "mean":
-            head[1:] = torch.stack([piece.abs().mean() for piece in v.split(sizes)]).double()
+        delta, v = self._pseudo_gradient("origin" if self.delay else "start")
+        head = self.aggregation.head(v, sizes)
+        # the round's one small all-reduce and host read: how many ranks hold a non-finite value, and the
+        # aggregation's own per-tensor sums (the lane mean's shared scale)
+        verdict = guard.agree([], self.group, self.world_size, self.device, stats,
+                              finite=False if self._bad_round else torch.isfinite(delta).all(), extra=head)
         self._bad_round = False
-        if self.world_size > 1:
-            comm.all_reduce(head, self.group, stats)
-        host = head.tolist()  # the round's one host read
+        self.last_round_stats = stats
         if self.delay:
-            self._stream(delta, v, sizes, host, stats)
-            self.last_round_stats = stats
+            self._stream(delta, v, sizes, verdict, stats)
             return
-        if host[0] > 0:
-            self.last_round_stats = stats
-            self._nonfinite(int(host[0]))
+        if verdict.bad_ranks:
+            self._nonfinite(verdict.bad_ranks)
             return
-        signed = False
-        if self.aggregate == "mean":
-            d, sent = self.method.lane_mean(v, sizes, [x / self.world_size for x in host[1:]], self.group, stats)
-        elif self.method is None:  # 'grad': the fp32 mean of Δ
-            if self.world_size > 1:
-                comm.all_reduce(v, self.group, stats)
-                v /= self.world_size
-            d = v
-        else:
-            d, signed = self._vote(v, stats), True
-            if self.error_feedback:
-                sent = sent_value(v, sizes, self.method)
-        if self.error_feedback:  # e_i ← v_i − C(v_i)
-            for s, r, c in zip(states, v.split(sizes), sent.split(sizes)):
-                torch.sub(r, c, out=s["residual"].view(-1))
+        agreement, sent = self._launch(v, sizes, verdict.extra, self.world_size, stats)
+        self._keep_residuals(v, sent, sizes)
+        d, signed = agreement.result(stats)
         self._outer_step(d.split(sizes), signed)
         self.rounds += 1
-        self.last_round_stats = stats
         if self.check_due(self.rounds):
             guard.check_replicas(self.params, self.group, self.world_size, step=self.rounds,
                                  names=self._param_names)
+
+    def _pseudo_gradient(self, began: str) -> tuple[Tensor, Tensor]:
+        """(Δ_i, v_i = Δ_i + e_i) flat fp32: this worker's progress since ``state[p][began]``."""
+        states = [self.state[p] for p in self.params]
+        delta = torch.cat([(s[began].float() - p.float()).reshape(-1) for s, p in zip(states, self.params)])
+        if not self.error_feedback:
+            return delta, delta
+        return delta, delta + torch.cat([s["residual"].reshape(-1) for s in states])
+
+    def _launch(self, v: Tensor, sizes: list[int], head: list[float], count: int, stats: CommStats, *,
+                aggregation=None, group=None) -> tuple[Agreement, Optional[Tensor]]:
+        """Start the round's agreement on ``v`` (:mod:`lioncub.votes.rounds`): the agreement, and
+        C(v_i) with error feedback (None without)."""
+        aggregation = self.aggregation if aggregation is None else aggregation
+        return aggregation.launch(v, sizes, head=head, count=count, step=self.rounds, generator=self.generator,
+                                  group=self.group if group is None else group, stats=stats,
+                                  feedback=self.error_feedback)
+
+    def _keep_residuals(self, v: Tensor, sent: Optional[Tensor], sizes: list[int]) -> None:
+        """e_i ← v_i − C(v_i), per parameter (nothing without error feedback: ``sent`` None)."""
+        if sent is None or not self.error_feedback:
+            return
+        for p, r, c in zip(self.params, v.split(sizes), sent.split(sizes)):
+            torch.sub(r, c, out=self.state[p]["residual"].view(-1))
 
     @contextmanager
     def agreed(self) -> Iterator[None]:
@@ -367,14 +364,6 @@ class LocalCub(StreamingRounds, Shell, VoteSettings, torch.optim.Optimizer):
             with torch.no_grad():
                 for p, mine in zip(self.params, own):
                     p.copy_(mine)
-
-    def _vote(self, v: Tensor, stats: CommStats) -> Tensor:
-        """u = the vote of the ranks' v (the round's parity sets the 1-bit paths' ties)."""
-        if v.numel() == 0:
-            return torch.zeros_like(v)
-        if self.world_size == 1:  # no process group needed: the one rank's vote is its reference
-            return self.method.reference([v], self.method.parity(self.rounds), [self.generator]).to(v.dtype)
-        return self.method.vote(v, torch.empty_like(v), self.rounds, self.group, stats, self.generator)
 
     def _outer_step(self, d: list[Tensor], signed: bool, replicas: bool = True) -> None:
         """θ_s ← decayed θ_s, then the outer rule by d; every replica ← θ_s (``replicas``).

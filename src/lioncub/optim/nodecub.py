@@ -263,26 +263,22 @@ class NodeCub(Shell, torch.optim.Optimizer):
             scaler_inf = amp.unscale(self, grad_scaler, self.params)
             self._average_in_node(intra)
             mine = [self.params[i] for i in self._mine]
-            bad = torch.zeros(1, device=self.device)
-            finite = guard.grads_finite(mine)
-            if isinstance(finite, bool):
-                bad.fill_(float(not finite))
-            else:
-                bad.copy_(torch.logical_not(finite).reshape(1))
-            if scaler_inf is not None:
-                bad.add_((scaler_inf.to(self.device, non_blocking=True).reshape(1) > 0).float()).clamp_(max=1)
-            comm.all_reduce(bad, None, inter)  # any non-finite node mean, on any shard of any node
-            n_bad = int(bad.item())  # one host read
+            # the one agreement of the step, over the world: per parameter the ranks without a gradient
+            # (a node's ranks agree after the node's mean), and the ranks with a non-finite shard mean
+            verdict = guard.agree(self.params, None, self.layout.world_size, self.device, inter,
+                                  finite=guard.grads_finite(mine), scaler_inf=scaler_inf)
+            n_bad = verdict.bad_ranks
             if grad_scaler is not None:
                 amp.record_agreed(self, grad_scaler, n_bad)
             if n_bad and grad_scaler is not None:
                 self.skipped_steps += 1
             elif n_bad:
-                guard.handle_nonfinite(self, self.params, n_bad)  # raises, or all ranks skip
+                guard.handle_nonfinite(self.nonfinite, self.params, n_bad, step=self.steps,
+                                      names=self._param_names)  # raises, or all ranks skip
                 self.skipped_steps += 1
             else:
                 self._sync_settings()
-                self.voter.step()
+                self.voter.step_agreed(guard.Verdict([verdict.active[i] for i in self._mine], 0, []))
                 inter.add(self.voter.last_step_stats)
                 if self.shard and self.layout.local_size > 1:
                     self._share_in_node(intra)

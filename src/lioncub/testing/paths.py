@@ -250,9 +250,9 @@ for _name in PATHS:
     if _name.startswith("localcub"):
         SYNC_BUDGET[_name] = 2  # the inner step's NaN check (keeps it out of the inner state) + the round's read
     if _name.startswith("nodecub"):
-        SYNC_BUDGET[_name] = 3  # the node mean's gradient presence, the world's NaN verdict, the vote's read
+        SYNC_BUDGET[_name] = 2  # the node mean's gradient presence, the world's agreement (its vote reads none)
     if _name == "nodecub unsharded skip check, mean":
-        SYNC_BUDGET[_name] = 4  # + check_every=1's replica check on each step
+        SYNC_BUDGET[_name] = 3  # + check_every=1's replica check on each step
     if _name == "localcub auto skip check":
         SYNC_BUDGET[_name] = 3  # + check_every=1's replica check after each round
 

@@ -15,10 +15,13 @@ from .gather import Gather
 from .onebit import OneBit
 from .pbit import PBit, pbit_levels
 from .sign_allreduce import SignAllreduce
+from .rounds import (ROUND_AGGREGATES, ROUND_AGGREGATIONS, Agreement, RoundAggregation, check_round_aggregate,
+                     round_aggregation, round_is_partial)
 
 __all__ = ["METHODS", "VOTE_METHODS", "AUTO_CANDIDATES", "TIE_RULES", "VoteMethod", "lookup", "make",
            "check_lane_options", "check_tie", "check_sign_options", "ERROR_FEEDBACK", "parity_step", "binary_signs",
-           "decide", "pbit_levels"]
+           "decide", "pbit_levels", "ROUND_AGGREGATES", "ROUND_AGGREGATIONS", "Agreement", "RoundAggregation",
+           "check_round_aggregate", "round_aggregation", "round_is_partial", "STREAMING_VOTES"]
 
 METHODS: dict[str, type[VoteMethod]] = {cls.name: cls for cls in (
     SignAllreduce,
@@ -64,3 +67,7 @@ def check_tie(tie: str, vote: str, quantizer: Optional[str] = None) -> None:
     """An optimizer's check of ``tie=`` for ``vote`` (``'grad'`` and ``'auto'`` have no tie rule)."""
     cls = METHODS.get(vote)
     check_tie_rule(tie, cls is not None and cls.has_tie_rule(quantizer), vote, quantizer)
+
+
+STREAMING_VOTES = tuple(name for name in VOTE_METHODS if [kind for kind, _ in METHODS[name](2).plan(1)] == ["allreduce"])
+"""Vote methods whose exchange is one all-reduce, so a streaming round (``delay=1``) can keep it in flight."""

@@ -184,6 +184,12 @@ class VoteMethod:
         return False
 
     @classmethod
+    def takes_round_mean(cls, quantizer: Optional[str]) -> bool:
+        """Whether a round's ``aggregate='mean'`` (:class:`~lioncub.votes.rounds.LaneMean`) runs on this
+        method's messages: lanes whose SUM all-reduce adds quantized values exactly."""
+        return False
+
+    @classmethod
     def check_options(cls, bits: Optional[int], quantizer: Optional[str], tie: str) -> None:
         """Refuse options the method does not take, before the world size is known."""
         if quantizer is not None and not cls.TAKES_QUANTIZER:

@@ -114,6 +114,10 @@ class PBit(VoteMethod):
                               for c, g in zip(cs, gens)))
 
     # ------------------------------------------------------------------ the lane mean
+    @classmethod
+    def takes_round_mean(cls, quantizer):
+        return quantizer == "l1"
+
     def lane_mean(self, v: Tensor, sizes: list[int], norms: list[float], group, stats) -> tuple[Tensor, Tensor]:
         """The mean of the ranks' quantized ``v`` through summed lanes (``pbit`` with ``l1``;
         :class:`~lioncub.LocalCub`'s ``aggregate='mean'``). Collective.
