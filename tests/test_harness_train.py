@@ -263,7 +263,9 @@ def test_cli_rejects_bad_arguments(capsys):
                            "overlap=True is not supported with local_steps > 1"),
                           (["train", "--no-compare", "--local-steps", "2", "--aggregate", "mean", "--eval-every", "2"],
                            "aggregate='mean' sums L1-quantized lanes"),
-                          (["train", "--no-compare", "--aggregate", "mean"], "it needs vote='onebit' and nodes=1"),
+                          (["train", "--no-compare", "--aggregate", "mean"], "it needs vote='onebit', got vote='pbit'"),
+                          (["train", "--no-compare", "--aggregate", "mean", "--vote", "onebit", "--nodes", "2"],
+                           "aggregate='mean' every step runs on one LionCub: it needs nodes=1"),
                           (["train", "--no-compare", "--timeout", "0"], "timeout must be > 0"),
                           (["analyze", "--vote", "grad"], "vote must be one of"),
                           (["plot", "/nonexistent-run"], "has no metrics.jsonl")):

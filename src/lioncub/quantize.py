@@ -35,7 +35,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["QUANTIZERS", "NORM_P", "ROUNDED", "Quantized", "levels_for_bits", "lp_norm", "multiplier", "quantize",
+__all__ = ["QUANTIZERS", "NORM_P", "ROUNDED", "STOCHASTIC", "Quantized", "levels_for_bits", "lp_norm", "multiplier", "quantize",
            "scale_norm"]
 
 QUANTIZERS = ("sign", "l1", "lp", "l0", "linf", "log")
@@ -46,6 +46,8 @@ NORM_P = {"l1": 1.0, "l0": 0.0, "linf": math.inf}
 
 ROUNDED = ("l1", "l0", "lp")
 """Scaled quantizers that round to nearest by default (``linf`` rounds stochastically)."""
+STOCHASTIC = ("linf",)
+"""Quantizers that round stochastically by default (a draw from the caller's generator)."""
 
 
 class Quantized(NamedTuple):
@@ -189,5 +191,5 @@ def quantize(
     if method == "lp" and not (p >= 0):
         raise ValueError(f"p must be >= 0 for quantizer 'lp', got {p!r}")
     if stochastic is None:
-        stochastic = method == "linf"
+        stochastic = method in STOCHASTIC
     return _scaled(x, levels, scale_norm(x, method, p), stochastic, generator)

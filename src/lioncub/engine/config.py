@@ -11,13 +11,11 @@ new config (the object is frozen: a config never changes under the optimizer hol
 from __future__ import annotations
 
 import dataclasses
-import math
-from numbers import Real
 from dataclasses import dataclass
 from typing import Optional, Union
 
 from .. import votes
-from ..votes.mean import AGGREGATES, NORMS, OneBitMean
+from ..votes.mean import MEAN_DEFAULTS, OneBitMean, check_step_aggregate, make_step_method, mean_fingerprint
 from ..quantize import QUANTIZERS
 from ..validate import check_choice, check_int, check_number, check_optional_bool, check_optional_choice
 
@@ -59,7 +57,8 @@ class VoteConfig:
         votes.check_tie(self.tie, self.vote, self.quantizer)
         check_optional_bool("fused", self.fused)
         votes.check_sign_options(self.vote, self.quantizer, self.error_feedback, self.stochastic_signs)
-        check_aggregate(self)
+        check_step_aggregate(self.aggregate, self.vote, error_feedback=self.error_feedback,
+                             stochastic_signs=self.stochastic_signs, tie=self.tie, **self._mean())
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {self.seed!r}")
         object.__setattr__(self, "bucket_mb", check_number("bucket_mb", self.bucket_mb))
@@ -78,11 +77,13 @@ class VoteConfig:
             raise ValueError("vote='auto' is resolved first (VoteConfig.resolved)")
         if not self.votes:
             return None
-        if self.aggregate == "mean":
-            return OneBitMean(world, self.tie, adapt=self.mean_adapt, shape_range=self.mean_range,
-                              norm=self.mean_norm, restart=self.mean_restart)
-        return votes.make(self.vote, world, self.bits, self.quantizer, self.tie, error_feedback=self.error_feedback,
-                          stochastic_signs=self.stochastic_signs)
+        return make_step_method(self.vote, world, self.bits, self.quantizer, self.tie, aggregate=self.aggregate,
+                                error_feedback=self.error_feedback, stochastic_signs=self.stochastic_signs,
+                                **self._mean())
+
+    def _mean(self) -> dict:
+        """The ``mean_*`` settings (:data:`~lioncub.votes.mean.MEAN_DEFAULTS`)."""
+        return {name: getattr(self, name) for name in MEAN_DEFAULTS}
 
     def resolved(self, vote: str, bits: Optional[int]) -> "VoteConfig":
         """This config with ``vote='auto'``'s pick (a binary-sign method: no quantizer)."""
@@ -93,51 +94,7 @@ class VoteConfig:
         return dict(vote=self.vote, bits=self.bits, quantizer=self.quantizer, tie=self.tie,
                     grad_dtype=self.grad_dtype, error_feedback=self.error_feedback,
                     stochastic_signs=self.stochastic_signs, aggregate=self.aggregate,
-                    **({name: getattr(self, name) for name in MEAN_DEFAULTS} if self.aggregate == "mean" else {}))
-
-
-MEAN_DEFAULTS = dict(mean_adapt=OneBitMean.ADAPT, mean_range=OneBitMean.SHAPE_RANGE, mean_norm=OneBitMean.NORM,
-                     mean_restart=OneBitMean.RESTART)
-"""``aggregate='mean'``'s own settings and their defaults (any other aggregate refuses a change)."""
-
-SAVED_BEFORE = {"mean_norm": "arithmetic", "mean_restart": 0}
-"""Fingerprint settings added after checkpoints of ``aggregate='mean'`` were first saved, with the
-value those checkpoints ran with (:func:`saved_fingerprint`)."""
-
-
-def saved_fingerprint(config: dict) -> dict:
-    """A checkpoint's saved fingerprint, with the settings it predates filled in as it ran them
-    (an ``aggregate='mean'`` checkpoint without ``mean_norm`` held h's arithmetic mean at 1)."""
-    if config.get("aggregate") != "mean":
-        return config
-    return {**SAVED_BEFORE, **config}
-
-
-def check_aggregate(config: "VoteConfig") -> None:
-    """Refuse an unknown ``aggregate``, and ``'mean'`` (:mod:`lioncub.votes.mean`) anywhere but on
-    ``vote='onebit'`` without the vote's own residuals, draws or held ties."""
-    check_choice("aggregate", config.aggregate, AGGREGATES)
-    for name in ("mean_adapt", "mean_range"):
-        value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, Real) or not (math.isfinite(value) and value >= 1):
-            raise ValueError(f"{name} must be a finite number >= 1, got {value!r}")
-    check_choice("mean_norm", config.mean_norm, NORMS)
-    check_int("mean_restart", config.mean_restart, 0)
-    for name, default in MEAN_DEFAULTS.items():
-        if config.aggregate != "mean" and getattr(config, name) != default:
-            raise ValueError(f"{name} applies to aggregate='mean' only, got aggregate={config.aggregate!r}")
-    if config.aggregate != "mean":
-        return
-    if config.vote != "onebit":
-        raise ValueError(f"aggregate='mean' runs on onebit's all-to-all and all-gather: it needs vote='onebit', "
-                         f"got vote={config.vote!r}")
-    if config.error_feedback != "none" or config.stochastic_signs:
-        name = "error_feedback" if config.error_feedback != "none" else "stochastic_signs"
-        raise ValueError(f"aggregate='mean' keeps its own residuals on both sides: {name} must keep its default, "
-                         f"got {name}={getattr(config, name)!r}")
-    if config.tie == "hold":
-        raise ValueError("tie='hold' repeats a voted sign; aggregate='mean' votes none: use tie='alternate', "
-                         "'plus' or 'minus'")
+                    **mean_fingerprint(self.aggregate, **self._mean()))
 
 
 class VoteSettings:

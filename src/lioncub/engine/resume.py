@@ -57,7 +57,7 @@ from typing import Sequence
 import torch
 
 from ..validate import check_int
-from ..votes.feedback import SERVER_FEEDBACK
+from ..votes.mean import owner_state_what
 
 __all__ = ["reshard_states", "check_loadable", "upgrade_envelope", "check_server_world"]
 
@@ -152,19 +152,13 @@ def _derived_generator_state(states: Sequence[dict], new_rank: int) -> torch.Ten
 def check_server_world(error_feedback: str, saved: int, world: int, tie: str = "alternate",
                        aggregate: str = "vote") -> None:
     """Refuse, naming the argument, chunk-owner state (server residuals, ``tie='hold'``'s last
-    votes) saved by ``saved`` ranks for ``world`` ranks: each is one chunk owner's, and the
-    chunks are the P-rank world's."""
-    if saved == world:
+    votes, the 1-bit mean's residuals: :func:`~lioncub.votes.mean.owner_state_what`) saved by
+    ``saved`` ranks for ``world`` ranks: each is one chunk owner's, and the chunks are the P-rank world's."""
+    what = owner_state_what(error_feedback, tie, aggregate)
+    if saved == world or what is None:
         return
-    if aggregate == "mean":
-        raise ValueError(f"aggregate='mean' keeps residuals per chunk owner of the saved {saved}-rank world: they "
-                         f"do not reshard to {world} ranks; resume on {saved} ranks")
-    if error_feedback in SERVER_FEEDBACK:
-        raise ValueError(f"error_feedback={error_feedback!r} keeps server residuals per chunk owner of the saved "
-                         f"{saved}-rank world: they do not reshard to {world} ranks; resume on {saved} ranks")
-    if tie == "hold":
-        raise ValueError(f"tie='hold' keeps the last votes per chunk owner of the saved {saved}-rank world: "
-                         f"they do not reshard to {world} ranks; resume on {saved} ranks")
+    raise ValueError(f"{what} per chunk owner of the saved {saved}-rank world: they do not reshard to {world} "
+                     f"ranks; resume on {saved} ranks")
 
 
 def reshard_states(states: Sequence[dict], world_size: int) -> list[dict]:

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from .. import comm
 from . import guard
-from .config import saved_fingerprint
+from ..votes.mean import saved_fingerprint
 from ..validate import check_choice, check_int
 
 __all__ = ["Shell", "world_of", "NONFINITE_POLICIES", "NONFINITE_ALIASES"]

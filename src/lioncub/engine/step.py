@@ -308,79 +308,13 @@ class BucketStep:
             for bucket in buckets:
                 self.apply_u(bucket, self.bucket_c(bucket, stats, key="c").sign_(), stats)
             return
-        if getattr(self.method, "aggregate", "vote") == "mean":
+        if self.method.shared_momentum:  # a compressed mean, then Lion on it: its own message step
+            from .mean_step import mean_message
+
             for msg in self.messages(buckets):
-                self.mean_message([buckets[b] for b in msg], msg, buckets, stats, step)
+                mean_message(self, [buckets[b] for b in msg], msg, buckets, stats, step)
             return
         self.exchange_messages(buckets, self.encode_messages(buckets, stats, step, ahead=0)[0], stats, step)
-
-    def mean_message(self, parts: list[Bucket], msg: list[int], buckets: list[Bucket], stats: CommStats,
-                     step: int) -> None:
-        """``aggregate='mean'``: one message's buckets through the 1-bit compressed mean, then Lion
-        on ĝ with the shared momentum (:mod:`lioncub.votes.mean`; torch ops)."""
-        method = self.method
-        nbs = [method.part_nbytes(b.numel) for b in parts]
-        m, device = sum(nbs), parts[0].device
-        buf = self.buffer("msg", method.message_nbytes(m), torch.uint8, device)
-        buf[m:].zero_()
-        shape = self.buffer("shape", 8 * method.message_nbytes(m), torch.float32, device)
-        shape.zero_()  # h of the message's elements (padding 0)
-        alphas, tensors, offset = [], [], 0
-        residual = self.server_residual(buckets, msg, m, device)
-        if step == method.restart > 0:  # the momentum and both residuals restart; h is kept
-            for t in [t for bucket in parts for t in self.momenta(bucket) + self.residuals(bucket)] + [residual]:
-                t.zero_()
-        for bucket, nb in zip(parts, nbs):
-            exp_avgs, grads = self.momenta(bucket), self.grads(bucket)
-            t0 = comm.clock(stats)
-            v = self.buffer("c", bucket.numel, torch.float32, device)
-            for piece, g, e, (group, _) in zip(v.split(bucket.sizes), grads, exp_avgs, bucket.entries):
-                torch.sub(g.neg() if group["maximize"] else g, e, out=piece.view_as(g))  # δ = g − m
-            start = 8 * offset
-            for n, signed in zip(bucket.sizes, self.shapes(bucket)):
-                tensors.append((start, n))
-                torch.abs(signed.reshape(-1), out=shape[start:start + n])
-                start += n
-            h = shape[8 * offset:8 * offset + bucket.numel]
-            alphas.append(method.encode_mean(v, buf[offset:offset + nb], step, bucket.sizes, self.residuals(bucket),
-                                             h))
-            offset += nb
-            stats.t_quantize_pack += comm.clock(stats) - t0
-        gathered = method.exchange_mean(buf, m, torch.cat(alphas), tensors, step, self.group, stats, residual,
-                                        shape)
-        t0 = comm.clock(stats)
-        bits = gathered[:, :gathered.shape[1] - 4 * len(tensors)].reshape(-1)
-        stats.t_unpack_vote += comm.clock(stats) - t0
-        offset = 0
-        for bucket, nb in zip(parts, nbs):
-            t0 = comm.clock(stats)
-            ghat = method.decode_mean(gathered, offset, bucket.numel, tensors,
-                                      self.buffer("c", bucket.numel, torch.float32, device),
-                                      shape[8 * offset:8 * offset + bucket.numel], bits=bits)
-            params, exp_avgs = bucket.params, self.momenta(bucket)
-            for piece, signed in zip(ghat.split(bucket.sizes), self.shapes(bucket)):
-                method.adapt_shape_(signed.view(-1), piece)
-            grads = [piece.view_as(p).add_(e).to(p.dtype) for piece, p, e in zip(ghat.split(bucket.sizes), params,
-                                                                                   exp_avgs)]  # ĝ = m + β·h·τ
-            stats.t_unpack_vote += comm.clock(stats) - t0
-            t0 = comm.clock(stats)
-            for g, ks in bucket.runs:
-                lion([params[k] for k in ks], [grads[k] for k in ks], [exp_avgs[k] for k in ks], lr=g["lr"],
-                     beta1=g["betas"][0], beta2=g["betas"][1], weight_decay=g["weight_decay"], maximize=False,
-                     foreach=True)
-            stats.t_apply += comm.clock(stats) - t0
-            offset += nb
-
-    def shapes(self, bucket: Bucket) -> list[Tensor]:
-        """``aggregate='mean'``: each parameter's shared magnitudes with the last decoded signs,
-        ``h·τ`` (``state['mean_shape']``, fp32, all +1 the first time: :mod:`lioncub.votes.mean`)."""
-        out = []
-        for p in bucket.params:
-            state = self.state[p]
-            if "mean_shape" not in state:
-                state["mean_shape"] = torch.ones_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-            out.append(state["mean_shape"])
-        return out
 
     def encode_messages(self, buckets: list[Bucket], stats: CommStats, step: int, ahead: int
                         ) -> tuple[list[tuple[list[int], Optional[Tensor]]], Optional[bool]]:

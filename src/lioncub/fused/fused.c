@@ -251,7 +251,7 @@ void lc_apply_bits(int64_t ntensors, float *const *ps, float *const *ms, const f
 }
 
 /* lc_apply with u from w-bit lane sums k (element j = lane j of the stream, w = 2, 4, 8):
-   u = (k > above) - (k < below), as lioncub.kernels.vote_lanes decides. */
+   u = (k > above) - (k < below), as lioncub.wire.kernels.vote_lanes decides. */
 void lc_apply_lanes(int64_t ntensors, float *const *ps, float *const *ms, const float *const *gs,
                     const int64_t *sizes, const uint8_t *lanes, int64_t bits, int64_t above, int64_t below,
                     const int64_t *has_decays, const float *decays, const float *neg_lrs, const float *beta2s,

@@ -207,6 +207,8 @@ class TrainConfig:
 
     def _check_local_steps(self) -> None:
         from ..optim.localcub import AGGREGATES, INNER_OPTIMIZERS, LOCAL_VOTES, OUTER_RULES
+        from ..votes import METHODS, check_round_aggregate
+        from ..votes.mean import MEAN_DEFAULTS, check_step_aggregate
 
         _choice("inner", self.inner, INNER_OPTIMIZERS)
         _choice("outer", self.outer, OUTER_RULES)
@@ -221,14 +223,14 @@ class TrainConfig:
                        if getattr(self, n) != d and n != "aggregate"]
             if changed:
                 raise ValueError(f"{', '.join(changed)} apply to local_steps > 1 only")
-            if self.aggregate == "mean" and (self.vote != "onebit" or self.nodes > 1):
-                raise ValueError("aggregate='mean' every step is the 1-bit mean: it needs vote='onebit' and nodes=1, "
-                                 f"got vote={self.vote!r}, nodes={self.nodes}")
+            if self.aggregate != "vote" and self.nodes > 1:
+                raise ValueError(f"aggregate={self.aggregate!r} every step runs on one LionCub: it needs nodes=1, "
+                                 f"got nodes={self.nodes}")
+            check_step_aggregate(self.aggregate, self.vote, error_feedback="none", stochastic_signs=False, tie="alternate",
+                                 **MEAN_DEFAULTS)
             return
         _choice("vote", self.vote, LOCAL_VOTES + ("auto",))
-        if self.aggregate == "mean" and (self.vote != "pbit" or self.quantizer != "l1"):
-            raise ValueError("aggregate='mean' sums L1-quantized lanes: it needs vote='pbit' and quantizer='l1', "
-                             f"got vote={self.vote!r}, quantizer={self.quantizer!r}")
+        check_round_aggregate(self.aggregate, METHODS.get(self.vote), self.vote, self.quantizer)
         for name, default in (("momentum_sync", "none"), ("overlap", False), ("grad_dtype", "fp32")):
             if getattr(self, name) != default:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not supported with local_steps > 1")

@@ -314,19 +314,9 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
         if self._driver is not None:
             raise ValueError(f"this LionCub is already driven by {type(self._driver).__name__}; "
                              "remove it first (remove_hooks())")
-        if self.config.aggregate == "mean":
-            raise ValueError(f"{type(driver).__name__} encodes during backward, before the step's agreement: "
-                             "aggregate='mean' updates its residuals at every encode; use overlap=False without "
-                             "the DDP hook")
-        if self.method is not None and (self.method.feedback or self.method.stochastic):
-            raise ValueError(f"{type(driver).__name__} encodes during backward, before the step's agreement: "
-                             f"it cannot run with error_feedback={self.error_feedback!r} or "
-                             f"stochastic_signs={self.stochastic_signs!r}; use overlap=False without the DDP hook")
-        if self.method is not None and self.method.owner_state:
-            what = (f"error_feedback={self.error_feedback!r} keeps the chunk owners' residuals"
-                    if self.method.server_feedback else "tie='hold' keeps the chunk owners' last votes")
-            raise ValueError(f"{type(driver).__name__} exchanges each bucket alone: {what} per message of the "
-                             "plain step; use overlap=False without the DDP hook")
+        why = None if self.method is None else self.method.backward_refusal(type(driver).__name__)
+        if why is not None:
+            raise ValueError(why)
         self._driver = driver
 
     def detach_driver(self, driver) -> None:

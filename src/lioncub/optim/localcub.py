@@ -67,7 +67,7 @@ from ..engine import amp, auto, guard
 from ..engine.config import VoteConfig, VoteSettings
 from ..engine.shell import Shell
 from ..lion import Lion
-from ..validate import check_bool, check_choice, check_hyperparameters, check_int
+from ..validate import check_bool, check_hyperparameters, check_int
 from ..votes.pbit import MEAN_CLIP
 from ..votes.rounds import ROUND_AGGREGATES as AGGREGATES
 from ..votes.rounds import Agreement, check_round_aggregate, round_aggregation
@@ -192,12 +192,7 @@ class LocalCub(StreamingRounds, Shell, VoteSettings, torch.optim.Optimizer):
         self.rule = make_outer(outer, lr=outer_lr, momentum=outer_momentum, betas=outer_betas)
         """The outer rule object (:mod:`lioncub.optim.outer`)."""
         self.error_feedback = check_bool("error_feedback", error_feedback)
-        if error_feedback and vote == "grad":
-            raise ValueError("error_feedback needs a compressed vote: vote='grad' sends Δ exactly")
-        if error_feedback and quantizer == "linf":
-            raise ValueError("error_feedback cannot replay the stochastic quantizer 'linf'; "
-                             "use quantizer='l1', 'l0', 'lp', 'log' or 'sign'")
-        check_round_aggregate(aggregate, votes.METHODS.get(vote), vote, quantizer)
+        check_round_aggregate(aggregate, votes.METHODS.get(vote), vote, quantizer, error_feedback=error_feedback)
         self.aggregate = aggregate
         auto.check_auto_args(vote, alpha, beta, gamma)
         self.delay = check_int("delay", delay, min(DELAYS), max(DELAYS), what="rounds an outer step is applied late")

@@ -147,6 +147,10 @@ class VoteMethod:
     repeatable: bool = True
     """Whether encoding the same ``c`` twice gives the same bytes (no random draws), so the
     optimizer may encode before its has-grad / finite agreement and encode again after."""
+    shared_momentum: ClassVar[bool] = False
+    """Whether the method sends a compressed mean that every rank decodes alike and runs Lion on,
+    with a momentum all ranks share (the 1-bit mean, :mod:`.mean`), rather than a vote of signs
+    (its step: :func:`lioncub.engine.mean_step.mean_message`)."""
 
     def __init__(self, world: int, bits: Optional[int] = None, quantizer: Optional[str] = None,
                  tie: str = "alternate", *, error_feedback: str = "none",
@@ -154,6 +158,7 @@ class VoteMethod:
         self.check_options(bits, quantizer, tie)
         check_sign_options(type(self).name, quantizer, error_feedback, stochastic_signs)
         self.world, self.quantizer, self.tie = world, quantizer, tie
+        self.error_feedback, self.stochastic_signs = error_feedback, stochastic_signs
         self.levels: Optional[int] = None
         """Quantizer levels s (values in [−s, s]); None: binary signs."""
         self.bits = self.configure(world, bits, quantizer)
@@ -203,6 +208,20 @@ class VoteMethod:
             owners = ", ".join(repr(c.name) for c in _methods(VoteMethod) if c.CHUNK_OWNERS)
             raise ValueError(f"tie='hold' needs chunk owners that keep each element's last vote (vote {owners}), "
                              f"got vote={cls.name!r}")
+
+    def backward_refusal(self, driver: str) -> Optional[str]:
+        """Why ``driver`` (overlap, the DDP hook: each bucket encoded during backward, before the
+        step's agreement, and exchanged alone) cannot run this configuration; None when it can."""
+        if self.feedback or self.stochastic:
+            return (f"{driver} encodes during backward, before the step's agreement: it cannot run with "
+                    f"error_feedback={self.error_feedback!r} or stochastic_signs={self.stochastic_signs!r}; "
+                    "use overlap=False without the DDP hook")
+        if self.owner_state:
+            what = (f"error_feedback={self.error_feedback!r} keeps the chunk owners' residuals"
+                    if self.server_feedback else "tie='hold' keeps the chunk owners' last votes")
+            return (f"{driver} exchanges each bucket alone: {what} per message of the plain step; use "
+                    "overlap=False without the DDP hook")
+        return None
 
     def configure(self, world: int, bits: Optional[int], quantizer: Optional[str]) -> int:
         """Check the world-size limits, set :attr:`levels`; return the wire bits per element."""

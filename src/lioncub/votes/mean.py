@@ -38,7 +38,9 @@ local) and the owner's fp32 residual of its chunk (as ``error_feedback='server'`
 """
 from __future__ import annotations
 
-from typing import Optional
+import math
+from numbers import Real
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -47,10 +49,11 @@ from torch import Tensor
 from .. import comm
 from ..comm import CommStats
 from ..wire import kernels
-from .feedback import add_residuals_
+from .feedback import SERVER_FEEDBACK, add_residuals_
 from .onebit import OneBit
 
-__all__ = ["OneBitMean", "AGGREGATES", "NORMS", "pieces"]
+__all__ = ["OneBitMean", "AGGREGATES", "NORMS", "pieces", "MEAN_DEFAULTS", "check_step_aggregate", "mean_fingerprint",
+           "saved_fingerprint", "make_step_method", "owner_state_what"]
 
 AGGREGATES = ("vote", "mean")
 """What ``aggregate=`` takes on :class:`~lioncub.LionCub`: the majority vote of the signs (the
@@ -86,7 +89,7 @@ class OneBitMean(OneBit):
     :class:`~lioncub.LionCub` (``vote='onebit', aggregate='mean'``), whose step calls
     :meth:`encode_mean`, :meth:`exchange_mean` and :meth:`decode_mean` per message."""
 
-    aggregate = "mean"
+    shared_momentum = True
     ADAPT = ADAPT_DEFAULT
     """γ: a repeated sign grows an element's shared magnitude ``h`` by this factor, a flip shrinks it."""
     SHAPE_RANGE = RANGE_DEFAULT
@@ -112,6 +115,10 @@ class OneBitMean(OneBit):
         self.adapt, self.shape_range, self.norm, self.restart = float(adapt), float(shape_range), norm, int(restart)
         self.owner_state = "residual"
         self.one_pass = self.repeatable = False  # a residual changes at every encode
+
+    def backward_refusal(self, driver: str) -> Optional[str]:
+        return (f"{driver} encodes during backward, before the step's agreement: aggregate='mean' updates its "
+                "residuals at every encode; use overlap=False without the DDP hook")
 
     # ------------------------------------------------------------------ the worker
     def encode_mean(self, v: Tensor, dst: Tensor, step: int, sizes: list[int], residuals: list[Tensor],
@@ -210,3 +217,79 @@ class OneBitMean(OneBit):
         centre = h.log().mean().exp() if self.norm == "geometric" else h.mean()
         h.div_(centre).clamp_(1.0 / self.shape_range, self.shape_range)
         torch.where(tau >= 0, h, h.neg(), out=signed)
+
+
+MEAN_DEFAULTS = dict(mean_adapt=ADAPT_DEFAULT, mean_range=RANGE_DEFAULT, mean_norm=NORM_DEFAULT,
+                     mean_restart=RESTART_DEFAULT)
+"""``aggregate='mean'``'s own settings and their defaults (any other aggregate refuses a change)."""
+
+SAVED_BEFORE = {"mean_norm": "arithmetic", "mean_restart": 0}
+"""Fingerprint settings added after checkpoints of ``aggregate='mean'`` were first saved, with the
+value those checkpoints ran with (:func:`saved_fingerprint`)."""
+
+
+def check_step_aggregate(aggregate: str, vote: str, *, error_feedback: str, stochastic_signs: Union[bool, float],
+                         tie: str, **mean) -> None:
+    """Refuse an unknown every-step ``aggregate``, a ``mean_*`` setting (``mean``: the four of
+    :data:`MEAN_DEFAULTS`) out of range or given to the vote, and ``'mean'`` anywhere but on
+    ``vote='onebit'`` without the vote's own residuals, draws or held ties."""
+    from ..validate import check_choice, check_int
+
+    check_choice("aggregate", aggregate, AGGREGATES)
+    for name in ("mean_adapt", "mean_range"):
+        value = mean[name]
+        if isinstance(value, bool) or not isinstance(value, Real) or not (math.isfinite(value) and value >= 1):
+            raise ValueError(f"{name} must be a finite number >= 1, got {value!r}")
+    check_choice("mean_norm", mean["mean_norm"], NORMS)
+    check_int("mean_restart", mean["mean_restart"], 0)
+    for name, default in MEAN_DEFAULTS.items():
+        if aggregate != "mean" and mean[name] != default:
+            raise ValueError(f"{name} applies to aggregate='mean' only, got aggregate={aggregate!r}")
+    if aggregate != "mean":
+        return
+    if vote != OneBitMean.name:
+        raise ValueError(f"aggregate='mean' runs on onebit's all-to-all and all-gather: it needs vote='onebit', "
+                         f"got vote={vote!r}")
+    if error_feedback != "none" or stochastic_signs:
+        name = "error_feedback" if error_feedback != "none" else "stochastic_signs"
+        value = error_feedback if error_feedback != "none" else stochastic_signs
+        raise ValueError(f"aggregate='mean' keeps its own residuals on both sides: {name} must keep its default, "
+                         f"got {name}={value!r}")
+    if tie == "hold":
+        raise ValueError("tie='hold' repeats a voted sign; aggregate='mean' votes none: use tie='alternate', "
+                         "'plus' or 'minus'")
+
+
+def make_step_method(vote: str, world: int, bits: Optional[int], quantizer: Optional[str], tie: str, *,
+                     aggregate: str, error_feedback: str, stochastic_signs: Union[bool, float], **mean):
+    """The every-step method object: :class:`OneBitMean` for ``aggregate='mean'``, else ``vote``'s."""
+    if aggregate == "mean":
+        return OneBitMean(world, tie, adapt=mean["mean_adapt"], shape_range=mean["mean_range"],
+                          norm=mean["mean_norm"], restart=mean["mean_restart"])
+    from . import make
+
+    return make(vote, world, bits, quantizer, tie, error_feedback=error_feedback, stochastic_signs=stochastic_signs)
+
+
+def mean_fingerprint(aggregate: str, **mean) -> dict:
+    """The ``mean_*`` settings a checkpoint must match (none unless ``aggregate='mean'``)."""
+    return dict(mean) if aggregate == "mean" else {}
+
+
+def saved_fingerprint(config: dict) -> dict:
+    """A checkpoint's saved fingerprint, with the settings it predates filled in as it ran them
+    (an ``aggregate='mean'`` checkpoint without ``mean_norm`` held h's arithmetic mean at 1)."""
+    if config.get("aggregate") != "mean":
+        return config
+    return {**SAVED_BEFORE, **config}
+
+
+def owner_state_what(error_feedback: str, tie: str, aggregate: str) -> Optional[str]:
+    """What the chunk owners keep between steps under these settings, in words (None: nothing)."""
+    if aggregate == "mean":
+        return "aggregate='mean' keeps residuals"
+    if error_feedback in SERVER_FEEDBACK:
+        return f"error_feedback={error_feedback!r} keeps server residuals"
+    if tie == "hold":
+        return "tie='hold' keeps the last votes"
+    return None

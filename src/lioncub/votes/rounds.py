@@ -38,7 +38,7 @@ from torch import Tensor
 
 from .. import comm
 from ..comm import CommStats
-from ..quantize import quantize
+from ..quantize import QUANTIZERS, STOCHASTIC, quantize
 from .base import VoteMethod
 
 __all__ = ["Agreement", "RoundAggregation", "Fp32Mean", "SignVote", "LaneMean", "ROUND_AGGREGATIONS",
@@ -186,15 +186,22 @@ ROUND_MEAN_NEEDS = "it needs vote='pbit' and quantizer='l1'"
 
 
 def check_round_aggregate(aggregate: str, method_cls: Optional[type[VoteMethod]], vote: str,
-                          quantizer: Optional[str]) -> None:
-    """Refuse a round ``aggregate`` the vote cannot run: ``'mean'`` needs lanes that sum exactly
-    (:meth:`VoteMethod.takes_round_mean <lioncub.votes.base.VoteMethod.takes_round_mean>`)."""
+                          quantizer: Optional[str], *, error_feedback: bool = False) -> None:
+    """Refuse a round ``aggregate`` the vote cannot run (``'mean'`` needs lanes that sum exactly:
+    :meth:`VoteMethod.takes_round_mean <lioncub.votes.base.VoteMethod.takes_round_mean>`), and error
+    feedback where it has nothing to keep (the exact fp32 mean) or cannot replay the message (a
+    quantizer that draws: ``C(v)`` is computed apart from the message)."""
     from ..validate import check_choice
 
     check_choice("aggregate", aggregate, ROUND_AGGREGATES)
     if aggregate == "mean" and not (method_cls is not None and method_cls.takes_round_mean(quantizer)):
         raise ValueError(f"aggregate='mean' sums L1-quantized lanes: {ROUND_MEAN_NEEDS}, "
                          f"got vote={vote!r}, quantizer={quantizer!r}")
+    if error_feedback and vote == "grad":
+        raise ValueError("error_feedback needs a compressed vote: vote='grad' sends Δ exactly")
+    if error_feedback and quantizer in STOCHASTIC:
+        raise ValueError(f"error_feedback cannot replay the stochastic quantizer {quantizer!r}; use quantizer="
+                         + ", ".join(repr(q) for q in QUANTIZERS if q not in STOCHASTIC))
 
 
 ROUND_AGGREGATES = ("vote", "mean")
