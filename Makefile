@@ -2,7 +2,15 @@
 # Each installs what it needs (torch pinned to the CPU wheel for the test/CI set-up).
 PY ?= python3
 STAMP := .install.stamp
+TRAIN_STAMP := .install-train.stamp
 export OMP_NUM_THREADS ?= 1
+
+# `make train` needs torch, the package and its harness extra (data, plot, progress bar): not the test
+# dependencies (transformers, lightning, triton, torchft, ...), which take most of a fresh install.
+$(TRAIN_STAMP): pyproject.toml
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[harness]'
+	touch $(TRAIN_STAMP)
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	$(PY) -m pip install -q torch==2.13.0
@@ -13,8 +21,8 @@ $(STAMP): pyproject.toml requirements-dev.txt
 .PHONY: install train test bench gpu-check
 install: $(STAMP)
 
-train: $(STAMP)
-	lioncub train
+train: $(TRAIN_STAMP)
+	$(PY) -m lioncub.cli train
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -57,7 +57,7 @@ def test_default_comparison_writes_wellformed_outputs(tmp_path, corpus_cache):
     out = tmp_path / "cmp"
     printed = lioncub("train", *TINY, "--steps", "6", "--eval-every", "3", "--nproc", "2", "--out", str(out),
                       "--cache-dir", str(corpus_cache), "--link", "none")  # loopback (tests/test_train_default.py: the link)
-    labels = ["lion-grad-fp32", "lioncub-pbit", "localcub-h3-mean8"]  # step-matched: LocalCub at H = 3
+    labels = ["lion-grad-fp32", "lioncub-onebit-mean", "localcub-h3-mean8"]  # step-matched: LocalCub at H = 3
     for label in labels:
         assert label in printed
     assert "bytes sent / step" in printed and "compute (fwd+bwd)" in printed
@@ -68,7 +68,7 @@ def test_default_comparison_writes_wellformed_outputs(tmp_path, corpus_cache):
         for key in ("final_val_loss", "t_step_ms", "t_compute_ms", "t_vote_ms", "tokens_per_s"):
             assert math.isfinite(float(row[key])) and float(row[key]) > 0, key
     base, cub, local = (float(r["bytes_sent_per_step"]) for r in rows)
-    assert base > 10 * cub > 0 and local > 0  # fp32 gradients vs 4-bit lanes; 8-bit lanes every 3 steps
+    assert base > 10 * cub > 0 and local > 0  # fp32 gradients vs one bit each way; 8-bit lanes every 3 steps
     with open(out / "loss.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(out / "loss.png") > 10_000

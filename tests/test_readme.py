@@ -63,10 +63,10 @@ def test_readme_default_run_sample_is_what_lioncub_train_prints():
     time-to-loss lead, the per-step table's rows and the closing lines in their printed form."""
     from lioncub.cli import DEFAULT_BUDGET_S, DEFAULT_LINK, EVALS_PER_BUDGET, STEP_CAP
     from lioncub.harness.compare import header, variants
-    from lioncub.harness.config import TrainConfig
+    from lioncub.harness.config import RECOMMENDED, TrainConfig
 
     config = TrainConfig(time_budget=DEFAULT_BUDGET_S, steps=STEP_CAP, eval_every=0,
-                         eval_every_s=DEFAULT_BUDGET_S / EVALS_PER_BUDGET)
+                         eval_every_s=DEFAULT_BUDGET_S / EVALS_PER_BUDGET, **RECOMMENDED)
     runs = variants(config)
     want = header(config, runs, DEFAULT_LINK, config.nproc).splitlines()
     sample = _default_run_sample()

@@ -20,7 +20,7 @@ from tests.test_harness_train import ROOT, read_csv, read_jsonl
 
 TINY = ["--model", "gpt-tiny", "--batch-size", "4", "--block-size", "32", "--lr", "1e-3", "--nproc", "2",
         "--no-progress"]
-LABELS = ["lion-grad-fp32", "lioncub-pbit", "localcub-h50-mean8"]
+LABELS = ["lion-grad-fp32", "lioncub-onebit-mean", "localcub-h50-mean8"]  # README's recommended 1-bit setting
 OURS = ("lct-", "lcprobe-")  # run_in_testbed's and the availability probe's namespace prefixes
 
 
@@ -82,7 +82,7 @@ def test_link_none_forces_loopback_without_the_note(tmp_path, corpus_cache):
     assert "link: loopback" in proc.stdout
     # step-matched (--steps): LocalCub's H is the largest <= 50 that divides the steps and eval period
     assert [r["label"] for r in read_csv(tmp_path / "cmp" / "compare.csv")] == [
-        "lion-grad-fp32", "lioncub-pbit", "localcub-h2-mean8"]
+        "lion-grad-fp32", "lioncub-onebit-mean", "localcub-h2-mean8"]
 
 
 def test_availability_switch(monkeypatch):

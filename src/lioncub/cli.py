@@ -20,7 +20,7 @@ import sys
 
 from .ft.command import _FT_KEYS, cmd_train_ft
 from .testbed import TESTBED_SWITCH, testbed_unavailable
-from .harness.config import DEVICES, MODELS, MOMENTUM_SYNCS, NONFINITE, OPTIMIZERS, QUANTIZERS, VOTES, TrainConfig
+from .harness.config import RECOMMENDED, DEVICES, MODELS, MOMENTUM_SYNCS, NONFINITE, OPTIMIZERS, QUANTIZERS, VOTES, TrainConfig
 
 
 def _add_train(sub) -> None:
@@ -28,7 +28,8 @@ def _add_train(sub) -> None:
     p = sub.add_parser("train", help="train a model data-parallel (default: Lion vs Lion Cub side by side)",
                        description="Train with Lion / Lion Cub / AdamW on local workers (--nproc) or under "
                        "torchrun. With neither --optimizer nor --vote, runs the comparison: Lion's fp32 gradient "
-                       "allreduce (vote='grad'), LionCub's every-step vote (pbit) and LocalCub at the settings "
+                       "allreduce (vote='grad'), LionCub every step at README's recommendation (the 1-bit mean: "
+                       "--vote onebit --aggregate mean) and LocalCub at the settings "
                        "bench/README.md's race recommends, for --budget seconds each, behind emulated "
                        f"{DEFAULT_LINK} links when root; prints the time each took to Lion's final loss, the "
                        "per-step table, and writes loss.png. "
@@ -208,6 +209,9 @@ def cmd_train(args) -> int:
     fields["eval_every_s"] = budget / EVALS_PER_BUDGET if budget is not None else 0.0
     fields["optimizer"] = fields["optimizer"] or "lioncub"
     fields["vote"] = fields["vote"] or "pbit"
+    if compare and args.vote is None and (args.bits, args.quantizer, args.aggregate, args.local_steps,
+                                          args.nodes) == (None, None, "vote", 1, 1):
+        fields.update(RECOMMENDED)  # the every-step row at README's recommendation: the 1-bit mean
     fields["betas"] = tuple(fields["betas"])
     if fields["resume"] == "":
         fields["resume"] = fields["out"]

@@ -1,7 +1,8 @@
 """The default ``lioncub train``: the same model and data trained three ways, the choice a user makes —
 
 - ``lion-grad-fp32``: Lion after an fp32 gradient all-reduce every step (what DDP does),
-- ``lioncub-pbit``: Lion Cub's every-step majority vote (``LionCub``, binary 4-bit lanes unless told),
+- ``lioncub-onebit-mean``: Lion Cub every step at the setting README recommends, the 1-bit mean
+  (``LionCub(vote='onebit', aggregate='mean')``, :data:`lioncub.harness.config.RECOMMENDED`; with ``--vote`` the vote asked for),
 - ``localcub-h50-mean8``: the local-step setting the repository's results recommend where bytes decide
   (``LocalCub``, :data:`LOCALCUB`; bench/README.md, "Local steps under the vote"),
 
@@ -29,6 +30,7 @@ LOCALCUB_NAME = "localcub-h{H}-mean8"
 DESCRIPTIONS = {
     "base": "Lion, fp32 gradient all-reduce every step (what DDP does)",
     "cub": "LionCub: Lion Cub's majority vote every step",
+    "cub-mean": "LionCub: the 1-bit mean every step (1 bit per element each way, Lion on the decoded mean)",
     "local": "LocalCub: {H} local AdamW steps (lr 1e-3), then the deltas' 8-bit L1 lane mean, error feedback, "
              "Nesterov outer lr 0.7 (bench/README.md, race_local: first to Lion's loss at 100 Mbit/s)",
 }
@@ -51,7 +53,8 @@ def variants(config: TrainConfig) -> list[TrainConfig]:
     """Lion fp32 (LionCub vote='grad'), LionCub (pbit unless told) and LocalCub (:data:`LOCALCUB`) runs of
     ``config``, each in its own directory under ``config.out``."""
     cub_vote = config.vote if config.vote != "grad" else "pbit"
-    base = config.replace(optimizer="lioncub", vote="grad", bits=None, quantizer=None, name=None, resume=None)
+    base = config.replace(optimizer="lioncub", vote="grad", bits=None, quantizer=None, aggregate="vote", name=None,
+                          resume=None)
     cub = config.replace(optimizer="lioncub", vote=cub_vote, name=None, resume=None)
     runs = [base, cub]
     h = local_period(config)
@@ -126,7 +129,7 @@ def header(config: TrainConfig, runs: list[TrainConfig], link: str | None, world
              f"{how}, {len(runs)} ways:"]
     width = max(len(c.label) for c in runs)
     for key, c in zip(("base", "cub", "local"), runs):
-        text = DESCRIPTIONS[key].format(H=c.local_steps)
+        text = DESCRIPTIONS["cub-mean" if key == "cub" and c.aggregate == "mean" else key].format(H=c.local_steps)
         if key != "local":
             text += f" (lr {c.lr:g})"
         lines.append(f"  {c.label:{width}}  {text}")

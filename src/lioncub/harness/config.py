@@ -27,6 +27,11 @@ def default_cache_dir() -> str:
     return os.environ.get("LIONCUB_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lioncub")
 
 
+RECOMMENDED = dict(vote="onebit", aggregate="mean")
+"""LionCub's every-step setting in ``lioncub train``'s default comparison, README's recommendation: one bit
+per element in each of onebit's two collectives, carrying a compressed mean of the gradients (docs/votes.md)."""
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     """Everything one training run needs; ``lioncub train`` fills it from flags."""
