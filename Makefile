@@ -5,11 +5,12 @@ STAMP := .install.stamp
 TRAIN_STAMP := .install-train.stamp
 export OMP_NUM_THREADS ?= 1
 
-# `make train` needs torch, the package and its harness extra (data, plot, progress bar): not the test
-# dependencies (transformers, lightning, triton, torchft, ...), which take most of a fresh install.
+# `make train` needs torch, the package, the Shakespeare corpus, matplotlib and tqdm: not the test dependencies
+# (transformers, lightning, triton, torchft, ...) nor scikit-learn (the digits images of --model resnet/vit),
+# which take most of a fresh install.
 $(TRAIN_STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[harness]'
+	$(PY) -m pip install -q -e '.[text]'
 	touch $(TRAIN_STAMP)
 
 $(STAMP): pyproject.toml requirements-dev.txt

@@ -163,9 +163,9 @@ def _without_link(argv: list[str]) -> list[str]:
 
 # The default comparison's link and budget: at 100 Mbit/s gpt-mini's fp32 all-reduce takes ~7x its compute
 # per step on a 2-core host (r ~ 7, 429 vs 65 ms; GPUs on 1-10 Gbit/s Ethernet sit at r ~ 20-200), and three
-# runs of 35 s of training each keep `make train` within 3 minutes there (2 min 18 s measured).
+# runs of 25 s of training each keep a fresh `make train` (its install included) within 3 minutes there.
 DEFAULT_LINK = "100mbit"
-DEFAULT_BUDGET_S = 35.0
+DEFAULT_BUDGET_S = 25.0
 EVALS_PER_BUDGET = 14
 STEP_CAP = 50_000  # --budget without --steps: steps are capped at STEP_CAP * --local-steps
 def loopback_note(reason: str) -> str:
