@@ -9,8 +9,7 @@ export OMP_NUM_THREADS ?= 1
 # (transformers, lightning, triton, torchft, ...) nor scikit-learn (the digits images of --model resnet/vit),
 # which take most of a fresh install.
 $(TRAIN_STAMP): pyproject.toml
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[text]'
+	$(PY) -m pip install -q torch==2.13.0 -e '.[text]'
 	touch $(TRAIN_STAMP)
 
 $(STAMP): pyproject.toml requirements-dev.txt
