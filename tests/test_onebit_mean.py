@@ -50,7 +50,7 @@ def _hand_run(rank, world, norm):
     for step in range(2):
         p.grad = torch.tensor(HAND_GRADS[rank, step])
         opt.step()
-        (layout, r), = opt.bucket_step.server.items()  # one message
+        (layout, r), = opt.bucket_step.owners.items()  # one message
         out.append(dict(e=opt.state[p]["ef_residual"].clone(), r=r.clone(), m=opt.state[p]["exp_avg"].clone(),
                         theta=p.detach().clone(), shape=opt.state[p]["mean_shape"].clone()))
     return out
@@ -200,7 +200,7 @@ def _reference_run(rank, world, steps, norm, restart):
                             for p, e in zip(params, ref.e[rank]))
                     and all(torch.equal(opt.state[p]["mean_shape"].reshape(-1), h) for p, h in zip(params, ref.shape)))
         spread = max(spread, max(float(h.abs().max() / h.abs().min()) for h in ref.shape))
-    (_, r), = opt.bucket_step.server.items()
+    (_, r), = opt.bucket_step.owners.items()
     mine = ref.r[rank * ref.chunk:(rank + 1) * ref.chunk]
     moved = [float((p.detach() - q).abs().max()) for p, q in zip(params, _params())]
     return same, torch.equal(r, mine), moved, [p.detach().clone() for p in params], spread, (extra, collectives)

@@ -13,7 +13,7 @@ import math
 from numbers import Real
 from typing import Iterable, Optional, Union
 
-__all__ = ["check_int", "check_number", "check_bool", "check_optional_bool", "check_choice",
+__all__ = ["check_float_params", "check_int", "check_number", "check_bool", "check_optional_bool", "check_choice",
            "check_optional_choice", "check_fraction", "check_hyperparameters"]
 
 
@@ -111,3 +111,14 @@ def check_hyperparameters(lr, betas, weight_decay) -> None:
         raise TypeError(f"weight_decay must be a real number >= 0, got {type(weight_decay).__name__}")
     if not weight_decay >= 0.0:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+
+
+def check_float_params(params, who: str) -> None:
+    """Refuse a parameter that is not a dense floating-point tensor (``TypeError`` naming it)."""
+    import torch
+
+    for i, p in enumerate(params):
+        if not torch.is_floating_point(p):
+            raise TypeError(f"parameter {i} has dtype {p.dtype}; {who} needs floating-point params")
+        if p.is_sparse:
+            raise TypeError(f"parameter {i} is sparse; {who} supports dense parameters only")

@@ -19,7 +19,7 @@ from ..votes.mean import MEAN_DEFAULTS, OneBitMean, check_step_aggregate, make_s
 from ..quantize import QUANTIZERS
 from ..validate import check_choice, check_int, check_number, check_optional_bool, check_optional_choice
 
-__all__ = ["VoteConfig", "VoteSettings", "OPTIMIZER_VOTES", "GRAD_DTYPE_NAMES"]
+__all__ = ["VoteConfig", "VoteSettings", "StepSettings", "OPTIMIZER_VOTES", "GRAD_DTYPE_NAMES"]
 
 OPTIMIZER_VOTES = ("grad",) + votes.VOTE_METHODS + ("auto",)
 """What ``vote=`` takes: the gradient all-reduce baseline, every registered method, ``'auto'``."""
@@ -107,3 +107,19 @@ class VoteSettings:
     quantizer = property(lambda self: self.config.quantizer, doc="``pbit``'s quantizer (None: binary signs).")
     tie = property(lambda self: self.config.tie, doc="Where zeros and ties go on the 1-bit paths.")
     seed = property(lambda self: self.config.seed, doc="The stochastic quantizer's seed (``seed + rank``).")
+
+
+class StepSettings(VoteSettings):
+    """:class:`VoteSettings` and the settings only the every-step optimizer has (LionCub's)."""
+
+    grad_dtype = property(lambda self: self.config.grad_dtype, doc="``vote='grad'``'s all-reduce dtype.")
+    fused = property(lambda self: self.config.fused, doc="The requested backend (None: fused where it runs).")
+    bucket_mb = property(lambda self: self.config.bucket_mb, doc="Bucket size, MiB of fp32 elements.")
+    message_mb = property(lambda self: self.config.message_mb, doc="Message size on the wire, MiB.")
+    error_feedback = property(lambda self: self.config.error_feedback,
+                              doc="``'none'``, ``'worker'`` (each rank's residual of its scaled sign), ``'server'`` "
+                                  "(each chunk owner's residual of its voted sign) or ``'both'``.")
+    aggregate = property(lambda self: self.config.aggregate,
+                         doc="``'vote'`` (the majority vote of signs) or ``'mean'`` (the 1-bit compressed mean).")
+    stochastic_signs = property(lambda self: self.config.stochastic_signs,
+                                doc="Whether the binary signs are drawn, +1 with probability (1 + v/M)/2.")

@@ -27,7 +27,7 @@ def mean_message(run: BucketStep, parts: list[Bucket], msg: list[int], buckets: 
     shape = run.buffer("shape", 8 * method.message_nbytes(m), torch.float32, device)
     shape.zero_()  # h of the message's elements (padding 0)
     alphas, tensors, offset = [], [], 0
-    residual = run.server_residual(buckets, msg, m, device)
+    residual = run.owners.get(method, buckets, msg, m, device)
     if step == method.restart > 0:  # the momentum and both residuals restart; h is kept
         for t in [t for bucket in parts for t in run.momenta(bucket) + run.residuals(bucket)] + [residual]:
             t.zero_()

@@ -63,6 +63,8 @@ launched raises ``RuntimeError`` (the vote would miss it).
 """
 from __future__ import annotations
 
+import contextlib
+
 import queue
 import threading
 from concurrent.futures import Future
@@ -413,3 +415,41 @@ class Overlap(VoteDriver):
             h.remove()
         self._handles = []
         super().remove_hooks()
+
+
+class Driven:
+    """An optimizer whose votes a driver may launch during backward (overlap, the DDP hook): the
+    one-driver rule and the refusals, each the vote method's own (LionCub's; a mixin). Uses
+    ``_driver``, ``method`` and ``bucket_step``."""
+
+    @property
+    def driver(self):
+        """What launches the votes during backward (overlap, the DDP hook), or None."""
+        return self._driver
+
+    def attach_driver(self, driver) -> None:
+        """Let ``driver`` (overlap, the DDP hook) launch the votes; ``step()`` then waits for
+        them and applies. One driver at a time."""
+        if self._driver is not None:
+            raise ValueError(f"this LionCub is already driven by {type(self._driver).__name__}; "
+                             "remove it first (remove_hooks())")
+        why = None if self.method is None else self.method.backward_refusal(type(driver).__name__)
+        if why is not None:
+            raise ValueError(why)
+        self._driver = driver
+
+    def detach_driver(self, driver) -> None:
+        """Undo :meth:`attach_driver`; the per-launch buffers go, step() makes its own again."""
+        if self._driver is driver:
+            self._driver = None
+            self.bucket_step.clear_buffers()
+
+    def no_sync(self):
+        """Context manager for gradient accumulation: backward passes inside launch no vote
+        (overlap / DDP hook). A no-op without them: votes happen in step() anyway."""
+        return self._driver.no_sync() if self._driver is not None else contextlib.nullcontext()
+
+    def remove_hooks(self) -> None:
+        """Stop overlapping: remove the backward hooks; step() votes after backward again."""
+        if self._driver is not None:
+            self._driver.remove_hooks()

@@ -27,7 +27,7 @@ from torch import Tensor
 from .. import comm
 from . import guard
 from ..votes.mean import saved_fingerprint
-from ..validate import check_choice, check_int
+from ..validate import check_hyperparameters, check_choice, check_int
 
 __all__ = ["Shell", "world_of", "NONFINITE_POLICIES", "NONFINITE_ALIASES"]
 
@@ -125,3 +125,22 @@ class Shell:
             raise ValueError(f"checkpoint was saved by {env['world_size']} workers, this run has "
                              f"{self.world_size}: the saved state is per worker")
         return env
+
+
+class CheckedGroups:
+    """``add_param_group`` with the constructor's checks: valid hyper-parameters, and after construction
+    the optimizer's one device (a mixin before ``torch.optim.Optimizer``)."""
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        g = self.param_groups[-1]  # now filled with defaults
+        try:
+            check_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
+            if hasattr(self, "device"):  # a group added after construction: the same one device
+                for i, p in enumerate(g["params"]):
+                    if p.device != self.device:
+                        raise ValueError(f"parameter {i} of the new group is on {p.device}, this optimizer's "
+                                         f"parameters on {self.device}: one optimizer communicates on one device")
+        except (TypeError, ValueError) as exc:
+            self.param_groups.pop()
+            raise type(exc)(f"param group {len(self.param_groups)}: {exc}") from None

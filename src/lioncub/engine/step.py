@@ -28,7 +28,7 @@ from ..comm import CommStats
 from ..lion import apply_update_, interpolate, lion
 from ..votes import VoteMethod
 
-__all__ = ["Bucket", "BucketPlan", "BucketStep", "GRAD_DTYPES"]
+__all__ = ["Bucket", "BucketPlan", "Bucketed", "BucketStep", "OwnerState", "GRAD_DTYPES", "step_grad"]
 
 GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -133,6 +133,78 @@ class BucketPlan:
         return buckets
 
 
+class Bucketed:
+    """What an optimizer with a :class:`BucketPlan` (``plan``) and a :class:`BucketStep`
+    (``bucket_step``) says about how its parameters travel (LionCub's; a mixin)."""
+
+    @property
+    def param_entries(self) -> list[tuple[dict, Tensor]]:
+        """(param group, parameter) in registration order (the plan's)."""
+        return self.plan.param_entries
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        """The plan's buckets, last-registered parameters first (:class:`~lioncub.engine.step.BucketPlan`)."""
+        return self.plan.buckets
+
+    @property
+    def backends(self) -> list[str]:
+        """Per bucket, the backend chosen (``fused=``) and why: ``'fused: ...'`` or ``'torch: ...'``."""
+        return self.plan.backends
+
+    def plan_bucket(self, idx: list[int]) -> Bucket:
+        """The :class:`~lioncub.engine.step.Bucket` of parameters ``idx`` (indices into
+        ``param_entries``; the DDP hook's buckets are DDP's), made once and kept."""
+        return self.plan.bucket(idx)
+
+    def messages(self) -> list[list[int]]:
+        """How the buckets travel without overlap: bucket indices grouped into messages of
+        at most ``message_mb`` MiB on the wire (:meth:`BucketStep.messages
+        <lioncub.engine.step.BucketStep.messages>`)."""
+        return self.bucket_step.messages(self.buckets)
+
+    def message_elements(self) -> list[int]:
+        """Per message (all parameters active), the element count whose single vote moves
+        the same bytes: what :func:`lioncub.engine.cost.predicted_bytes` takes."""
+        method = self.method
+        return [method.elements(sum(method.part_nbytes(self.buckets[b].numel) for b in msg))
+                for msg in self.messages()]
+
+
+class OwnerState:
+    """What this rank keeps as a chunk owner between steps, per message layout (its buckets' parameter
+    indices, a tuple of tuples): the fp32 server residual of its chunk (``error_feedback='server'`` /
+    ``'both'``, the 1-bit mean) or, with ``tie='hold'``, the chunk's last voted bits. A layout seen
+    again (a step where some parameter had no gradient anywhere travels in other messages) finds its own."""
+
+    def __init__(self):
+        self.by_layout: dict[tuple, Tensor] = {}
+
+    def get(self, method: VoteMethod, buckets: list[Bucket], msg: list[int], m: int, device) -> Tensor:
+        """The state of message ``msg`` (indices into ``buckets``, ``m`` bytes): fp32 zeros the first
+        time the layout travels, or (``tie='hold'``) packed bits all +1."""
+        key = tuple(tuple(buckets[b].index) for b in msg)
+        r = self.by_layout.get(key)
+        if r is None:
+            n = method.owner_elements(m)
+            r = self.by_layout[key] = (torch.zeros(n, dtype=torch.float32, device=device)
+                                       if method.owner_state == "residual"  # tie='hold': all +1 at first
+                                       else torch.full((n // 8,), 0xFF, dtype=torch.uint8, device=device))
+        return r
+
+    def items(self):
+        return self.by_layout.items()
+
+    def saved(self) -> list:
+        """As saved: ``[[layout as lists, state], ...]`` (the tensors themselves)."""
+        return [[[list(idx) for idx in key], r] for key, r in self.by_layout.items()]
+
+    def load(self, saved: list, held: bool, device) -> None:
+        """:meth:`saved`'s list back, copied onto ``device`` (``held``: ``tie='hold'``'s packed bits)."""
+        dtype = torch.uint8 if held else torch.float32
+        self.by_layout = {tuple(tuple(idx) for idx in key): r.to(device, dtype, copy=True) for key, r in saved}
+
+
 class BucketStep:
     """Encode, exchange and apply buckets: the momenta live in ``state`` (the optimizer's
     ``state``; torch's ``load_state_dict`` makes a new one, which the optimizer hands over).
@@ -145,20 +217,14 @@ class BucketStep:
         self.message_mb = message_mb
         self.method: Optional[VoteMethod] = None
         self._scratch: dict = {}
-        self.server: dict[tuple, Tensor] = {}
-        """The server residuals this rank keeps as a chunk owner (``error_feedback='server'`` /
-        ``'both'``): per message layout (its buckets' parameter indices, a tuple of tuples),
-        the fp32 residual of this rank's chunk. A layout seen again (a step where some
-        parameter had no gradient anywhere travels in other messages) finds its own residual."""
+        self.owners = OwnerState()
+        """What this rank keeps as a chunk owner between steps (:class:`OwnerState`)."""
 
     # ------------------------------------------------------------------ tensors
     def buffer(self, key, n: int, dtype: torch.dtype, device) -> Tensor:
-        """A flat tensor of ``n`` elements under ``key``, kept between steps.
-
-        Buckets are tens of MB: a fresh allocation per step costs page faults that took
-        longer than the arithmetic on CPU. Kept: one fp32 bucket (``c``, or ``u`` off the
-        fused path), one int8 bucket (``u`` on it), and the message bytes (per launched
-        bucket with overlap / the DDP hook, where several are in flight at once)."""
+        """A flat tensor of ``n`` elements under ``key``, kept between steps (a fresh bucket per step
+        cost page faults that took longer than the arithmetic on CPU): one fp32 bucket (``c``, or ``u``
+        off the fused path), one int8 (``u`` on it), the message bytes (per launched bucket with overlap)."""
         buf = self._scratch.get(key)
         if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != device:
             buf = self._scratch[key] = torch.empty(n, dtype=dtype, device=device)
@@ -190,29 +256,6 @@ class BucketStep:
                 state["ef_residual"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             out.append(state["ef_residual"])
         return out
-
-    def server_residual(self, buckets: list[Bucket], msg: list[int], m: int, device) -> Tensor:
-        """This rank's chunk-owner state of message ``msg`` (indices into ``buckets``, ``m``
-        bytes): the server residual (fp32 zeros the first time the layout travels) or, with
-        ``tie='hold'``, the chunk's last voted bits (packed, all +1 the first time)."""
-        key = tuple(tuple(buckets[b].index) for b in msg)
-        r = self.server.get(key)
-        if r is None:
-            n = self.method.owner_elements(m)
-            r = self.server[key] = (torch.zeros(n, dtype=torch.float32, device=device)
-                                    if self.method.owner_state == "residual"  # tie='hold': all +1 at first
-                                    else torch.full((n // 8,), 0xFF, dtype=torch.uint8, device=device))
-        return r
-
-    def server_state(self) -> list:
-        """The server residuals as saved: ``[[layout as lists, residual], ...]`` (the tensors themselves)."""
-        return [[[list(idx) for idx in key], r] for key, r in self.server.items()]
-
-    def load_server_state(self, saved: list, device) -> None:
-        """:meth:`server_state`'s list back (copied onto ``device``)."""
-        held = self.method is not None and self.method.owner_state == "held"
-        dtype = torch.uint8 if held else torch.float32
-        self.server = {tuple(tuple(idx) for idx in key): r.to(device, dtype, copy=True) for key, r in saved}
 
     @staticmethod
     def grads(bucket: Bucket) -> list[Tensor]:
@@ -316,6 +359,21 @@ class BucketStep:
             return
         self.exchange_messages(buckets, self.encode_messages(buckets, stats, step, ahead=0)[0], stats, step)
 
+    def step_active(self, buckets: list[Bucket], active: list[bool], early, stats: CommStats, step: int,
+                    grad_dtype: str) -> None:
+        """The plain step after the agreement: the messages encoded ahead exchanged when every parameter
+        has a gradient somewhere, else the buckets of the active ones encoded again (or ``vote='grad'``)."""
+        if early is not None and all(active):
+            return self.exchange_messages(buckets, early, stats, step)
+        parts = [b if all(active[i] for i in b.index) else b.only([k for k, i in enumerate(b.index) if active[i]])
+                 for b in buckets]
+        parts = [b for b in parts if b.entries]
+        if self.method is None:
+            for bucket in parts:
+                step_grad(self, bucket, grad_dtype, stats)
+        else:
+            self.step_messages(parts, stats, step)
+
     def encode_messages(self, buckets: list[Bucket], stats: CommStats, step: int, ahead: int
                         ) -> tuple[list[tuple[list[int], Optional[Tensor]]], Optional[bool]]:
         """This rank's bytes of the first ``ahead`` messages, each in its own kept buffer:
@@ -354,7 +412,8 @@ class BucketStep:
             if buf is None:
                 buf = self._encode_message(buckets, msg, "msg", stats, step)[0]
             m = sum(method.part_nbytes(buckets[b].numel) for b in msg)
-            server = dict(residual=self.server_residual(buckets, msg, m, buf.device)) if method.owner_state else {}
+            server = (dict(residual=self.owners.get(method, buckets, msg, m, buf.device)) if method.owner_state
+                      else {})
             voted = method.exchange(buf, m, step, self.group, stats, **server)
             offset = 0
             for b in msg:
@@ -396,29 +455,30 @@ class BucketStep:
                           weight_decay=g["weight_decay"], maximize=g["maximize"], foreach=True)
         stats.t_apply += comm.clock(stats) - t0
 
-    def step_grad(self, bucket: Bucket, grad_dtype: str, stats: CommStats) -> None:
-        """Baseline: average gradients in ``grad_dtype`` with one all-reduce, then plain Lion."""
-        params, grads, exp_avgs = bucket.params, self.grads(bucket), self.momenta(bucket)
-        if self.world_size > 1:
-            t0 = comm.clock(stats)
-            flat = self.buffer("grad", bucket.numel, GRAD_DTYPES[grad_dtype], bucket.device)
-            for piece, g in zip(flat.split(bucket.sizes), grads):
-                piece.view(g.shape).copy_(g)  # one pass, casting to the wire dtype
-            stats.t_quantize_pack += comm.clock(stats) - t0
-            comm.all_reduce(flat, self.group, stats)
-            t0 = comm.clock(stats)
-            flat.div_(self.world_size)
-            grads = [piece.view_as(p).to(p.dtype) for piece, p in zip(flat.split(bucket.sizes), params)]
-            stats.t_unpack_vote += comm.clock(stats) - t0
+
+def step_grad(run: BucketStep, bucket: Bucket, grad_dtype: str, stats: CommStats) -> None:
+    """Baseline: average gradients in ``grad_dtype`` with one all-reduce, then plain Lion."""
+    params, grads, exp_avgs = bucket.params, run.grads(bucket), run.momenta(bucket)
+    if run.world_size > 1:
         t0 = comm.clock(stats)
-        if bucket.fused:  # the same Lion, two fused passes (as the votes get)
-            u = self.buffer("u8", bucket.numel, torch.int8, bucket.device)
-            fused.encode(exp_avgs, grads, bucket.beta1(), bucket.maximize(), u.view(torch.uint8), bits=8, step=0,
-                         signs=True)  # u = sign(c)
-            fused.apply(params, exp_avgs, grads, u, **bucket.hyper())
-        else:
-            for g, ks in bucket.runs:
-                lion([params[k] for k in ks], [grads[k] for k in ks], [exp_avgs[k] for k in ks],
-                     lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1],
-                     weight_decay=g["weight_decay"], maximize=g["maximize"], foreach=True)
-        stats.t_apply += comm.clock(stats) - t0
+        flat = run.buffer("grad", bucket.numel, GRAD_DTYPES[grad_dtype], bucket.device)
+        for piece, g in zip(flat.split(bucket.sizes), grads):
+            piece.view(g.shape).copy_(g)  # one pass, casting to the wire dtype
+        stats.t_quantize_pack += comm.clock(stats) - t0
+        comm.all_reduce(flat, run.group, stats)
+        t0 = comm.clock(stats)
+        flat.div_(run.world_size)
+        grads = [piece.view_as(p).to(p.dtype) for piece, p in zip(flat.split(bucket.sizes), params)]
+        stats.t_unpack_vote += comm.clock(stats) - t0
+    t0 = comm.clock(stats)
+    if bucket.fused:  # the same Lion, two fused passes (as the votes get)
+        u = run.buffer("u8", bucket.numel, torch.int8, bucket.device)
+        fused.encode(exp_avgs, grads, bucket.beta1(), bucket.maximize(), u.view(torch.uint8), bits=8, step=0,
+                     signs=True)  # u = sign(c)
+        fused.apply(params, exp_avgs, grads, u, **bucket.hyper())
+    else:
+        for g, ks in bucket.runs:
+            lion([params[k] for k in ks], [grads[k] for k in ks], [exp_avgs[k] for k in ks],
+                 lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1],
+                 weight_decay=g["weight_decay"], maximize=g["maximize"], foreach=True)
+    stats.t_apply += comm.clock(stats) - t0

@@ -37,29 +37,28 @@ Example (``torchrun --nproc-per-node 4 train.py``)::
 """
 from __future__ import annotations
 
-import contextlib
-import copy
-import warnings
 from typing import Callable, Iterable, Optional, Union
 
 import torch
-from torch import Tensor
 
-from ..engine import amp, auto, guard, momentum, resume
-from .. import comm, fused
-from ..engine.step import GRAD_DTYPES, Bucket, BucketPlan, BucketStep
+from ..engine import amp, auto, guard, momentum
+from .. import comm
+from ..fused import warn_if_unavailable
+from ..engine.overlap import Driven
+from ..engine.step import GRAD_DTYPES, BucketPlan, Bucketed, BucketStep
 from ..comm import CommStats
-from ..engine.config import OPTIMIZER_VOTES, VoteConfig, VoteSettings
+from ..engine.config import OPTIMIZER_VOTES, StepSettings, VoteConfig
 from ..votes.mean import ADAPT_DEFAULT, NORM_DEFAULT, RANGE_DEFAULT, RESTART_DEFAULT
-from ..engine.shell import NONFINITE_ALIASES, NONFINITE_POLICIES, Shell
-from ..validate import check_bool, check_hyperparameters, check_optional_bool
+from .checkpoint import StepCheckpoint
+from ..engine.shell import NONFINITE_ALIASES, NONFINITE_POLICIES, CheckedGroups, Shell
+from ..validate import check_bool, check_float_params, check_hyperparameters, check_optional_bool
 
 __all__ = ["LionCub", "OPTIMIZER_VOTES", "GRAD_DTYPES"]
 
 __all__ += ["NONFINITE_POLICIES", "NONFINITE_ALIASES"]
 
 
-class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
+class LionCub(StepCheckpoint, Driven, Bucketed, CheckedGroups, Shell, StepSettings, torch.optim.Optimizer):
     """Lion with a compressed majority vote across data-parallel ranks.
 
     Args:
@@ -76,46 +75,19 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
         bits: ``pbit`` lane width (2, 4 or 8); None picks the smallest valid one.
         quantizer: ``pbit`` only: None (binary signs, the paper's 4-bit Lion Cub),
             or one of ``'sign', 'l1', 'lp', 'l0', 'linf', 'log'``.
-        tie: where zeros of ``c`` and tied votes go on the 1-bit paths (:data:`lioncub.votes.TIE_RULES`):
-            ``'alternate'`` (the paper's: +1 on even steps, −1 on odd; the default), ``'plus'``
-            (always +1) or ``'minus'`` (always −1). ``onebit``: zeros and ties; ``gather`` and
-            ``pbit`` with ``quantizer=None``: zeros (ties vote 0). Other votes (and ``'auto'``,
-            which may pick ``sign_allreduce``) accept only ``'alternate'``. ``'hold'`` (``onebit``
-            only): a tied count repeats the element's last vote, which its chunk owner keeps
-            (N/P bytes per message, saved in ``state_dict``, not resharded; zeros of c alternate;
-            not with server error feedback, overlap or the DDP hook).
-        error_feedback: ``'none'`` (default) or ``'worker'``: each rank votes on ``v = c + e``
-            and keeps the residual ``e ← v − s·sign(v)`` (``s`` = mean|v| per tensor, kept
-            local; ``state[p]['ef_residual']``). Binary-sign votes only (``onebit``, ``gather``,
-            ``pbit`` with ``quantizer=None``). ``'server'``: ``onebit`` only; the owner of each
-            chunk sends ``σ = sign(a + r)`` of the mean sign ``a = (2k − P)/P`` and keeps
-            ``r ← a + r − σ`` (per message, ``8N/P`` fp32, saved in ``state_dict``; a checkpoint
-            does not reshard to another world size). ``'both'``: the two residuals. The bytes
-            are the plain vote's. See :mod:`lioncub.votes.feedback`.
-        stochastic_signs: send +1 with probability (1 + v/M)/2 (``True``: ``M`` = max|v| per
-            tensor; a float k > 0: ``M`` = k·mean|v| per tensor, v/M clipped to [−1, 1]),
-            drawn from this rank's generator (``seed + rank``, saved), so the expected message
-            is v/M. Binary-sign votes only. With either option the bucket's encode runs as torch
-            ops after the step's agreement (no fused one-pass encode, nothing encoded ahead) and
-            ``overlap`` / the DDP hook are refused.
-        aggregate: ``'vote'`` (the default: the majority vote of the signs of ``c``) or ``'mean'``
-            (``vote='onebit'`` only): the same two 1-bit collectives carry a compressed mean of the
-            gradients instead, with error feedback on the workers and on the chunk owners (plus 4
-            bytes per tensor per chunk for the scales), and every rank runs Lion's exact update on
-            the decoded mean with a momentum that is the same on every rank
-            (:mod:`lioncub.votes.mean`). Residuals: one per element (``state[p]['ef_residual']``)
-            and the owner's ``8N/P`` fp32 (saved, not resharded). Not with ``error_feedback``,
-            ``stochastic_signs``, ``tie='hold'``, overlap or the DDP hook.
-        mean_adapt, mean_range: ``aggregate='mean'`` only: each element's magnitude, shared by all
-            ranks and read from the signs every rank receives, grows by ``mean_adapt`` (γ ≥ 1) where
-            the sign repeats and shrinks by it where the sign flips, within ``[1/mean_range,
-            mean_range]`` of its tensor's mean (γ = 1: one flat scale per tensor).
-        mean_norm: ``aggregate='mean'`` only: which mean of a tensor's magnitudes is held at 1,
-            ``'arithmetic'`` (the default) or ``'geometric'`` (the range centred on the typical
-            element in log scale).
-        mean_restart: ``aggregate='mean'`` only: after this many steps (default 50; 0: never) the
-            shared momentum and both residuals restart from zero, keeping the adapted magnitudes:
-            what the first steps put there was compressed with magnitudes still flat.
+        tie: where zeros of ``c`` and tied counts go on the 1-bit paths: ``'alternate'`` (the
+            paper's parity, +1 on even steps and −1 on odd; the default), ``'plus'``, ``'minus'``, or
+            ``'hold'`` (``onebit``: a tie repeats the element's last vote, kept by its chunk owner).
+            Which vote takes which rule: :data:`lioncub.votes.TIE_RULES`; other votes take ``'alternate'``.
+        error_feedback, stochastic_signs: what a binary-sign message carries beyond the sign: each
+            worker's residual (``'worker'``), each chunk owner's (``'server'``, ``onebit``), or both;
+            signs drawn with probability (1 + v/M)/2. The rules, their state and what each refuses
+            (e.g. overlap): :mod:`lioncub.votes.feedback`.
+        aggregate, mean_adapt, mean_range, mean_norm, mean_restart: ``'vote'`` (the majority vote of
+            the signs of ``c``, the default) or ``'mean'`` (``vote='onebit'``): the same two 1-bit
+            collectives carry a compressed mean of the gradients and every rank runs Lion's exact
+            update on it with a momentum all ranks share; the ``mean_*`` settings are its own
+            (:mod:`lioncub.votes.mean`, which also says what it refuses).
         grad_dtype: ``vote='grad'`` only: ``'fp32'`` or ``'bf16'`` all-reduce.
         fused: the backend of the per-parameter passes, chosen once per bucket here, as
             ``torch.optim`` optimizers take it: None (default) the fused loops of
@@ -125,38 +97,28 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
             same bits; ``backends`` holds each bucket's choice and why.
         process_group: the data-parallel group (default: the world).
         bucket_mb: bucket size in MiB of fp32 elements (the scratch ``c`` is one bucket).
-        message_mb: without overlap, the buckets' votes travel together, in messages of
-            at most this many MiB on the wire (one exchange per message: 1-bit votes of a
-            100M-parameter model are one 12 MiB message); with overlap each bucket is its
-            own message, launched during backward. Up to ``encode_ahead`` (4) messages are
-            written before the step's has-grad/finite agreement and kept between steps.
+        message_mb: without overlap, the buckets' votes travel together in messages of at most
+            this many MiB on the wire, one exchange each (with overlap each bucket is its own);
+            up to ``encode_ahead`` are written before the step's agreement and kept.
         maximize: maximise the objective.
         seed: seeds the stochastic quantizer's generator (``seed + rank``).
-        momentum_sync: which momenta to average across ranks every ``sync_every``
-            steps: ``'none'``, ``'all'``, ``'io'`` (input embedding + output layer,
-            needs ``model``), ``'adaptive'``, or an explicit list of parameter names
-            or tensors (see :mod:`lioncub.engine.momentum`).
+        momentum_sync: which momenta to average every ``sync_every`` steps: ``'none'``, ``'all'``,
+            ``'io'`` (needs ``model``), ``'adaptive'``, or names / tensors (:mod:`lioncub.engine.momentum`).
         sync_every, sync_dtype: period (steps) and dtype (``'fp32'``/``'bf16'``) of
             the momentum all-reduce.
         model: the module the params come from; used to name parameters and to find
             the input/output layers.
-        nonfinite: ``'raise'`` or ``'skip'`` (all ranks skip the step; ``'skip_step'`` is an
-            older spelling) when any rank's gradient holds NaN or Inf; the decision is agreed
-            by all ranks (see :mod:`lioncub.engine.guard`).
-        check_every: every k steps verify that replicas are identical (0 = never): the
-            checksums of the parameters after step k are gathered at the start of the next
-            ``step()`` and read with its one agreement (a divergence raises there).
-        timing: measure the time split of ``last_step_stats`` (``t_*``). None (default):
-            on CPU always (it costs nothing); on CUDA never (the times stay 0: NCCL calls
-            return at launch, so honest times need a device synchronise around every part).
-            True on CUDA synchronises before each clock read: exact wire and kernel times,
-            slower steps. Bytes and collective counts are always exact.
-        overlap: launch each bucket's vote from backward hooks as soon as its last
-            gradient is accumulated (:mod:`lioncub.engine.overlap`); step() then waits only for
-            votes still in flight and applies. Same parameters, bit for bit, for every
-            binary-sign vote. For gradient accumulation run all micro-batches but the last
-            under ``with opt.no_sync():``. ``opt.remove_hooks()`` turns it off. Under DDP use
-            :func:`lioncub.ddp.hook.register` instead (DDP's buckets, DDP's hooks).
+        nonfinite: ``'raise'`` or ``'skip'`` (``'skip_step'``: older) when any rank's gradient holds
+            NaN or Inf; every rank decides alike (:mod:`lioncub.engine.guard`).
+        check_every: every k steps verify that replicas are identical (0 = never), read with the
+            next step's one agreement (a divergence raises there).
+        timing: measure the time split of ``last_step_stats`` (``t_*``). None (default): on CPU
+            always, on CUDA never (NCCL calls return at launch); True on CUDA synchronises before
+            each clock read (exact times, slower steps). Bytes and counts are always exact.
+        overlap: launch each bucket's vote from backward hooks once its gradients are ready
+            (:mod:`lioncub.engine.overlap`; the same bits as without); accumulate under
+            ``with opt.no_sync():``; ``opt.remove_hooks()`` turns it off. Under DDP:
+            :func:`lioncub.ddp.hook.register`.
     """
 
     encode_ahead = 4
@@ -215,7 +177,7 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
         auto.check_auto_args(vote, alpha, beta, gamma)
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults)
-        self._check_params()
+        check_float_params([p for g in self.param_groups for p in g["params"]], "LionCub")
         # a NodeCub's vote (``_verified``): NodeCub checked and broadcast the model over the whole world
         params = [p for g in self.param_groups for p in g["params"]]
         self.plan = BucketPlan(self.param_groups, config.bucket_mb, config.fused)
@@ -225,7 +187,7 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
             config.method(self.world_size)  # refuses what cannot be exact for P ranks, before any vote
         self.timing = self.device.type == "cpu" if timing is None else timing
         if fused is None:
-            self._warn_if_slow_path()
+            warn_if_unavailable([p for _, p in self.param_entries], "LionCub", stacklevel=2)
         self.steps = 0  # completed steps: sets the tie/zero parity of the 1-bit votes
         self.skipped_steps = 0  # steps skipped by nonfinite='skip' (all ranks agree)
         self._checked = 0  # the step count whose replicas check_every last verified
@@ -255,101 +217,6 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
         self.method = config.method(self.world_size)
         self.bucket_step.method = self.method
         self.vote_chosen = (config.vote, config.bits)
-
-    grad_dtype = property(lambda self: self.config.grad_dtype, doc="``vote='grad'``'s all-reduce dtype.")
-    fused = property(lambda self: self.config.fused, doc="The requested backend (None: fused where it runs).")
-    bucket_mb = property(lambda self: self.config.bucket_mb, doc="Bucket size, MiB of fp32 elements.")
-    message_mb = property(lambda self: self.config.message_mb, doc="Message size on the wire, MiB.")
-    error_feedback = property(lambda self: self.config.error_feedback,
-                              doc="``'none'``, ``'worker'`` (each rank's residual of its scaled sign), ``'server'`` "
-                                  "(each chunk owner's residual of its voted sign) or ``'both'``.")
-    aggregate = property(lambda self: self.config.aggregate,
-                         doc="``'vote'`` (the majority vote of signs) or ``'mean'`` (the 1-bit compressed mean).")
-    stochastic_signs = property(lambda self: self.config.stochastic_signs,
-                                doc="Whether the binary signs are drawn, +1 with probability (1 + v/M)/2.")
-
-    # ------------------------------------------------------------------ set-up
-    def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(param_group)
-        g = self.param_groups[-1]  # now filled with defaults
-        try:
-            check_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
-            if hasattr(self, "device"):  # a group added after construction: the same one device
-                for i, p in enumerate(g["params"]):
-                    if p.device != self.device:
-                        raise ValueError(f"parameter {i} of the new group is on {p.device}, this optimizer's "
-                                         f"parameters on {self.device}: one optimizer communicates on one device")
-        except (TypeError, ValueError) as exc:
-            self.param_groups.pop()
-            raise type(exc)(f"param group {len(self.param_groups)}: {exc}") from None
-
-    @property
-    def param_entries(self) -> list[tuple[dict, Tensor]]:
-        """(param group, parameter) in registration order (the plan's)."""
-        return self.plan.param_entries
-
-    @property
-    def buckets(self) -> list[Bucket]:
-        """The plan's buckets, last-registered parameters first (:class:`~lioncub.engine.step.BucketPlan`)."""
-        return self.plan.buckets
-
-    @property
-    def backends(self) -> list[str]:
-        """Per bucket, the backend chosen (``fused=``) and why: ``'fused: ...'`` or ``'torch: ...'``."""
-        return self.plan.backends
-
-    def plan_bucket(self, idx: list[int]) -> Bucket:
-        """The :class:`~lioncub.engine.step.Bucket` of parameters ``idx`` (indices into
-        ``param_entries``; the DDP hook's buckets are DDP's), made once and kept."""
-        return self.plan.bucket(idx)
-
-    @property
-    def driver(self):
-        """What launches the votes during backward (overlap, the DDP hook), or None."""
-        return self._driver
-
-    def attach_driver(self, driver) -> None:
-        """Let ``driver`` (overlap, the DDP hook) launch the votes; ``step()`` then waits for
-        them and applies. One driver at a time."""
-        if self._driver is not None:
-            raise ValueError(f"this LionCub is already driven by {type(self._driver).__name__}; "
-                             "remove it first (remove_hooks())")
-        why = None if self.method is None else self.method.backward_refusal(type(driver).__name__)
-        if why is not None:
-            raise ValueError(why)
-        self._driver = driver
-
-    def detach_driver(self, driver) -> None:
-        """Undo :meth:`attach_driver`; the per-launch buffers go, step() makes its own again."""
-        if self._driver is driver:
-            self._driver = None
-            self.bucket_step.clear_buffers()
-
-    def no_sync(self):
-        """Context manager for gradient accumulation: backward passes inside launch no vote
-        (overlap / DDP hook). A no-op without them: votes happen in step() anyway."""
-        return self._driver.no_sync() if self._driver is not None else contextlib.nullcontext()
-
-    def remove_hooks(self) -> None:
-        """Stop overlapping: remove the backward hooks; step() votes after backward again."""
-        if self._driver is not None:
-            self._driver.remove_hooks()
-
-    def _warn_if_slow_path(self) -> None:
-        """fp32 CPU params but the fused loops failed to build: say so once, with why."""
-        why = fused.status()
-        if why.startswith("unavailable") and any(p.device.type == "cpu" and p.dtype == torch.float32
-                                                 for _, p in self.param_entries):
-            warnings.warn(f"LionCub: the fused CPU loops are {why}. The torch path runs instead (same results, "
-                          "3-10x slower local work per step). Set LIONCUB_FUSED=0 to choose it and silence this.",
-                          RuntimeWarning, stacklevel=3)
-
-    def _check_params(self) -> None:
-        for i, p in enumerate(p for g in self.param_groups for p in g["params"]):
-            if not torch.is_floating_point(p):
-                raise TypeError(f"parameter {i} has dtype {p.dtype}; LionCub needs floating-point params")
-            if p.is_sparse:
-                raise TypeError(f"parameter {i} is sparse; LionCub supports dense parameters only")
 
     # ------------------------------------------------------------------ step
     def new_stats(self) -> CommStats:
@@ -425,17 +292,8 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
             return loss
         if driver is not None:
             driver.apply(active, stats)
-        elif early is not None and all(active):
-            run.exchange_messages(buckets, early, stats, self.steps)
-        else:  # (and when no rank has a gradient for some param: encoded again without it)
-            parts = [b if all(active[i] for i in b.index) else b.only([k for k, i in enumerate(b.index) if active[i]])
-                     for b in buckets]
-            parts = [b for b in parts if b.entries]
-            if self.method is None:
-                for bucket in parts:
-                    run.step_grad(bucket, self.grad_dtype, stats)
-            else:
-                run.step_messages(parts, stats, self.steps)
+        else:
+            run.step_active(buckets, active, early, stats, self.steps, self.grad_dtype)
         self.steps += 1
         self.momentum_sync.after_step(self.steps, self.state, stats)
         self.last_step_stats = stats
@@ -447,51 +305,6 @@ class LionCub(Shell, VoteSettings, torch.optim.Optimizer):
         guard.check_replicas([p for _, p in self.param_entries], self.group, self.world_size, step=self.steps,
                              names=self._param_names, stats=self.new_stats())
 
-    def messages(self) -> list[list[int]]:
-        """How the buckets travel without overlap: bucket indices grouped into messages of
-        at most ``message_mb`` MiB on the wire (:meth:`BucketStep.messages
-        <lioncub.engine.step.BucketStep.messages>`)."""
-        return self.bucket_step.messages(self.buckets)
-
-    def message_elements(self) -> list[int]:
-        """Per message (all parameters active), the element count whose single vote moves
-        the same bytes: what :func:`lioncub.engine.cost.predicted_bytes` takes."""
-        method = self.method
-        return [method.elements(sum(method.part_nbytes(self.buckets[b].numel) for b in msg))
-                for msg in self.messages()]
-
     # ------------------------------------------------------------------ state
     def fingerprint(self) -> dict:
         return self.config.fingerprint()
-
-    def state_dict(self) -> dict:
-        sd = super().state_dict()
-        server = self.method is not None and self.method.owner_state  # the chunk owners' residuals / held votes
-        sd[self.state_key] = self.envelope(dict(steps=self.steps, skipped_steps=self.skipped_steps),
-                                           vote_requested=self.vote_requested,
-                                           momentum_sync=self.momentum_sync.state_dict(),
-                                           **(dict(server_residuals=self.bucket_step.server_state()) if server else {}))
-        return sd
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        if isinstance(state_dict, dict) and isinstance(state_dict.get(self.state_key), dict):
-            state_dict = {**state_dict, self.state_key: resume.upgrade_envelope(state_dict[self.state_key])}
-        extra = state_dict.get(self.state_key) if isinstance(state_dict, dict) else None
-        if isinstance(extra, dict) and "server_residuals" in extra:  # before the rank check: say why
-            resume.check_server_world(extra["config"]["error_feedback"], extra["world_size"], self.world_size,
-                                      tie=extra["config"].get("tie", "alternate"),
-                                      aggregate=extra["config"].get("aggregate", "vote"))
-        if extra is not None and self.vote_requested == "auto" and extra.get("vote_requested") == "auto":
-            saved = extra["config"]  # resume with the run's pick
-            self._set_config(self.config.resolved(saved["vote"], saved["bits"]))
-        extra = resume.check_loadable(self, state_dict)  # settings, rank, world, shapes, finite momenta: once
-        # a copy: torch keeps same-dtype tensors by reference, which would share momenta
-        base = copy.deepcopy({k: v for k, v in state_dict.items() if k != self.state_key})
-        super().load_state_dict(base)
-        self.plan = BucketPlan(self.param_groups, self.config.bucket_mb, self.config.fused)  # torch's new groups
-        self.bucket_step.state = self.state  # torch's new state dict
-        self.steps = int(extra["counters"]["steps"])
-        self.skipped_steps = int(extra["counters"].get("skipped_steps", 0))
-        comm.restore_generator(self.generator, extra["generator"])
-        self.momentum_sync.load_state_dict(extra.get("momentum_sync", {}))
-        self.bucket_step.load_server_state(extra.get("server_residuals", []), self.device)
