@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import copy
 
+import torch
+
 from .. import comm
 from ..engine import resume
 from ..engine.step import BucketPlan
+from ..votes.rounds import Agreement
 
-__all__ = ["StepCheckpoint"]
+__all__ = ["StepCheckpoint", "RoundCheckpoint"]
 
 
 class StepCheckpoint:
@@ -48,3 +51,55 @@ class StepCheckpoint:
         self.momentum_sync.load_state_dict(extra.get("momentum_sync", {}))
         self.bucket_step.owners.load(extra.get("server_residuals", []),
                                      self.method is not None and self.method.owner_state == "held", self.device)
+
+
+class RoundCheckpoint:
+    """``state_dict`` / ``load_state_dict`` of LocalCub (a mixin before ``torch.optim.Optimizer``):
+    counters, the inner optimizer, the generator, a streaming round's agreement in flight, and each
+    rank's own parameters inside a round."""
+
+    def state_dict(self) -> dict:
+        """The state (see docs/local_steps.md). With ``delay=1`` and an agreement in flight it
+        waits for it (a collective in flight cannot be saved) and saves its ``d``, not yet applied."""
+        pending = None
+        if self._pending is not None:
+            d, signed = self._pending.result()
+            pending = dict(d=d.clone(), signed=signed)
+        sd = super().state_dict()
+        counters = dict(rounds=self.rounds, local_step=self.local_step, skipped_rounds=self.skipped_rounds,
+                        bad_round=self._bad_round)
+        sd[self.state_key] = self.envelope(
+            counters, inner=self.inner.state_dict(), vote_requested=self.vote_requested,
+            # inside a round every rank's parameters are its own (a model checkpoint holds one rank's)
+            params=[p.detach().clone() for p in self.params] if self.local_step else None, pending=pending)
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        extra = state_dict.get(self.state_key) if isinstance(state_dict, dict) else None
+        if extra is not None and "counters" not in extra:  # saved before the envelope: flat counters
+            extra = {**extra, "counters": {k: extra[k] for k in ("rounds", "local_step", "skipped_rounds",
+                                                                 "bad_round")}}
+            state_dict = {**state_dict, self.state_key: extra}
+        if extra is not None and self.vote_requested == "auto" and extra.get("vote_requested") == "auto":
+            saved = extra["config"]  # resume with the run's pick
+            self._set_config(self.config.resolved(saved["vote"], saved["bits"]))
+        extra = self.open_envelope(state_dict)  # kind, settings, rank and world size
+        base = copy.deepcopy({k: v for k, v in state_dict.items() if k != self.state_key})
+        super().load_state_dict(base)
+        self.inner.load_state_dict(copy.deepcopy(extra["inner"]))
+        self.param_groups = self.inner.param_groups
+        counters = extra["counters"]
+        self.rounds, self.local_step = int(counters["rounds"]), int(counters["local_step"])
+        self.skipped_rounds, self._bad_round = int(counters["skipped_rounds"]), bool(counters["bad_round"])
+        if extra.get("generator") is not None:  # (checkpoints before the generator: global RNG)
+            comm.restore_generator(self.generator, extra["generator"])
+        pending = extra.get("pending")
+        self._pending = None if pending is None else Agreement.finished(pending["d"].clone(), pending["signed"])
+        if extra.get("params") is not None:
+            with torch.no_grad():
+                for p, saved in zip(self.params, extra["params"]):
+                    p.copy_(saved)
+        elif self.delay:  # at a round's end a streaming replica is its origin o_i
+            with torch.no_grad():
+                for p in self.params:
+                    p.copy_(self.state[p]["origin"])

@@ -54,7 +54,6 @@ Example (every rank, inside an initialised process group)::
 """
 from __future__ import annotations
 
-import copy
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator, Optional, Union
 
@@ -72,6 +71,8 @@ from ..votes.pbit import MEAN_CLIP
 from ..votes.rounds import ROUND_AGGREGATES as AGGREGATES
 from ..votes.rounds import Agreement, check_round_aggregate, round_aggregation
 from .outer import OUTER_RULES, make_outer
+from .checkpoint import RoundCheckpoint
+from .rounds import Rounds
 from .streaming import StreamingRounds
 
 __all__ = ["LocalCub", "INNER_OPTIMIZERS", "OUTER_RULES", "LOCAL_VOTES", "AGGREGATES", "MEAN_CLIP"]
@@ -98,7 +99,7 @@ def _make_inner(inner, groups: list[dict], betas) -> torch.optim.Optimizer:
                      f"got {inner!r}")
 
 
-class LocalCub(StreamingRounds, Shell, VoteSettings, torch.optim.Optimizer):
+class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, Shell, VoteSettings, torch.optim.Optimizer):
     """Lion Cub with local steps: ``local_steps`` inner steps per agreed outer step.
 
     Args:
@@ -294,56 +295,6 @@ class LocalCub(StreamingRounds, Shell, VoteSettings, torch.optim.Optimizer):
             self.last_step_stats = self.last_round_stats
         return loss
 
-    def _round(self) -> None:
-        stats = comm.step_stats(self.device)
-        sizes = [p.numel() for p in self.params]
-        delta, v = self._pseudo_gradient("origin" if self.delay else "start")
-        head = self.aggregation.head(v, sizes)
-        # the round's one small all-reduce and host read: how many ranks hold a non-finite value, and the
-        # aggregation's own per-tensor sums (the lane mean's shared scale)
-        verdict = guard.agree([], self.group, self.world_size, self.device, stats,
-                              finite=False if self._bad_round else torch.isfinite(delta).all(), extra=head)
-        self._bad_round = False
-        self.last_round_stats = stats
-        if self.delay:
-            self._stream(delta, v, sizes, verdict, stats)
-            return
-        if verdict.bad_ranks:
-            self._nonfinite(verdict.bad_ranks)
-            return
-        agreement, sent = self._launch(v, sizes, verdict.extra, self.world_size, stats)
-        self._keep_residuals(v, sent, sizes)
-        d, signed = agreement.result(stats)
-        self._outer_step(d.split(sizes), signed)
-        self.rounds += 1
-        if self.check_due(self.rounds):
-            guard.check_replicas(self.params, self.group, self.world_size, step=self.rounds,
-                                 names=self._param_names)
-
-    def _pseudo_gradient(self, began: str) -> tuple[Tensor, Tensor]:
-        """(Δ_i, v_i = Δ_i + e_i) flat fp32: this worker's progress since ``state[p][began]``."""
-        states = [self.state[p] for p in self.params]
-        delta = torch.cat([(s[began].float() - p.float()).reshape(-1) for s, p in zip(states, self.params)])
-        if not self.error_feedback:
-            return delta, delta
-        return delta, delta + torch.cat([s["residual"].reshape(-1) for s in states])
-
-    def _launch(self, v: Tensor, sizes: list[int], head: list[float], count: int, stats: CommStats, *,
-                aggregation=None, group=None) -> tuple[Agreement, Optional[Tensor]]:
-        """Start the round's agreement on ``v`` (:mod:`lioncub.votes.rounds`): the agreement, and
-        C(v_i) with error feedback (None without)."""
-        aggregation = self.aggregation if aggregation is None else aggregation
-        return aggregation.launch(v, sizes, head=head, count=count, step=self.rounds, generator=self.generator,
-                                  group=self.group if group is None else group, stats=stats,
-                                  feedback=self.error_feedback)
-
-    def _keep_residuals(self, v: Tensor, sent: Optional[Tensor], sizes: list[int]) -> None:
-        """e_i ← v_i − C(v_i), per parameter (nothing without error feedback: ``sent`` None)."""
-        if sent is None or not self.error_feedback:
-            return
-        for p, r, c in zip(self.params, v.split(sizes), sent.split(sizes)):
-            torch.sub(r, c, out=self.state[p]["residual"].view(-1))
-
     @contextmanager
     def agreed(self) -> Iterator[None]:
         """Inside the block every parameter holds θ_s, the start the ranks agreed on (the same
@@ -360,80 +311,7 @@ class LocalCub(StreamingRounds, Shell, VoteSettings, torch.optim.Optimizer):
                 for p, mine in zip(self.params, own):
                     p.copy_(mine)
 
-    def _outer_step(self, d: list[Tensor], signed: bool, replicas: bool = True) -> None:
-        """θ_s ← decayed θ_s, then the outer rule by d; every replica ← θ_s (``replicas``).
-        ``signed``: d holds u."""
-        i = 0
-        for group in self.param_groups:
-            lr, wd = group["lr"], group["outer_weight_decay"]
-            for p in group["params"]:
-                s = self.state[p]
-                start = s["start"]
-                if wd != 0:
-                    start.mul_(1.0 - self.rule.lr * lr * wd)
-                self.rule.step(start, d[i].view_as(p), s, lr=lr, signed=signed)
-                i += 1
-                if replicas:
-                    p.copy_(start)
-
-    def _nonfinite(self, bad_ranks: int) -> None:
-        if self.nonfinite == "raise":
-            raise FloatingPointError(
-                f"non-finite gradients or parameters in round {self.rounds} on {bad_ranks} rank(s); "
-                "pass nonfinite='skip' to drop such rounds")
-        for p in self.params:  # every rank drops the round's local progress
-            p.copy_(self.state[p]["start"])
-            if self.delay:
-                self.state[p]["origin"].copy_(p)
-        self.skipped_rounds += 1
-
     # ------------------------------------------------------------------ state
     def fingerprint(self) -> dict:
         return dict(local_steps=self.H, vote=self.vote, bits=self.bits, quantizer=self.quantizer, tie=self.tie,
                     outer=self.outer, error_feedback=self.error_feedback, aggregate=self.aggregate, delay=self.delay)
-
-    def state_dict(self) -> dict:
-        """The state (see docs/local_steps.md). With ``delay=1`` and an agreement in flight it
-        waits for it (a collective in flight cannot be saved) and saves its ``d``, not yet applied."""
-        pending = None
-        if self._pending is not None:
-            d, signed = self._pending.result()
-            pending = dict(d=d.clone(), signed=signed)
-        sd = super().state_dict()
-        counters = dict(rounds=self.rounds, local_step=self.local_step, skipped_rounds=self.skipped_rounds,
-                        bad_round=self._bad_round)
-        sd[self.state_key] = self.envelope(
-            counters, inner=self.inner.state_dict(), vote_requested=self.vote_requested,
-            # inside a round every rank's parameters are its own (a model checkpoint holds one rank's)
-            params=[p.detach().clone() for p in self.params] if self.local_step else None, pending=pending)
-        return sd
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        extra = state_dict.get(self.state_key) if isinstance(state_dict, dict) else None
-        if extra is not None and "counters" not in extra:  # saved before the envelope: flat counters
-            extra = {**extra, "counters": {k: extra[k] for k in ("rounds", "local_step", "skipped_rounds",
-                                                                 "bad_round")}}
-            state_dict = {**state_dict, self.state_key: extra}
-        if extra is not None and self.vote_requested == "auto" and extra.get("vote_requested") == "auto":
-            saved = extra["config"]  # resume with the run's pick
-            self._set_config(self.config.resolved(saved["vote"], saved["bits"]))
-        extra = self.open_envelope(state_dict)  # kind, settings, rank and world size
-        base = copy.deepcopy({k: v for k, v in state_dict.items() if k != self.state_key})
-        super().load_state_dict(base)
-        self.inner.load_state_dict(copy.deepcopy(extra["inner"]))
-        self.param_groups = self.inner.param_groups
-        counters = extra["counters"]
-        self.rounds, self.local_step = int(counters["rounds"]), int(counters["local_step"])
-        self.skipped_rounds, self._bad_round = int(counters["skipped_rounds"]), bool(counters["bad_round"])
-        if extra.get("generator") is not None:  # (checkpoints before the generator: global RNG)
-            comm.restore_generator(self.generator, extra["generator"])
-        pending = extra.get("pending")
-        self._pending = None if pending is None else Agreement.finished(pending["d"].clone(), pending["signed"])
-        if extra.get("params") is not None:
-            with torch.no_grad():
-                for p, saved in zip(self.params, extra["params"]):
-                    p.copy_(saved)
-        elif self.delay:  # at a round's end a streaming replica is its origin o_i
-            with torch.no_grad():
-                for p in self.params:
-                    p.copy_(self.state[p]["origin"])
