@@ -118,3 +118,19 @@ def test_no_module_at_the_root_but_the_base_and_the_tools():
     one-release module paths are gone: CHANGELOG.md)."""
     names = {p.stem for p in SRC.glob("*.py")} - {"__init__"}
     assert names == BASE | {"instruments", "cli"}
+
+
+def test_no_circle_no_class_past_250_lines_no_name_switch_outside_votes(tmp_path):
+    """bench/import_graph.py on this tree: no import circle, no class over 250 lines, and no comparison
+    with a vote method's name or an aggregate's in engine/, optim/, ft/, harness/ or ddp/ (the variants
+    own their options and refusals in votes/)."""
+    import json
+    import subprocess
+
+    out = tmp_path / "graph.json"
+    root = SRC.parents[1]
+    subprocess.run([sys.executable, str(root / "bench" / "import_graph.py"), "--src", str(SRC.parent), "--out", str(out)],
+                   check=True, capture_output=True, cwd=root)
+    (shape,) = json.loads(out.read_text())
+    assert shape["modules"] > 50 and shape["imports"] > 100  # it read the package
+    assert (shape["upward"], shape["circles"], shape["big_classes"], shape["name_switches"]) == ([], [], [], [])

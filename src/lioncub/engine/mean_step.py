@@ -10,13 +10,13 @@ from torch import Tensor
 from .. import comm
 from ..comm import CommStats
 from ..lion import lion
-from .step import Bucket, BucketStep
 
 __all__ = ["mean_message", "shapes"]
+# ``run`` below is the BucketStep of engine/step.py, ``parts`` / ``buckets`` its Buckets (not imported:
+# step.py calls in here, and this module stays below it).
 
 
-def mean_message(run: BucketStep, parts: list[Bucket], msg: list[int], buckets: list[Bucket], stats: CommStats,
-             step: int) -> None:
+def mean_message(run, parts: list, msg: list[int], buckets: list, stats: CommStats, step: int) -> None:
     """``aggregate='mean'``: one message's buckets through the 1-bit compressed mean, then Lion
     on ĝ with the shared momentum (:mod:`lioncub.votes.mean`; torch ops)."""
     method = run.method
@@ -73,7 +73,7 @@ def mean_message(run: BucketStep, parts: list[Bucket], msg: list[int], buckets: 
         offset += nb
 
 
-def shapes(run: BucketStep, bucket: Bucket) -> list[Tensor]:
+def shapes(run, bucket) -> list[Tensor]:
     """``aggregate='mean'``: each parameter's shared magnitudes with the last decoded signs,
     ``h·τ`` (``state['mean_shape']``, fp32, all +1 the first time: :mod:`lioncub.votes.mean`)."""
     out = []

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from .. import comm, fused
 from . import guard
+from .mean_step import mean_message
 from ..comm import CommStats
 from ..lion import apply_update_, interpolate, lion
 from ..votes import VoteMethod
@@ -352,8 +353,6 @@ class BucketStep:
                 self.apply_u(bucket, self.bucket_c(bucket, stats, key="c").sign_(), stats)
             return
         if self.method.shared_momentum:  # a compressed mean, then Lion on it: its own message step
-            from .mean_step import mean_message
-
             for msg in self.messages(buckets):
                 mean_message(self, [buckets[b] for b in msg], msg, buckets, stats, step)
             return

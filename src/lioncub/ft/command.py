@@ -44,9 +44,10 @@ def cmd_train_ft(args) -> int:
         config = TrainConfig(**fields)
         if config.local_steps < 2:
             raise ValueError("--ft runs LocalCub: --local-steps must be >= 2")
+        from ..votes import METHODS
         from ..votes.rounds import round_is_partial
 
-        if not round_is_partial(config.vote, config.quantizer, config.aggregate):
+        if not round_is_partial(METHODS.get(config.vote), config.vote, config.quantizer, config.aggregate):
             raise ValueError("--ft: --vote must be grad, or pbit with --quantizer l1 --aggregate mean")
     except ValueError as exc:
         args.parser.error(str(exc))

@@ -48,6 +48,7 @@ from .. import comm
 from ..engine import guard
 from ..optim.localcub import LocalCub
 from ..validate import check_int
+from ..votes import METHODS
 from ..votes.rounds import PARTIAL_NEEDS, round_aggregation, round_is_partial
 
 __all__ = ["FTLocalCub", "ReplicaGroup", "TensorTransport", "QuorumError", "require_torchft"]
@@ -150,7 +151,7 @@ class FTLocalCub(LocalCub):
             if kwargs.get(key, allowed) != allowed:
                 raise ValueError(f"{key} must be {allowed!r} with torchft, got {kwargs[key]!r}")
         vote = kwargs.get("vote", "onebit")
-        if not round_is_partial(vote, kwargs.get("quantizer"), kwargs.get("aggregate", "vote")):
+        if not round_is_partial(METHODS.get(vote), vote, kwargs.get("quantizer"), kwargs.get("aggregate", "vote")):
             raise ValueError(f"under torchft a round's aggregation must be a sum that a replica with nothing to send "
                              f"leaves unchanged: {PARTIAL_NEEDS}; got vote={vote!r}")
         if getattr(manager, "_use_async_quorum", False):

@@ -129,7 +129,7 @@ def header(config: TrainConfig, runs: list[TrainConfig], link: str | None, world
              f"{how}, {len(runs)} ways:"]
     width = max(len(c.label) for c in runs)
     for key, c in zip(("base", "cub", "local"), runs):
-        text = DESCRIPTIONS["cub-mean" if key == "cub" and c.aggregate == "mean" else key].format(H=c.local_steps)
+        text = DESCRIPTIONS.get(f"{key}-{c.aggregate}", DESCRIPTIONS[key]).format(H=c.local_steps)
         if key != "local":
             text += f" (lr {c.lr:g})"
         lines.append(f"  {c.label:{width}}  {text}")

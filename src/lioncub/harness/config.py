@@ -9,6 +9,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
+from ..votes import check_lane_options
 from ..optim.lioncub import NONFINITE_ALIASES, NONFINITE_POLICIES, OPTIMIZER_VOTES
 
 GPT_MODELS = ("gpt-tiny", "gpt-mini", "gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1.5b")
@@ -196,8 +197,7 @@ class TrainConfig:
             if changed:
                 raise ValueError(f"{', '.join(changed)} apply to optimizer='lioncub' only, got "
                                  f"optimizer={self.optimizer!r}")
-        if self.vote != "pbit" and (self.bits is not None or self.quantizer is not None):
-            raise ValueError(f"bits/quantizer apply to vote='pbit' only, got vote={self.vote!r}")
+        check_lane_options(self.vote, self.bits, self.quantizer)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -271,7 +271,7 @@ class TrainConfig:
             bits = f"-{self.bits}b" if self.bits else ""
             quant = f"-{self.quantizer}" if self.quantizer else ""
             local = f"-h{self.local_steps}-{self.aggregate}" if self.local_steps > 1 else ""
-            local += "-mean" if self.local_steps == 1 and self.aggregate == "mean" else ""
+            local += f"-{self.aggregate}" if self.local_steps == 1 and self.aggregate != "vote" else ""
             local += "-streaming" if self.delay else ""
             nodes = f"-{self.nodes}nodes{'' if self.shard else '-unsharded'}" if self.nodes > 1 else ""
             return f"lioncub-{self.vote}{bits}{quant}{local}{nodes}"

@@ -224,12 +224,12 @@ PARTIAL_NEEDS = "vote='grad', or vote='pbit' with quantizer='l1' and aggregate='
 """The round configurations whose sums a rank with nothing to send leaves unchanged (:attr:`RoundAggregation.partial`)."""
 
 
-def round_is_partial(vote: str, quantizer: Optional[str], aggregate: str) -> bool:
-    """Whether a round of ``vote`` / ``quantizer`` / ``aggregate`` may leave ranks out of its mean
-    (torchft's quorums): its :class:`RoundAggregation` is :attr:`~RoundAggregation.partial`."""
-    from . import METHODS
-
+def round_is_partial(method_cls: Optional[type[VoteMethod]], vote: str, quantizer: Optional[str],
+                     aggregate: str) -> bool:
+    """Whether a round of ``vote`` (its class ``method_cls``; None for ``'grad'`` or ``'auto'``) with
+    ``quantizer`` / ``aggregate`` may leave ranks out of its mean (torchft's quorums): its
+    :class:`RoundAggregation` is :attr:`~RoundAggregation.partial`."""
     if vote == "grad":
         return Fp32Mean.partial
-    cls = METHODS.get(vote)
-    return cls is not None and aggregate == "mean" and cls.takes_round_mean(quantizer) and LaneMean.partial
+    return (method_cls is not None and aggregate == "mean" and method_cls.takes_round_mean(quantizer)
+            and LaneMean.partial)
