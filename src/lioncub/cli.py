@@ -19,6 +19,9 @@ import os
 import sys
 
 from .ft.command import _FT_KEYS, cmd_train_ft
+from .optim.outer import OUTER_RULES
+from .votes.mean import AGGREGATES as STEP_AGGREGATES
+from .votes.rounds import ROUND_AGGREGATES
 from .testbed import TESTBED_SWITCH, testbed_unavailable
 from .harness.config import RECOMMENDED, DEVICES, MODELS, MOMENTUM_SYNCS, NONFINITE, OPTIMIZERS, QUANTIZERS, VOTES, TrainConfig
 
@@ -73,10 +76,10 @@ def _add_train(sub) -> None:
     p.add_argument("--local-steps", type=int, default=d.local_steps, metavar="H",
                    help="LionCub: H inner steps per voted outer step (LocalCub; default: %(default)s = every step)")
     p.add_argument("--inner", choices=("lion", "adamw"), default=d.inner, help="local steps: inner optimizer")
-    p.add_argument("--outer", choices=("sgd", "nesterov", "lion"), default=d.outer, help="local steps: outer rule")
+    p.add_argument("--outer", choices=tuple(OUTER_RULES), default=d.outer, help="local steps: outer rule")
     p.add_argument("--outer-lr", type=float, default=d.outer_lr, help="local steps: outer lr (default: %(default)s)")
     p.add_argument("--error-feedback", action="store_true", help="local steps: keep compression residuals")
-    p.add_argument("--aggregate", choices=("vote", "mean"), default=d.aggregate,
+    p.add_argument("--aggregate", choices=tuple(dict.fromkeys(STEP_AGGREGATES + ROUND_AGGREGATES)), default=d.aggregate,
                    help="'vote' (sign step) or 'mean': every step, the 1-bit mean (--vote onebit); "
                    "local steps, summed L1 lanes (--vote pbit --quantizer l1)")
     p.add_argument("--delay", type=int, choices=(0, 1), default=d.delay,
