@@ -22,7 +22,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from tests import test_layout as layout  # noqa: E402  (its layer rule and import resolver)
 
-SWITCH = re.compile(r"""(==|!=)\s*["'](mean|onebit|pbit|gather|sign_allreduce|l1|linf)["']|aggregate["']?\s*,\s*["']vote["']\)\s*==""")
+SWITCH = re.compile(r"""(==|!=)\s*["'](mean|onebit|pbit|gather|sign_allreduce|l1|linf)["']""")
 """A comparison of a value with a vote method's name, a quantizer's, or ``'mean'`` (an aggregate)."""
 OUTSIDE_VOTES = ("engine", "optim", "ft", "harness", "ddp")
 

@@ -247,7 +247,7 @@ def test_resume_is_bit_exact_and_the_residuals_do_not_reshard():
     for equal, sd in out:
         assert all(equal)
         assert sd["lioncub"]["config"]["aggregate"] == "mean"
-    with pytest.raises(ValueError, match="aggregate='mean' keeps residuals per chunk owner"):
+    with pytest.raises(ValueError, match="aggregate='mean' keeps the chunk owners' residuals for the chunks of the saved"):
         reshard_states([sd for _, sd in out], 2)
 
 

@@ -160,10 +160,10 @@ def test_resume_is_bit_exact_the_bytes_are_the_plain_votes_and_another_world_is_
     states = [sd for *_, sd in results]
     assert reshard_states(states, 3)[1]["lioncub"]["server_residuals"][0][1].equal(
         states[1]["lioncub"]["server_residuals"][0][1])  # the same world: an unchanged copy
-    with pytest.raises(ValueError, match=r"error_feedback='both' keeps server residuals .* saved 3-rank world"):
+    with pytest.raises(ValueError, match=r"error_feedback='both' keeps the chunk owners' residuals .* saved 3-rank world"):
         reshard_states(states, 2)
     _, opt = _small_model(vote="onebit", error_feedback="both", bucket_mb=1e-4)  # a world of 1 loading rank 0 of 3
-    with pytest.raises(ValueError, match=r"^error_feedback='both' keeps server residuals .* resume on 3 ranks$"):
+    with pytest.raises(ValueError, match=r"^error_feedback='both' keeps the chunk owners' residuals .* resume on 3 ranks$"):
         opt.load_state_dict(states[0])
 
 

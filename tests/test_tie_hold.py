@@ -110,7 +110,7 @@ def test_resume_is_bit_exact_and_the_held_votes_do_not_reshard():
     for equal, n_msgs, dtype, nbytes, _ in out:
         assert all(equal)
         assert (n_msgs, dtype, nbytes) == (1, torch.uint8, 1)  # 20 elements -> 4 chunks of 1 byte
-    with pytest.raises(ValueError, match="tie='hold' keeps the last votes per chunk owner"):
+    with pytest.raises(ValueError, match="tie='hold' keeps the chunk owners' last votes for the chunks of the saved"):
         reshard_states([o[4] for o in out], 2)
 
 

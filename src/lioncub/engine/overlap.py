@@ -64,7 +64,6 @@ launched raises ``RuntimeError`` (the vote would miss it).
 from __future__ import annotations
 
 import contextlib
-
 import queue
 import threading
 from concurrent.futures import Future

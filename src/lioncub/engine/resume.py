@@ -57,7 +57,7 @@ from typing import Sequence
 import torch
 
 from ..validate import check_int
-from ..votes.mean import owner_state_what
+from ..votes.feedback import owner_state_what
 
 __all__ = ["reshard_states", "check_loadable", "upgrade_envelope", "check_server_world"]
 
@@ -152,12 +152,12 @@ def _derived_generator_state(states: Sequence[dict], new_rank: int) -> torch.Ten
 def check_server_world(error_feedback: str, saved: int, world: int, tie: str = "alternate",
                        aggregate: str = "vote") -> None:
     """Refuse, naming the argument, chunk-owner state (server residuals, ``tie='hold'``'s last
-    votes, the 1-bit mean's residuals: :func:`~lioncub.votes.mean.owner_state_what`) saved by
+    votes, the 1-bit mean's residuals: :func:`~lioncub.votes.feedback.owner_state_what`) saved by
     ``saved`` ranks for ``world`` ranks: each is one chunk owner's, and the chunks are the P-rank world's."""
     what = owner_state_what(error_feedback, tie, aggregate)
     if saved == world or what is None:
         return
-    raise ValueError(f"{what} per chunk owner of the saved {saved}-rank world: they do not reshard to {world} "
+    raise ValueError(f"{what} for the chunks of the saved {saved}-rank world: they do not reshard to {world} "
                      f"ranks; resume on {saved} ranks")
 
 

@@ -44,10 +44,9 @@ def cmd_train_ft(args) -> int:
         config = TrainConfig(**fields)
         if config.local_steps < 2:
             raise ValueError("--ft runs LocalCub: --local-steps must be >= 2")
-        from ..votes import METHODS
-        from ..votes.rounds import round_is_partial
+        from ..votes.rounds import round_class
 
-        if not round_is_partial(METHODS.get(config.vote), config.vote, config.quantizer, config.aggregate):
+        if not round_class(config.vote, config.aggregate).partial:
             raise ValueError("--ft: --vote must be grad, or pbit with --quantizer l1 --aggregate mean")
     except ValueError as exc:
         args.parser.error(str(exc))

@@ -48,8 +48,7 @@ from .. import comm
 from ..engine import guard
 from ..optim.localcub import LocalCub
 from ..validate import check_int
-from ..votes import METHODS
-from ..votes.rounds import PARTIAL_NEEDS, round_aggregation, round_is_partial
+from ..votes.rounds import PARTIAL_NEEDS, round_aggregation, round_class
 
 __all__ = ["FTLocalCub", "ReplicaGroup", "TensorTransport", "QuorumError", "require_torchft"]
 
@@ -151,7 +150,7 @@ class FTLocalCub(LocalCub):
             if kwargs.get(key, allowed) != allowed:
                 raise ValueError(f"{key} must be {allowed!r} with torchft, got {kwargs[key]!r}")
         vote = kwargs.get("vote", "onebit")
-        if not round_is_partial(METHODS.get(vote), vote, kwargs.get("quantizer"), kwargs.get("aggregate", "vote")):
+        if not round_class(vote, kwargs.get("aggregate", "vote")).partial:
             raise ValueError(f"under torchft a round's aggregation must be a sum that a replica with nothing to send "
                              f"leaves unchanged: {PARTIAL_NEEDS}; got vote={vote!r}")
         if getattr(manager, "_use_async_quorum", False):
@@ -166,7 +165,7 @@ class FTLocalCub(LocalCub):
         self.last_stall_s = 0.0
         self._joined, self._healed = False, False
         self.stop_requested, self.stop_agreed = False, False
-        self._methods: dict = {}
+        self._aggregations: dict = {}
         self.fault_hook = None  # fault_hook(point, round): failures at chosen points (lioncub.ft.faults)
         manager.register_state_dict_fn("lioncub", self._load_heal, self._heal_state)
 
@@ -195,9 +194,9 @@ class FTLocalCub(LocalCub):
             self.fault_hook(point, self.rounds + 1)
 
     def _aggregation(self, P: int):
-        if P not in self._methods:  # lanes sized for the quorum's P (every member builds the same)
-            self._methods[P] = round_aggregation(self.config.method(P), P, self.aggregate)
-        return self._methods[P]
+        if P not in self._aggregations:  # lanes sized for the quorum's P (every member builds the same)
+            self._aggregations[P] = round_aggregation(self.config.vote, self.config.method(P), P, self.aggregate)
+        return self._aggregations[P]
 
     def _agree(self, contributing: bool) -> None:
         """The round's agreement on the quorum torchft forms, retried until it commits. The same

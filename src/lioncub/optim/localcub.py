@@ -234,7 +234,7 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, Shell, VoteSettings, to
         """The vote settings and the one vote method object every round uses (None: ``'grad'``)."""
         self.config = config
         self.method = config.method(self.world_size)
-        self.aggregation = round_aggregation(self.method, self.world_size, self.aggregate)
+        self.aggregation = round_aggregation(config.vote, self.method, self.world_size, self.aggregate)
         """How a round's v_i become d (:mod:`lioncub.votes.rounds`)."""
         self.vote_chosen = (config.vote, config.bits)
 

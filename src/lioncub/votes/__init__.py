@@ -16,12 +16,12 @@ from .onebit import OneBit
 from .pbit import PBit, pbit_levels
 from .sign_allreduce import SignAllreduce
 from .rounds import (ROUND_AGGREGATES, ROUND_AGGREGATIONS, Agreement, RoundAggregation, check_round_aggregate,
-                     round_aggregation, round_is_partial)
+                     round_aggregation, round_class)
 
 __all__ = ["METHODS", "VOTE_METHODS", "AUTO_CANDIDATES", "TIE_RULES", "VoteMethod", "lookup", "make",
            "check_lane_options", "check_tie", "check_sign_options", "ERROR_FEEDBACK", "parity_step", "binary_signs",
            "decide", "pbit_levels", "ROUND_AGGREGATES", "ROUND_AGGREGATIONS", "Agreement", "RoundAggregation",
-           "check_round_aggregate", "round_aggregation", "round_is_partial", "STREAMING_VOTES"]
+           "check_round_aggregate", "round_aggregation", "round_class", "STREAMING_VOTES"]
 
 METHODS: dict[str, type[VoteMethod]] = {cls.name: cls for cls in (
     SignAllreduce,
@@ -69,5 +69,5 @@ def check_tie(tie: str, vote: str, quantizer: Optional[str] = None) -> None:
     check_tie_rule(tie, cls is not None and cls.has_tie_rule(quantizer), vote, quantizer)
 
 
-STREAMING_VOTES = tuple(name for name in VOTE_METHODS if [kind for kind, _ in METHODS[name](2).plan(1)] == ["allreduce"])
+STREAMING_VOTES = tuple(name for name in VOTE_METHODS if METHODS[name](2).one_allreduce)
 """Vote methods whose exchange is one all-reduce, so a streaming round (``delay=1``) can keep it in flight."""

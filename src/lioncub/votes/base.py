@@ -45,8 +45,8 @@ from ..wire import kernels
 from ..comm import CommStats
 from ..quantize import QUANTIZERS
 from ..validate import check_choice, check_stochastic
-from .feedback import (ERROR_FEEDBACK, SERVER_FEEDBACK, WORKER_FEEDBACK, add_residuals_, stochastic_sign_values,
-                       update_residuals_)
+from .feedback import (ERROR_FEEDBACK, SERVER_FEEDBACK, WORKER_FEEDBACK, add_residuals_, owner_state_what,
+                       stochastic_sign_values, update_residuals_)
 
 __all__ = ["VoteMethod", "PackedSigns", "TIE_RULES", "parity_step", "binary_signs", "decide", "check_sign_options"]
 
@@ -217,10 +217,8 @@ class VoteMethod:
                     f"error_feedback={self.error_feedback!r} or stochastic_signs={self.stochastic_signs!r}; "
                     "use overlap=False without the DDP hook")
         if self.owner_state:
-            what = (f"error_feedback={self.error_feedback!r} keeps the chunk owners' residuals"
-                    if self.server_feedback else "tie='hold' keeps the chunk owners' last votes")
-            return (f"{driver} exchanges each bucket alone: {what} per message of the plain step; use "
-                    "overlap=False without the DDP hook")
+            return (f"{driver} exchanges each bucket alone: {owner_state_what(self.error_feedback, self.tie)} per "
+                    "message of the plain step; use overlap=False without the DDP hook")
         return None
 
     def configure(self, world: int, bits: Optional[int], quantizer: Optional[str]) -> int:
@@ -248,6 +246,12 @@ class VoteMethod:
     def elements(self, m: int) -> int:
         """The element count :func:`lioncub.engine.cost.predicted_bytes` prices like an ``m``-byte message."""
         return m * 8 // self.bits
+
+    @property
+    def one_allreduce(self) -> bool:
+        """Whether the exchange is one SUM all-reduce of the message, in place (so a caller may keep it
+        in flight: LocalCub's streaming rounds)."""
+        return [kind for kind, _ in self.plan(1)] == ["allreduce"]
 
     def plan(self, n: int) -> list[tuple[str, int]]:
         """The collectives one vote of ``n`` elements issues: ``[(kind, bytes per rank)]``,

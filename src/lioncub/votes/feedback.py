@@ -63,7 +63,7 @@ from torch import Tensor
 from ..wire import kernels
 
 __all__ = ["ERROR_FEEDBACK", "WORKER_FEEDBACK", "SERVER_FEEDBACK", "stochastic_sign_values", "add_residuals_",
-           "update_residuals_", "server_signs_"]
+           "update_residuals_", "server_signs_", "owner_state_what"]
 
 ERROR_FEEDBACK = ("none", "worker", "server", "both")
 """What ``error_feedback=`` takes: no residual, each worker's residual of its scaled sign, each
@@ -127,3 +127,16 @@ def server_signs_(rows: Tensor, world: int, residual: Tensor, step: int) -> Tens
     bits = kernels.sign_bits(s, step)
     torch.sub(s, bits[:n].to(torch.float32).mul_(2).sub_(1), out=residual)  # r ← s − σ
     return kernels.pack_bytes(bits, n, 1)
+
+
+def owner_state_what(error_feedback: str, tie: str, aggregate: str = "vote") -> Optional[str]:
+    """What the chunk owners keep between steps under these settings, in words (None: nothing): the
+    1-bit mean's residuals (``aggregate='mean'``), the server residuals, or ``tie='hold'``'s last votes.
+    One wording for every refusal that names it (resharding a checkpoint, overlap, the DDP hook)."""
+    if aggregate == "mean":
+        return "aggregate='mean' keeps the chunk owners' residuals"
+    if error_feedback in SERVER_FEEDBACK:
+        return f"error_feedback={error_feedback!r} keeps the chunk owners' residuals"
+    if tie == "hold":
+        return "tie='hold' keeps the chunk owners' last votes"
+    return None

@@ -49,11 +49,11 @@ from torch import Tensor
 from .. import comm
 from ..comm import CommStats
 from ..wire import kernels
-from .feedback import SERVER_FEEDBACK, add_residuals_
+from .feedback import add_residuals_
 from .onebit import OneBit
 
 __all__ = ["OneBitMean", "AGGREGATES", "NORMS", "pieces", "MEAN_DEFAULTS", "check_step_aggregate", "mean_fingerprint",
-           "saved_fingerprint", "make_step_method", "owner_state_what"]
+           "saved_fingerprint", "make_step_method"]
 
 AGGREGATES = ("vote", "mean")
 """What ``aggregate=`` takes on :class:`~lioncub.LionCub`: the majority vote of the signs (the
@@ -282,14 +282,3 @@ def saved_fingerprint(config: dict) -> dict:
     if config.get("aggregate") != "mean":
         return config
     return {**SAVED_BEFORE, **config}
-
-
-def owner_state_what(error_feedback: str, tie: str, aggregate: str) -> Optional[str]:
-    """What the chunk owners keep between steps under these settings, in words (None: nothing)."""
-    if aggregate == "mean":
-        return "aggregate='mean' keeps residuals"
-    if error_feedback in SERVER_FEEDBACK:
-        return f"error_feedback={error_feedback!r} keeps server residuals"
-    if tie == "hold":
-        return "tie='hold' keeps the last votes"
-    return None

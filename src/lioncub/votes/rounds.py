@@ -42,8 +42,8 @@ from ..quantize import QUANTIZERS, STOCHASTIC, quantize
 from .base import VoteMethod
 
 __all__ = ["Agreement", "RoundAggregation", "Fp32Mean", "SignVote", "LaneMean", "ROUND_AGGREGATIONS",
-           "round_aggregation", "sent_value", "ROUND_AGGREGATES",
-           "check_round_aggregate"]
+           "round_aggregation", "round_class", "sent_value",
+           "ROUND_AGGREGATES", "check_round_aggregate", "PARTIAL_NEEDS"]
 
 
 class Agreement:
@@ -139,7 +139,7 @@ class SignVote(RoundAggregation):
 
     @property
     def streams(self) -> bool:
-        return [kind for kind, _ in self.method.plan(1)] == ["allreduce"]
+        return self.method.one_allreduce
 
     def launch(self, v, sizes, *, head, count, step, generator, group, stats, feedback=False):
         method = self.method
@@ -185,20 +185,32 @@ ROUND_AGGREGATIONS: dict[str, type[RoundAggregation]] = {cls.name: cls for cls i
 ROUND_MEAN_NEEDS = "it needs vote='pbit' and quantizer='l1'"
 
 
+def round_class(vote: str, aggregate: str = "vote") -> type[RoundAggregation]:
+    """The aggregation a round of ``vote`` (a method's name, or ``'grad'``) and ``aggregate`` runs: the
+    one place that decides it, from :data:`ROUND_AGGREGATIONS`."""
+    return ROUND_AGGREGATIONS["fp32_mean" if vote == "grad" else "lane_mean" if aggregate == "mean" else "sign_vote"]
+
+
+def round_aggregation(vote: str, method: Optional[VoteMethod], world: int, aggregate: str = "vote") -> RoundAggregation:
+    """The aggregation object a LocalCub round runs (:func:`round_class`) for ``world`` ranks, on ``vote``'s
+    method object (None for ``'grad'``)."""
+    return round_class(vote, aggregate)(world, method)
+
+
 def check_round_aggregate(aggregate: str, method_cls: Optional[type[VoteMethod]], vote: str,
                           quantizer: Optional[str], *, error_feedback: bool = False) -> None:
     """Refuse a round ``aggregate`` the vote cannot run (``'mean'`` needs lanes that sum exactly:
     :meth:`VoteMethod.takes_round_mean <lioncub.votes.base.VoteMethod.takes_round_mean>`), and error
-    feedback where it has nothing to keep (the exact fp32 mean) or cannot replay the message (a
-    quantizer that draws: ``C(v)`` is computed apart from the message)."""
+    feedback where it has nothing to keep (a :attr:`~RoundAggregation.lossless` aggregation) or cannot
+    replay the message (a quantizer that draws: ``C(v)`` is computed apart from the message)."""
     from ..validate import check_choice
 
     check_choice("aggregate", aggregate, ROUND_AGGREGATES)
     if aggregate == "mean" and not (method_cls is not None and method_cls.takes_round_mean(quantizer)):
         raise ValueError(f"aggregate='mean' sums L1-quantized lanes: {ROUND_MEAN_NEEDS}, "
                          f"got vote={vote!r}, quantizer={quantizer!r}")
-    if error_feedback and vote == "grad":
-        raise ValueError("error_feedback needs a compressed vote: vote='grad' sends Δ exactly")
+    if error_feedback and round_class(vote, aggregate).lossless:
+        raise ValueError(f"error_feedback needs a compressed vote: vote={vote!r} sends Δ exactly")
     if error_feedback and quantizer in STOCHASTIC:
         raise ValueError(f"error_feedback cannot replay the stochastic quantizer {quantizer!r}; use quantizer="
                          + ", ".join(repr(q) for q in QUANTIZERS if q not in STOCHASTIC))
@@ -208,28 +220,5 @@ ROUND_AGGREGATES = ("vote", "mean")
 """What LocalCub's ``aggregate=`` takes: ``'vote'`` (the method's majority vote; the fp32 mean for
 ``vote='grad'``) or ``'mean'`` (:class:`LaneMean`)."""
 
-
-def round_aggregation(method: Optional[VoteMethod], world: int, aggregate: str = "vote") -> RoundAggregation:
-    """The aggregation a LocalCub round runs: the fp32 mean without a vote method (``vote='grad'``),
-    :class:`LaneMean` for ``aggregate='mean'`` (checked by :func:`check_round_aggregate`), else the
-    method's majority vote."""
-    if method is None:
-        return Fp32Mean(world)
-    if aggregate == "mean":
-        return LaneMean(world, method)
-    return SignVote(world, method)
-
-
 PARTIAL_NEEDS = "vote='grad', or vote='pbit' with quantizer='l1' and aggregate='mean'"
 """The round configurations whose sums a rank with nothing to send leaves unchanged (:attr:`RoundAggregation.partial`)."""
-
-
-def round_is_partial(method_cls: Optional[type[VoteMethod]], vote: str, quantizer: Optional[str],
-                     aggregate: str) -> bool:
-    """Whether a round of ``vote`` (its class ``method_cls``; None for ``'grad'`` or ``'auto'``) with
-    ``quantizer`` / ``aggregate`` may leave ranks out of its mean (torchft's quorums): its
-    :class:`RoundAggregation` is :attr:`~RoundAggregation.partial`."""
-    if vote == "grad":
-        return Fp32Mean.partial
-    return (method_cls is not None and aggregate == "mean" and method_cls.takes_round_mean(quantizer)
-            and LaneMean.partial)
