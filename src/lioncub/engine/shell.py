@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import comm
-from . import guard
+from . import guard, shards
 from ..votes.mean import saved_fingerprint
 from ..validate import check_hyperparameters, check_choice, check_int
 
@@ -57,17 +57,32 @@ class Shell:
 
     def open_shell(self, params: Sequence[Tensor], *, group, model: Optional[torch.nn.Module], nonfinite: str,
                    check_every: int, seed: int, verify: bool = True, generator: bool = True,
-                   chunks: Optional[Iterable[Sequence[Tensor]]] = None) -> None:
+                   chunks: Optional[Iterable[Sequence[Tensor]]] = None, sharding=None) -> None:
         """World, device, names, policy; then (``verify``) the same-model check and rank 0's values
         over ``group``, broadcast ``chunks`` at a time (default: all at once), and (``generator``)
-        this rank's quantizer generator. Collective when ``verify``."""
+        this rank's quantizer generator. Collective when ``verify``.
+
+        ``sharding``: FSDP2's layout (:class:`~lioncub.engine.shards.Sharding`): ``params`` are then the
+        local shards, ``group`` the replicas' group (this rank and size from the sharding: 0 of 1 without
+        replicas), and the step's agreement spans the whole world (``agree_group``, ``agree_size``)."""
         self.nonfinite = check_choice("nonfinite", nonfinite, NONFINITE_POLICIES, aliases=NONFINITE_ALIASES)
         self.check_every = check_int("check_every", check_every, 0)
+        if sharding is None:
+            shards.refuse_dtensors(params, type(self).__name__)
+        self.sharding = sharding
+        """FSDP2's layout of the parameters (:mod:`lioncub.engine.shards`), None for plain parameters."""
         self.group = group
-        self.rank, self.world_size = world_of(group)
+        if sharding is None:
+            self.rank, self.world_size = world_of(group)
+            self.agree_group, self.agree_size = group, self.world_size
+        else:
+            self.rank, self.world_size = sharding.rank, sharding.size
+            self.agree_group, self.agree_size = None, dist.get_world_size()
+        """The group whose ranks agree on each step (which gradients exist, whether all are finite): the
+        optimizer's group, or with FSDP2 parameters the whole world (every shard of every replica)."""
         self.device = comm.comm_device(list(params), group)
         """The one device of the parameters, the optimizer's state, messages and every collective."""
-        self._param_names = guard.param_names(model, params)
+        self._param_names = guard.param_names(model, params if sharding is None else sharding.params)
         if verify:
             guard.check_same_params(list(params), group, self.world_size, names=self._param_names)
             if self.world_size > 1:

@@ -17,7 +17,7 @@ method's ``exchange`` and ``apply_bucket``, so all three paths give the same bit
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -97,13 +97,15 @@ class BucketPlan:
     most ``bucket_mb`` MiB of fp32 elements, last-registered first (the order backward
     produces gradients, as in DDP), each with its backend (``fused=``) chosen here;
     ``backends``: each bucket's choice and why. :meth:`bucket` serves other groupings of the
-    same parameters (the DDP hook's buckets are DDP's), also made once. The plan knows no
+    same parameters (the DDP hook's buckets are DDP's), also made once. ``local``: what the step works
+    on for each parameter (FSDP2's DTensors: their local shards, :mod:`lioncub.engine.shards`). The plan knows no
     optimizer: torch's ``load_state_dict`` replaces the group dicts, so the optimizer makes a
     new plan there."""
 
-    def __init__(self, param_groups: list[dict], bucket_mb: float, fused: Optional[bool]):
+    def __init__(self, param_groups: list[dict], bucket_mb: float, fused: Optional[bool],
+                 local: Optional[Callable[[Tensor], Tensor]] = None):
         self.fused, self.bucket_mb = fused, bucket_mb
-        self.param_entries = [(g, p) for g in param_groups for p in g["params"]]
+        self.param_entries = [(g, p if local is None else local(p)) for g in param_groups for p in g["params"]]
         self._made: dict[tuple[int, ...], Bucket] = {}
         self.buckets = [self.bucket(idx) for idx in self._split()]
         self.backends = [b.reason for b in self.buckets]

@@ -8,6 +8,8 @@ import torch
 
 from .. import comm
 from ..engine import resume
+from ..engine.shards import local_of
+from ..votes.feedback import owner_state_what
 from ..engine.step import BucketPlan
 from ..votes.rounds import Agreement
 
@@ -20,7 +22,15 @@ class StepCheckpoint:
     the chunk owners' state, in one envelope (:class:`~lioncub.engine.shell.Shell`)."""
 
     def state_dict(self) -> dict:
+        """torch's state (momenta per parameter; with FSDP2 parameters DTensors placed like them, and the
+        step count in each parameter's ``'step'``, what ``torch.distributed.checkpoint`` keeps) and this
+        optimizer's envelope under ``state_key`` (which torch.distributed.checkpoint drops)."""
         sd = super().state_dict()
+        if self.sharding is not None:  # every replica's state, told apart (Sharding.stacked), and the count
+            ordered = [self._local(p) for g in self.param_groups for p in g["params"]]
+            sd["state"] = {k: {**{key: self.sharding.stacked(ordered[k], local_of(t)) if torch.is_tensor(t) else t
+                                  for key, t in v.items()}, "step": torch.tensor(float(self.steps))}
+                           for k, v in sd["state"].items()}
         server = self.method is not None and self.method.owner_state  # the chunk owners' residuals / held votes
         sd[self.state_key] = self.envelope(dict(steps=self.steps, skipped_steps=self.skipped_steps),
                                            vote_requested=self.vote_requested,
@@ -29,6 +39,8 @@ class StepCheckpoint:
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
+        if self.sharding is not None and isinstance(state_dict, dict):
+            return self._load_sharded(state_dict)
         if isinstance(state_dict, dict) and isinstance(state_dict.get(self.state_key), dict):
             state_dict = {**state_dict, self.state_key: resume.upgrade_envelope(state_dict[self.state_key])}
         extra = state_dict.get(self.state_key) if isinstance(state_dict, dict) else None
@@ -42,15 +54,61 @@ class StepCheckpoint:
         extra = resume.check_loadable(self, state_dict)  # settings, rank, world, shapes, finite momenta: once
         # a copy: torch keeps same-dtype tensors by reference, which would share momenta
         base = copy.deepcopy({k: v for k, v in state_dict.items() if k != self.state_key})
-        super().load_state_dict(base)
-        self.plan = BucketPlan(self.param_groups, self.config.bucket_mb, self.config.fused)  # torch's new groups
-        self.bucket_step.state = self.state  # torch's new state dict
-        self.steps = int(extra["counters"]["steps"])
-        self.skipped_steps = int(extra["counters"].get("skipped_steps", 0))
-        comm.restore_generator(self.generator, extra["generator"])
-        self.momentum_sync.load_state_dict(extra.get("momentum_sync", {}))
-        self.bucket_step.owners.load(extra.get("server_residuals", []),
+        self._load_torch_state(base)
+        self._restore(extra)
+
+    def _restore(self, env: dict) -> None:
+        """What the checked envelope ``env`` holds beside torch's state: counters, generator, momentum
+        sync, the chunk owners' state."""
+        self.steps = int(env["counters"]["steps"])
+        self.skipped_steps = int(env["counters"].get("skipped_steps", 0))
+        comm.restore_generator(self.generator, env["generator"])
+        self.momentum_sync.load_state_dict(env.get("momentum_sync", {}))
+        self.bucket_step.owners.load(env.get("server_residuals", []),
                                      self.method is not None and self.method.owner_state == "held", self.device)
+
+
+    def _load_torch_state(self, base: dict) -> None:
+        """torch's ``load_state_dict`` of ``base``, then a plan of torch's new groups and the engine's view
+        of its new state (without the ``'step'`` counts a sharded save adds)."""
+        super().load_state_dict(base)
+        for p, entry in self.state.items():
+            entry.pop("step", None)
+            if self.sharding is not None:  # this replica's slice, kept as its parameter's DTensor
+                local = self._local(p)
+                for key, t in entry.items():
+                    if torch.is_tensor(t):
+                        entry[key] = self.sharding.wrap(local, self.sharding.unstacked(local, t))
+        self.plan = BucketPlan(self.param_groups, self.config.bucket_mb, self.config.fused, self._local)
+        self.bucket_step.state = self.engine_state()
+
+    def _load_sharded(self, state_dict: dict) -> None:
+        """A state dict of FSDP2 parameters: this rank's own (``torch.save``; the envelope checked as for
+        plain parameters), or as ``torch.distributed.checkpoint``'s ``set_optimizer_state_dict`` hands it
+        (torch's ``state`` and ``param_groups``, no envelope: the step count from the parameters'
+        ``'step'``; the chunk owners' state does not fit that format, so a setting that keeps it is
+        refused). Each replica takes its own slice of the saved momenta."""
+        env = state_dict.get(self.state_key)
+        if env is not None:
+            env = self.open_envelope({self.state_key: resume.upgrade_envelope(env)})
+        elif self.method is not None and self.method.owner_state:
+            what = owner_state_what(self.config.error_feedback, self.config.tie, self.config.aggregate)
+            raise ValueError(f"state_dict: {what} outside the parameters' state, which torch.distributed.checkpoint "
+                             "does not save; save each rank's opt.state_dict() with torch.save instead")
+        saved = state_dict.get("state", {})
+        steps = {float(v["step"]) for v in saved.values() if isinstance(v, dict) and "step" in v}
+        if len(steps) > 1 or (saved and not steps):
+            raise ValueError("state_dict: the parameters' 'step' counts differ or are missing: it was not saved by "
+                             f"{type(self).__name__}.state_dict() of FSDP2 parameters")
+        for i, entry in saved.items():
+            for key, t in entry.items():
+                if key != "step" and torch.is_floating_point(t) and not bool(torch.isfinite(local_of(t)).all()):
+                    raise ValueError(f"state_dict holds a non-finite {key!r} for parameter {i}")
+        self._load_torch_state(copy.deepcopy({k: v for k, v in state_dict.items() if k != self.state_key}))
+        if env is None:
+            self.steps = int(steps.pop()) if steps else 0
+        else:
+            self._restore(env)
 
 
 class RoundCheckpoint:

@@ -42,6 +42,7 @@ from typing import Callable, Iterable, Optional, Union
 import torch
 
 from ..engine import amp, auto, guard, momentum
+from ..engine.shards import Sharded
 from .. import comm
 from ..fused import warn_if_unavailable
 from ..engine.overlap import Driven
@@ -51,14 +52,14 @@ from ..engine.config import OPTIMIZER_VOTES, StepSettings, VoteConfig
 from ..votes.mean import ADAPT_DEFAULT, NORM_DEFAULT, RANGE_DEFAULT, RESTART_DEFAULT
 from .checkpoint import StepCheckpoint
 from ..engine.shell import NONFINITE_ALIASES, NONFINITE_POLICIES, CheckedGroups, Shell
-from ..validate import check_bool, check_float_params, check_hyperparameters, check_optional_bool
+from ..validate import check_bool, check_hyperparameters, check_optional_bool
 
 __all__ = ["LionCub", "OPTIMIZER_VOTES", "GRAD_DTYPES"]
 
 __all__ += ["NONFINITE_POLICIES", "NONFINITE_ALIASES"]
 
 
-class LionCub(StepCheckpoint, Driven, Bucketed, CheckedGroups, Shell, StepSettings, torch.optim.Optimizer):
+class LionCub(StepCheckpoint, Sharded, Driven, Bucketed, CheckedGroups, Shell, StepSettings, torch.optim.Optimizer):
     """Lion with a compressed majority vote across data-parallel ranks.
 
     Args:
@@ -95,7 +96,8 @@ class LionCub(StepCheckpoint, Driven, Bucketed, CheckedGroups, Shell, StepSettin
             on CUDA with Triton), the torch ops elsewhere; True requires the fused loops
             (``ValueError`` if a bucket cannot take them); False the torch ops. Both give the
             same bits; ``backends`` holds each bucket's choice and why.
-        process_group: the data-parallel group (default: the world).
+        process_group: the data-parallel group (default: the world); with FSDP2 (DTensor) parameters the replicas'
+            group (default: inferred from their mesh; docs/sharded.md).
         bucket_mb: bucket size in MiB of fp32 elements (the scratch ``c`` is one bucket).
         message_mb: without overlap, the buckets' votes travel together in messages of at most
             this many MiB on the wire, one exchange each (with overlap each bucket is its own);
@@ -170,19 +172,18 @@ class LionCub(StepCheckpoint, Driven, Bucketed, CheckedGroups, Shell, StepSettin
         check_bool("maximize", maximize)
         check_bool("overlap", overlap)
         config = VoteConfig(vote=vote, bits=bits, quantizer=quantizer, tie=tie, seed=seed, grad_dtype=grad_dtype,
-                            fused=fused, bucket_mb=bucket_mb, message_mb=message_mb,
-                            error_feedback=error_feedback, stochastic_signs=stochastic_signs,
-                            aggregate=aggregate, mean_adapt=mean_adapt, mean_range=mean_range,
-                            mean_norm=mean_norm, mean_restart=mean_restart)
+                            fused=fused, bucket_mb=bucket_mb, message_mb=message_mb, error_feedback=error_feedback,
+                            stochastic_signs=stochastic_signs, aggregate=aggregate, mean_adapt=mean_adapt,
+                            mean_range=mean_range, mean_norm=mean_norm, mean_restart=mean_restart)
         auto.check_auto_args(vote, alpha, beta, gamma)
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults)
-        check_float_params([p for g in self.param_groups for p in g["params"]], "LionCub")
-        # a NodeCub's vote (``_verified``): NodeCub checked and broadcast the model over the whole world
-        params = [p for g in self.param_groups for p in g["params"]]
-        self.plan = BucketPlan(self.param_groups, config.bucket_mb, config.fused)
+        sharding, process_group = self.find_sharding(process_group, overlap=overlap, momentum_sync=momentum_sync)
+        self.plan = BucketPlan(self.param_groups, config.bucket_mb, config.fused, self._local)
+        params = [p for _, p in self.plan.param_entries]  # FSDP2's: the local shards
         self.open_shell(params, group=process_group, model=model, nonfinite=nonfinite, check_every=check_every,
-                        seed=seed, verify=not _verified, chunks=[b.params for b in self.plan.buckets])
+                        seed=seed, verify=not _verified, chunks=[b.params for b in self.plan.buckets],
+                        sharding=sharding)  # (a NodeCub's vote is ``_verified``: NodeCub checked the world)
         if config.votes:
             config.method(self.world_size)  # refuses what cannot be exact for P ranks, before any vote
         self.timing = self.device.type == "cpu" if timing is None else timing
@@ -190,10 +191,10 @@ class LionCub(StepCheckpoint, Driven, Bucketed, CheckedGroups, Shell, StepSettin
             warn_if_unavailable([p for _, p in self.param_entries], "LionCub", stacklevel=2)
         self.steps = 0  # completed steps: sets the tie/zero parity of the 1-bit votes
         self.skipped_steps = 0  # steps skipped by nonfinite='skip' (all ranks agree)
-        self._checked = 0  # the step count whose replicas check_every last verified
-        self.last_step_stats = CommStats()
+        self._checked, self.last_step_stats = 0, CommStats()  # the steps check_every last verified; stats
         self._driver = None  # attached by lioncub.engine.overlap (overlap=True) or lioncub.ddp.hook
-        self.bucket_step = BucketStep(self.state, self.world_size, self.group, self.generator, config.message_mb)
+        self.bucket_step = BucketStep(self.engine_state(), self.world_size, self.group, self.generator,
+                                      config.message_mb)
         self.vote_requested = vote
         if vote == "auto":  # the cheapest valid vote over this optimizer's buckets, rank 0's pick for all
             picked, picked_bits, self.auto_alpha_beta = auto.agree_on_vote(
@@ -204,6 +205,7 @@ class LionCub(StepCheckpoint, Driven, Bucketed, CheckedGroups, Shell, StepSettin
         self.momentum_sync = momentum.MomentumSync(
             momentum_sync, every=sync_every, dtype=sync_dtype, model=model, params=params, group=self.group,
             world_size=self.world_size, chunk_mb=config.bucket_mb)
+        self.make_sharded_state()
         if overlap:
             from ..engine.overlap import Overlap  # hooks every param; launches votes during backward
 
@@ -233,20 +235,19 @@ class LionCub(StepCheckpoint, Driven, Bucketed, CheckedGroups, Shell, StepSettin
         together, and the agreed flag is written back so ``scaler.update()`` changes every
         rank's scale alike (see :mod:`lioncub.engine.amp`)."""
         with comm.step_context(self.steps):  # a failed collective names this step
-            return self._step(closure, grad_scaler)
+            return self._sharded_step(closure, grad_scaler)
 
     _step_supports_amp_scaling = True
     """``GradScaler.step`` always calls :meth:`step` (on every rank) and hands it the scaler."""
 
     @torch.no_grad()
     def step_agreed(self, verdict: guard.Verdict):
-        """One step whose agreement (:func:`~lioncub.engine.guard.agree`: which parameters have a
-        gradient anywhere, how many ranks hold a non-finite one) the caller already made over a
-        group that contains this optimizer's: NodeCub's one agreement over the world, which its
-        cross-node vote would otherwise repeat (an all-reduce and a host read more per step).
-        Collective as :meth:`step`."""
+        """One step whose agreement (:func:`~lioncub.engine.guard.agree`: which parameters have a gradient
+        anywhere, how many ranks hold a non-finite one) the caller already made over a group that contains
+        this optimizer's: NodeCub's one agreement over the world, which its cross-node vote would otherwise
+        repeat (an all-reduce and a host read more per step). Collective as :meth:`step`."""
         with comm.step_context(self.steps):
-            return self._step(None, None, verdict)
+            return self._sharded_step(None, None, verdict)
 
     def _step(self, closure, grad_scaler=None, verdict: Optional[guard.Verdict] = None):
         loss = self.run_closure(closure)
@@ -275,7 +276,7 @@ class LionCub(StepCheckpoint, Driven, Bucketed, CheckedGroups, Shell, StepSettin
             if self.check_due(self.steps) and self._checked != self.steps:
                 check = guard.replicas_differ(params, self.group, self.world_size, step=self.steps, stats=stats)
                 self._checked = self.steps
-            verdict = guard.agree(params, self.group, self.world_size, self.device, stats, finite=finite,
+            verdict = guard.agree(params, self.agree_group, self.agree_size, self.device, stats, finite=finite,
                                   extra=None if check is None else check[0], scaler_inf=scaler_inf)
             if any(verdict.extra):
                 guard.report_replicas(check[1], params, step=self.steps, names=self._param_names)
