@@ -299,16 +299,53 @@ def broadcast(t: Tensor, group=None, stats: CommStats | None = None, *, src: int
     return t
 
 
+BROADCAST_CHUNK = 1 << 22
+"""Elements per set-up broadcast (:func:`broadcast_from_first`): 32 MiB of float64 at most, whatever the model."""
+
+
 @torch.no_grad()
-def broadcast_from_first(tensors: list[Tensor], group=None) -> None:
-    """In place: every rank's ``tensors`` become the group's first rank's (one float64 broadcast,
-    exact for every float dtype up to fp64, on the tensors' device). Collective."""
-    if not tensors:
+def broadcast_from_first(tensors: list[Tensor], group=None, chunk: int = BROADCAST_CHUNK) -> None:
+    """In place: every rank's ``tensors`` become the group's first rank's, in float64 broadcasts (exact
+    for every float dtype up to fp64, on the tensors' device) of at most ``chunk`` elements each: the
+    transient is one chunk, not the model (a contiguous tensor larger than a chunk travels in slices).
+    Collective."""
+    pieces, size = [], 0
+    for t in tensors:
+        n = t.numel()
+        if not t.is_contiguous():  # rare: whole, in a chunk of its own
+            _broadcast_pieces(pieces, size, group)
+            _broadcast_pieces([(t, 0, n)], n, group)
+            pieces, size = [], 0
+            continue
+        start = 0
+        while start < n:
+            take = min(n - start, chunk - size)
+            pieces.append((t, start, start + take))
+            size, start = size + take, start + take
+            if size == chunk:
+                _broadcast_pieces(pieces, size, group)
+                pieces, size = [], 0
+    _broadcast_pieces(pieces, size, group)
+
+
+def _broadcast_pieces(pieces: list[tuple[Tensor, int, int]], size: int, group) -> None:
+    """One float64 broadcast of the slices ``t.view(-1)[a:b]`` (or whole non-contiguous ``t``), written back."""
+    if not pieces:
         return
-    flat = torch.cat([t.detach().reshape(-1).double() for t in tensors])
+    flat = torch.empty(size, dtype=torch.float64, device=pieces[0][0].device)
+    offset = 0
+    for t, a, b in pieces:
+        flat[offset:offset + b - a].copy_(t.detach().reshape(-1)[a:b])
+        offset += b - a
     broadcast(flat, group)
-    for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
-        t.copy_(piece.view_as(t))
+    offset = 0
+    for t, a, b in pieces:
+        src = flat[offset:offset + b - a]
+        if t.is_contiguous():
+            t.view(-1)[a:b].copy_(src)
+        else:
+            t.copy_(src.view_as(t))
+        offset += b - a
 
 
 def _is_nccl(group) -> bool:

@@ -321,8 +321,10 @@ class Sharded:
             for bucket in self.buckets:
                 self.bucket_step.momenta(bucket)
 
-    def _sharded_step(self, closure, grad_scaler, verdict=None):
-        """``_step``; with FSDP2 parameters the local shards hold their gradients during it."""
+    def _run_step(self, closure, grad_scaler, verdict=None):
+        """``_step`` after the frozen parameters' check (:meth:`~lioncub.engine.step.BucketPlan.check_frozen`);
+        with FSDP2 parameters the local shards hold their gradients during it."""
+        self.plan.check_frozen()
         if self.sharding is None:
             return self._step(closure, grad_scaler, verdict)
         loss = self.run_closure(closure)

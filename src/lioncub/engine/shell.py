@@ -57,10 +57,12 @@ class Shell:
 
     def open_shell(self, params: Sequence[Tensor], *, group, model: Optional[torch.nn.Module], nonfinite: str,
                    check_every: int, seed: int, verify: bool = True, generator: bool = True,
-                   chunks: Optional[Iterable[Sequence[Tensor]]] = None, sharding=None) -> None:
+                   chunks: Optional[Iterable[Sequence[Tensor]]] = None, sharding=None,
+                   frozen: Sequence[Tensor] = ()) -> None:
         """World, device, names, policy; then (``verify``) the same-model check and rank 0's values
         over ``group``, broadcast ``chunks`` at a time (default: all at once), and (``generator``)
-        this rank's quantizer generator. Collective when ``verify``.
+        this rank's quantizer generator. Collective when ``verify``. ``frozen``: parameters outside the
+        step (``requires_grad=False``) checked and broadcast with the others.
 
         ``sharding``: FSDP2's layout (:class:`~lioncub.engine.shards.Sharding`): ``params`` are then the
         local shards, ``group`` the replicas' group (this rank and size from the sharding: 0 of 1 without
@@ -83,11 +85,12 @@ class Shell:
         self.device = comm.comm_device(list(params), group)
         """The one device of the parameters, the optimizer's state, messages and every collective."""
         self._param_names = guard.param_names(model, params if sharding is None else sharding.params)
-        if verify:
-            guard.check_same_params(list(params), group, self.world_size, names=self._param_names)
+        if verify:  # frozen parameters too: the forward pass reads them
+            frozen = [shards.local_of(p) for p in frozen]
+            guard.check_same_params(list(params) + frozen, group, self.world_size, names=self._param_names)
             if self.world_size > 1:
                 with torch.no_grad():
-                    for chunk in (chunks if chunks is not None else [params]):
+                    for chunk in [*(chunks if chunks is not None else [params]), frozen]:
                         comm.broadcast_from_first(list(chunk), group)
         self.generator = comm.make_generator(self.device, seed + self.rank) if generator else None
         """The stochastic quantizer's (``linf``) draws: this rank's own, on the device, saved."""

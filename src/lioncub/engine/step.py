@@ -97,7 +97,9 @@ class BucketPlan:
     most ``bucket_mb`` MiB of fp32 elements, last-registered first (the order backward
     produces gradients, as in DDP), each with its backend (``fused=``) chosen here;
     ``backends``: each bucket's choice and why. :meth:`bucket` serves other groupings of the
-    same parameters (the DDP hook's buckets are DDP's), also made once. ``local``: what the step works
+    same parameters (the DDP hook's buckets are DDP's), also made once. Frozen parameters
+    (``requires_grad=False``) are not in the plan: a LoRA fine-tune sends nothing for its frozen base
+    (:attr:`frozen`; :meth:`check_frozen`). ``local``: what the step works
     on for each parameter (FSDP2's DTensors: their local shards, :mod:`lioncub.engine.shards`). The plan knows no
     optimizer: torch's ``load_state_dict`` replaces the group dicts, so the optimizer makes a
     new plan there."""
@@ -105,11 +107,24 @@ class BucketPlan:
     def __init__(self, param_groups: list[dict], bucket_mb: float, fused: Optional[bool],
                  local: Optional[Callable[[Tensor], Tensor]] = None):
         self.fused, self.bucket_mb = fused, bucket_mb
-        self.param_entries = [(g, p if local is None else local(p)) for g in param_groups for p in g["params"]]
+        self.param_entries = [(g, p if local is None else local(p)) for g in param_groups for p in g["params"]
+                              if p.requires_grad]
+        self.frozen = [p for g in param_groups for p in g["params"] if not p.requires_grad]
+        """The parameters left out (``requires_grad=False`` when the plan was made): never encoded, sent or
+        updated, as torch's optimizers never update a parameter without a gradient."""
         self._made: dict[tuple[int, ...], Bucket] = {}
         self.buckets = [self.bucket(idx) for idx in self._split()]
         self.backends = [b.reason for b in self.buckets]
         """Per bucket, the backend chosen (``fused=``) and why: ``'fused: ...'`` or ``'torch: ...'``."""
+
+    def check_frozen(self) -> None:
+        """A one-line ``ValueError`` when a parameter frozen at construction now has a gradient (it was
+        unfrozen): it is not in the plan, so it would silently not train. No device work: attributes only."""
+        for p in self.frozen:
+            if p.requires_grad and p.grad is not None:
+                raise ValueError(f"params: a parameter of shape {tuple(p.shape)} had requires_grad=False when the "
+                                 "optimizer was built and now has a gradient; build the optimizer after unfreezing "
+                                 "(its parameters with requires_grad=False are left out of every step)")
 
     def bucket(self, idx: list[int]) -> Bucket:
         """The :class:`Bucket` of parameters ``idx`` (indices into ``param_entries``)."""

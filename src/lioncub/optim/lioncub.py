@@ -183,7 +183,7 @@ class LionCub(StepCheckpoint, Sharded, Driven, Bucketed, CheckedGroups, Shell, S
         params = [p for _, p in self.plan.param_entries]  # FSDP2's: the local shards
         self.open_shell(params, group=process_group, model=model, nonfinite=nonfinite, check_every=check_every,
                         seed=seed, verify=not _verified, chunks=[b.params for b in self.plan.buckets],
-                        sharding=sharding)  # (a NodeCub's vote is ``_verified``: NodeCub checked the world)
+                        sharding=sharding, frozen=self.plan.frozen)  # (NodeCub's vote is ``_verified``)
         if config.votes:
             config.method(self.world_size)  # refuses what cannot be exact for P ranks, before any vote
         self.timing = self.device.type == "cpu" if timing is None else timing
@@ -235,7 +235,7 @@ class LionCub(StepCheckpoint, Sharded, Driven, Bucketed, CheckedGroups, Shell, S
         together, and the agreed flag is written back so ``scaler.update()`` changes every
         rank's scale alike (see :mod:`lioncub.engine.amp`)."""
         with comm.step_context(self.steps):  # a failed collective names this step
-            return self._sharded_step(closure, grad_scaler)
+            return self._run_step(closure, grad_scaler)
 
     _step_supports_amp_scaling = True
     """``GradScaler.step`` always calls :meth:`step` (on every rank) and hands it the scaler."""
@@ -247,7 +247,7 @@ class LionCub(StepCheckpoint, Sharded, Driven, Bucketed, CheckedGroups, Shell, S
         this optimizer's: NodeCub's one agreement over the world, which its cross-node vote would otherwise
         repeat (an all-reduce and a host read more per step). Collective as :meth:`step`."""
         with comm.step_context(self.steps):
-            return self._sharded_step(None, None, verdict)
+            return self._run_step(None, None, verdict)
 
     def _step(self, closure, grad_scaler=None, verdict: Optional[guard.Verdict] = None):
         loss = self.run_closure(closure)

@@ -1,0 +1,88 @@
+"""What grows with the model, bounded: frozen parameters never travel; the set-up broadcast goes a chunk at a time."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from lioncub import LionCub, comm
+from tests.dist import run_workers
+
+
+def _broadcast_worker(rank, world):
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(rank)
+    tensors = [torch.randn(3, generator=g), torch.randn(4, 3, generator=g), torch.randn(0, generator=g),
+               torch.randn(5, 2, generator=g).t(), torch.randn(7, generator=g, dtype=torch.float64),
+               torch.randn(2, generator=g).to(torch.bfloat16)]
+    sizes = []
+    real = dist.broadcast
+
+    def spy(t, *args, **kwargs):
+        sizes.append(t.numel())
+        return real(t, *args, **kwargs)
+
+    dist.broadcast = spy
+    try:
+        comm.broadcast_from_first(tensors, chunk=5)
+    finally:
+        dist.broadcast = real
+    first = [t.clone() for t in tensors]
+    dist.broadcast_object_list(first, src=0)
+    return sizes, all(torch.equal(a, b) for a, b in zip(tensors, first))
+
+
+def test_setup_broadcast_travels_a_chunk_at_a_time():
+    for sizes, same in run_workers(_broadcast_worker, 2):
+        assert same  # every rank holds rank 0's values, bit for bit (fp32, fp64, bf16, non-contiguous)
+        # 3 + 12 elements in slices of 5; the transposed (non-contiguous) 10 alone; then 7 + 2 in chunks of 5
+        assert sizes == [5, 5, 5, 10, 5, 4], sizes
+
+
+def _frozen_worker(rank, world, freeze):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    base = [p.detach().clone() for p in model.parameters()]
+    if freeze:
+        model[0].weight.requires_grad_(False)
+    opt = LionCub(model.parameters(), lr=0.01, vote="onebit")
+    sent = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(10 * rank + step)
+        model(torch.randn(5, 8, generator=g)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sent.append(opt.last_step_stats.bytes_sent)
+    unchanged = [torch.equal(p, b) for p, b in zip(model.parameters(), base)]
+    refused = None
+    if freeze:
+        model[0].weight.requires_grad_(True)
+        model(torch.randn(5, 8)).pow(2).mean().backward()
+        try:
+            opt.step()
+        except ValueError as exc:
+            refused = str(exc)
+    return sent, unchanged, refused, opt.plan.frozen == ([model[0].weight] if freeze else [])
+
+
+def test_frozen_parameters_are_never_sent_nor_updated():
+    trained = run_workers(_frozen_worker, 2, False)[0]
+    frozen = run_workers(_frozen_worker, 2, True)[0]
+    assert trained[1] == [False] * 4 and frozen[1] == [True, False, False, False]
+    # the frozen 16 x 8 weight is 128 elements of the model's 212: the vote's bytes shrink accordingly
+    assert all(f < t for f, t in zip(frozen[0], trained[0])), (frozen[0], trained[0])
+    assert frozen[3] and trained[3]
+    assert frozen[2] == ("params: a parameter of shape (16, 8) had requires_grad=False when the optimizer was built "
+                         "and now has a gradient; build the optimizer after unfreezing (its parameters with "
+                         "requires_grad=False are left out of every step)")
+
+
+def test_frozen_on_one_rank_without_a_group():
+    model = nn.Linear(4, 2)
+    model.bias.requires_grad_(False)
+    opt = LionCub(model.parameters(), lr=0.1)
+    bias = model.bias.detach().clone()
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    assert torch.equal(model.bias, bias)
+    assert [p for _, p in opt.param_entries] == [model.weight]
