@@ -36,6 +36,12 @@ def _shard(model: nn.Module, mesh, **kw) -> nn.Module:
     return fully_shard(model, mesh=mesh, **kw)
 
 
+def _bf16_policy():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
 def _batch(rank: int, step: int):
     g = torch.Generator().manual_seed(1000 * rank + step)
     return torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)
@@ -94,7 +100,9 @@ def _vote_worker(rank, world, replicas, shards, runs):
     mesh = _mesh(replicas, shards)
     out = {}
     for name, kw in runs:
-        model = _shard(_model(), mesh["shard"])
+        kw = dict(kw)
+        mixed = kw.pop("bf16_compute", False)  # FSDP2's MixedPrecisionPolicy: bf16 compute, fp32 reduce
+        model = _shard(_model(), mesh["shard"], **(dict(mp_policy=_bf16_policy()) if mixed else {}))
         ref = _reference(_model(), model)
         opt = LionCub(model.parameters(), lr=0.02, weight_decay=0.1, **kw)  # the replicas' group inferred
         ref_opt = LionCub([x for pieces in ref for x in pieces], lr=0.02, weight_decay=0.1,
@@ -110,7 +118,8 @@ VOTES = [("pbit", dict(vote="pbit")), ("onebit", dict(vote="onebit")),
          ("onebit_worker_ef", dict(vote="onebit", error_feedback="worker")),
          ("fused_off", dict(vote="onebit", fused=False)), 
          ("pbit_l1", dict(vote="pbit", quantizer="l1", bucket_mb=1e-6)),  # a scale per bucket: one shard each
-         ("server_ef", dict(vote="onebit", error_feedback="server")), ("mean", dict(vote="onebit", aggregate="mean", bucket_mb=1e-6, message_mb=1e-6))]
+         ("server_ef", dict(vote="onebit", error_feedback="server")), ("bf16", dict(vote="pbit", bf16_compute=True)),
+         ("mean", dict(vote="onebit", aggregate="mean", bucket_mb=1e-6, message_mb=1e-6))]
 
 
 @pytest.mark.parametrize("replicas,shards,runs", [
