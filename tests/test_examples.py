@@ -27,8 +27,8 @@ def _run(args: list[str], tmp_path, min_points: int = 4, printed: list[str] | No
     return losses
 
 
-def _torchrun(example: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
+def _torchrun(example: str, ranks: int = 2) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", "--standalone",
             os.path.join(ROOT, "examples", example)]
 
 
@@ -39,6 +39,15 @@ def _falls(losses: list[float], factor: float) -> None:
 
 def test_ddp_example_learns(tmp_path):
     _falls(_run(_torchrun("ddp_lioncub.py"), tmp_path), 0.2)
+
+
+@pytest.mark.slow  # ~20 s of 4 ranks; tests/test_sharded.py checks the same paths bit for bit
+def test_hsdp_example_learns_and_checkpoints(tmp_path):
+    """FSDP2 inside a replica, LionCub's 1-bit vote across 2 replicas, a DCP save/load halfway."""
+    printed: list[str] = []
+    _falls(_run(_torchrun("hsdp_lioncub.py", ranks=4), tmp_path, printed=printed), 0.2)
+    assert "across 2 replicas" in printed[0]
+    assert (tmp_path / "hsdp_lioncub_checkpoint" / ".metadata").exists()
 
 
 @pytest.mark.slow  # ~60 s of transformers start-up; tests/test_ddp_hook.py runs the HF Trainer with our hook
