@@ -1,6 +1,7 @@
 """What grows with the model, bounded: frozen parameters never travel; the set-up broadcast goes a chunk at a time."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -86,3 +87,33 @@ def test_frozen_on_one_rank_without_a_group():
     opt.step()
     assert torch.equal(model.bias, bias)
     assert [p for _, p in opt.param_entries] == [model.weight]
+
+
+def _round_worker(rank, world, kw, chunk):
+    from lioncub import LocalCub
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    opt = LocalCub(model.parameters(), lr=0.01, local_steps=2, inner="adamw", **kw)
+    if chunk is not None:
+        opt.round_chunk = chunk
+    exchanges = []
+    for step in range(6):
+        g = torch.Generator().manual_seed(10 * rank + step)
+        model(torch.randn(5, 8, generator=g)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if opt.synced:
+            exchanges.append(opt.last_round_stats.n_collectives)
+    return [p.detach().clone() for p in model.parameters()], exchanges
+
+
+@pytest.mark.parametrize("kw", [dict(vote="grad"), dict(vote="onebit", error_feedback=True),
+                                dict(vote="pbit", bits=8, quantizer="l1", aggregate="mean", error_feedback=True)],
+                         ids=["fp32-mean", "onebit-ef", "lane-mean"])
+def test_a_round_in_chunks_equals_the_round_whole(kw):
+    whole = run_workers(_round_worker, 2, kw, None)
+    chunked = run_workers(_round_worker, 2, kw, 130)  # 128 | 16 + 64 + 4 elements: two chunks
+    for (p_whole, n_whole), (p_chunked, n_chunked) in zip(whole, chunked):
+        assert all(torch.equal(a, b) for a, b in zip(p_whole, p_chunked))
+        assert all(c > w for c, w in zip(n_chunked, n_whole)), (n_chunked, n_whole)  # more, smaller exchanges

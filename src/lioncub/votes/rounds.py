@@ -101,6 +101,12 @@ class RoundAggregation:
         self.world, self.method = world, method
 
     @property
+    def per_tensor(self) -> bool:
+        """Whether ``d`` of a tensor depends on that tensor's ``v`` (and its :meth:`head`) alone, so that a
+        round may run a few tensors at a time (LocalCub's ``round_chunk``)."""
+        return True
+
+    @property
     def streams(self) -> bool:
         """Whether the exchange is one all-reduce that may stay in flight (``delay=1``)."""
         return True
@@ -140,6 +146,10 @@ class SignVote(RoundAggregation):
     @property
     def streams(self) -> bool:
         return self.method.one_allreduce
+
+    @property
+    def per_tensor(self) -> bool:  # a quantizer's scale is taken over the whole flat v (sent_value)
+        return self.method.levels is None
 
     def launch(self, v, sizes, *, head, count, step, generator, group, stats, feedback=False):
         method = self.method
