@@ -117,3 +117,20 @@ def test_a_round_in_chunks_equals_the_round_whole(kw):
     for (p_whole, n_whole), (p_chunked, n_chunked) in zip(whole, chunked):
         assert all(torch.equal(a, b) for a, b in zip(p_whole, p_chunked))
         assert all(c > w for c, w in zip(n_chunked, n_whole)), (n_chunked, n_whole)  # more, smaller exchanges
+
+
+@pytest.mark.parametrize("n,buckets", [(10, 8), (1000, 64), (4097, 100)])
+def test_the_divergence_sketch_in_slices_equals_it_at_once(monkeypatch, n, buckets):
+    from lioncub.engine import momentum
+
+    m = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    whole = momentum.divergence_sketch(m, buckets, torch.Generator().manual_seed(7))
+    monkeypatch.setattr(momentum, "SKETCH_SLICE", 3)  # a few chunks (rows) at a time
+    sliced = momentum.divergence_sketch(m, buckets, torch.Generator().manual_seed(7))
+    assert torch.equal(whole, sliced)
+    # and against the definition: signed sums of consecutive chunks of width ceil(n / buckets)
+    signs = torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(7), dtype=torch.int8).double() * 2 - 1
+    width = -(-n // buckets)
+    want = [float((m.double()[k * width:(k + 1) * width] * signs[k * width:(k + 1) * width]).sum())
+            for k in range(buckets)]
+    assert sliced.tolist() == pytest.approx(want, rel=1e-12, abs=1e-12)

@@ -129,22 +129,31 @@ def io_parameters(model: nn.Module) -> list[Tensor]:
     return out
 
 
+SKETCH_SLICE = 1 << 20
+"""Elements of float64 work :func:`divergence_sketch` holds at once (8 MiB), whatever the tensor's size."""
+
+
 def divergence_sketch(m: Tensor, buckets: int, generator: torch.Generator) -> Tensor:
     """Signed chunk sums of ``m`` (float64, ``min(buckets, numel)`` values); see the module doc.
 
     A tensor of at most ``buckets`` elements is returned whole (no signs drawn), so its
     divergence is exact. Ranks must pass generators in the same state.
     """
-    flat = m.detach().reshape(-1).double()
+    flat = m.detach().reshape(-1)
     n = flat.numel()
     if n <= buckets:
-        return flat.clone()
-    signs = torch.randint(0, 2, (n,), generator=generator, dtype=torch.int8, device=flat.device)
-    signs = signs.double().mul_(2).sub_(1)
+        return flat.double().clone()
+    signs = torch.randint(0, 2, (n,), generator=generator, dtype=torch.int8, device=flat.device)  # 1 B each
     width = -(-n // buckets)  # elements per chunk; the last chunk is zero-padded
-    padded = torch.zeros(buckets * width, dtype=torch.float64, device=flat.device)
-    padded[:n] = flat * signs
-    return padded.view(buckets, width).sum(dim=1)  # (buckets,)
+    out = torch.empty(buckets, dtype=torch.float64, device=flat.device)
+    rows = max(1, SKETCH_SLICE // width)  # float64 work for this many chunks at a time, not the tensor's
+    for r0 in range(0, buckets, rows):
+        r1 = min(buckets, r0 + rows)
+        a, b = min(n, r0 * width), min(n, r1 * width)
+        piece = torch.zeros((r1 - r0) * width, dtype=torch.float64, device=flat.device)
+        piece[:b - a] = flat[a:b].double() * signs[a:b].double().mul_(2).sub_(1)
+        out[r0:r1] = piece.view(r1 - r0, width).sum(dim=1)
+    return out  # (buckets,)
 
 
 def sync_bytes(n: int, world_size: int, *, dtype: str = "fp32", every: int = 1) -> float:
