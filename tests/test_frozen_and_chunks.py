@@ -134,3 +134,30 @@ def test_the_divergence_sketch_in_slices_equals_it_at_once(monkeypatch, n, bucke
     want = [float((m.double()[k * width:(k + 1) * width] * signs[k * width:(k + 1) * width]).sum())
             for k in range(buckets)]
     assert sliced.tolist() == pytest.approx(want, rel=1e-12, abs=1e-12)
+
+
+def _node_worker(rank, world, chunk):
+    from lioncub import NodeCub, node_groups
+    from lioncub.optim import nodecub
+
+    if chunk is not None:
+        nodecub.NODE_CHUNK = chunk
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    opt = NodeCub(model.parameters(), lr=0.01, layout=node_groups(local_size=2), vote="onebit")
+    collectives = 0
+    for step in range(3):
+        g = torch.Generator().manual_seed(10 * rank + step)
+        model(torch.randn(5, 8, generator=g)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        collectives += opt.last_intra_stats.n_collectives
+    return [p.detach().clone() for p in model.parameters()], collectives
+
+
+def test_nodecub_in_node_collectives_in_chunks_equal_them_whole():
+    whole = run_workers(_node_worker, 4, None)
+    chunked = run_workers(_node_worker, 4, 70)  # every tensor its own chunk but the 16 + 4 biases
+    for (p_whole, n_whole), (p_chunked, n_chunked) in zip(whole, chunked):
+        assert all(torch.equal(a, b) for a, b in zip(p_whole, p_chunked))
+        assert n_chunked > n_whole, (n_chunked, n_whole)

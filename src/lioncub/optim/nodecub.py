@@ -52,6 +52,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from ..engine import amp, guard
 from .. import comm
@@ -124,6 +125,25 @@ def shard_owners(sizes: list[int], local_size: int) -> list[int]:
     return owners
 
 
+NODE_CHUNK = 1 << 22
+"""Elements of gradients (in-node mean) or parameters (in-node share) one collective carries: whole tensors, a
+larger tensor alone. The step's transient is a chunk, not the model."""
+
+
+def _chunked(ids: list[int], params: list[Tensor]) -> list[list[int]]:
+    """``ids`` in order, grouped into runs of at most :data:`NODE_CHUNK` elements (at least one tensor each)."""
+    out, total = [], 0
+    for i in ids:
+        n = params[i].numel()
+        if out and total + n <= NODE_CHUNK:
+            out[-1].append(i)
+            total += n
+        else:
+            out.append([i])
+            total = n
+    return out
+
+
 class NodeCub(Shell, torch.optim.Optimizer):
     """LionCub for nodes of several ranks: average inside the node, vote across nodes.
 
@@ -180,11 +200,15 @@ class NodeCub(Shell, torch.optim.Optimizer):
                              f"{len(self.params)}; pass shard=False")
         self.owners = owners
         self._mine = [i for i, j in enumerate(owners) if j == layout.local_rank]
-        # shard=True: per dtype, each local rank's parameter indices and their element count (fixed)
+        # shard=True: per dtype and round, each local rank's parameter indices (whole tensors, at most
+        # NODE_CHUNK elements a round unless one tensor is larger): what one all-gather carries (fixed)
         self._share_plan = []
         for dtype in sorted({p.dtype for p in self.params}, key=str):
-            idx = [[i for i, p in enumerate(self.params) if p.dtype == dtype and owners[i] == j] for j in range(local)]
-            self._share_plan.append((dtype, idx, [sum(self.params[i].numel() for i in ids) for ids in idx]))
+            idx = [_chunked([i for i, p in enumerate(self.params) if p.dtype == dtype and owners[i] == j],
+                            self.params) for j in range(local)]
+            for k in range(max(len(ids) for ids in idx)):
+                ids = [ids[k] if k < len(ids) else [] for ids in idx]
+                self._share_plan.append((dtype, ids, [sum(self.params[i].numel() for i in x) for x in ids]))
         # the vote's param groups: this rank's shard of each group, the group's settings
         self._group_of_vote = []  # vote group index -> this optimizer's group index
         vote_groups, offset = [], 0
@@ -206,28 +230,32 @@ class NodeCub(Shell, torch.optim.Optimizer):
         """Every rank's gradients become the node's mean (a missing one counts as zero;
         a parameter without a gradient on any rank of the node keeps ``None``). One all-reduce."""
         local = self.layout.local_size
-        parts = [(p.grad.detach().reshape(-1).float() if p.grad is not None else
-                  torch.zeros(p.numel(), device=p.device)) for p in self.params]
-        missing = torch.zeros(len(self.params), device=parts[0].device)  # ranks without a gradient: 0 usually
+        missing = torch.zeros(len(self.params), device=self.device)  # ranks without a gradient: 0 usually
         for i, p in enumerate(self.params):
             if p.grad is None:
                 missing[i] = 1.0  # a scalar fill: no host-to-device copy
-        flat = torch.cat(parts + [missing])
-        if local > 1:
-            comm.all_reduce(flat, self.layout.intra, stats)
-        flat[:-len(self.params)].div_(local)
-        pieces = flat[:-len(self.params)].split([p.numel() for p in self.params])
-        absent = flat[-len(self.params):]
-        for p, piece, n in zip(self.params, pieces, absent.tolist()):  # one host read
+        chunks = _chunked(list(range(len(self.params))), self.params)
+        for k, ids in enumerate(chunks):  # fp32 of a chunk at a time; the flags ride on the last one
+            params = [self.params[i] for i in ids]
+            parts = [(p.grad.detach().reshape(-1).float() if p.grad is not None else
+                      torch.zeros(p.numel(), device=p.device)) for p in params]
+            flat = torch.cat(parts + ([missing] if k == len(chunks) - 1 else []))
+            if local > 1:
+                comm.all_reduce(flat, self.layout.intra, stats)
+            if k == len(chunks) - 1:
+                missing = flat[-len(self.params):]
+            sums = flat[:sum(p.numel() for p in params)].div_(local)
+            for p, piece in zip(params, sums.split([p.numel() for p in params])):
+                if p.grad is None:  # some rank of the node may have one: decided below
+                    p.grad = piece.view_as(p).to(p.dtype).clone()
+                else:
+                    p.grad.copy_(piece.view_as(p))
+        for p, n in zip(self.params, missing.tolist()):  # one host read
             if n == local:  # no rank of the node has one
                 p.grad = None
-            elif p.grad is None:
-                p.grad = piece.view_as(p).to(p.dtype).clone()
-            else:
-                p.grad.copy_(piece.view_as(p))
 
     def _share_in_node(self, stats: CommStats) -> None:
-        """shard=True: every rank gets every shard's updated values; one all-gather per dtype."""
+        """shard=True: every rank gets every shard's updated values; one all-gather per dtype and chunk."""
         for dtype, idx, sizes in self._share_plan:
             mine = idx[self.layout.local_rank]
             send = torch.zeros(max(sizes), dtype=dtype, device=self.params[0].device)
