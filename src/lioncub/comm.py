@@ -45,7 +45,7 @@ import weakref
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, fields
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -53,7 +53,7 @@ from torch import Tensor
 
 __all__ = ["CommStats", "CollectiveError", "ExternalGroup", "step_context", "all_reduce", "all_reduce_async", "Pending",
            "all_gather", "all_to_all",
-           "broadcast", "broadcast_from_first", "barrier", "all_gather_object", "broadcast_object",
+           "broadcast", "broadcast_from_first", "runs", "barrier", "all_gather_object", "broadcast_object",
            "device_of", "comm_device", "make_generator", "restore_generator", "clock", "step_stats",
            "REDUCE_OPS"]
 
@@ -297,6 +297,22 @@ def broadcast(t: Tensor, group=None, stats: CommStats | None = None, *, src: int
     _guarded("broadcast", t, step, lambda: dist.broadcast(t, src=root, group=group))
     _record(stats, (p - 1) / p * t.numel() * t.element_size(), t0)
     return t
+
+
+def runs(sizes: Iterable[int], cap: float) -> list[list[int]]:
+    """Indices of ``sizes`` in order, grouped into runs whose sizes add up to at most ``cap`` (at least one
+    index each: a size above ``cap`` is a run of its own). How buckets travel in messages, and how rounds,
+    NodeCub's in-node collectives and the momentum all-reduce bound their transient to a chunk."""
+    out: list[list[int]] = []
+    total = 0
+    for i, n in enumerate(sizes):
+        if out and total + n <= cap:
+            out[-1].append(i)
+            total += n
+        else:
+            out.append([i])
+            total = n
+    return out
 
 
 BROADCAST_CHUNK = 1 << 22

@@ -311,12 +311,4 @@ class MomentumSync:
 
 
 def _chunks(ms: list[Tensor], limit: int):
-    chunk, size = [], 0
-    for m in ms:
-        if chunk and size + m.numel() > limit:
-            yield chunk
-            chunk, size = [], 0
-        chunk.append(m)
-        size += m.numel()
-    if chunk:
-        yield chunk
+    return [[ms[k] for k in run] for run in comm.runs([m.numel() for m in ms], limit)]

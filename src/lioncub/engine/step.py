@@ -345,18 +345,7 @@ class BucketStep:
         """How the buckets travel without overlap: consecutive buckets (indices into
         ``buckets``) grouped into messages of at most ``message_mb`` MiB on the wire, at
         least one bucket each."""
-        cap = self.message_mb * 2**20
-        out: list[list[int]] = []
-        total = 0
-        for b, bucket in enumerate(buckets):
-            nb = self.method.part_nbytes(bucket.numel)
-            if out and total + nb <= cap:
-                out[-1].append(b)
-                total += nb
-            else:
-                out.append([b])
-                total = nb
-        return out
+        return comm.runs([self.method.part_nbytes(b.numel) for b in buckets], self.message_mb * 2**20)
 
     def encodes_ahead(self, buckets: list[Bucket]) -> bool:
         """Every bucket's gradients read by a fused loop (which also checks them), and no

@@ -132,16 +132,7 @@ larger tensor alone. The step's transient is a chunk, not the model."""
 
 def _chunked(ids: list[int], params: list[Tensor]) -> list[list[int]]:
     """``ids`` in order, grouped into runs of at most :data:`NODE_CHUNK` elements (at least one tensor each)."""
-    out, total = [], 0
-    for i in ids:
-        n = params[i].numel()
-        if out and total + n <= NODE_CHUNK:
-            out[-1].append(i)
-            total += n
-        else:
-            out.append([i])
-            total = n
-    return out
+    return [[ids[k] for k in run] for run in comm.runs([params[i].numel() for i in ids], NODE_CHUNK)]
 
 
 class NodeCub(Shell, torch.optim.Optimizer):

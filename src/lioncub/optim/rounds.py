@@ -79,15 +79,7 @@ class Rounds:
         when the aggregation does not decide each tensor alone)."""
         if not self.aggregation.per_tensor:
             return [list(range(len(sizes)))]
-        chunks, total = [], 0
-        for i, n in enumerate(sizes):
-            if chunks and total + n <= self.round_chunk:
-                chunks[-1].append(i)
-                total += n
-            else:
-                chunks.append([i])
-                total = n
-        return chunks or [[]]
+        return comm.runs(sizes, self.round_chunk) or [[]]
 
     def _pseudo_gradient(self, began: str, idx: Optional[list[int]] = None) -> tuple[Tensor, Tensor]:
         """(Δ_i, v_i = Δ_i + e_i) flat fp32: this worker's progress since ``state[p][began]``, over the
