@@ -138,6 +138,50 @@ def test_each_step_equals_the_whole_model_reference(replicas, shards, runs):
             assert identical, (rank, name)
 
 
+def _local_worker(rank, world, replicas, shards, runs):
+    from lioncub import LocalCub
+
+    mesh = _mesh(replicas, shards)
+    out = {}
+    for name, kw in runs:
+        model = _shard(_model(), mesh["shard"])
+        ref = _reference(_model(), model)
+        opt = LocalCub(model.parameters(), lr=0.02, weight_decay=0.1, local_steps=2, **kw)
+        ref_opt = LocalCub([x for pieces in ref for x in pieces], lr=0.02, weight_decay=0.1, local_steps=2,
+                           process_group=mesh.get_group("replicate"), **kw)
+        same = _train(rank, model, opt, ref, ref_opt, 2 * STEPS - 1)
+        own = copy.deepcopy((model.state_dict(), opt.state_dict()))  # inside a round: each rank's own
+        model2 = _shard(_model(), mesh["shard"])
+        opt2 = LocalCub(model2.parameters(), lr=0.02, weight_decay=0.1, local_steps=2, **kw)
+        model2.load_state_dict(own[0])
+        opt2.load_state_dict(own[1])
+        same += _train(rank, model, opt, ref, ref_opt, 1, first=2 * STEPS - 1)
+        _train(rank, model2, opt2, None, None, 1, first=2 * STEPS - 1)
+        resumed = all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(model.parameters(),
+                                                                                   model2.parameters()))
+        out[name] = (same, opt.world_size, opt.rounds, _replicas_identical(model, mesh.get_group("replicate")),
+                     resumed)
+    return out
+
+
+LOCAL_RUNS = [("onebit", dict(vote="onebit")), ("grad_adamw", dict(vote="grad", inner="adamw", outer="nesterov",
+                                                                   outer_lr=0.7)),
+              ("lane_mean_ef", dict(vote="pbit", bits=8, quantizer="l1", aggregate="mean", error_feedback=True)),
+              ("streaming", dict(vote="pbit", bits=8, quantizer="l1", aggregate="mean", delay=1))]
+
+
+@pytest.mark.parametrize("replicas,shards", [(2, 2)])
+def test_localcub_rounds_on_shards_equal_the_whole_model_reference(replicas, shards):
+    results = run_workers(_local_worker, replicas * shards, replicas, shards, LOCAL_RUNS)
+    for rank, out in enumerate(results):
+        for name, (same, voters, rounds, identical, resumed) in out.items():
+            assert same == [True] * (2 * STEPS), (rank, name, same)
+            streaming = name == "streaming"  # a round's outer step lands a round late; replicas keep their own
+            assert voters == replicas and rounds == STEPS - streaming, (rank, name, voters, rounds)
+            assert identical != streaming, (rank, name)
+            assert resumed, (rank, name)
+
+
 def _refusal_worker(rank, world):
     import torch.distributed as dist
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -161,10 +205,13 @@ def _refusal_worker(rank, world):
     out["shard1"] = refused(lambda: LionCub([tp]))
     out["overlap"] = refused(lambda: LionCub(sharded.parameters(), overlap=True))
     out["io"] = refused(lambda: LionCub(sharded.parameters(), momentum_sync="io", model=sharded))
-    from lioncub import LocalCub, NodeCub, node_groups
+    from lioncub import NodeCub, node_groups
 
-    out["localcub"] = refused(lambda: LocalCub(sharded.parameters(), local_steps=2))
     out["nodecub"] = refused(lambda: NodeCub(sharded.parameters(), layout=node_groups(2)))
+    from lioncub import LocalCub
+
+    local = LocalCub(sharded.parameters(), local_steps=2)
+    out["localcub_dcp"] = refused(lambda: local.load_state_dict({"state": {}, "param_groups": local.param_groups}))
     out["group"] = refused(lambda: LionCub(sharded.parameters(), process_group=mesh.get_group("shard")))
     dist.barrier()
     return out
@@ -180,9 +227,11 @@ def test_refusals_name_the_argument_in_one_line():
     assert out["overlap"].startswith("overlap: LionCub on FSDP2 (DTensor) parameters votes in step()")
     assert out["io"].startswith("momentum_sync: 'io' selects parameters by name")
     assert out["group"].startswith("process_group: the replicas' group [")
-    for who in ("LocalCub", "NodeCub"):
-        assert out[who.lower()] == (f"params: parameter 0 is an FSDP2 (DTensor) parameter; {who} takes plain "
-                                    "parameters (LionCub takes FSDP2's shards and votes them across replicas)")
+    assert out["nodecub"] == ("params: parameter 0 is an FSDP2 (DTensor) parameter; NodeCub takes plain parameters "
+                              "(LionCub and LocalCub take FSDP2's shards and vote them across replicas)")
+    assert out["localcub_dcp"] == ("state_dict has no 'local' entry (torch.distributed.checkpoint drops it): LocalCub "
+                                   "keeps its inner optimizer and counters there; save and load each rank's "
+                                   "opt.state_dict() with torch.save")
     for msg in out.values():
         assert "\n" not in msg
 

@@ -121,6 +121,19 @@ class Sharding:
             return local_of(value)[0]
         return value
 
+    def spread(self, values: Tensor) -> Tensor:
+        """This rank's per-tensor ``values`` in its shard's slot of a vector with one slot per shard (zeros
+        elsewhere): summed over the whole world, each slot holds the sum over that shard's replicas (what a
+        round's aggregation sums), in the one all-reduce whose flags the whole world agrees on."""
+        out = values.new_zeros((self.mesh.size(), values.numel()))
+        out[self.mesh.get_local_rank()] = values
+        return out.reshape(-1)
+
+    def slot(self, summed: list, n: int) -> list:
+        """This rank's shard's ``n`` values out of :meth:`spread`'s vector, summed."""
+        first = self.mesh.get_local_rank() * n
+        return summed[first:first + n]
+
     def hand_grads(self) -> None:
         """Each local shard's ``.grad`` is its parameter's local gradient (None where it has none):
         at the start of every step (FSDP2 writes ``.grad`` of the DTensors)."""
@@ -276,7 +289,7 @@ def refuse_dtensors(params: Sequence[Tensor], who: str) -> None:
     for i, p in enumerate(params):
         if is_dtensor(p):
             raise ValueError(f"params: parameter {i} is an FSDP2 (DTensor) parameter; {who} takes plain parameters "
-                             "(LionCub takes FSDP2's shards and votes them across replicas)")
+                             "(LionCub and LocalCub take FSDP2's shards and vote them across replicas)")
 
 
 def check_sharded_options(who: str, *, overlap: bool = False, momentum_sync="none") -> None:
@@ -313,6 +326,11 @@ class Sharded:
         """The optimizer's ``state`` as the engine reads it: itself, or with FSDP2 parameters a view
         keyed by the local shards (:class:`LocalState`)."""
         return self.state if getattr(self, "sharding", None) is None else LocalState(self.state, self.sharding)
+
+    @property
+    def local_state(self):
+        """:meth:`engine_state`: the state the round code and the engine read, by local shard."""
+        return self.engine_state()
 
     def make_sharded_state(self) -> None:
         """With FSDP2 parameters, every momentum from the start: ``torch.distributed.checkpoint``'s

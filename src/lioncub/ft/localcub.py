@@ -266,8 +266,8 @@ class FTLocalCub(LocalCub):
     def _heal_state(self) -> dict:
         """What a joining replica copies from this one (called by torchft at this replica's round end)."""
         keys = self.rule.state_keys
-        return dict(start=[self.state[p]["start"].detach().clone() for p in self.params],
-                    outer=[{k: self.state[p][k].clone() for k in keys} for p in self.params],
+        return dict(start=[self.local_state[p]["start"].detach().clone() for p in self.params],
+                    outer=[{k: self.local_state[p][k].clone() for k in keys} for p in self.params],
                     inner=_clone(self.inner.state_dict()),
                     counters=dict(rounds=self.rounds, skipped_rounds=self.skipped_rounds))
 
@@ -276,7 +276,7 @@ class FTLocalCub(LocalCub):
         this replica's own residual is zero and its parameters are θ_s."""
         with torch.no_grad():
             for p, start, outer in zip(self.params, sd["start"], sd["outer"]):
-                s = self.state[p]
+                s = self.local_state[p]
                 s["start"].copy_(start)
                 p.copy_(start)
                 for k, value in outer.items():

@@ -138,6 +138,10 @@ class RoundCheckpoint:
             extra = {**extra, "counters": {k: extra[k] for k in ("rounds", "local_step", "skipped_rounds",
                                                                  "bad_round")}}
             state_dict = {**state_dict, self.state_key: extra}
+        if extra is None and self.sharding is not None:
+            raise ValueError(f"state_dict has no {self.state_key!r} entry (torch.distributed.checkpoint drops it): "
+                             f"{type(self).__name__} keeps its inner optimizer and counters there; save and load each "
+                             "rank's opt.state_dict() with torch.save")
         if extra is not None and self.vote_requested == "auto" and extra.get("vote_requested") == "auto":
             saved = extra["config"]  # resume with the run's pick
             self._set_config(self.config.resolved(saved["vote"], saved["bits"]))
@@ -160,4 +164,4 @@ class RoundCheckpoint:
         elif self.delay:  # at a round's end a streaming replica is its origin o_i
             with torch.no_grad():
                 for p in self.params:
-                    p.copy_(self.state[p]["origin"])
+                    p.copy_(self.local_state[p]["origin"])

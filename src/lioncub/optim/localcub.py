@@ -64,6 +64,7 @@ from .. import comm, votes
 from ..comm import CommStats
 from ..engine import amp, auto, guard
 from ..engine.config import VoteConfig, VoteSettings
+from ..engine.shards import Sharded
 from ..engine.shell import Shell
 from ..lion import Lion
 from ..validate import check_bool, check_hyperparameters, check_int
@@ -99,7 +100,7 @@ def _make_inner(inner, groups: list[dict], betas) -> torch.optim.Optimizer:
                      f"got {inner!r}")
 
 
-class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, Shell, VoteSettings, torch.optim.Optimizer):
+class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, Sharded, Shell, VoteSettings, torch.optim.Optimizer):
     """Lion Cub with local steps: ``local_steps`` inner steps per agreed outer step.
 
     Args:
@@ -203,9 +204,10 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, Shell, VoteSettings, to
         self.inner = _make_inner(inner, self.param_groups, tuple(betas))
         self._restore_weight_decay()
         self.param_groups = self.inner.param_groups  # one set of groups: schedulers drive both loops
-        self.params = [p for g in self.param_groups for p in g["params"]]
+        sharding, process_group = self.find_sharding(process_group, overlap=False, momentum_sync="none")
+        self.params = [self._local(p) for g in self.param_groups for p in g["params"]]  # FSDP2: local shards
         self.open_shell(self.params, group=process_group, model=model, nonfinite=nonfinite,
-                        check_every=check_every, seed=seed)
+                        check_every=check_every, seed=seed, sharding=sharding)
         if config.votes:
             config.method(self.world_size)  # refuses what cannot be exact for P ranks
         self.vote_requested = vote
@@ -248,7 +250,7 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, Shell, VoteSettings, to
             theirs["outer_weight_decay"] = mine["weight_decay"]
 
     def _outer_state(self, p: Tensor) -> dict:
-        state = self.state[p]
+        state = self.local_state[p]
         if not state:
             state["start"] = p.detach().clone()
             if self.delay:  # o_i: where this worker's round in flight began
@@ -271,6 +273,25 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, Shell, VoteSettings, to
         the ranks' loss scales need not agree, and agreeing would cost a collective per
         step); the round's collectives run on every rank regardless."""
         loss = self.run_closure(closure)
+        if self.sharding is not None:  # the local shards hold their gradients for the inner step's checks
+            self.sharding.hand_grads()
+        try:
+            self._inner_step(grad_scaler)
+        finally:
+            if self.sharding is not None:
+                self.sharding.drop_grads()
+        self.local_step += 1
+        self.synced = self.local_step == self.H
+        self.last_step_stats = comm.step_stats(self.device)
+        if self.synced:
+            with comm.step_context(self.rounds):  # a failed collective names this round
+                self._round()
+            self.local_step = 0
+            self.last_step_stats = self.last_round_stats
+        return loss
+
+    def _inner_step(self, grad_scaler) -> None:
+        """This rank's inner step, unless its gradients (or the scaler) say non-finite."""
         present = [p for p in self.params if p.grad is not None]
         scaler_inf = amp.unscale(self, grad_scaler, self.params)
         # one host read per inner step on a GPU: a NaN must not reach the inner optimizer's state
@@ -285,15 +306,6 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, Shell, VoteSettings, to
                 self._bad_round = True
             else:
                 self.inner.step()
-        self.local_step += 1
-        self.synced = self.local_step == self.H
-        self.last_step_stats = comm.step_stats(self.device)
-        if self.synced:
-            with comm.step_context(self.rounds):  # a failed collective names this round
-                self._round()
-            self.local_step = 0
-            self.last_step_stats = self.last_round_stats
-        return loss
 
     @contextmanager
     def agreed(self) -> Iterator[None]:
@@ -303,7 +315,7 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, Shell, VoteSettings, to
         own = [p.detach().clone() for p in self.params]
         with torch.no_grad():
             for p in self.params:
-                p.copy_(self.state[p]["start"])
+                p.copy_(self.local_state[p]["start"])
         try:
             yield
         finally:

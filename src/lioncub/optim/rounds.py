@@ -68,10 +68,14 @@ class Rounds:
         this rank's Δ, or Δ itself), and the aggregation's per-tensor sums (the lane mean's shared scale)."""
         if isinstance(finite, Tensor) and finite.dim() > 0:
             finite = torch.isfinite(finite).all()
-        verdict = guard.agree([], self.group, self.world_size, self.device, stats,
-                              finite=False if self._bad_round else finite, extra=head)
+        sharded = self.sharding is not None and head is not None  # the world agrees; a shard's replicas sum
+        verdict = guard.agree([], self.agree_group, self.agree_size, self.device, stats,
+                              finite=False if self._bad_round else finite,
+                              extra=self.sharding.spread(head) if sharded else head)
         self._bad_round = False
         self.last_round_stats = stats
+        if sharded:
+            verdict = verdict._replace(extra=self.sharding.slot(verdict.extra, head.numel()))
         return verdict
 
     def _round_chunks(self, sizes: list[int]) -> list[list[int]]:
@@ -85,7 +89,7 @@ class Rounds:
         """(Δ_i, v_i = Δ_i + e_i) flat fp32: this worker's progress since ``state[p][began]``, over the
         parameters ``idx`` (default: all)."""
         params = self.params if idx is None else [self.params[i] for i in idx]
-        states = [self.state[p] for p in params]
+        states = [self.local_state[p] for p in params]
         delta = torch.cat([(s[began].float() - p.float()).reshape(-1) for s, p in zip(states, params)])
         if not self.error_feedback:
             return delta, delta
@@ -108,7 +112,7 @@ class Rounds:
             return
         params = self.params if idx is None else [self.params[i] for i in idx]
         for p, r, c in zip(params, v.split(sizes), sent.split(sizes)):
-            torch.sub(r, c, out=self.state[p]["residual"].view(-1))
+            torch.sub(r, c, out=self.local_state[p]["residual"].view(-1))
 
     def _outer_step(self, d: list[Tensor], signed: bool, replicas: bool = True,
                     idx: Optional[list[int]] = None) -> None:
@@ -117,8 +121,9 @@ class Rounds:
         entries = [(g, p) for g in self.param_groups for p in g["params"]]
         for k, i in enumerate(range(len(entries)) if idx is None else idx):
             group, p = entries[i]
+            p = self._local(p)  # FSDP2: the local shard
             lr, wd = group["lr"], group["outer_weight_decay"]
-            s = self.state[p]
+            s = self.local_state[p]
             start = s["start"]
             if wd != 0:
                 start.mul_(1.0 - self.rule.lr * lr * wd)
@@ -132,7 +137,7 @@ class Rounds:
                 f"non-finite gradients or parameters in round {self.rounds} on {bad_ranks} rank(s); "
                 "pass nonfinite='skip' to drop such rounds")
         for p in self.params:  # every rank drops the round's local progress
-            p.copy_(self.state[p]["start"])
+            p.copy_(self.local_state[p]["start"])
             if self.delay:
-                self.state[p]["origin"].copy_(p)
+                self.local_state[p]["origin"].copy_(p)
         self.skipped_rounds += 1

@@ -34,7 +34,7 @@ class StreamingRounds:
             self._rebase(delta.split(sizes))
         else:  # nothing in flight (the first round, after a skip or a flush): θ_i stays
             for p in self.params:
-                self.state[p]["origin"].copy_(p)
+                self.local_state[p]["origin"].copy_(p)
         self._pending, sent = self._launch(v, sizes, verdict.extra, self.world_size, stats)
         self._keep_residuals(v, sent, sizes)
 
@@ -47,14 +47,14 @@ class StreamingRounds:
         self._outer_step(d.split(sizes), signed, replicas=False)
         self.rounds += 1
         if self.check_due(self.rounds):
-            guard.check_replicas([self.state[p]["start"] for p in self.params], self.group, self.world_size,
+            guard.check_replicas([self.local_state[p]["start"] for p in self.params], self.group, self.world_size,
                                  step=self.rounds, names=self._param_names)
         return True
 
     def _rebase(self, delta: list[Tensor]) -> None:
         """θ_i ← θ_s − Δ_i (``delta``: this worker's progress since o_i, negated); o_i ← θ_i."""
         for p, piece in zip(self.params, delta):
-            s = self.state[p]
+            s = self.local_state[p]
             p.copy_(s["start"].float() - piece.view_as(p))
             s["origin"].copy_(p)
 
@@ -67,7 +67,7 @@ class StreamingRounds:
             return
         sizes = [p.numel() for p in self.params]
         stats = comm.step_stats(self.device)
-        delta = [self.state[p]["origin"].float() - p.float() for p in self.params]
+        delta = [self.local_state[p]["origin"].float() - p.float() for p in self.params]
         self._apply_pending(sizes, stats)
         self._rebase(delta)
         self.last_round_stats = stats

@@ -175,7 +175,11 @@ class LaneMean(RoundAggregation):
     partial = True
 
     def head(self, v, sizes):
-        return torch.stack([piece.abs().mean() for piece in v.split(sizes)]).double() if sizes else None
+        if not sizes:
+            return None
+        # (an empty tensor, e.g. an FSDP2 shard of no rows, has scale 0, not the NaN of an empty mean)
+        return torch.stack([piece.abs().mean() if n else piece.new_zeros(())
+                            for piece, n in zip(v.split(sizes), sizes)]).double()
 
     def launch(self, v, sizes, *, head, count, step, generator, group, stats, feedback=False):
         lanes = self.method
