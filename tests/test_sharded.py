@@ -182,6 +182,28 @@ def test_localcub_rounds_on_shards_equal_the_whole_model_reference(replicas, sha
             assert resumed, (rank, name)
 
 
+def _skip_worker(rank, world):
+    mesh = _mesh(2, 2)
+    model = _shard(_model(), mesh["shard"])
+    opt = LionCub(model.parameters(), lr=0.02, vote="onebit", nonfinite="skip")
+    unchanged = []
+    for step in range(3):
+        x, y = _batch(rank, step)
+        ((model(x) - y) ** 2).mean().backward()
+        if step == 1 and rank == 1:  # one rank's slice of one parameter: the whole model skips the step
+            next(model.parameters()).grad._local_tensor[0, 0] = float("nan")
+        before = [p._local_tensor.clone() for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+        unchanged.append(all(torch.equal(b, p._local_tensor) for b, p in zip(before, model.parameters())))
+    return unchanged, opt.skipped_steps, opt.steps
+
+
+def test_a_non_finite_slice_skips_the_step_on_every_rank():
+    for unchanged, skipped, steps in run_workers(_skip_worker, 4):
+        assert unchanged == [False, True, False] and skipped == 1 and steps == 2
+
+
 def _refusal_worker(rank, world):
     import torch.distributed as dist
     from torch.distributed.tensor import Shard, distribute_tensor
