@@ -52,7 +52,7 @@ gradient on some rank and the vote is per element (all binary-sign votes); quant
 part in its bucket's scale (its update is still skipped).
 
 The votes have their own process group (``dist.new_group`` over the optimizer's ranks, made
-when the driver is created: a set-up call, on every rank, in the same place; on CUDA its NCCL
+when the driver is created: a set-up call, by the group's ranks, named after them; on CUDA its NCCL
 communicator is also created then, by one barrier, so no hook waits for it), so collectives
 the main thread issues meanwhile on other groups — a logged loss — never share a queue with
 the votes.
@@ -75,7 +75,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import comm
-from . import guard
+from . import guard, shards
 from ..comm import CommStats
 
 __all__ = ["VoteDriver", "Overlap"]
@@ -167,7 +167,12 @@ class VoteDriver:
         self.group = None  # the votes' own process group
         if opt.world_size > 1:
             base = opt.group if opt.group is not None else dist.group.WORLD
-            self.group = dist.new_group(dist.get_process_group_ranks(base), backend=dist.get_backend(base))
+            ranks = dist.get_process_group_ranks(base)
+            # made by the group's ranks only: torch names such a group by its ranks (hashed), so two replica
+            # groups (HSDP, or tensor parallelism beside data parallelism) get two names; a group made with
+            # the world's counter would give both one name, and their collectives could meet (and hang)
+            local = len(ranks) < dist.get_world_size()
+            self.group = dist.new_group(ranks, backend=dist.get_backend(base), use_local_synchronization=local)
             if self._cuda:  # NCCL makes a communicator on first use: here, not in the first hook
                 comm.barrier(self.group, self.device)
         self._thread = _VoteThread() if self.device.type in THREADED_DEVICES else None
@@ -363,14 +368,21 @@ class Overlap(VoteDriver):
         super().__init__(opt)
         self.buckets = [b.index for b in opt.buckets]
         self._bucket_of = {i: b for b, idx in enumerate(self.buckets) for i in idx}
-        self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
-                         for i, (_, p) in enumerate(opt.param_entries)]
+        sharding = opt.sharding  # FSDP2: its sharded parameters' hooks run once their gradient is reduce-scattered
+        hooked = [p for _, p in opt.param_entries] if sharding is None else [
+            sharding.param_of(p) for _, p in opt.param_entries]
+        self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i, sharding))
+                         for i, p in enumerate(hooked)]
         self.reset()
 
-    def _make_hook(self, i: int):
-        def hook(_p: torch.Tensor) -> None:
+    def _make_hook(self, i: int, sharding=None):
+        local = self.opt.param_entries[i][1]
+
+        def hook(p: torch.Tensor) -> None:
             if self.accumulating:
                 return
+            if sharding is not None:  # the local shard holds its gradient for the encode
+                local.grad = shards.local_of(p.grad)
             if self._seen[i]:
                 raise RuntimeError(
                     f"parameter {i} received a second gradient after its bucket's vote was launched; "

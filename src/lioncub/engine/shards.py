@@ -292,11 +292,8 @@ def refuse_dtensors(params: Sequence[Tensor], who: str) -> None:
                              "(LionCub and LocalCub take FSDP2's shards and vote them across replicas)")
 
 
-def check_sharded_options(who: str, *, overlap: bool = False, momentum_sync="none") -> None:
+def check_sharded_options(who: str, *, momentum_sync="none") -> None:
     """Refuse, in one line each, the options that do not work on FSDP2 parameters yet."""
-    if overlap:
-        raise ValueError(f"overlap: {who} on FSDP2 (DTensor) parameters votes in step(), after FSDP2's "
-                         "reduce-scatter; overlap=True (launching votes from backward hooks) is for plain parameters")
     if isinstance(momentum_sync, (list, tuple)) or momentum_sync == "io":
         raise ValueError(f"momentum_sync: {momentum_sync!r} selects parameters by name or tensor, which {who} does "
                          "not map onto FSDP2's local shards yet; use 'none', 'all' or 'adaptive'")
@@ -306,7 +303,7 @@ class Sharded:
     """What an every-step optimizer with a :class:`~lioncub.engine.step.BucketStep` needs for FSDP2
     parameters (a mixin before ``torch.optim.Optimizer``; ``self.sharding`` is set by the shell)."""
 
-    def find_sharding(self, process_group, *, overlap: bool, momentum_sync):
+    def find_sharding(self, process_group, *, momentum_sync):
         """(:func:`sharding_of` the optimizer's floating-point parameters, the group that votes: ``process_group``
         or the replicas'), after refusing the options that do not run on FSDP2 parameters."""
         who = type(self).__name__
@@ -315,7 +312,7 @@ class Sharded:
         sharding = sharding_of(params, process_group, who)
         if sharding is None:
             return None, process_group
-        check_sharded_options(who, overlap=overlap, momentum_sync=momentum_sync)
+        check_sharded_options(who, momentum_sync=momentum_sync)
         return sharding, sharding.replicas
 
     def _local(self, p: Tensor) -> Tensor:

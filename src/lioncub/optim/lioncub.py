@@ -178,7 +178,7 @@ class LionCub(StepCheckpoint, Sharded, Driven, Bucketed, CheckedGroups, Shell, S
         auto.check_auto_args(vote, alpha, beta, gamma)
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults)
-        sharding, process_group = self.find_sharding(process_group, overlap=overlap, momentum_sync=momentum_sync)
+        sharding, process_group = self.find_sharding(process_group, momentum_sync=momentum_sync)
         self.plan = BucketPlan(self.param_groups, config.bucket_mb, config.fused, self._local)
         params = [p for _, p in self.plan.param_entries]  # FSDP2's: the local shards
         self.open_shell(params, group=process_group, model=model, nonfinite=nonfinite, check_every=check_every,

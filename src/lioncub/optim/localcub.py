@@ -204,7 +204,7 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, Sharded, Shell, VoteSet
         self.inner = _make_inner(inner, self.param_groups, tuple(betas))
         self._restore_weight_decay()
         self.param_groups = self.inner.param_groups  # one set of groups: schedulers drive both loops
-        sharding, process_group = self.find_sharding(process_group, overlap=False, momentum_sync="none")
+        sharding, process_group = self.find_sharding(process_group, momentum_sync="none")
         self.params = [self._local(p) for g in self.param_groups for p in g["params"]]  # FSDP2: local shards
         self.open_shell(self.params, group=process_group, model=model, nonfinite=nonfinite,
                         check_every=check_every, seed=seed, sharding=sharding)
