@@ -161,3 +161,23 @@ def test_nodecub_in_node_collectives_in_chunks_equal_them_whole():
     for (p_whole, n_whole), (p_chunked, n_chunked) in zip(whole, chunked):
         assert all(torch.equal(a, b) for a, b in zip(p_whole, p_chunked))
         assert n_chunked > n_whole, (n_chunked, n_whole)
+
+
+def _auto_worker(rank, world):
+    from lioncub import NodeCub, node_groups
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    # rank 1 (its cross-node group's first rank) prices 'gather' out: its group alone would pick 'onebit'
+    gamma = {"gather": (1.0, 0.0)} if rank == 1 else None
+    opt = NodeCub(model.parameters(), lr=0.01, layout=node_groups(local_size=2), shard=False, vote="auto",
+                  alpha=1e-4, beta=1e-9, gamma=gamma)
+    model(torch.randn(5, 8)).pow(2).mean().backward()
+    opt.step()
+    return opt.voter.vote_chosen
+
+
+def test_nodecub_auto_runs_one_pick_on_every_rank():
+    """Two cross-node groups, [0, 2] and [1, 3], whose first ranks price the votes apart: one pick, rank 0's."""
+    picks = run_workers(_auto_worker, 4)
+    assert picks == [("gather", None)] * 4, picks

@@ -128,7 +128,6 @@ def agree_on_vote(bucket_sizes: Sequence[int], world_size: int, group, alpha, be
     beta))``. Collective; set-up only (one host read)."""
     import torch
 
-    from .. import comm
     from .cost import calibrate
 
     device = torch.device("cpu") if device is None else torch.device(device)
@@ -136,8 +135,20 @@ def agree_on_vote(bucket_sizes: Sequence[int], world_size: int, group, alpha, be
         alpha, beta = (0.0, 0.0) if world_size == 1 else calibrate(group, device=device)
     method, bits = choose_vote(bucket_sizes, world_size, alpha, beta, gamma=gamma)
     if world_size > 1:
-        pick = torch.tensor([AUTO_CANDIDATES.index(method)], dtype=torch.int64).to(device)
-        comm.broadcast(pick, group)
-        method = AUTO_CANDIDATES[int(pick.item())]
-        bits = _bits(method, world_size)
+        method, bits = first_pick(method, world_size, group, device)
     return method, bits, (float(alpha), float(beta))
+
+
+def first_pick(method: str, world_size: int, group, device) -> tuple[str, int | None]:
+    """The pick of ``group``'s first rank, on every rank of ``group`` (one int64 broadcast on ``device``, one
+    host read; set-up only): ``(method, bits)``, the bits valid for ``world_size`` voters. NodeCub runs it
+    over the whole world after each cross-node group's own pick, so that the ranks of one node, whose
+    groups timed their links apart, run one method."""
+    import torch
+
+    from .. import comm
+
+    pick = torch.tensor([AUTO_CANDIDATES.index(method)], dtype=torch.int64).to(device)
+    comm.broadcast(pick, group)
+    method = AUTO_CANDIDATES[int(pick.item())]
+    return method, _bits(method, world_size)

@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..engine import amp, guard
+from ..engine import amp, auto, guard
 from .. import comm
 from ..comm import CommStats
 from .lioncub import LionCub
@@ -213,6 +213,10 @@ class NodeCub(Shell, torch.optim.Optimizer):
         self.voter = LionCub(vote_groups, lr=lr, betas=betas, weight_decay=weight_decay,
                              process_group=layout.inter, nonfinite="raise", _verified=True, **vote_args)
         """The cross-node vote: a LionCub over this local rank's shard and cross-node group."""
+        if self.voter.vote_requested == "auto" and dist.get_world_size() > 1:  # one pick on every rank
+            voter = self.voter
+            voter._set_config(voter.config.resolved(*auto.first_pick(voter.config.vote, voter.world_size, None,
+                                                                      self.device)))
         self.last_step_stats = CommStats()
         self.last_intra_stats = CommStats()
 
