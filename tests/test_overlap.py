@@ -286,31 +286,42 @@ def test_finite_flags_combine_without_reading_them():
     assert counter.where == []
 
 
-def _replica_groups_worker(rank, world):
+def _replica_groups_worker(rank, world, mode):
     """Two data-parallel groups side by side, [0, 2] and [1, 3] (as HSDP's replicas, or data parallelism
-    beside tensor parallelism), each LionCub overlapping its votes."""
+    beside tensor parallelism), each LionCub voting plainly, overlapping its votes, or under DDP's hook."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lioncub.ddp.hook import register
+
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank makes both, in one order
     mine = groups[rank % 2]
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
-    opt = LionCub(model.parameters(), lr=0.01, vote="onebit", process_group=mine, overlap=True,
+    if mode == "ddp":
+        model = DDP(model, process_group=mine, bucket_cap_mb=40 * 4 / 2**20)
+    opt = LionCub(model.parameters(), lr=0.01, vote="onebit", process_group=mine, overlap=mode == "overlap",
                   bucket_mb=40 * 4 / 2**20)
+    if mode == "ddp":
+        register(model, opt)
     for step in range(3):
         g = torch.Generator().manual_seed(10 * rank + step)
         model(torch.randn(4, 6, generator=g)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
     names = [None] * world
-    dist.all_gather_object(names, opt.driver.group.group_name)
+    dist.all_gather_object(names, None if opt.driver is None else opt.driver.group.group_name)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     everyone = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(everyone, flat)
     return names, [torch.equal(everyone[r], everyone[(r + 2) % world]) for r in range(world)]
 
 
-def test_overlap_on_two_replica_groups_makes_two_vote_groups():
-    """The votes' own group was made with the world's counter by the group's ranks only: both replica groups
-    got one name (and one run in three hung in its first exchange). Made by its ranks, named by them."""
-    names, same = run_workers(_replica_groups_worker, 4, timeout_s=60)[0]
-    assert names[0] == names[2] and names[1] == names[3] and names[0] != names[1], names
+@pytest.mark.parametrize("mode", ["plain", "overlap", "ddp"])
+def test_two_replica_groups_vote_apart_and_stay_identical(mode):
+    """The votes' own group (overlap, the DDP hook) was made with the world's counter by the group's ranks
+    only: both replica groups got one name (and one run in three hung in its first exchange). Made by its
+    ranks, it is named by them."""
+    names, same = run_workers(_replica_groups_worker, 4, mode, timeout_s=60)[0]
+    if mode != "plain":
+        assert names[0] == names[2] and names[1] == names[3] and names[0] != names[1], names
     assert all(same)
