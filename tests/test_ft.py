@@ -445,3 +445,14 @@ def test_no_lighthouse_reachable_is_a_clear_error():
     port = free_port()  # bound and released: nothing listens there now
     with pytest.raises(ConnectionError, match=rf"no torchft lighthouse reachable at http://127.0.0.1:{port}"):
         make_manager("x", f"http://127.0.0.1:{port}", connect_timeout_s=1.0)
+
+
+def test_torchft_process_group_follows_the_parameters_device():
+    """NCCL for CUDA parameters, gloo elsewhere (the choice only: this host has no NCCL to build one)."""
+    import torch
+
+    from lioncub.ft import process_group_name
+
+    assert process_group_name("cpu") == "ProcessGroupGloo"
+    assert process_group_name(torch.device("cuda", 1)) == "ProcessGroupNCCL"
+    assert process_group_name("meta") == "ProcessGroupGloo"

@@ -13,7 +13,7 @@ from datetime import timedelta
 from .localcub import FTLocalCub, QuorumError, ReplicaGroup, TensorTransport, require_torchft
 
 __all__ = ["FTLocalCub", "ReplicaGroup", "TensorTransport", "QuorumError", "require_torchft",
-           "make_manager", "start_lighthouse"]
+           "make_manager", "process_group_name", "start_lighthouse"]
 
 
 def start_lighthouse(min_replicas: int, *, host: str = "127.0.0.1", port: int = 0, join_timeout_ms: int = 1000,
@@ -27,23 +27,35 @@ def start_lighthouse(min_replicas: int, *, host: str = "127.0.0.1", port: int = 
                             quorum_tick_ms=quorum_tick_ms, heartbeat_timeout_ms=heartbeat_timeout_ms)
 
 
+def process_group_name(device) -> str:
+    """The name of torchft's process group for parameters on ``device`` (in ``torchft.process_group``):
+    ``ProcessGroupNCCL`` for CUDA (NCCL sends CUDA tensors only), ``ProcessGroupGloo`` elsewhere."""
+    import torch
+
+    return "ProcessGroupNCCL" if torch.device(device).type == "cuda" else "ProcessGroupGloo"
+
+
 def make_manager(replica_id: str, lighthouse: str, *, min_replicas: int = 2, host: str = "127.0.0.1",
-                 timeout_s: float = 10.0, quorum_timeout_s: float = 60.0, connect_timeout_s: float = 10.0):
+                 timeout_s: float = 10.0, quorum_timeout_s: float = 60.0, connect_timeout_s: float = 10.0,
+                 device="cpu"):
     """A torchft ``Manager`` for a replica group of one worker, every server on ``host``.
 
     ``timeout_s``: a collective's (and the healing transfer's) limit, the longest a death
     inside a collective can stall the survivors; ``quorum_timeout_s``: how long a replica
-    waits for ``min_replicas`` live replicas before :class:`QuorumError`. Returns the manager;
+    waits for ``min_replicas`` live replicas before :class:`QuorumError`; ``device``: the parameters'
+    device, which picks the process group (:func:`process_group_name`). Returns the manager;
     its TCP store (``manager.lioncub_store``) lives as long as it."""
     require_torchft()
     import torch.distributed as dist
     from torchft.manager import Manager
-    from torchft.process_group import ProcessGroupGloo
 
+    from torchft import process_group
+
+    pg = getattr(process_group, process_group_name(device))(timeout=timedelta(seconds=timeout_s))
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
     _check_reachable(lighthouse, connect_timeout_s)
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=timeout_s)), load_state_dict=None, state_dict=None,
+        pg=pg, load_state_dict=None, state_dict=None,
         min_replica_size=min_replicas, use_async_quorum=False, replica_id=replica_id,
         lighthouse_addr=lighthouse, store_addr=host, store_port=store.port, rank=0, world_size=1, hostname=host,
         timeout=timedelta(seconds=timeout_s), quorum_timeout=timedelta(seconds=quorum_timeout_s),

@@ -160,6 +160,10 @@ class FTLocalCub(LocalCub):
         super().__init__(params, **kwargs)
         if self.world_size != 1:
             raise ValueError(f"FTLocalCub runs one worker per replica group, got a process group of {self.world_size}")
+        pg = getattr(manager, "_pg", None)
+        if pg is not None and self.device.type == "cuda" and "NCCL" not in type(pg).__name__.upper():
+            raise ValueError(f"manager: its process group is {type(pg).__name__} but the parameters are on "
+                             f"{self.device}; build it with make_manager(..., device={str(self.device)!r}) (NCCL)")
         self.manager = manager
         self.uncommitted, self.heals, self.participants, self.contributors = 0, 0, 0, 0
         self.last_stall_s = 0.0

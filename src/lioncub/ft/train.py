@@ -105,7 +105,7 @@ def replica_main(config, replica: int, replicas: int, lighthouse: str, *, host: 
                           lr_head=config.lr_head)
     base_lrs = [g["lr"] for g in groups]
     manager = make_manager(str(replica), lighthouse, min_replicas=min_replicas, host=host, timeout_s=timeout_s,
-                           quorum_timeout_s=max(60.0, 4 * timeout_s))
+                           quorum_timeout_s=max(60.0, 4 * timeout_s), device=device)
     opt = FTLocalCub(groups, manager, lr=config.lr, betas=config.betas, local_steps=config.local_steps,
                      inner=config.inner, vote=config.vote, outer=config.outer, outer_lr=config.outer_lr,
                      error_feedback=config.error_feedback, aggregate=config.aggregate, model=model,
