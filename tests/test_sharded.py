@@ -84,10 +84,10 @@ def _reference(model, sharded) -> list[list[nn.Parameter]]:
             for full, p in zip(model.parameters(), sharded.parameters())]
 
 
-def _replicas_identical(model, group) -> bool:
+def _replicas_identical(tensors, group) -> bool:
     import torch.distributed as dist
 
-    for p in model.parameters():
+    for p in tensors:
         mine = p._local_tensor.detach().reshape(-1).clone()
         everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(everyone, mine, group=group)
@@ -116,7 +116,12 @@ def _vote_worker(rank, world, replicas, shards, runs):
             moved = moved and len(opt.driver._pending) == len(opt.buckets) > 1
             opt.step()
             opt.zero_grad()
-        out[name] = (same, moved, opt.world_size, _replicas_identical(model, mesh.get_group("replicate")))
+        opt.state_dict()  # every state entry is a parameter's
+        if name == "momentum_sync":  # STEPS steps, synced every 2: the replicas' momenta are one
+            momenta = [opt.state[p]["exp_avg"] for p in model.parameters()]
+            moved = moved and _replicas_identical(momenta, mesh.get_group("replicate"))
+        out[name] = (same, moved, opt.world_size, _replicas_identical(model.parameters(),
+                                                                      mesh.get_group("replicate")))
     return out
 
 
@@ -127,7 +132,8 @@ VOTES = [("pbit", dict(vote="pbit")), ("onebit", dict(vote="onebit")),
          ("pbit_l1", dict(vote="pbit", quantizer="l1", bucket_mb=1e-6)),  # a scale per bucket: one shard each
          ("server_ef", dict(vote="onebit", error_feedback="server")), ("bf16", dict(vote="pbit", bf16_compute=True)),
          ("mean", dict(vote="onebit", aggregate="mean", bucket_mb=1e-6, message_mb=1e-6)),
-         ("overlap", dict(vote="onebit", overlap=True, bucket_mb=1e-4))]  # votes launched from FSDP2's hooks
+         ("overlap", dict(vote="onebit", overlap=True, bucket_mb=1e-4)),  # votes launched from FSDP2's hooks
+         ("momentum_sync", dict(vote="onebit", momentum_sync="all", sync_every=2))]
 
 
 @pytest.mark.parametrize("replicas,shards,runs", [
@@ -167,7 +173,8 @@ def _local_worker(rank, world, replicas, shards, runs):
         _train(rank, model2, opt2, None, None, 1, first=2 * STEPS - 1)
         resumed = all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(model.parameters(),
                                                                                    model2.parameters()))
-        out[name] = (same, opt.world_size, opt.rounds, _replicas_identical(model, mesh.get_group("replicate")),
+        replicas_group = mesh.get_group("replicate")
+        out[name] = (same, opt.world_size, opt.rounds, _replicas_identical(model.parameters(), replicas_group),
                      resumed)
     return out
 

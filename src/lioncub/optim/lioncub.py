@@ -296,7 +296,7 @@ class LionCub(StepCheckpoint, Sharded, Driven, Bucketed, CheckedGroups, Shell, S
         else:
             run.step_active(buckets, active, early, stats, self.steps, self.grad_dtype)
         self.steps += 1
-        self.momentum_sync.after_step(self.steps, self.state, stats)
+        self.momentum_sync.after_step(self.steps, self.engine_state(), stats)
         self.last_step_stats = stats
         return loss
 
