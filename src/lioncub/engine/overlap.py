@@ -389,11 +389,12 @@ class Overlap(VoteDriver):
                     "run all micro-batches but the last under `with opt.no_sync():`")
             self._seen[i] = True
             b = self._bucket_of[i]
-            if b < self._next:  # launched without this gradient (none came last step)
-                raise RuntimeError(
-                    f"parameter {i} got a gradient after its bucket's vote was launched: it had none "
+            if b < self._next:  # launched without this gradient (none came last step): raised by every rank in
+                self.late = self.late or (  # step(), once all agree (a raise here would be this rank's alone)
+                    f"overlap: parameter {i} got a gradient after its bucket's vote was launched: it had none "
                     "in the previous step, so backward did not wait for it; with overlap=True every "
                     "rank's set of parameters that receive gradients must not grow between steps")
+                return
             if self._expect[i]:
                 self._missing[b] -= 1
                 if self._missing[b] == 0:
@@ -415,6 +416,7 @@ class Overlap(VoteDriver):
         # again (all params at first): an unused layer does not hold back the launches.
         # Only *when* a bucket launches depends on this; what it votes and the order of
         # the launches are the same on every rank.
+        self.late = None  # what a hook saw arrive too late this step (raised in step() on every rank)
         seen = getattr(self, "_seen", None)
         self._expect = list(seen) if seen is not None and any(seen) else [True] * self.n_params
         self._seen = [False] * self.n_params
@@ -430,8 +432,31 @@ class Overlap(VoteDriver):
 
 class Driven:
     """An optimizer whose votes a driver may launch during backward (overlap, the DDP hook): the
-    one-driver rule and the refusals, each the vote method's own (LionCub's; a mixin). Uses
-    ``_driver``, ``method`` and ``bucket_step``."""
+    one-driver rule and the refusals, each the vote method's own, and the step's agreement with what
+    a driver saw during backward (LionCub's; a mixin). Uses ``_driver``, ``method`` and ``bucket_step``."""
+
+    def agree_step(self, params: list[Tensor], stats: CommStats, finite, scaler_inf) -> guard.Verdict:
+        """The step's one agreement (:func:`~lioncub.engine.guard.agree`) over ``agree_group``, carrying
+        (every ``check_every`` steps) the replica check of the previous step's result and, under a driver,
+        whether a rank saw a gradient arrive after its bucket's vote was launched: that rank alone knows, so
+        it says so here and every rank raises together, before anything else waits on a collective."""
+        check = None
+        if self.check_due(self.steps) and self._checked != self.steps:
+            check = guard.replicas_differ(params, self.group, self.world_size, step=self.steps, stats=stats)
+            self._checked = self.steps
+        late = getattr(self._driver, "late", None)
+        extra = [] if check is None else [check[0].reshape(-1)]
+        if self._driver is not None:  # (a fill, not a copy from the host: no sync)
+            extra.append(torch.zeros(1, dtype=torch.uint8, device=self.device).fill_(0 if late is None else 1))
+        verdict = guard.agree(params, self.agree_group, self.agree_size, self.device, stats, finite=finite,
+                              extra=torch.cat(extra) if extra else None, scaler_inf=scaler_inf)
+        if self._driver is not None and verdict.extra[-1]:
+            self._driver.discard()
+            raise RuntimeError(late or f"overlap: on {int(verdict.extra[-1])} other rank(s) a parameter got its "
+                               "gradient after its bucket's vote was launched (see that rank's error)")
+        if check is not None and verdict.extra[0]:
+            guard.report_replicas(check[1], params, step=self.steps, names=self._param_names)
+        return verdict
 
     @property
     def driver(self):

@@ -272,14 +272,7 @@ class LionCub(StepCheckpoint, Sharded, Driven, Bucketed, CheckedGroups, Shell, S
         elif driver is not None:
             finite = driver.finite() if callable(getattr(driver, "finite", None)) else None
         if verdict is None:  # (NodeCub agrees over the whole world for its voter)
-            check = None  # the replica check of the previous step's result, read with the agreement
-            if self.check_due(self.steps) and self._checked != self.steps:
-                check = guard.replicas_differ(params, self.group, self.world_size, step=self.steps, stats=stats)
-                self._checked = self.steps
-            verdict = guard.agree(params, self.agree_group, self.agree_size, self.device, stats, finite=finite,
-                                  extra=None if check is None else check[0], scaler_inf=scaler_inf)
-            if any(verdict.extra):
-                guard.report_replicas(check[1], params, step=self.steps, names=self._param_names)
+            verdict = self.agree_step(params, stats, finite, scaler_inf)
         active, bad_ranks = verdict.active, verdict.bad_ranks
         amp.record_agreed(self, grad_scaler, bad_ranks)
         if bad_ranks:

@@ -60,14 +60,15 @@ def lioncub(device, audit, steps: int = 3, **kw) -> None:
     _train(opt, model, device, audit, steps)
 
 
-def _drive_bad_step(audit, phase: str) -> None:
+def _drive_bad_step(audit, phase: str, flag_at: int = -1) -> None:
     """On ``meta`` (no values) make the agreement read in ``phase`` say one rank saw a NaN:
     LionCub's agreement is uint8 [ranks without a gradient per parameter, non-finite ranks(,
-    replica flag on checking steps)]; on a real device the NaN itself drives it."""
+    replica flag on checking steps)(, a driver's late-gradient flag)]; on a real device the NaN
+    itself drives it. ``flag_at``: the non-finite count's place from the end."""
     def drive(current, t):
         if current == phase and t.dtype == torch.uint8 and t.dim() == 1 and t.numel() >= 2:
             out = torch.zeros(t.shape, dtype=t.dtype)
-            out[-1] = 1  # (no replica check in these paths: the flag is last)
+            out[flag_at] = 1  # (no replica check in these paths)
             return out
         return None
     audit.drive = drive
@@ -79,7 +80,7 @@ def lioncub_skip(device, audit, steps: int = 3, **kw) -> None:
     model = _model(device)
     opt = lc.LionCub(model.parameters(), lr=1e-3, bucket_mb=0.001, nonfinite="skip_step", **kw)
     if device.type == "meta":
-        _drive_bad_step(audit, "step 1")
+        _drive_bad_step(audit, "step 1", flag_at=-2 if kw.get("overlap") else -1)  # (a driver adds its flag)
     _train(opt, model, device, audit, steps, bad_step=1)
     assert opt.skipped_steps == 1, f"the NaN step was not skipped ({opt.skipped_steps} skipped)"
 
