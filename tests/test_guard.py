@@ -262,3 +262,27 @@ def test_dead_or_stalled_worker_makes_survivors_raise_in_time(mode):
         if mode == "stall":
             assert waited >= GROUP_TIMEOUT_S - 0.5  # it really waited for the timeout
             assert "Timed out" in msg
+
+
+def test_the_device_finite_check_launches_a_few_kernels_for_300_tensors():
+    """Off the CPU the check is one multi-tensor ∞-norm and a stack per dtype, not a kernel per tensor
+    (counted on ``meta`` with a dispatch mode: every ATen op is a launch on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lioncub.engine.guard import grads_finite
+
+    class Count(TorchDispatchMode):
+        ops: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:  # a view (detach) is metadata, not a launch
+                Count.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    params = [torch.nn.Parameter(torch.empty(5, 3, device="meta", dtype=torch.float32 if i % 3 else torch.bfloat16))
+              for i in range(300)]
+    for p in params:
+        p.grad = torch.empty_like(p)
+    with Count():
+        grads_finite(params)
+    assert len(Count.ops) <= 30, Count.ops  # 15 here (isfinite is 5 ops on meta); 307 before: a cast per tensor

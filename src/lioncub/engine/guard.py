@@ -105,7 +105,8 @@ def grads_finite(params: list[Tensor]) -> Union[bool, Tensor]:
 
     One reduction per gradient into one small tensor: the min and max of each on CPU
     (``isfinite(g).all()`` was ~8x slower there), one fused multi-tensor ∞-norm
-    (``torch._foreach_norm``) on other devices. NaN and ±Inf survive both.
+    (``torch._foreach_norm``) on other devices, read with a few kernels whatever the tensor count
+    (it cast each norm to float64 before: one launch per tensor). NaN and ±Inf survive both.
     Raises ``TypeError`` for a sparse gradient (LionCub votes on dense tensors).
     """
     grads = []
@@ -122,9 +123,14 @@ def grads_finite(params: list[Tensor]) -> Union[bool, Tensor]:
         return True
     if grads[0].device.type == "cpu":
         extremes = [x.double() for g in grads for x in torch.aminmax(g)]
-    else:
-        extremes = [n.double() for n in torch._foreach_norm(grads, float("inf"))]
-    return torch.isfinite(torch.stack(extremes)).all()
+        return torch.isfinite(torch.stack(extremes)).all()
+    # a few kernels whatever the tensor count (a launch each costs more than the arithmetic): one ∞-norm
+    # launch per dtype, then per dtype one stack (the ∞-norm of a finite tensor is finite in its own dtype)
+    by_dtype: dict = {}
+    for n in torch._foreach_norm(grads, float("inf")):
+        by_dtype.setdefault(n.dtype, []).append(n)
+    flags = [torch.isfinite(torch.stack(ns)).all() for ns in by_dtype.values()]
+    return flags[0] if len(flags) == 1 else torch.stack(flags).all()
 
 
 def all_finite(*flags):
