@@ -181,3 +181,22 @@ def test_nodecub_auto_runs_one_pick_on_every_rank():
     """Two cross-node groups, [0, 2] and [1, 3], whose first ranks price the votes apart: one pick, rank 0's."""
     picks = run_workers(_auto_worker, 4)
     assert picks == [("gather", None)] * 4, picks
+
+
+def test_lion_multi_tensor_step_in_chunks_equals_it_whole(monkeypatch):
+    from lioncub import Lion, lion as lion_module
+
+    def run(chunk):
+        if chunk is not None:
+            monkeypatch.setattr(lion_module, "FOREACH_CHUNK", chunk)
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(n)) for n in (7, 30, 2, 11)]
+        opt = Lion(params, lr=0.1, weight_decay=0.1, foreach=True)
+        for step in range(3):
+            for k, p in enumerate(params):
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + k))
+            opt.step()
+        return [p.detach().clone() for p in params]
+
+    whole, chunked = run(None), run(9)  # 7 | 30 | 2 | 11 ... in runs of at most 9 elements
+    assert all(torch.equal(a, b) for a, b in zip(whole, chunked))

@@ -24,7 +24,11 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import Tensor
 
+from .comm import runs
 from .validate import check_hyperparameters
+
+FOREACH_CHUNK = 1 << 24
+"""Elements :class:`Lion`'s multi-tensor step takes at once (its ``c`` temporary: 64 MiB of fp32)."""
 
 __all__ = ["Lion", "interpolate", "apply_update_", "lion"]
 
@@ -264,7 +268,10 @@ class Lion(torch.optim.Optimizer):
             if foreach is None:
                 foreach = len({t.device for t in params + grads + exp_avgs}) == 1
             beta1, beta2 = group["betas"]
-            lion(params, grads, exp_avgs, lr=group["lr"], beta1=beta1, beta2=beta2,
-                 weight_decay=group["weight_decay"], maximize=group["maximize"],
-                 foreach=foreach)
+            # the multi-tensor ops make c for all their tensors at once: a chunk of them at a time keeps that
+            # temporary to FOREACH_CHUNK elements (a larger tensor alone), not the model's size
+            for run in runs([p.numel() for p in params], FOREACH_CHUNK) if foreach else [range(len(params))]:
+                lion([params[i] for i in run], [grads[i] for i in run], [exp_avgs[i] for i in run], lr=group["lr"],
+                     beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], maximize=group["maximize"],
+                     foreach=foreach)
         return loss
