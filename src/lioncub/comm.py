@@ -53,7 +53,7 @@ from torch import Tensor
 
 __all__ = ["CommStats", "CollectiveError", "ExternalGroup", "step_context", "all_reduce", "all_reduce_async", "Pending",
            "all_gather", "all_to_all",
-           "broadcast", "broadcast_from_first", "runs", "barrier", "all_gather_object", "broadcast_object",
+           "broadcast", "broadcast_from_first", "runs", "slices", "pack_slices", "unpack_slices", "barrier", "all_gather_object", "broadcast_object",
            "device_of", "comm_device", "make_generator", "restore_generator", "clock", "step_stats",
            "REDUCE_OPS"]
 
@@ -319,18 +319,16 @@ BROADCAST_CHUNK = 1 << 22
 """Elements per set-up broadcast (:func:`broadcast_from_first`): 32 MiB of float64 at most, whatever the model."""
 
 
-@torch.no_grad()
-def broadcast_from_first(tensors: list[Tensor], group=None, chunk: int = BROADCAST_CHUNK) -> None:
-    """In place: every rank's ``tensors`` become the group's first rank's, in float64 broadcasts (exact
-    for every float dtype up to fp64, on the tensors' device) of at most ``chunk`` elements each: the
-    transient is one chunk, not the model (a contiguous tensor larger than a chunk travels in slices).
-    Collective."""
-    pieces, size = [], 0
+def slices(tensors: list[Tensor], chunk: int) -> list[list[tuple[Tensor, int, int]]]:
+    """``tensors`` as consecutive flat slices ``(t, a, b)`` (``t.view(-1)[a:b]``), grouped into chunks of at most
+    ``chunk`` elements: a contiguous tensor larger than a chunk is cut, a non-contiguous one (rare) travels
+    whole in a chunk of its own. How a collective of many tensors is bounded by a chunk (:func:`pack_slices`,
+    :func:`unpack_slices`)."""
+    out, pieces, size = [], [], 0
     for t in tensors:
         n = t.numel()
-        if not t.is_contiguous():  # rare: whole, in a chunk of its own
-            _broadcast_pieces(pieces, size, group)
-            _broadcast_pieces([(t, 0, n)], n, group)
+        if not t.is_contiguous():
+            out += [x for x in (pieces, [(t, 0, n)]) if x]
             pieces, size = [], 0
             continue
         start = 0
@@ -339,21 +337,22 @@ def broadcast_from_first(tensors: list[Tensor], group=None, chunk: int = BROADCA
             pieces.append((t, start, start + take))
             size, start = size + take, start + take
             if size == chunk:
-                _broadcast_pieces(pieces, size, group)
+                out.append(pieces)
                 pieces, size = [], 0
-    _broadcast_pieces(pieces, size, group)
+    return out + ([pieces] if pieces else [])
 
 
-def _broadcast_pieces(pieces: list[tuple[Tensor, int, int]], size: int, group) -> None:
-    """One float64 broadcast of the slices ``t.view(-1)[a:b]`` (or whole non-contiguous ``t``), written back."""
-    if not pieces:
-        return
-    flat = torch.empty(size, dtype=torch.float64, device=pieces[0][0].device)
+def pack_slices(pieces: list[tuple[Tensor, int, int]], flat: Tensor) -> Tensor:
+    """The slices' values, in order, into the front of ``flat`` (cast to its dtype); returns ``flat``."""
     offset = 0
     for t, a, b in pieces:
         flat[offset:offset + b - a].copy_(t.detach().reshape(-1)[a:b])
         offset += b - a
-    broadcast(flat, group)
+    return flat
+
+
+def unpack_slices(flat: Tensor, pieces: list[tuple[Tensor, int, int]]) -> None:
+    """:func:`pack_slices` backwards: the front of ``flat`` written into the slices (cast to their dtype)."""
     offset = 0
     for t, a, b in pieces:
         src = flat[offset:offset + b - a]
@@ -362,6 +361,18 @@ def _broadcast_pieces(pieces: list[tuple[Tensor, int, int]], size: int, group) -
         else:
             t.copy_(src.view_as(t))
         offset += b - a
+
+
+@torch.no_grad()
+def broadcast_from_first(tensors: list[Tensor], group=None, chunk: int = BROADCAST_CHUNK) -> None:
+    """In place: every rank's ``tensors`` become the group's first rank's, in float64 broadcasts (exact
+    for every float dtype up to fp64, on the tensors' device) of at most ``chunk`` elements each: the
+    transient is one chunk, not the model (a contiguous tensor larger than a chunk travels in slices).
+    Collective."""
+    for pieces in slices(tensors, chunk):
+        flat = torch.empty(sum(b - a for _, a, b in pieces), dtype=torch.float64, device=pieces[0][0].device)
+        broadcast(pack_slices(pieces, flat), group)
+        unpack_slices(flat, pieces)
 
 
 def _is_nccl(group) -> bool:

@@ -191,15 +191,15 @@ class NodeCub(Shell, torch.optim.Optimizer):
                              f"{len(self.params)}; pass shard=False")
         self.owners = owners
         self._mine = [i for i, j in enumerate(owners) if j == layout.local_rank]
-        # shard=True: per dtype and round, each local rank's parameter indices (whole tensors, at most
-        # NODE_CHUNK elements a round unless one tensor is larger): what one all-gather carries (fixed)
+        # shard=True: per dtype and round, each local rank's slices of its parameters (comm.slices: at most
+        # NODE_CHUNK elements a round, a large tensor cut): what one all-gather carries (fixed)
         self._share_plan = []
         for dtype in sorted({p.dtype for p in self.params}, key=str):
-            idx = [_chunked([i for i, p in enumerate(self.params) if p.dtype == dtype and owners[i] == j],
-                            self.params) for j in range(local)]
-            for k in range(max(len(ids) for ids in idx)):
-                ids = [ids[k] if k < len(ids) else [] for ids in idx]
-                self._share_plan.append((dtype, ids, [sum(self.params[i].numel() for i in x) for x in ids]))
+            cut = [comm.slices([p for i, p in enumerate(self.params) if p.dtype == dtype and owners[i] == j],
+                               NODE_CHUNK) for j in range(local)]
+            for k in range(max(len(x) for x in cut)):
+                pieces = [x[k] if k < len(x) else [] for x in cut]
+                self._share_plan.append((dtype, pieces, [sum(b - a for _, a, b in x) for x in pieces]))
         # the vote's param groups: this rank's shard of each group, the group's settings
         self._group_of_vote = []  # vote group index -> this optimizer's group index
         vote_groups, offset = [], 0
@@ -251,17 +251,13 @@ class NodeCub(Shell, torch.optim.Optimizer):
 
     def _share_in_node(self, stats: CommStats) -> None:
         """shard=True: every rank gets every shard's updated values; one all-gather per dtype and chunk."""
-        for dtype, idx, sizes in self._share_plan:
-            mine = idx[self.layout.local_rank]
-            send = torch.zeros(max(sizes), dtype=dtype, device=self.params[0].device)
-            if mine:
-                torch.cat([self.params[i].detach().reshape(-1) for i in mine], out=send[:sizes[self.layout.local_rank]])
+        me = self.layout.local_rank
+        for dtype, pieces, sizes in self._share_plan:
+            send = comm.pack_slices(pieces[me], torch.zeros(max(sizes), dtype=dtype, device=self.device))
             got = comm.all_gather(send, self.layout.intra, stats)  # (L, max size)
-            for j, ids in enumerate(idx):
-                if j == self.layout.local_rank or not ids:
-                    continue
-                for i, piece in zip(ids, got[j, :sizes[j]].split([self.params[i].numel() for i in ids])):
-                    self.params[i].copy_(piece.view_as(self.params[i]))
+            for j, theirs in enumerate(pieces):
+                if j != me:
+                    comm.unpack_slices(got[j], theirs)
 
     def _sync_settings(self) -> None:
         """Schedulers change this optimizer's groups; the vote's groups follow before each step."""
