@@ -200,3 +200,23 @@ def test_lion_multi_tensor_step_in_chunks_equals_it_whole(monkeypatch):
 
     whole, chunked = run(None), run(9)  # 7 | 30 | 2 | 11 ... in runs of at most 9 elements
     assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
+
+
+def test_fake_tensors_take_the_torch_path_and_leave_no_table_behind():
+    """Under FakeTensorMode (a memory estimate, a trace) the C loops would read null pointers: the fused path
+    is refused for fake tensors; the unpack tables made there stay there (real tensors afterwards get real ones)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lioncub import fused
+    from lioncub.wire import kernels
+
+    packed = torch.tensor([0b10110001, 0xFF], dtype=torch.uint8)
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(packed)
+        assert not fused.usable([torch.zeros(4)])
+        assert fused.unusable_reason([torch.zeros(4)]) == "fake tensors (FakeTensorMode) have no data for the loops"
+        kernels.unpack_pm1(fake, 16, torch.float32)
+        kernels.unpack_pm1(fake, 16)
+    real = kernels.unpack_pm1(packed, 16, torch.float32)
+    assert real.tolist() == [1, -1, -1, -1, 1, 1, -1, 1] + [1] * 8
+    assert kernels.unpack_pm1(packed, 16).tolist() == real.tolist()

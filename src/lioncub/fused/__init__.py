@@ -145,6 +145,8 @@ def usable(*tensor_lists: list[Tensor]) -> bool:
     """The loops take contiguous fp32 CPU tensors; contiguous fp32 CUDA tensors get the Triton
     kernels of :mod:`lioncub.fused.triton` when Triton is installed (anything else: the torch path)."""
     ts = [t for group in tensor_lists for t in group]
+    if any(_traced(t) for t in ts):  # no data behind them: the loops would read null pointers
+        return False
     if ts and all(t.device.type == "cuda" for t in ts):
         from . import triton as triton_kernels
         return triton_kernels.handles(ts)
@@ -152,10 +154,19 @@ def usable(*tensor_lists: list[Tensor]) -> bool:
                                for t in ts)
 
 
+def _traced(t: Tensor) -> bool:
+    """Whether ``t`` is a fake tensor (``FakeTensorMode``: a memory estimate, a trace), whose data pointer is null."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
 def unusable_reason(ts: list[Tensor]) -> Optional[str]:
     """None when :func:`usable` holds for the tensors ``ts``, else why not, in one line."""
     if usable(ts):
         return None
+    if any(_traced(t) for t in ts):
+        return "fake tensors (FakeTensorMode) have no data for the loops"
     if ts and all(t.device.type == "cuda" for t in ts):
         return "CUDA tensors need contiguous fp32 and Triton (lioncub.fused.triton)"
     if not available():

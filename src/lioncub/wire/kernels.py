@@ -111,10 +111,19 @@ def pack_bytes(values: Tensor, n: int, bits: int) -> Tensor:
     return folded.to(torch.uint8)  # the low byte (truncating cast)
 
 
+def _where(t: Tensor):
+    """The tables' cache key for ``t``: its device, and for a fake tensor (``FakeTensorMode``) its mode too, so
+    that a table made under one fake mode (a memory estimate, a trace) never meets real tensors or another."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return (str(t.device), id(t.fake_mode)) if is_fake(t) else str(t.device)
+
+
 @functools.lru_cache(maxsize=None)
-def _table(bits: int, kind: str, device: str) -> Tensor:
+def _table(bits: int, kind: str, where) -> Tensor:
     """256-entry unpack table: entry b holds the 8/bits unpacked bytes of byte b, as one word."""
     per_byte = 8 // bits
+    device = where if isinstance(where, str) else where[0]
     b = torch.arange(256, dtype=torch.int64, device=device).unsqueeze(1)  # made there: no host copy
     shifts = torch.arange(0, 8, bits, dtype=torch.int64, device=device)
     lanes = (b >> shifts) & ((1 << bits) - 1)  # (256, per_byte)
@@ -130,7 +139,7 @@ def unpack_bytes(packed: Tensor, n: int, bits: int) -> Tensor:
     if bits == 8:
         return packed.reshape(-1)[:n]
     idx = packed.reshape(-1).to(torch.int32)
-    words = torch.index_select(_table(bits, "lanes", str(packed.device)), 0, idx)
+    words = torch.index_select(_table(bits, "lanes", _where(packed)), 0, idx)
     return words.view(torch.uint8)[:n]
 
 
@@ -143,9 +152,9 @@ def unpack_pm1(packed: Tensor, n: int, dtype: torch.dtype = torch.int8, out: Ten
     flat = packed.reshape(-1)
     if dtype == torch.int8:
         idx = flat.to(torch.int32)
-        u = torch.index_select(_table(1, "pm1", str(packed.device)), 0, idx).view(torch.int8)[:n]
+        u = torch.index_select(_table(1, "pm1", _where(packed)), 0, idx).view(torch.int8)[:n]
         return u if out is None else out.copy_(u)
-    table = _float_table(dtype, str(packed.device))
+    table = _float_table(dtype, _where(packed))
     if out is None:
         return torch.nn.functional.embedding(flat.to(torch.int64), table).reshape(-1)[:n]
     whole = n // 8  # bytes whose 8 elements all fit in out
@@ -162,8 +171,9 @@ _ONES = 0x0101010101010101  # 1 in every byte of an int64
 
 
 @functools.lru_cache(maxsize=None)
-def _float_table(dtype: torch.dtype, device: str) -> Tensor:
+def _float_table(dtype: torch.dtype, where) -> Tensor:
     """(256, 8): row b holds the 8 sign bits of byte b as ±1 in ``dtype``."""
+    device = where if isinstance(where, str) else where[0]
     bits = (torch.arange(256, device=device).unsqueeze(1) >> torch.arange(8, device=device)) & 1
     return (bits * 2 - 1).to(dtype)
 
@@ -183,7 +193,7 @@ def _spread(packed: Tensor) -> Tensor:
     """Each bit of a flat uint8 tensor as one 0/1 byte: int64 words, 8 per packed byte
     (one gather from a 256-word table: faster on CPU than the multiply/carry chain)."""
     idx = packed.reshape(-1).to(torch.int32)
-    return torch.index_select(_table(1, "lanes", str(packed.device)), 0, idx)
+    return torch.index_select(_table(1, "lanes", _where(packed)), 0, idx)
 
 
 def vote_bits(packed: Tensor, world: int) -> tuple[Tensor, Tensor]:
