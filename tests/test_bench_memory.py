@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # ~15 s: every setup under FakeTensorMode in a subprocess; .ci/run runs it
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
 LAYERS, D, VOCAB, SEQ, WORLD, REPLICAS, SHARDS = 2, 64, 256, 16, 8, 2, 4
