@@ -193,8 +193,8 @@ def lioncub_fsdp2(device, audit, steps: int = 3, optimizer: str = "LionCub", **k
     def dtensor(local):
         return DTensor.from_local(local, mesh, [Shard(0)], shape=local.shape, stride=local.stride(), run_check=False)
 
-    torch.manual_seed(0)
-    params = [nn.Parameter(dtensor(torch.randn(shape).to(device))) for shape in ((37, 13), (13,), (5, 13))]
+    model = _model(device)  # the DTensors share its parameters' storage: its replicas are compared after
+    params = [nn.Parameter(dtensor(p.detach())) for p in model.parameters()]
     opt = getattr(lc, optimizer)(params, lr=1e-3, **kw)
     for k in range(steps):
         for p in params:
