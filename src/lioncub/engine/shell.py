@@ -74,14 +74,14 @@ class Shell:
         self.sharding = sharding
         """FSDP2's layout of the parameters (:mod:`lioncub.engine.shards`), None for plain parameters."""
         self.group = group
+        # agree_group / agree_size: the ranks that agree on each step (which gradients exist, whether all are
+        # finite): the optimizer's group, or with FSDP2 parameters the whole world (every shard of every replica)
         if sharding is None:
             self.rank, self.world_size = world_of(group)
             self.agree_group, self.agree_size = group, self.world_size
         else:
             self.rank, self.world_size = sharding.rank, sharding.size
             self.agree_group, self.agree_size = None, dist.get_world_size()
-        """The group whose ranks agree on each step (which gradients exist, whether all are finite): the
-        optimizer's group, or with FSDP2 parameters the whole world (every shard of every replica)."""
         self.device = comm.comm_device(list(params), group)
         """The one device of the parameters, the optimizer's state, messages and every collective."""
         self._param_names = guard.param_names(model, params if sharding is None else sharding.params)
