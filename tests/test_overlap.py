@@ -355,3 +355,20 @@ def test_a_gradient_after_its_vote_raises_on_every_rank_in_step():
     assert re.match(r"overlap: parameter [01] got a gradient after its bucket's vote was launched", msg1), msg1
     assert msg0 == ("overlap: on 1 other rank(s) a parameter got its gradient after its bucket's vote was launched "
                     "(see that rank's error)"), msg0
+
+
+def test_a_vote_launched_in_backward_is_timed_only_where_the_calls_block():
+    from lioncub.comm import clock as comm_clock
+
+    """On CPU (gloo blocks) a vote's times are real; elsewhere never: a clock read in backward would need a sync
+    (or read a launch time into a step timed with timing=True)."""
+    vote = overlap_mod._Vote([0, 1], torch.device("cpu"))
+    assert vote.stats.sync is None  # timed, no sync needed
+    for device in (torch.device("meta"), torch.device("cuda", 0)):
+        vote = overlap_mod._Vote([0], device)
+        assert vote.stats.sync is False  # every clock read is 0, no synchronize
+        assert comm_clock(vote.stats) == 0.0  # (a synchronize of cuda:0 would raise on this host)
+        timed_step = CommStats()
+        timed_step.sync = device  # a step with timing=True
+        timed_step.add(vote.stats)
+        assert timed_step.t_collective == 0.0

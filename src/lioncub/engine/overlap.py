@@ -134,8 +134,11 @@ class _Vote:
 
     __slots__ = ("idx", "stats", "future", "voted", "finite", "done", "waited")
 
-    def __init__(self, idx: list[int]):
-        self.idx, self.stats = list(idx), CommStats()
+    def __init__(self, idx: list[int], device: torch.device):
+        # timed where the calls block (CPU); off the CPU never: a vote runs during backward, where a clock read
+        # would need a sync (none is allowed there) and without one reads launch times, which must not be added
+        # into a step timed with timing=True (docs/gpu.md)
+        self.idx, self.stats = list(idx), comm.step_stats(device, None if device.type == "cpu" else False)
         self.future: Optional[Future] = None
         self.voted: Optional[Tensor] = None
         self.finite: Flag = None
@@ -202,7 +205,7 @@ class VoteDriver:
     def _start(self, idx: list[int]) -> None:
         opt, run = self.opt, self.opt.bucket_step
         bucket = opt.plan_bucket(idx)
-        vote = _Vote(idx)
+        vote = _Vote(idx, self.device)
         step, k = opt.steps, len(self._pending)  # one buffer per in-flight vote
         self._pending.append(vote)
         caller = torch.cuda.current_stream(self.device) if self._cuda else None  # the hook's stream
