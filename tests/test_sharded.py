@@ -138,7 +138,7 @@ VOTES = [("pbit", dict(vote="pbit")), ("onebit", dict(vote="onebit")),
 
 @pytest.mark.parametrize("replicas,shards,runs", [
     (2, 2, VOTES),
-    (2, 1, VOTES[:2] + VOTES[-1:]),
+    (2, 1, VOTES[:2] + [v for v in VOTES if v[0] == "overlap"]),
     (1, 4, VOTES[:1]),  # no replicas: Lion on each shard
     (3, 2, VOTES[:3]),
 ])

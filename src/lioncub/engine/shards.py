@@ -319,15 +319,11 @@ class Sharded:
         """What the engine steps for parameter ``p``: itself, or an FSDP2 DTensor's local shard."""
         return local_of(p)
 
-    def engine_state(self):
-        """The optimizer's ``state`` as the engine reads it: itself, or with FSDP2 parameters a view
-        keyed by the local shards (:class:`LocalState`)."""
-        return self.state if getattr(self, "sharding", None) is None else LocalState(self.state, self.sharding)
-
     @property
     def local_state(self):
-        """:meth:`engine_state`: the state the round code and the engine read, by local shard."""
-        return self.engine_state()
+        """The optimizer's ``state`` as the engine and the round code read it: itself, or with FSDP2 parameters a
+        view keyed by the local shards (:class:`LocalState`)."""
+        return self.state if getattr(self, "sharding", None) is None else LocalState(self.state, self.sharding)
 
     def make_sharded_state(self) -> None:
         """With FSDP2 parameters, every momentum from the start: ``torch.distributed.checkpoint``'s

@@ -80,7 +80,7 @@ class StepCheckpoint:
                     if torch.is_tensor(t):
                         entry[key] = self.sharding.wrap(local, self.sharding.unstacked(local, t))
         self.plan = BucketPlan(self.param_groups, self.config.bucket_mb, self.config.fused, self._local)
-        self.bucket_step.state = self.engine_state()
+        self.bucket_step.state = self.local_state
 
     def _load_sharded(self, state_dict: dict) -> None:
         """A state dict of FSDP2 parameters: this rank's own (``torch.save``; the envelope checked as for

@@ -193,7 +193,7 @@ class LionCub(StepCheckpoint, Sharded, Driven, Bucketed, CheckedGroups, Shell, S
         self.skipped_steps = 0  # steps skipped by nonfinite='skip' (all ranks agree)
         self._checked, self.last_step_stats = 0, CommStats()  # the steps check_every last verified; stats
         self._driver = None  # attached by lioncub.engine.overlap (overlap=True) or lioncub.ddp.hook
-        self.bucket_step = BucketStep(self.engine_state(), self.world_size, self.group, self.generator,
+        self.bucket_step = BucketStep(self.local_state, self.world_size, self.group, self.generator,
                                       config.message_mb)
         self.vote_requested = vote
         if vote == "auto":  # the cheapest valid vote over this optimizer's buckets, rank 0's pick for all
@@ -289,7 +289,7 @@ class LionCub(StepCheckpoint, Sharded, Driven, Bucketed, CheckedGroups, Shell, S
         else:
             run.step_active(buckets, active, early, stats, self.steps, self.grad_dtype)
         self.steps += 1
-        self.momentum_sync.after_step(self.steps, self.engine_state(), stats)
+        self.momentum_sync.after_step(self.steps, self.local_state, stats)
         self.last_step_stats = stats
         return loss
 
