@@ -20,6 +20,7 @@ and a view of the optimizer's state keyed by them (:class:`LocalState`).
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import MutableMapping
 from typing import Optional, Sequence
 
@@ -339,9 +340,19 @@ class Sharded:
         if self.sharding is None:
             return self._step(closure, grad_scaler, verdict)
         loss = self.run_closure(closure)
+        with self.grads_on_shards():
+            out = self._step(None, grad_scaler, verdict)
+        return loss if closure is not None else out
+
+    @contextlib.contextmanager
+    def grads_on_shards(self):
+        """Inside the block (a step), each local shard's ``.grad`` is its parameter's local gradient; after it,
+        none (``zero_grad`` clears the DTensors' own). Nothing to do for plain parameters."""
+        if self.sharding is None:
+            yield
+            return
         self.sharding.hand_grads()
         try:
-            out = self._step(None, grad_scaler, verdict)
+            yield
         finally:
             self.sharding.drop_grads()
-        return loss if closure is not None else out

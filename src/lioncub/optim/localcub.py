@@ -273,13 +273,8 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, Sharded, Shell, VoteSet
         the ranks' loss scales need not agree, and agreeing would cost a collective per
         step); the round's collectives run on every rank regardless."""
         loss = self.run_closure(closure)
-        if self.sharding is not None:  # the local shards hold their gradients for the inner step's checks
-            self.sharding.hand_grads()
-        try:
+        with self.grads_on_shards():  # FSDP2: the local shards hold their gradients for the inner step's checks
             self._inner_step(grad_scaler)
-        finally:
-            if self.sharding is not None:
-                self.sharding.drop_grads()
         self.local_step += 1
         self.synced = self.local_step == self.H
         self.last_step_stats = comm.step_stats(self.device)
