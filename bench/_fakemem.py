@@ -23,7 +23,9 @@ LIBRARY = str(SRC / "lioncub") + os.sep
 class HostReads(TorchDispatchMode):
     """Inside FakeTensorMode: answer every host read of a fake tensor (``aten._local_scalar_dense``:
     ``item``, ``tolist``, ``bool``) with 0 (``False``; 1.0 for a floating-point tensor: a step count
-    or a scale, which a caller may divide by), and run ops whose tensors are all real as they are.
+    or a scale, which a caller may divide by; but 0.0 for the first element of the finite agreement's
+    float64 vector, :func:`lioncub.engine.guard.agree`: its count of ranks with a non-finite value),
+    and run ops whose tensors are all real as they are.
     ``reads`` counts the answers; ``where`` the library line of each (``file:line``: count)."""
 
     _LIFT = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
@@ -51,6 +53,8 @@ class HostReads(TorchDispatchMode):
             where = library_frame()
             self.where[where] = self.where.get(where, 0) + 1
             t = fake[0]
+            if t.is_floating_point() and where.startswith("lioncub/engine/guard.py") and t.storage_offset() == 0:
+                return 0.0  # (a round's agreement: its head follows the count, which must read "all finite")
             return False if t.dtype == torch.bool else 1.0 if t.is_floating_point() else 0
         return func(*args, **kwargs)
 

@@ -62,6 +62,11 @@ everywhere), heads of 64. Setups (``--optimizers``), world W = R replicas x S sh
   infers the replicas' group (R voters) from the mesh; ``--bf16`` sizes add the same with bf16
   parameters (``fsdp_lioncub_onebit_bf16``);
 * ``localcub``: ``lioncub.LocalCub(local_steps=H, vote='onebit')``, replicated; the step ends a round;
+* ``localcub_mean``: LocalCub's 8-bit lane mean with error feedback (``vote='pbit', bits=8,
+  quantizer='l1', aggregate='mean', error_feedback=True``), replicated; ``localcub_mean_delay1`` the same
+  streamed (``delay=1``: the second round's end, which applies the first's agreement and launches its
+  own); ``fsdp_localcub_mean`` the lane mean on FSDP2's shards (``fully_shard`` on ``mesh['shard']``,
+  R replicas agree);
 * ``nodecub``: ``lioncub.NodeCub(vote='onebit')``, W/S nodes of S ranks (``node_groups(S)``); rank 0
   is local rank 0, which the shard plan gives the largest tensor first (the most loaded).
 
@@ -99,7 +104,8 @@ POSITIONS = 2048
 HEAD = 64
 SIZES = {"125M": (12, 768), "1.3B": (24, 2048), "7B": (32, 4096), "70B": (80, 8192)}
 """Name -> (layers, width d)."""
-OPTIMIZERS = ("adamw", "fsdp_adamw", "lioncub_onebit", "lioncub_pbit", "fsdp_lioncub_onebit", "localcub", "nodecub")
+OPTIMIZERS = ("adamw", "fsdp_adamw", "lioncub_onebit", "lioncub_pbit", "fsdp_lioncub_onebit", "localcub",
+              "localcub_mean", "localcub_mean_delay1", "fsdp_localcub_mean", "nodecub")
 COLUMNS = ("params", "grads", "state", "kept", "transient", "fwd_bw", "peak")
 DEVICE = "cpu (FakeTensorMode)"
 
@@ -171,7 +177,9 @@ class Config:
     @property
     def steps(self) -> int:
         """Steps run; the last is measured (LocalCub's ends a round of ``local_steps``)."""
-        return max(2, self.local_steps) if self.optimizer == "localcub" else 2
+        if "localcub" not in self.optimizer:
+            return 2
+        return max(2, self.local_steps) * (2 if self.optimizer.endswith("_delay1") else 1)
 
     def lioncub_args(self) -> dict:
         return {} if self.fused == "stub" else dict(fused=False)
@@ -195,6 +203,15 @@ def _localcub(model, mesh, cfg):
     return lioncub.LocalCub(model.parameters(), lr=1e-4, local_steps=cfg.local_steps, vote="onebit")
 
 
+def _localcub_mean(delay):
+    def make(model, mesh, cfg):
+        import lioncub
+
+        return lioncub.LocalCub(model.parameters(), lr=1e-4, local_steps=cfg.local_steps, vote="pbit", bits=8,
+                                quantizer="l1", aggregate="mean", error_feedback=True, delay=delay)
+    return make
+
+
 def _nodecub(model, mesh, cfg):
     import lioncub
 
@@ -210,6 +227,9 @@ SETUPS: dict[str, tuple[Optional[str], Callable, str]] = {
     "fsdp_lioncub_onebit": ("shard", _lioncub("onebit"), "FSDP2 on mesh['shard'] + LionCub(onebit), R voters"),
     "fsdp_lioncub_onebit_bf16": ("shard", _lioncub("onebit"), "as fsdp_lioncub_onebit, bf16 parameters"),
     "localcub": (None, _localcub, "replicated + LocalCub(onebit, H): the step that ends a round"),
+    "localcub_mean": (None, _localcub_mean(0), "replicated + LocalCub(8-bit lane mean, EF, H): a round's end"),
+    "localcub_mean_delay1": (None, _localcub_mean(1), "as localcub_mean, delay=1: the second round's end"),
+    "fsdp_localcub_mean": ("shard", _localcub_mean(0), "FSDP2 on mesh['shard'] + LocalCub(lane mean), R agree"),
     "nodecub": (None, _nodecub, "replicated + NodeCub(onebit), W/S nodes of S ranks"),
 }
 """Name -> (FSDP2 layout: None replicated, ``'hsdp'`` the 2-D mesh, ``'shard'`` its shard dimension;
@@ -230,7 +250,7 @@ def measure(size: str, optimizer: str, *, layers: Optional[int] = None, d: Optio
                world=cfg.world, replicas=cfg.replicas, shards=cfg.shards, optimizer=optimizer,
                setup=SETUPS[optimizer][2], dtype=str(cfg.dtype).replace("torch.", ""), device=DEVICE,
                batch=cfg.batch, seq=cfg.seq, steps=cfg.steps,
-               local_steps=cfg.local_steps if optimizer == "localcub" else None,
+               local_steps=cfg.local_steps if "localcub" in optimizer else None,
                fused=cfg.fused if "lioncub" in optimizer or optimizer == "nodecub" else None, error=None)
     t0 = time.process_time()
     try:

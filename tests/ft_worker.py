@@ -52,6 +52,8 @@ def main() -> None:
     ap.add_argument("--max-attempts", type=int, default=20)
     ap.add_argument("--save", default="", help="torch.save the optimizer state here after training")
     ap.add_argument("--load", default="", help="load the optimizer and model state from here first")
+    ap.add_argument("--round-chunk", type=int, default=0, help="LocalCub.round_chunk (0: its default)")
+    ap.add_argument("--scale-block", type=int, default=0, help="lioncub.optim.rounds.SCALE_BLOCK (0: its default)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     from lioncub.ft import QuorumError  # (importable without torchft: only FTLocalCub needs it)
@@ -77,6 +79,11 @@ def main() -> None:
         opt = FTLocalCub(model.parameters(), manager, max_attempts=a.max_attempts, **kw)
         from lioncub.ft.faults import install, parse_fault
         install(opt, [parse_fault(spec) for spec in a.fault], a.replica)
+    if a.round_chunk:
+        opt.round_chunk = a.round_chunk
+    if a.scale_block:
+        from lioncub.optim import rounds
+        rounds.SCALE_BLOCK = a.scale_block
     if a.load:
         saved = torch.load(a.load, map_location="cpu", weights_only=True)
         model.load_state_dict(saved["model"])

@@ -89,34 +89,89 @@ def test_frozen_on_one_rank_without_a_group():
     assert [p for _, p in opt.param_entries] == [model.weight]
 
 
-def _round_worker(rank, world, kw, chunk):
+def _round_worker(rank, world, kw, chunk, block=None):
     from lioncub import LocalCub
+    from lioncub.optim import rounds
 
+    if block is not None:
+        rounds.SCALE_BLOCK = block  # (this worker process only)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
     opt = LocalCub(model.parameters(), lr=0.01, local_steps=2, inner="adamw", **kw)
     if chunk is not None:
         opt.round_chunk = chunk
-    exchanges = []
-    for step in range(6):
+    exchanges, starts = [], []
+    for step in range(8):
         g = torch.Generator().manual_seed(10 * rank + step)
         model(torch.randn(5, 8, generator=g)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
         if opt.synced:
             exchanges.append(opt.last_round_stats.n_collectives)
-    return [p.detach().clone() for p in model.parameters()], exchanges
+    if kw.get("delay"):
+        opt.flush()
+    starts = [opt.state[p]["start"].clone() for p in model.parameters()]
+    residuals = [opt.state[p]["residual"].clone() for p in model.parameters()] if kw.get("error_feedback") else []
+    plan = [[tuple(pc) for pc in pieces] for pieces in opt._plan()]
+    return [p.detach().clone() for p in model.parameters()] + starts + residuals, exchanges, plan
 
 
-@pytest.mark.parametrize("kw", [dict(vote="grad"), dict(vote="onebit", error_feedback=True),
-                                dict(vote="pbit", bits=8, quantizer="l1", aggregate="mean", error_feedback=True)],
-                         ids=["fp32-mean", "onebit-ef", "lane-mean"])
+ROUND_KINDS = [dict(vote="grad"), dict(vote="onebit", error_feedback=True),
+               dict(vote="pbit", bits=8, quantizer="l1", aggregate="mean", error_feedback=True),
+               dict(vote="pbit", bits=8, quantizer="l1", aggregate="mean", error_feedback=True, delay=1),
+               dict(vote="sign_allreduce", error_feedback=True, delay=1)]
+ROUND_IDS = ["fp32-mean", "onebit-ef", "lane-mean", "lane-mean-streaming", "sign-allreduce-streaming"]
+
+
+@pytest.mark.parametrize("kw", ROUND_KINDS, ids=ROUND_IDS)
 def test_a_round_in_chunks_equals_the_round_whole(kw):
     whole = run_workers(_round_worker, 2, kw, None)
     chunked = run_workers(_round_worker, 2, kw, 130)  # 128 | 16 + 64 + 4 elements: two chunks
-    for (p_whole, n_whole), (p_chunked, n_chunked) in zip(whole, chunked):
-        assert all(torch.equal(a, b) for a, b in zip(p_whole, p_chunked))
+    for (t_whole, n_whole, _), (t_chunked, n_chunked, plan) in zip(whole, chunked):
+        assert plan == [[(0, 0, 128)], [(1, 0, 16), (2, 0, 64), (3, 0, 4)]]
+        assert all(torch.equal(a, b) for a, b in zip(t_whole, t_chunked))
         assert all(c > w for c, w in zip(n_chunked, n_whole)), (n_chunked, n_whole)  # more, smaller exchanges
+
+
+@pytest.mark.parametrize("kw", ROUND_KINDS, ids=ROUND_IDS)
+def test_a_tensor_cut_in_slices_gets_the_round_of_the_tensor_whole(kw):
+    """A tensor larger than a chunk travels in slices cut on the scale's blocks: its per-tensor scale (the lane
+    mean's shared unit, C(v)'s magnitude) is still the whole tensor's, so parameters, θ_s and residuals equal the
+    round without chunks bit for bit (blocks of 32 elements here: the 128-element weight has four)."""
+    whole = run_workers(_round_worker, 2, kw, None, 32)
+    sliced = run_workers(_round_worker, 2, kw, 70, 32)  # 64 + 64 | 16 + 4 | 64: the weight in two slices
+    for (t_whole, _, _), (t_sliced, _, plan) in zip(whole, sliced):
+        assert plan == [[(0, 0, 64)], [(0, 64, 128)], [(1, 0, 16)], [(2, 0, 64), (3, 0, 4)]]
+        assert all(torch.equal(a, b) for a, b in zip(t_whole, t_sliced))
+
+
+def test_plan_chunks_cuts_large_tensors_on_aligned_slices_and_keeps_the_rest_whole():
+    def plan(*args, **kw):
+        return [[tuple(pc) for pc in pieces] for pieces in comm.plan_chunks(*args, **kw)]
+
+    assert plan([3, 10, 2, 2, 0, 9], 5, align=4, uncut=frozenset({5})) == [
+        [(0, 0, 3)], [(1, 0, 4)], [(1, 4, 8)], [(1, 8, 10)], [(2, 0, 2), (3, 0, 2), (4, 0, 0)], [(5, 0, 9)]]
+    assert plan([3, 10], 5) == [[(0, 0, 3)], [(1, 0, 5)], [(1, 5, 10)]]  # align 1: cut at the chunk
+    assert plan([3, 10], 2, align=4) == [[(0, 0, 3)], [(1, 0, 4)], [(1, 4, 8)], [(1, 8, 10)]]  # slices >= align
+    assert plan([], 5) == [[]] and comm.runs([], 5) == []
+    assert comm.runs([3, 10, 2, 2, 0, 9], 5) == [[0], [1], [2, 3, 4], [5]]  # runs: the same, nothing cut
+    assert comm.chunk_cap(10 ** 9, 1 << 22) == 1 << 22 and comm.chunk_cap(32 * 2 ** 20, 1 << 22) == 2 ** 21
+    assert comm.chunk_cap(1000, 1 << 22) == 1 << 20 and comm.chunk_cap(1000, 9) == 9
+
+
+def test_abs_means_of_slices_equal_the_whole_and_one_block_is_the_plain_mean(monkeypatch):
+    from lioncub.optim import rounds
+
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(3)) * 1e3
+    one = rounds.abs_means([[rounds.block_sums(x)]], [1000], "cpu")
+    assert one.dtype == torch.float64 and torch.equal(one, x.abs().mean().double().reshape(1))
+    monkeypatch.setattr(rounds, "SCALE_BLOCK", 100)
+    whole = rounds.abs_means([[rounds.block_sums(x)]], [1000], "cpu")
+    sliced = rounds.abs_means([[rounds.block_sums(x[:300]), rounds.block_sums(x[300:700]),
+                                rounds.block_sums(x[700:])]], [1000], "cpu")
+    assert torch.equal(whole, sliced)
+    assert torch.allclose(whole, x.double().abs().mean().reshape(1), rtol=1e-6, atol=0)
+    assert torch.equal(rounds.abs_means([[rounds.block_sums(x[:0])]], [0], "cpu"), torch.zeros(1, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("n,buckets", [(10, 8), (1000, 64), (4097, 100)])
@@ -190,15 +245,19 @@ def test_lion_multi_tensor_step_in_chunks_equals_it_whole(monkeypatch):
         if chunk is not None:
             monkeypatch.setattr(lion_module, "FOREACH_CHUNK", chunk)
         torch.manual_seed(0)
-        params = [nn.Parameter(torch.randn(n)) for n in (7, 30, 2, 11)]
+        params = [nn.Parameter(torch.randn(n)) for n in (7, 30, 2, 11)] + [nn.Parameter(torch.randn(4, 5).t())]
         opt = Lion(params, lr=0.1, weight_decay=0.1, foreach=True)
         for step in range(3):
             for k, p in enumerate(params):
                 p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + k))
             opt.step()
-        return [p.detach().clone() for p in params]
+        runs = lion_module._chunks(params, [p.grad for p in params], [opt.state[p]["exp_avg"] for p in params])
+        return [p.detach().clone() for p in params], runs
 
-    whole, chunked = run(None), run(9)  # 7 | 30 | 2 | 11 ... in runs of at most 9 elements
+    (whole, _), (chunked, runs) = run(None), run(9)
+    # 7 | 30 in slices of 9 | 2 | 11 in slices | the transposed 4 x 5 whole (not contiguous)
+    assert runs == [[(0, None)], [(1, slice(0, 9))], [(1, slice(9, 18))], [(1, slice(18, 27))], [(1, slice(27, 30))],
+                    [(2, None)], [(3, slice(0, 9))], [(3, slice(9, 11))], [(4, None)]]
     assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
 
 

@@ -82,13 +82,19 @@ def run_three(tmp_path: Path, mode: str, *args: str, min_replicas: int = 3, tag:
     return outs
 
 
+CHUNKS = ("--round-chunk", "70", "--scale-block", "32")
+"""A round in chunks, the first weight (128 elements) in two slices (tests/test_frozen_and_chunks.py)."""
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("vote", ["grad", "mean8"])
-def test_no_failure_equals_localcub_on_a_plain_group(tmp_path, vote):
-    """Three replicas on torchft, no failure: every round bit-identical to LocalCub on a 3-rank gloo group."""
+@pytest.mark.parametrize("vote,chunks", [("grad", ()), ("mean8", ()), ("mean8", CHUNKS)],
+                         ids=["grad", "mean8", "mean8-chunks"])
+def test_no_failure_equals_localcub_on_a_plain_group(tmp_path, vote, chunks):
+    """Three replicas on torchft, no failure: every round bit-identical to LocalCub on a 3-rank gloo group (the
+    torchft rounds in chunks too: each chunk's d and residual held until the commit)."""
     args = ("--steps", "20", "--H", "4", "--vote", vote)
-    ft = [rounds_of(p) for p in run_three(tmp_path, "ft", *args)]
-    plain = [rounds_of(p) for p in run_three(tmp_path, "plain", *args)]
+    ft = [rounds_of(p) for p in run_three(tmp_path, "ft", *args, *chunks)]
+    plain = [rounds_of(p) for p in run_three(tmp_path, "plain", *args, *chunks[2:])]  # (whole, the same blocks)
     assert sorted(plain[0]) == list(range(1, 6))
     for r in range(3):
         assert sorted(ft[r]) == sorted(plain[0])
@@ -98,7 +104,7 @@ def test_no_failure_equals_localcub_on_a_plain_group(tmp_path, vote):
     assert all(ft[r][k]["uncommitted"] == 0 for r in range(3) for k in ft[r])
 
 
-COMMON = ("--H", "4", "--vote", "mean8", "--step-sleep", "0.03")
+COMMON = ("--H", "4", "--vote", "mean8", "--step-sleep", "0.03", *CHUNKS)  # failures strike between chunks too
 KILLED = 8  # the round in which a fault strikes
 
 

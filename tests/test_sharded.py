@@ -158,15 +158,24 @@ def _local_worker(rank, world, replicas, shards, runs):
     mesh = _mesh(replicas, shards)
     out = {}
     for name, kw in runs:
+        kw = dict(kw)
+        chunks = kw.pop("chunks", None)
+        if chunks is not None:  # (this worker process only) small blocks, on both sides
+            from lioncub import lion
+            from lioncub.optim import rounds
+            rounds.SCALE_BLOCK, lion.FOREACH_CHUNK = chunks["block"], chunks["foreach"]
         model = _shard(_model(), mesh["shard"])
         ref = _reference(_model(), model)
         opt = LocalCub(model.parameters(), lr=0.02, weight_decay=0.1, local_steps=2, **kw)
+        if chunks is not None:  # the shards' rounds in chunks and slices; the reference's whole
+            opt.round_chunk = chunks["round"]
         ref_opt = LocalCub([x for pieces in ref for x in pieces], lr=0.02, weight_decay=0.1, local_steps=2,
                            process_group=mesh.get_group("replicate"), **kw)
         same = _train(rank, model, opt, ref, ref_opt, 2 * STEPS - 1)
         own = copy.deepcopy((model.state_dict(), opt.state_dict()))  # inside a round: each rank's own
         model2 = _shard(_model(), mesh["shard"])
         opt2 = LocalCub(model2.parameters(), lr=0.02, weight_decay=0.1, local_steps=2, **kw)
+        opt2.round_chunk = opt.round_chunk
         model2.load_state_dict(own[0])
         opt2.load_state_dict(own[1])
         same += _train(rank, model, opt, ref, ref_opt, 1, first=2 * STEPS - 1)
@@ -182,7 +191,11 @@ def _local_worker(rank, world, replicas, shards, runs):
 LOCAL_RUNS = [("onebit", dict(vote="onebit")), ("grad_adamw", dict(vote="grad", inner="adamw", outer="nesterov",
                                                                    outer_lr=0.7)),
               ("lane_mean_ef", dict(vote="pbit", bits=8, quantizer="l1", aggregate="mean", error_feedback=True)),
-              ("streaming", dict(vote="pbit", bits=8, quantizer="l1", aggregate="mean", delay=1))]
+              ("streaming", dict(vote="pbit", bits=8, quantizer="l1", aggregate="mean", delay=1)),
+              # the first weight's local shard (30 or 60 elements) in slices of 8 for the round and the inner Lion's
+              # multi-tensor step on DTensors' local tensors in slices of 7
+              ("lane_mean_ef_chunks", dict(vote="pbit", bits=8, quantizer="l1", aggregate="mean", error_feedback=True,
+                                           chunks=dict(block=8, round=10, foreach=7)))]
 
 
 @pytest.mark.parametrize("replicas,shards", [(2, 2)])

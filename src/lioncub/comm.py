@@ -45,7 +45,7 @@ import weakref
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, fields
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -53,7 +53,7 @@ from torch import Tensor
 
 __all__ = ["CommStats", "CollectiveError", "ExternalGroup", "step_context", "all_reduce", "all_reduce_async", "Pending",
            "all_gather", "all_to_all",
-           "broadcast", "broadcast_from_first", "runs", "slices", "pack_slices", "unpack_slices", "barrier", "all_gather_object", "broadcast_object",
+           "broadcast", "broadcast_from_first", "Piece", "plan_chunks", "runs", "chunk_cap", "slices", "pack_slices", "unpack_slices", "barrier", "all_gather_object", "broadcast_object",
            "device_of", "comm_device", "make_generator", "restore_generator", "clock", "step_stats",
            "REDUCE_OPS"]
 
@@ -299,20 +299,53 @@ def broadcast(t: Tensor, group=None, stats: CommStats | None = None, *, src: int
     return t
 
 
+class Piece(NamedTuple):
+    """Elements ``lo:hi`` of the flattened tensor ``index`` (its position in a list), one part of a chunk."""
+
+    index: int
+    lo: int
+    hi: int
+
+    @property
+    def size(self) -> int:
+        return self.hi - self.lo
+
+
+def plan_chunks(sizes: Iterable[int], chunk: float, *, align: int = 1, uncut=frozenset()) -> list[list[Piece]]:
+    """Tensors of ``sizes``, in order, as chunks of at most ``chunk`` elements: whole tensors grouped together,
+    and a tensor above ``chunk`` in slices of its own, cut on multiples of ``align`` (each slice at least
+    ``align``) unless it is ``uncut`` (a set of indices, or True for every one: it is then a chunk alone).
+    One empty chunk for no tensors. How rounds, the multi-tensor Lion step, NodeCub's in-node collectives and
+    the momentum all-reduce bound their transient to a chunk (:func:`runs`: the same without cuts)."""
+    cut = max(align, int(chunk) // align * align)
+    chunks: list[list[Piece]] = []
+    run: list[Piece] = []
+    filled = 0
+    for i, n in enumerate(sizes):
+        if run and (n > chunk or filled + n > chunk):
+            chunks.append(run)
+            run, filled = [], 0
+        if n > chunk:
+            whole = uncut is True or i in uncut
+            chunks += [[Piece(i, lo, n if whole else min(lo + cut, n))] for lo in ([0] if whole else range(0, n, cut))]
+        else:
+            run.append(Piece(i, 0, n))
+            filled += n
+    return chunks + [run] if run or not chunks else chunks
+
+
 def runs(sizes: Iterable[int], cap: float) -> list[list[int]]:
     """Indices of ``sizes`` in order, grouped into runs whose sizes add up to at most ``cap`` (at least one
-    index each: a size above ``cap`` is a run of its own). How buckets travel in messages, and how rounds,
-    NodeCub's in-node collectives and the momentum all-reduce bound their transient to a chunk."""
-    out: list[list[int]] = []
-    total = 0
-    for i, n in enumerate(sizes):
-        if out and total + n <= cap:
-            out[-1].append(i)
-            total += n
-        else:
-            out.append([i])
-            total = n
-    return out
+    index each: a size above ``cap`` is a run of its own): :func:`plan_chunks` with no tensor cut. How buckets
+    travel in messages."""
+    return [[pc.index for pc in pieces] for pieces in plan_chunks(sizes, cap, uncut=True) if pieces]
+
+
+def chunk_cap(total: int, cap: int, share: int = 16, floor: int = 1 << 20) -> int:
+    """Elements a chunked loop over ``total`` elements holds at once: at most ``cap``, and at most a
+    ``share``-th of the whole (so its transient stays a small part of the model's bytes, a small model's
+    too), but not below ``floor`` elements (a few more collectives, never thousands of tiny ones)."""
+    return min(cap, max(floor, total // share))
 
 
 BROADCAST_CHUNK = 1 << 22

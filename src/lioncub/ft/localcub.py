@@ -47,6 +47,7 @@ from torch import Tensor
 from .. import comm
 from ..engine import guard
 from ..optim.localcub import LocalCub
+from ..optim.rounds import Measured
 from ..validate import check_int
 from ..votes.rounds import PARTIAL_NEEDS, round_aggregation, round_class
 
@@ -206,7 +207,7 @@ class FTLocalCub(LocalCub):
         """The round's agreement on the quorum torchft forms, retried until it commits. The same
         pieces as LocalCub's round (its pseudo-gradient, :func:`~lioncub.engine.guard.agree`, its
         aggregation); only the group, the count C of contributing replicas and the commit differ."""
-        sizes = [p.numel() for p in self.params]
+        plan = self._plan()  # the round a chunk at a time (optim/rounds.py); d is held until the commit
         began = time.perf_counter()
         self._healed = False  # a heal in any attempt of this round voids this replica's Δ
         for _ in range(self.max_attempts):
@@ -214,27 +215,23 @@ class FTLocalCub(LocalCub):
             self._start_quorum()
             self._fault("head", contributing)
             took_part = contributing and not self._healed
-            if took_part:
-                delta, v = self._pseudo_gradient("start")
-            else:
-                delta = v = torch.zeros(sum(sizes), dtype=torch.float32, device=self.device)
             group = ReplicaGroup(self.manager)
             P = group.size()
             aggregation = self._aggregation(P)
-            head = aggregation.head(v, sizes)  # (zeros from a replica with nothing to send)
+            seen = self._measure("start", plan, aggregation) if took_part else self._nothing_to_send(aggregation)
+            head = aggregation.head(seen.scales)  # (zeros from a replica with nothing to send)
             extra = torch.zeros(2 + (0 if head is None else head.numel()), dtype=torch.float64, device=self.device)
             extra[0], extra[1] = float(took_part), float(self.stop_requested)  # C, and a stop asked for
             if head is not None:
                 extra[2:] = head
             verdict = guard.agree([], group, P, self.device, stats, extra=extra,
-                                  finite=False if self._bad_round and took_part else torch.isfinite(delta).all())
+                                  finite=False if self._bad_round and took_part else seen.finite)
             bad, C = verdict.bad_ranks, int(round(verdict.extra[0]))
-            agreement = sent = None
+            agreed = None
             if self.manager.errored() is None and bad == 0 and C > 0:
                 self._fault("lanes", contributing)
-                agreement, sent = self._launch(v, sizes, verdict.extra[2:], C, stats, aggregation=aggregation,
-                                               group=group)
-                agreement.result(stats)
+                agreed = [self._exchange(pieces, seen, took_part, verdict.extra[2:], C, stats, aggregation, group)
+                          for pieces in plan]
             self._fault("commit", contributing)
             if self.manager.should_commit():
                 break
@@ -250,13 +247,31 @@ class FTLocalCub(LocalCub):
         if bad > 0:
             self._nonfinite(bad)
             return
-        if agreement is None:  # nobody had anything to send (every replica joining): nothing to apply
+        if agreed is None:  # nobody had anything to send (every replica joining): nothing to apply
             return
-        if took_part:
-            self._keep_residuals(v, sent, sizes)
-        d, signed = agreement.result()
-        self._outer_step(d.split(sizes), signed)
+        for pieces, (result, residual) in zip(plan, agreed):
+            if residual is not None:
+                self._write_residuals(residual, pieces)
+            self._outer_step(result, pieces)
         self.rounds += 1
+
+    def _nothing_to_send(self, aggregation) -> Measured:
+        """A replica that joins (or was healed) this round: zero scales, finite."""
+        n = len(self.params)
+        scales = torch.zeros(n, dtype=torch.float64, device=self.device) if aggregation.needs_scales(
+            self.error_feedback) else None
+        return Measured(True, scales, None)
+
+    def _exchange(self, pieces, seen: Measured, took_part: bool, head, C: int, stats, aggregation, group):
+        """One chunk's exchange of an attempt: (its (d, signed), its new residual v − C(v) or None). Both
+        wait for the commit; nothing of the optimizer's state changes here."""
+        if took_part:
+            delta, v = seen.kept or self._pseudo_gradient("start", pieces)
+        else:
+            v = torch.zeros(sum(pc.size for pc in pieces), dtype=torch.float32, device=self.device)
+        agreement, sent = self._launch(v, pieces, head, seen.scales, C, stats, aggregation=aggregation, group=group)
+        residual = v.sub_(sent) if took_part and sent is not None and self.error_feedback else None
+        return agreement.result(stats), residual
 
     def _start_quorum(self) -> None:
         try:

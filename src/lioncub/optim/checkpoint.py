@@ -120,9 +120,10 @@ class RoundCheckpoint:
         """The state (see docs/local_steps.md). With ``delay=1`` and an agreement in flight it
         waits for it (a collective in flight cannot be saved) and saves its ``d``, not yet applied."""
         pending = None
-        if self._pending is not None:
-            d, signed = self._pending.result()
-            pending = dict(d=d.clone(), signed=signed)
+        if self._pending is not None:  # one agreement per chunk of the round (:meth:`Rounds._plan`)
+            results = [agreement.result() for agreement in self._pending]
+            pending = dict(d=torch.cat([d for d, _ in results]) if results else torch.zeros(0, device=self.device),
+                           signed=results[0][1] if results else False)
         sd = super().state_dict()
         counters = dict(rounds=self.rounds, local_step=self.local_step, skipped_rounds=self.skipped_rounds,
                         bad_round=self._bad_round)
@@ -156,7 +157,14 @@ class RoundCheckpoint:
         if extra.get("generator") is not None:  # (checkpoints before the generator: global RNG)
             comm.restore_generator(self.generator, extra["generator"])
         pending = extra.get("pending")
-        self._pending = None if pending is None else Agreement.finished(pending["d"].clone(), pending["signed"])
+        self._pending = None
+        if pending is not None:
+            d = pending["d"].to(self.device)
+            sizes = [sum(pc.size for pc in pieces) for pieces in self._plan()]
+            if d.numel() != sum(sizes):
+                raise ValueError(f"state_dict's round in flight has {d.numel()} elements; these parameters have "
+                                 f"{sum(sizes)}")
+            self._pending = [Agreement.finished(part.clone(), pending["signed"]) for part in d.split(sizes)]
         if extra.get("params") is not None:
             with torch.no_grad():
                 for p, saved in zip(self.params, extra["params"]):

@@ -223,8 +223,8 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, Sharded, Shell, VoteSet
         if self.delay and not self.aggregation.streams:
             raise ValueError(f"delay=1 overlaps one all-reduce per round: vote must be 'grad' or one of "
                              f"{votes.STREAMING_VOTES}, got vote={vote!r}")
-        self._pending: Optional[Agreement] = None
-        """delay=1: the last round's agreement, launched and not yet applied."""
+        self._pending: Optional[list[Agreement]] = None
+        """delay=1: the last round's agreements (one per chunk), launched and not yet applied."""
         for p in self.params:
             self._outer_state(p)
         self.rounds, self.local_step, self.synced = 0, 0, False

@@ -1,73 +1,141 @@
-"""The end of a LocalCub round (``delay=0``), as a mixin: this worker's pseudo-gradient, the round's one
-finite agreement (:func:`~lioncub.engine.guard.agree`), its aggregation (:mod:`lioncub.votes.rounds`), the
-residuals and the outer step. Streaming rounds (:mod:`.streaming`) and torchft's rounds
+"""The end of a LocalCub round, as a mixin: this worker's pseudo-gradient, the round's one finite agreement
+(:func:`~lioncub.engine.guard.agree`), its aggregation (:mod:`lioncub.votes.rounds`), the residuals and the
+outer step, a chunk of the model at a time. Streaming rounds (:mod:`.streaming`) and torchft's rounds
 (:class:`~lioncub.ft.FTLocalCub`) reuse every piece; they differ only in when the agreement is read, and on
 which group and count. Uses what LocalCub defines: ``params``, ``state`` (``start`` = θ_s, ``origin`` = o_i,
 ``residual`` = e_i), ``aggregation``, ``rule``, ``error_feedback``, ``delay``, ``world_size``, ``group``,
-``generator``, ``rounds``, ``nonfinite``."""
+``generator``, ``rounds``, ``nonfinite``.
+
+How a round stays within a chunk of memory: :meth:`Rounds._plan` cuts the model into chunks
+(:func:`lioncub.comm.plan_chunks`: whole tensors together, a larger tensor in slices cut on the blocks of
+:data:`SCALE_BLOCK`) of at most :attr:`Rounds.round_chunk` elements and a 16th of the model. The first pass
+reads every chunk's Δ once for what the round must agree on before any message is made (the finite check,
+and each tensor's mean |v|: :func:`abs_means`); the second pass makes each chunk's Δ again, exchanges it,
+keeps its residual and takes its outer step. Nothing of the size of the model is allocated."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
 from .. import comm
-from ..comm import CommStats
+from ..comm import CommStats, Piece
 from ..engine import guard
 from ..votes.rounds import Agreement
 
-__all__ = ["Rounds"]
+__all__ = ["Rounds", "block_sums", "abs_means", "SCALE_BLOCK"]
+
+SCALE_BLOCK = 1 << 20
+"""Elements per block of a tensor's mean |v| (:func:`abs_means`); a tensor is sliced on these blocks."""
+
+
+def block_sums(x: Tensor) -> Tensor:
+    """Σ|x| of each :data:`SCALE_BLOCK` of the flat ``x``, in float64, each as its block's float32 mean times
+    its length (exact: a float32 times a count below 2^29 fits float64's mantissa)."""
+    if x.numel() == 0:
+        return x.new_zeros(0, dtype=torch.float64)
+    return torch.stack([b.abs().mean().double() * b.numel() for b in x.split(SCALE_BLOCK)])
+
+
+def abs_means(blocks: list[list[Tensor]], sizes: list[int], device) -> Tensor:
+    """Each tensor's mean |v| (float64) from its pieces' :func:`block_sums` in order: the block sums added,
+    over the tensor's size. A tensor of one block gets ``v.abs().mean()`` exactly; one of several gets the
+    same value whether its blocks came whole or in slices. An empty tensor's is 0."""
+    if not sizes:
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    sums = torch.stack([parts[0][0] if len(parts) == 1 and parts[0].numel() == 1
+                        else torch.cat(parts).sum() if parts else torch.zeros((), dtype=torch.float64, device=device)
+                        for parts in blocks])
+    return sums / torch.tensor([max(n, 1) for n in sizes], dtype=torch.float64, device=device)
+
+
+def _slot(t: Tensor, piece: Piece) -> Tensor:
+    """The elements of ``piece`` in ``t``, writable: a flat view, or ``t`` itself when it is not contiguous
+    (such a tensor is never cut: :meth:`Rounds._plan`)."""
+    return t.view(-1)[piece.lo:piece.hi] if t.is_contiguous() else t
+
+
+class Measured(NamedTuple):
+    """What a round's first pass found: ``finite`` (this rank's Δ, a device bool or True), ``scales`` (each
+    tensor's mean |v|, or None when the aggregation needs none) and ``kept`` ((Δ, v) of a round of one chunk,
+    which the second pass then need not make again)."""
+
+    finite: object
+    scales: Optional[Tensor]
+    kept: Optional[tuple[Tensor, Tensor]]
 
 
 class Rounds:
     """A round's end: :meth:`_round`, and the pieces every kind of round shares."""
 
     round_chunk = 1 << 22
-    """Elements of pseudo-gradient a ``delay=0`` round holds at once (whole tensors; a larger tensor is a
-    chunk of its own): Δ, v, the message and d of one chunk (about 13 bytes an element), not of the whole
-    model, where the aggregation decides each tensor alone (:attr:`~lioncub.votes.rounds.RoundAggregation.
-    per_tensor`). Each chunk is one more exchange; the round still agrees once."""
+    """Elements of pseudo-gradient a round holds at once, at most (and at most a 16th of the model, but not
+    below 2^20: :func:`lioncub.comm.chunk_cap`): Δ, v, the message and d of one chunk (about 13 bytes an
+    element), not of the model. Each chunk is one more exchange; the round still agrees once."""
 
     def _round(self) -> None:
-        stats = comm.step_stats(self.device)
-        sizes = [p.numel() for p in self.params]
         if self.delay:
-            delta, v = self._pseudo_gradient("origin")
-            verdict = self._agree(self.aggregation.head(v, sizes), delta, stats)
-            self._stream(delta, v, sizes, verdict, stats)
+            self._stream_round()
             return
-        chunks = self._round_chunks(sizes)
-        heads, finite, kept = [], True, None  # pass 1: the round's one agreement, a chunk at a time
-        for idx in chunks:
-            delta, v = self._pseudo_gradient("start", idx)
-            finite = guard.all_finite(finite, torch.isfinite(delta).all())
-            heads.append(self.aggregation.head(v, [sizes[i] for i in idx]))
-            kept = (delta, v) if len(chunks) == 1 else None
-        verdict = self._agree(None if heads[0] is None else torch.cat(heads), finite, stats)
+        stats = comm.step_stats(self.device)
+        plan = self._plan()
+        seen = self._measure("start", plan)
+        verdict = self._agree(self.aggregation.head(seen.scales), seen.finite, stats)
         if verdict.bad_ranks:
             self._nonfinite(verdict.bad_ranks)
             return
-        first = 0
-        for idx in chunks:  # pass 2: each chunk's Δ again, its exchange, residuals and outer step
-            delta, v = kept if kept is not None else self._pseudo_gradient("start", idx)
-            part = [sizes[i] for i in idx]
-            head = verdict.extra[first:first + len(idx)] if heads[0] is not None else []
-            first += len(idx)
-            agreement, sent = self._launch(v, part, head, self.world_size, stats)
-            self._keep_residuals(v, sent, part, idx)
-            d, signed = agreement.result(stats)
-            self._outer_step(d.split(part), signed, idx=idx)
+        for pieces in plan:  # second pass: each chunk's Δ again, its exchange, residuals and outer step
+            self._chunk_round(pieces, seen, verdict.extra, stats)
         self.rounds += 1
         if self.check_due(self.rounds):
             guard.check_replicas(self.params, self.group, self.world_size, step=self.rounds,
                                  names=self._param_names)
 
+    def _chunk_round(self, pieces: list[Piece], seen: "Measured", head: list[float], stats: CommStats) -> None:
+        """One chunk of a ``delay=0`` round (its buffers freed on return, before the next chunk's are made)."""
+        delta, v = seen.kept or self._pseudo_gradient("start", pieces)
+        agreement, sent = self._launch(v, pieces, head, seen.scales, self.world_size, stats)
+        self._keep_residuals(v, sent, pieces)
+        self._outer_step(agreement.result(stats), pieces)
+
+    def _plan(self) -> list[list[Piece]]:
+        """The round's chunks for this optimizer's parameters: :func:`lioncub.comm.plan_chunks`, slices cut on
+        :data:`SCALE_BLOCK` (so that a tensor's mean |v| is the same sliced or whole) and a non-contiguous
+        tensor never cut; one chunk of every tensor when the aggregation does not decide each tensor alone
+        (:attr:`~lioncub.votes.rounds.RoundAggregation.per_tensor`)."""
+        key = (self.round_chunk, SCALE_BLOCK, self.aggregation.per_tensor)
+        if getattr(self, "_round_plan", (None,))[0] != key:
+            sizes = [p.numel() for p in self.params]
+            if not self.aggregation.per_tensor:
+                plan = [[Piece(i, 0, n) for i, n in enumerate(sizes)]]
+            else:
+                uncut = frozenset(i for i, p in enumerate(self.params) if not p.is_contiguous())
+                plan = comm.plan_chunks(sizes, comm.chunk_cap(sum(sizes), self.round_chunk), align=SCALE_BLOCK,
+                                        uncut=uncut)
+            self._round_plan = (key, plan)
+        return self._round_plan[1]
+
+    def _measure(self, began: str, plan: list[list[Piece]], aggregation=None) -> Measured:
+        """The first pass over the chunks: whether this rank's Δ since ``state[p][began]`` is finite, and each
+        tensor's mean |v| when the aggregation uses it."""
+        aggregation = self.aggregation if aggregation is None else aggregation
+        scaled = aggregation.needs_scales(self.error_feedback)
+        finite, blocks, kept = True, [[] for _ in self.params], None
+        for pieces in plan:
+            delta, v = self._pseudo_gradient(began, pieces)
+            finite = guard.all_finite(finite, torch.isfinite(delta).all())
+            if scaled:
+                for piece, x in zip(pieces, v.split([pc.size for pc in pieces])):
+                    blocks[piece.index].append(block_sums(x))
+            kept = (delta, v) if len(plan) == 1 else None
+            delta = v = None  # (freed before the next chunk's are made)
+        sizes = [p.numel() for p in self.params]
+        return Measured(finite, abs_means(blocks, sizes, self.device) if scaled else None, kept)
+
     def _agree(self, head: Optional[Tensor], finite, stats: CommStats) -> guard.Verdict:
         """The round's one small all-reduce and host read: how many ranks hold a non-finite value (``finite``:
-        this rank's Δ, or Δ itself), and the aggregation's per-tensor sums (the lane mean's shared scale)."""
-        if isinstance(finite, Tensor) and finite.dim() > 0:
-            finite = torch.isfinite(finite).all()
+        this rank's verdict), and the aggregation's per-tensor sums (the lane mean's shared scale)."""
         sharded = self.sharding is not None and head is not None  # the world agrees; a shard's replicas sum
         verdict = guard.agree([], self.agree_group, self.agree_size, self.device, stats,
                               finite=False if self._bad_round else finite,
@@ -78,58 +146,59 @@ class Rounds:
             verdict = verdict._replace(extra=self.sharding.slot(verdict.extra, head.numel()))
         return verdict
 
-    def _round_chunks(self, sizes: list[int]) -> list[list[int]]:
-        """Parameter indices per chunk of at most :attr:`round_chunk` elements (one chunk of all of them
-        when the aggregation does not decide each tensor alone)."""
-        if not self.aggregation.per_tensor:
-            return [list(range(len(sizes)))]
-        return comm.runs(sizes, self.round_chunk) or [[]]
+    def _pseudo_gradient(self, began: str, pieces: list[Piece]) -> tuple[Tensor, Tensor]:
+        """(Δ_i, v_i = Δ_i + e_i) flat fp32 over ``pieces``: this worker's progress since ``state[p][began]``."""
+        deltas, vs = [], []
+        for pc in pieces:
+            p = self.params[pc.index]
+            s = self.local_state[p]
+            delta = s[began].reshape(-1)[pc.lo:pc.hi].float() - p.reshape(-1)[pc.lo:pc.hi].float()
+            deltas.append(delta)
+            if self.error_feedback:
+                vs.append(delta + s["residual"].reshape(-1)[pc.lo:pc.hi])
+        delta = torch.cat(deltas) if deltas else torch.zeros(0, device=self.device)
+        return delta, (torch.cat(vs) if vs else delta) if self.error_feedback else delta
 
-    def _pseudo_gradient(self, began: str, idx: Optional[list[int]] = None) -> tuple[Tensor, Tensor]:
-        """(Δ_i, v_i = Δ_i + e_i) flat fp32: this worker's progress since ``state[p][began]``, over the
-        parameters ``idx`` (default: all)."""
-        params = self.params if idx is None else [self.params[i] for i in idx]
-        states = [self.local_state[p] for p in params]
-        delta = torch.cat([(s[began].float() - p.float()).reshape(-1) for s, p in zip(states, params)])
-        if not self.error_feedback:
-            return delta, delta
-        return delta, delta + torch.cat([s["residual"].reshape(-1) for s in states])
-
-    def _launch(self, v: Tensor, sizes: list[int], head: list[float], count: int, stats: CommStats, *,
-                aggregation=None, group=None) -> tuple[Agreement, Optional[Tensor]]:
-        """Start the round's agreement on ``v`` (:mod:`lioncub.votes.rounds`): the agreement, and
-        C(v_i) with error feedback (None without)."""
+    def _launch(self, v: Tensor, pieces: list[Piece], head: list[float], scales: Optional[Tensor], count: int,
+                stats: CommStats, *, aggregation=None, group=None) -> tuple[Agreement, Optional[Tensor]]:
+        """Start the agreement of ``v`` over ``pieces`` (:mod:`lioncub.votes.rounds`): the agreement, and C(v_i)
+        with error feedback (None without). ``head``: the agreed per-tensor sums, ``scales``: this rank's
+        per-tensor mean |v| (each indexed by parameter; empty / None when the aggregation has none)."""
         aggregation = self.aggregation if aggregation is None else aggregation
-        return aggregation.launch(v, sizes, head=head, count=count, step=self.rounds, generator=self.generator,
-                                  group=self.group if group is None else group, stats=stats,
-                                  feedback=self.error_feedback)
+        idx = [pc.index for pc in pieces]
+        return aggregation.launch(v, [pc.size for pc in pieces], head=[head[i] for i in idx] if len(head) else [],
+                                  scales=None if scales is None else scales[idx], count=count, step=self.rounds,
+                                  generator=self.generator, group=self.group if group is None else group,
+                                  stats=stats, feedback=self.error_feedback)
 
-    def _keep_residuals(self, v: Tensor, sent: Optional[Tensor], sizes: list[int],
-                        idx: Optional[list[int]] = None) -> None:
-        """e_i ← v_i − C(v_i), per parameter of ``idx`` (default: all; nothing without error feedback:
-        ``sent`` None)."""
+    def _keep_residuals(self, v: Tensor, sent: Optional[Tensor], pieces: list[Piece]) -> None:
+        """e_i ← v_i − C(v_i) over ``pieces`` (nothing without error feedback: ``sent`` None)."""
         if sent is None or not self.error_feedback:
             return
-        params = self.params if idx is None else [self.params[i] for i in idx]
-        for p, r, c in zip(params, v.split(sizes), sent.split(sizes)):
-            torch.sub(r, c, out=self.local_state[p]["residual"].view(-1))
+        self._write_residuals(v.sub_(sent), pieces)
 
-    def _outer_step(self, d: list[Tensor], signed: bool, replicas: bool = True,
-                    idx: Optional[list[int]] = None) -> None:
-        """θ_s ← decayed θ_s, then the outer rule by d, for the parameters ``idx`` (default: all; d in
-        their order); every replica ← θ_s (``replicas``). ``signed``: d holds u."""
-        entries = [(g, p) for g in self.param_groups for p in g["params"]]
-        for k, i in enumerate(range(len(entries)) if idx is None else idx):
-            group, p = entries[i]
-            p = self._local(p)  # FSDP2: the local shard
+    def _write_residuals(self, e: Tensor, pieces: list[Piece]) -> None:
+        """The residuals of ``pieces`` ← ``e`` (flat, in their order)."""
+        for pc, value in zip(pieces, e.split([pc.size for pc in pieces])):
+            slot = _slot(self.local_state[self.params[pc.index]]["residual"], pc)
+            slot.copy_(value.view(slot.shape))
+
+    def _outer_step(self, result: tuple[Tensor, bool], pieces: list[Piece], replicas: bool = True) -> None:
+        """θ_s ← decayed θ_s, then the outer rule by d (``result``: (d over ``pieces``, whether d holds u)),
+        over ``pieces``; every replica ← θ_s (``replicas``)."""
+        d, signed = result
+        groups = [g for g in self.param_groups for _ in g["params"]]
+        for pc, dp in zip(pieces, d.split([pc.size for pc in pieces])):
+            group, p = groups[pc.index], self.params[pc.index]
             lr, wd = group["lr"], group["outer_weight_decay"]
             s = self.local_state[p]
-            start = s["start"]
+            start = _slot(s["start"], pc)
             if wd != 0:
                 start.mul_(1.0 - self.rule.lr * lr * wd)
-            self.rule.step(start, d[k].view_as(p), s, lr=lr, signed=signed)
+            self.rule.step(start, dp.view(start.shape), {k: _slot(s[k], pc) for k in self.rule.state_keys},
+                           lr=lr, signed=signed)
             if replicas:
-                p.copy_(start)
+                _slot(p, pc).copy_(start)
 
     def _nonfinite(self, bad_ranks: int) -> None:
         if self.nonfinite == "raise":

@@ -1,12 +1,12 @@
 """Streaming rounds (``delay=1``) of :class:`~lioncub.optim.localcub.LocalCub`, as a mixin.
 
 The end of a streaming round k: wait for round k−1's agreement and take its outer step on θ_s,
-rebase this worker onto it (θ_i ← θ_s − Δ_i^k, o_i ← θ_i), and launch round k's agreement as one
-asynchronous all-reduce (:mod:`lioncub.votes.rounds`). The rule and why it is
-this one: docs/local_steps.md. The mixin uses what LocalCub defines: ``params``, ``state``
-(``start`` = θ_s, ``origin`` = o_i), ``world_size``, ``group``, ``rounds``, ``_pending``, and the
-methods ``_outer_step``, ``_launch`` (the round's aggregation, one for every kind of round), ``_nonfinite``,
-``check_due``.
+rebase this worker onto it (θ_i ← θ_s − Δ_i^k, o_i ← θ_i), and launch round k's agreement as
+asynchronous all-reduces, one per chunk of the model (:mod:`.rounds`, :mod:`lioncub.votes.rounds`),
+each left in flight for a round. The rule and why it is this one: docs/local_steps.md. The mixin uses
+what LocalCub defines: ``params``, ``state`` (``start`` = θ_s, ``origin`` = o_i), ``world_size``,
+``group``, ``rounds``, ``_pending`` (the chunks' agreements in flight), and the round helpers of
+:class:`~lioncub.optim.rounds.Rounds`.
 """
 from __future__ import annotations
 
@@ -14,49 +14,70 @@ import torch
 from torch import Tensor
 
 from .. import comm
-from ..comm import CommStats
+from ..comm import CommStats, Piece
 from ..engine import guard
+from .rounds import _slot
 
 __all__ = ["StreamingRounds"]
 
 
 class StreamingRounds:
-    """The ``delay=1`` half of LocalCub's round: :meth:`flush` and the round-end helpers."""
+    """The ``delay=1`` half of LocalCub's round: :meth:`_stream_round`, :meth:`flush` and their helpers."""
 
-    def _stream(self, delta: Tensor, v: Tensor, sizes: list[int], verdict: guard.Verdict, stats: CommStats) -> None:
-        """The end of a streaming round: the previous round's outer step, the rebase, and this
-        round's agreement launched (``verdict``: the round's agreement on finiteness and its head)."""
-        applied = self._apply_pending(sizes, stats)
+    def _stream_round(self) -> None:
+        """The end of a streaming round: per chunk, the previous round's outer step, the rebase and this
+        round's agreement launched; the finite check and the head agreed first, over the whole model."""
+        stats = comm.step_stats(self.device)
+        plan = self._plan()
+        seen = self._measure("origin", plan)
+        verdict = self._agree(self.aggregation.head(seen.scales), seen.finite, stats)
+        pending, self._pending, launched = self._pending, None, []
+        for c, pieces in enumerate(plan):
+            previous = None if pending is None else pending[c]
+            if pending is not None:
+                pending[c] = None  # (its d is freed with this chunk)
+            launched.append(self._chunk_stream(pieces, seen, verdict, previous, stats))
+        if pending is not None:
+            self._applied()
         if verdict.bad_ranks:
             self._nonfinite(verdict.bad_ranks)
             return
-        if applied:
-            self._rebase(delta.split(sizes))
-        else:  # nothing in flight (the first round, after a skip or a flush): θ_i stays
-            for p in self.params:
-                self.local_state[p]["origin"].copy_(p)
-        self._pending, sent = self._launch(v, sizes, verdict.extra, self.world_size, stats)
-        self._keep_residuals(v, sent, sizes)
+        self._pending = launched
 
-    def _apply_pending(self, sizes: list[int], stats: CommStats) -> bool:
-        """Wait for the agreement in flight and take its outer step on θ_s; whether there was one."""
-        if self._pending is None:
-            return False
-        d, signed = self._pending.result(stats)
-        self._pending = None
-        self._outer_step(d.split(sizes), signed, replicas=False)
+    def _chunk_stream(self, pieces: list[Piece], seen, verdict: guard.Verdict, previous, stats: CommStats):
+        """One chunk of a streaming round's end: ``previous`` (the last round's agreement of this chunk, or
+        None) applied to θ_s, the rebase, and this round's agreement of the chunk launched and returned (None
+        when the round is not finite everywhere)."""
+        delta, v = seen.kept or self._pseudo_gradient("origin", pieces)
+        if previous is not None:
+            self._outer_step(previous.result(stats), pieces, replicas=False)
+        if verdict.bad_ranks:
+            return None
+        if previous is not None:
+            self._rebase(delta, pieces)
+        else:  # nothing in flight (the first round, after a skip or a flush): θ_i stays
+            for pc in pieces:
+                _slot(self.local_state[self.params[pc.index]]["origin"], pc).copy_(_slot(self.params[pc.index], pc))
+        agreement, sent = self._launch(v, pieces, verdict.extra, seen.scales, self.world_size, stats)
+        self._keep_residuals(v, sent, pieces)
+        return agreement
+
+    def _applied(self) -> None:
+        """A round's outer step is complete: count it, and check the replicas' θ_s when due."""
         self.rounds += 1
         if self.check_due(self.rounds):
             guard.check_replicas([self.local_state[p]["start"] for p in self.params], self.group, self.world_size,
                                  step=self.rounds, names=self._param_names)
-        return True
 
-    def _rebase(self, delta: list[Tensor]) -> None:
-        """θ_i ← θ_s − Δ_i (``delta``: this worker's progress since o_i, negated); o_i ← θ_i."""
-        for p, piece in zip(self.params, delta):
+    def _rebase(self, delta: Tensor, pieces: list[Piece]) -> None:
+        """θ_i ← θ_s − Δ_i (``delta``: this worker's progress since o_i over ``pieces``, negated);
+        o_i ← θ_i."""
+        for pc, piece in zip(pieces, delta.split([pc.size for pc in pieces])):
+            p = self.params[pc.index]
             s = self.local_state[p]
-            p.copy_(s["start"].float() - piece.view_as(p))
-            s["origin"].copy_(p)
+            mine = _slot(p, pc)
+            mine.copy_(_slot(s["start"], pc).float() - piece.view(mine.shape))
+            _slot(s["origin"], pc).copy_(mine)
 
     @torch.no_grad()
     def flush(self) -> None:
@@ -65,9 +86,14 @@ class StreamingRounds:
         as with ``delay=0``). Every rank calls it at the same step; nothing to do otherwise."""
         if self._pending is None:
             return
-        sizes = [p.numel() for p in self.params]
         stats = comm.step_stats(self.device)
-        delta = [self.local_state[p]["origin"].float() - p.float() for p in self.params]
-        self._apply_pending(sizes, stats)
-        self._rebase(delta)
+        pending, self._pending = self._pending, None
+        for c, pieces in enumerate(self._plan()):
+            agreement, pending[c] = pending[c], None  # (its d is freed with this chunk)
+            delta = torch.cat([_slot(self.local_state[self.params[pc.index]]["origin"], pc).float().reshape(-1)
+                               - _slot(self.params[pc.index], pc).float().reshape(-1) for pc in pieces])
+            self._outer_step(agreement.result(stats), pieces, replicas=False)
+            self._rebase(delta, pieces)
+            agreement = delta = None
+        self._applied()
         self.last_round_stats = stats

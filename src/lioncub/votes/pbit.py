@@ -8,7 +8,7 @@ P ≤ 2^w − 1, quantized 2s·P ≤ 2^w − 1 (:func:`pbit_levels`). Bytes per 
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
@@ -153,16 +153,18 @@ class PBit(VoteMethod):
         msg = kernels.pack_bytes((q + levels).to(torch.uint8), v.numel(), self.bits) if self.world > 1 else None
         return units, q, msg
 
-    def lane_total(self, lanes: Optional[Tensor], q: Tensor, sizes: list[int], units: list[float],
+    def lane_total(self, lanes: Optional[Tensor], q: Union[Tensor, int], sizes: list[int], units: list[float],
                    count: Optional[int] = None) -> Tensor:
-        """unit·Σ_i q_i / count from the all-reduced ``lanes`` (None: one rank, Σ = this q).
+        """unit·Σ_i q_i / count from the all-reduced ``lanes`` (None: one rank, Σ = this q; with lanes, ``q``
+        may be its element count, so that q need not be kept while they are in flight).
         ``count``: the ranks whose q is a contribution (default P; a rank that sends q = 0
         adds nothing to the sum, and a fault-tolerant round leaves it out of the mean)."""
         P = self.world
         if lanes is None:
             total = q.clone()
         else:
-            total = kernels.unpack_bytes(lanes, q.numel(), self.bits).to(torch.float32) - float(P * self.levels)
+            n = q if isinstance(q, int) else q.numel()
+            total = kernels.unpack_bytes(lanes, n, self.bits).to(torch.float32).sub_(float(P * self.levels))
         count = P if count is None else count
         for tt, unit in zip(total.split(sizes), units):
             tt.mul_(unit / count)

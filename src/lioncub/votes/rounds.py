@@ -18,8 +18,9 @@ name                 d                                            wire per eleme
 The contract, in the order a round uses it:
 
 * :meth:`head` — per-tensor values every rank must know summed *before* its message is made
-  (the lane mean's shared scale: ``mean|v_i|`` of each tensor); they ride on the round's one
-  small agreement (:func:`lioncub.engine.guard.agree`), so they cost no collective of their own.
+  (the lane mean's shared scale: ``mean|v_i|`` of each tensor, measured by the caller over whole
+  tensors, :meth:`needs_scales`); they ride on the round's one small agreement
+  (:func:`lioncub.engine.guard.agree`), so they cost no collective of their own.
 * :meth:`launch` — encode this rank's message and start the exchange; returns an
   :class:`Agreement` (read now, or one round later for streaming rounds) and, when asked,
   ``C(v)``: this rank's message in the units of ``v``, what error feedback subtracts
@@ -68,19 +69,20 @@ class Agreement:
         return self.d, self.signed
 
 
-def sent_value(v: Tensor, sizes: list[int], method: VoteMethod) -> Tensor:
+def sent_value(v: Tensor, sizes: list[int], method: VoteMethod, scales: Optional[Tensor] = None) -> Tensor:
     """C(v): this rank's contribution to ``method``'s vote in the units of ``v`` (flat, fp32).
 
     Binary votes send sign(v); its magnitude is taken as ``mean|v|`` of each tensor
-    (``sizes``: the tensors' element counts, in order). ``pbit`` with a quantizer sends
+    (``sizes``: the tensors' element counts, in order; ``scales``: their mean |v| when ``v`` holds
+    only a slice of a tensor, as a round in chunks passes them). ``pbit`` with a quantizer sends
     q(v) with the scale of the whole flat ``v``, as :func:`~lioncub.majority_vote` does.
     """
     if method.levels is not None:  # a quantizer's values
         q = quantize(v, method.quantizer, levels=method.levels)
         return q.values.to(v.dtype) * q.scale
     out = torch.sign(v)
-    for o, x in zip(out.split(sizes), v.split(sizes)):
-        o.mul_(x.abs().mean())
+    for k, (o, x) in enumerate(zip(out.split(sizes), v.split(sizes))):
+        o.mul_(x.abs().mean() if scales is None else scales[k].to(o.dtype))
     return out
 
 
@@ -111,17 +113,24 @@ class RoundAggregation:
         """Whether the exchange is one all-reduce that may stay in flight (``delay=1``)."""
         return True
 
-    def head(self, v: Tensor, sizes: list[int]) -> Optional[Tensor]:
-        """This rank's per-tensor values (fp64, on ``v``'s device) to be summed over the ranks before
-        :meth:`launch`, or None when the aggregation needs none."""
+    def needs_scales(self, feedback: bool) -> bool:
+        """Whether :meth:`head` or ``C(v)`` (with error ``feedback``) uses each tensor's mean |v|, which the
+        caller measures over the whole tensor before a round in chunks (:func:`lioncub.optim.rounds.abs_means`)."""
+        return False
+
+    def head(self, scales: Optional[Tensor]) -> Optional[Tensor]:
+        """This rank's per-tensor values (fp64) to be summed over the ranks before :meth:`launch`, from its
+        per-tensor mean |v| (``scales``), or None when the aggregation needs none."""
         return None
 
     def launch(self, v: Tensor, sizes: list[int], *, head: list[float], count: int, step: int, generator,
-               group, stats: CommStats, feedback: bool = False) -> tuple[Agreement, Optional[Tensor]]:
+               group, stats: CommStats, feedback: bool = False, scales: Optional[Tensor] = None
+               ) -> tuple[Agreement, Optional[Tensor]]:
         """Encode ``v`` (flat fp32; may be overwritten) and start the exchange over ``group``.
-        ``head``: :meth:`head` summed over the ranks; ``count``: the ranks whose ``v`` counts;
-        ``step``: the round (the tie rule's parity). Returns the agreement and, with ``feedback``,
-        ``C(v)``. Collective: every rank of ``group``."""
+        ``sizes``: the pieces of tensors ``v`` holds; ``head``: :meth:`head` summed over the ranks, one per
+        piece; ``scales``: this rank's mean |v| of each piece's tensor (None: of the piece itself, when it is
+        a whole tensor); ``count``: the ranks whose ``v`` counts; ``step``: the round (the tie rule's parity).
+        Returns the agreement and, with ``feedback``, ``C(v)``. Collective: every rank of ``group``."""
         raise NotImplementedError
 
 
@@ -131,7 +140,7 @@ class Fp32Mean(RoundAggregation):
     name = "fp32_mean"
     partial = lossless = True
 
-    def launch(self, v, sizes, *, head, count, step, generator, group, stats, feedback=False):
+    def launch(self, v, sizes, *, head, count, step, generator, group, stats, feedback=False, scales=None):
         if self.world == 1:
             return Agreement.finished(v if count == 1 else v.div_(count), False), None
         return Agreement(comm.all_reduce_async(v, group, stats), lambda total: total.div_(count), False), None
@@ -151,9 +160,12 @@ class SignVote(RoundAggregation):
     def per_tensor(self) -> bool:  # a quantizer's scale is taken over the whole flat v (sent_value)
         return self.method.levels is None
 
-    def launch(self, v, sizes, *, head, count, step, generator, group, stats, feedback=False):
+    def needs_scales(self, feedback):
+        return feedback and self.method.levels is None
+
+    def launch(self, v, sizes, *, head, count, step, generator, group, stats, feedback=False, scales=None):
         method = self.method
-        sent = sent_value(v, sizes, method) if feedback else None
+        sent = sent_value(v, sizes, method, scales) if feedback else None
         if v.numel() == 0:
             return Agreement.finished(torch.zeros_like(v), True), sent
         if self.world == 1:  # no process group needed: the one rank's vote is its reference
@@ -163,7 +175,8 @@ class SignVote(RoundAggregation):
             return Agreement.finished(method.vote(v, torch.empty_like(v), step, group, stats, generator), True), sent
         msg, nb = method.encode_message(v, step, stats, generator)
         pending = comm.all_reduce_async(msg[:nb], group, stats)  # the exchange is the SUM all-reduce, in place
-        return Agreement(pending, lambda _: method.decode(msg, 0, v.numel(), torch.empty_like(v)), True), sent
+        n, like = v.numel(), dict(dtype=v.dtype, device=v.device)  # (v itself is not kept while in flight)
+        return Agreement(pending, lambda _: method.decode(msg, 0, n, torch.empty(n, **like)), True), sent
 
 
 class LaneMean(RoundAggregation):
@@ -174,21 +187,21 @@ class LaneMean(RoundAggregation):
     name = "lane_mean"
     partial = True
 
-    def head(self, v, sizes):
-        if not sizes:
-            return None
-        # (an empty tensor, e.g. an FSDP2 shard of no rows, has scale 0, not the NaN of an empty mean)
-        return torch.stack([piece.abs().mean() if n else piece.new_zeros(())
-                            for piece, n in zip(v.split(sizes), sizes)]).double()
+    def needs_scales(self, feedback):
+        return True
 
-    def launch(self, v, sizes, *, head, count, step, generator, group, stats, feedback=False):
+    def head(self, scales):
+        return scales if scales is not None and scales.numel() else None
+
+    def launch(self, v, sizes, *, head, count, step, generator, group, stats, feedback=False, scales=None):
         lanes = self.method
         units, q, msg = lanes.lane_message(v, sizes, [x / count for x in head])
         if msg is None:
             agreement = Agreement.finished(lanes.lane_total(None, q, sizes, units, count=count), False)
-        else:
+        else:  # in flight: the lanes only (lane_total needs q's size, not q)
+            n = q.numel()
             agreement = Agreement(comm.all_reduce_async(msg, group, stats),
-                                  lambda summed: lanes.lane_total(summed, q, sizes, units, count=count), False)
+                                  lambda summed: lanes.lane_total(summed, n, sizes, units, count=count), False)
         return agreement, lanes.lane_sent(q, sizes, units)
 
 
