@@ -24,7 +24,8 @@ pytestmark = pytest.mark.slow  # ~15 s: every setup under FakeTensorMode in a su
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
 LAYERS, D, VOCAB, SEQ, WORLD, REPLICAS, SHARDS = 2, 64, 256, 16, 8, 2, 4
-SETUPS = ("adamw", "fsdp_adamw", "lioncub_onebit", "lioncub_pbit", "fsdp_lioncub_onebit", "localcub", "nodecub")
+SETUPS = ("adamw", "fsdp_adamw", "lioncub_onebit", "lioncub_pbit", "fsdp_lioncub_onebit", "localcub", "localcub_mean",
+          "localcub_mean_delay1", "fsdp_localcub_mean", "nodecub")
 SLACK = 4096
 """Bytes allowed beyond a buffer's size for the small scalars an optimizer keeps beside it."""
 
@@ -149,6 +150,12 @@ def test_voters_are_the_replicas_under_fsdp2_and_the_world_without(rows):
 def test_localcub_and_nodecub_state(rows):
     local = rows["localcub"]
     assert local["bytes"]["state"] == 8 * local["local_params"]  # θ_s and the inner Lion's momentum
+    for name, per_param in (("localcub_mean", 12), ("localcub_mean_delay1", 16), ("fsdp_localcub_mean", 12)):
+        row = rows[name]  # + the residual (error feedback); + o_i, where the round in flight began (delay=1)
+        assert row["bytes"]["state"] == per_param * row["local_params"], name
+    streamed = rows["localcub_mean_delay1"]  # kept: the round's 8-bit lanes in flight, one byte an element
+    assert streamed["local_params"] <= streamed["bytes"]["kept"] <= streamed["local_params"] + SLACK
+    assert rows["fsdp_localcub_mean"]["local_params"] * SHARDS >= rows["localcub_mean"]["local_params"]
     node = rows["nodecub"]
     n = node["local_params"]
     assert 4 * n // SHARDS <= node["bytes"]["state"] < 4 * n  # rank 0's share of the momenta: at least 1/S
