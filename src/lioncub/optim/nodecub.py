@@ -127,12 +127,7 @@ def shard_owners(sizes: list[int], local_size: int) -> list[int]:
 
 NODE_CHUNK = 1 << 22
 """Elements of gradients (in-node mean) or parameters (in-node share) one collective carries: whole tensors, a
-larger tensor alone. The step's transient is a chunk, not the model."""
-
-
-def _chunked(ids: list[int], params: list[Tensor]) -> list[list[int]]:
-    """``ids`` in order, grouped into runs of at most :data:`NODE_CHUNK` elements (at least one tensor each)."""
-    return [[ids[k] for k in run] for run in comm.runs([params[i].numel() for i in ids], NODE_CHUNK)]
+larger tensor in slices. The step's transient is a chunk, not the model."""
 
 
 class NodeCub(Shell, torch.optim.Optimizer):
@@ -229,21 +224,26 @@ class NodeCub(Shell, torch.optim.Optimizer):
         for i, p in enumerate(self.params):
             if p.grad is None:
                 missing[i] = 1.0  # a scalar fill: no host-to-device copy
-        chunks = _chunked(list(range(len(self.params))), self.params)
-        for k, ids in enumerate(chunks):  # fp32 of a chunk at a time; the flags ride on the last one
-            params = [self.params[i] for i in ids]
-            parts = [(p.grad.detach().reshape(-1).float() if p.grad is not None else
-                      torch.zeros(p.numel(), device=p.device)) for p in params]
+        uncut = frozenset(i for i, p in enumerate(self.params) if p.grad is not None and not p.grad.is_contiguous())
+        chunks = comm.plan_chunks([p.numel() for p in self.params], NODE_CHUNK, uncut=uncut)
+        for k, pieces in enumerate(chunks):  # fp32 of a chunk at a time (a large tensor in slices); flags on the last
+            parts = [(self.params[pc.index].grad.detach().reshape(-1)[pc.lo:pc.hi].float()
+                      if self.params[pc.index].grad is not None else torch.zeros(pc.size, device=self.device))
+                     for pc in pieces]
             flat = torch.cat(parts + ([missing] if k == len(chunks) - 1 else []))
+            parts = None
             if local > 1:
                 comm.all_reduce(flat, self.layout.intra, stats)
             if k == len(chunks) - 1:
                 missing = flat[-len(self.params):]
-            sums = flat[:sum(p.numel() for p in params)].div_(local)
-            for p, piece in zip(params, sums.split([p.numel() for p in params])):
-                if p.grad is None:  # some rank of the node may have one: decided below
-                    p.grad = piece.view_as(p).to(p.dtype).clone()
-                else:
+            sums = flat[:sum(pc.size for pc in pieces)].div_(local)
+            for pc, piece in zip(pieces, sums.split([pc.size for pc in pieces])):
+                p = self.params[pc.index]
+                if p.grad is None:  # some rank of the node may have one: decided below (a later slice reads 0)
+                    p.grad = torch.zeros(p.shape, dtype=p.dtype, device=p.device)  # (contiguous)
+                if p.grad.is_contiguous():
+                    p.grad.view(-1)[pc.lo:pc.hi].copy_(piece)
+                else:  # (never cut)
                     p.grad.copy_(piece.view_as(p))
         for p, n in zip(self.params, missing.tolist()):  # one host read
             if n == local:  # no rank of the node has one
