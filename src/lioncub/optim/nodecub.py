@@ -52,7 +52,6 @@ from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
 from ..engine import amp, auto, guard
 from .. import comm
