@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lioncub import LionCub, comm
+from lioncub import LionCub, chunks, comm
 from tests.dist import run_workers
 
 
@@ -36,8 +36,9 @@ def _broadcast_worker(rank, world):
 def test_setup_broadcast_travels_a_chunk_at_a_time():
     for sizes, same in run_workers(_broadcast_worker, 2):
         assert same  # every rank holds rank 0's values, bit for bit (fp32, fp64, bf16, non-contiguous)
-        # 3 + 12 elements in slices of 5; the transposed (non-contiguous) 10 alone; then 7 + 2 in chunks of 5
-        assert sizes == [5, 5, 5, 10, 5, 4], sizes
+        # chunks.plan_chunks of 5: 3 | the 12 in slices 5, 5, 2 | the empty tensor (nothing sent) | the transposed
+        # (non-contiguous) 10 whole | the 7 in slices 5, 2 | 2
+        assert sizes == [3, 5, 5, 2, 10, 5, 2, 2], sizes
 
 
 def _frozen_worker(rank, world, freeze):
@@ -147,16 +148,16 @@ def test_a_tensor_cut_in_slices_gets_the_round_of_the_tensor_whole(kw):
 
 def test_plan_chunks_cuts_large_tensors_on_aligned_slices_and_keeps_the_rest_whole():
     def plan(*args, **kw):
-        return [[tuple(pc) for pc in pieces] for pieces in comm.plan_chunks(*args, **kw)]
+        return [[tuple(pc) for pc in pieces] for pieces in chunks.plan_chunks(*args, **kw)]
 
     assert plan([3, 10, 2, 2, 0, 9], 5, align=4, uncut=frozenset({5})) == [
         [(0, 0, 3)], [(1, 0, 4)], [(1, 4, 8)], [(1, 8, 10)], [(2, 0, 2), (3, 0, 2), (4, 0, 0)], [(5, 0, 9)]]
     assert plan([3, 10], 5) == [[(0, 0, 3)], [(1, 0, 5)], [(1, 5, 10)]]  # align 1: cut at the chunk
     assert plan([3, 10], 2, align=4) == [[(0, 0, 3)], [(1, 0, 4)], [(1, 4, 8)], [(1, 8, 10)]]  # slices >= align
-    assert plan([], 5) == [[]] and comm.runs([], 5) == []
-    assert comm.runs([3, 10, 2, 2, 0, 9], 5) == [[0], [1], [2, 3, 4], [5]]  # runs: the same, nothing cut
-    assert comm.chunk_cap(10 ** 9, 1 << 22) == 1 << 22 and comm.chunk_cap(32 * 2 ** 20, 1 << 22) == 2 ** 21
-    assert comm.chunk_cap(1000, 1 << 22) == 1 << 20 and comm.chunk_cap(1000, 9) == 9
+    assert plan([], 5) == [[]] and chunks.runs([], 5) == []
+    assert chunks.runs([3, 10, 2, 2, 0, 9], 5) == [[0], [1], [2, 3, 4], [5]]  # runs: the same, nothing cut
+    assert chunks.chunk_cap(10 ** 9, 1 << 22) == 1 << 22 and chunks.chunk_cap(32 * 2 ** 20, 1 << 22) == 2 ** 21
+    assert chunks.chunk_cap(1000, 1 << 22) == 1 << 20 and chunks.chunk_cap(1000, 9) == 9
 
 
 def test_abs_means_of_slices_equal_the_whole_and_one_block_is_the_plain_mean(monkeypatch):

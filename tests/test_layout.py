@@ -19,7 +19,7 @@ LAYERS = ["base", "wire", "fused", "votes", "engine", "optim", "ddp", "api", "in
 """The library's floors (base .. ddp), the package's public names (``lioncub/__init__.py``), then the
 tools' floors: the paper's instruments, the emulated cluster and launcher, the peers we race, the
 device audit and the paths it runs (peers included), the harness, torchft, the command."""
-BASE = {"comm", "validate", "quantize", "lion"}
+BASE = {"comm", "chunks", "validate", "quantize", "lion"}
 PACKAGES = {"wire": "wire", "fused": "fused", "votes": "votes", "engine": "engine", "optim": "optim", "ddp": "ddp",
             "": "api", "testing": "testing", "instruments": "instruments", "testbed": "testbed",
             "baselines": "baselines", "harness": "harness", "ft": "ft", "cli": "cli"}

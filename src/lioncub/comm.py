@@ -45,15 +45,17 @@ import weakref
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, fields
-from typing import Callable, Iterable, Iterator, NamedTuple, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .chunks import pack_slices, slices, unpack_slices
+
 __all__ = ["CommStats", "CollectiveError", "ExternalGroup", "step_context", "all_reduce", "all_reduce_async", "Pending",
            "all_gather", "all_to_all",
-           "broadcast", "broadcast_from_first", "Piece", "plan_chunks", "runs", "chunk_cap", "slices", "pack_slices", "unpack_slices", "barrier", "all_gather_object", "broadcast_object",
+           "broadcast", "broadcast_from_first", "barrier", "all_gather_object", "broadcast_object",
            "device_of", "comm_device", "make_generator", "restore_generator", "clock", "step_stats",
            "REDUCE_OPS"]
 
@@ -299,101 +301,8 @@ def broadcast(t: Tensor, group=None, stats: CommStats | None = None, *, src: int
     return t
 
 
-class Piece(NamedTuple):
-    """Elements ``lo:hi`` of the flattened tensor ``index`` (its position in a list), one part of a chunk."""
-
-    index: int
-    lo: int
-    hi: int
-
-    @property
-    def size(self) -> int:
-        return self.hi - self.lo
-
-
-def plan_chunks(sizes: Iterable[int], chunk: float, *, align: int = 1, uncut=frozenset()) -> list[list[Piece]]:
-    """Tensors of ``sizes``, in order, as chunks of at most ``chunk`` elements: whole tensors grouped together,
-    and a tensor above ``chunk`` in slices of its own, cut on multiples of ``align`` (each slice at least
-    ``align``) unless it is ``uncut`` (a set of indices, or True for every one: it is then a chunk alone).
-    One empty chunk for no tensors. How rounds, the multi-tensor Lion step, NodeCub's in-node collectives and
-    the momentum all-reduce bound their transient to a chunk (:func:`runs`: the same without cuts)."""
-    cut = max(align, int(chunk) // align * align)
-    chunks: list[list[Piece]] = []
-    run: list[Piece] = []
-    filled = 0
-    for i, n in enumerate(sizes):
-        if run and (n > chunk or filled + n > chunk):
-            chunks.append(run)
-            run, filled = [], 0
-        if n > chunk:
-            whole = uncut is True or i in uncut
-            chunks += [[Piece(i, lo, n if whole else min(lo + cut, n))] for lo in ([0] if whole else range(0, n, cut))]
-        else:
-            run.append(Piece(i, 0, n))
-            filled += n
-    return chunks + [run] if run or not chunks else chunks
-
-
-def runs(sizes: Iterable[int], cap: float) -> list[list[int]]:
-    """Indices of ``sizes`` in order, grouped into runs whose sizes add up to at most ``cap`` (at least one
-    index each: a size above ``cap`` is a run of its own): :func:`plan_chunks` with no tensor cut. How buckets
-    travel in messages."""
-    return [[pc.index for pc in pieces] for pieces in plan_chunks(sizes, cap, uncut=True) if pieces]
-
-
-def chunk_cap(total: int, cap: int, share: int = 16, floor: int = 1 << 20) -> int:
-    """Elements a chunked loop over ``total`` elements holds at once: at most ``cap``, and at most a
-    ``share``-th of the whole (so its transient stays a small part of the model's bytes, a small model's
-    too), but not below ``floor`` elements (a few more collectives, never thousands of tiny ones)."""
-    return min(cap, max(floor, total // share))
-
-
 BROADCAST_CHUNK = 1 << 22
 """Elements per set-up broadcast (:func:`broadcast_from_first`): 32 MiB of float64 at most, whatever the model."""
-
-
-def slices(tensors: list[Tensor], chunk: int) -> list[list[tuple[Tensor, int, int]]]:
-    """``tensors`` as consecutive flat slices ``(t, a, b)`` (``t.view(-1)[a:b]``), grouped into chunks of at most
-    ``chunk`` elements: a contiguous tensor larger than a chunk is cut, a non-contiguous one (rare) travels
-    whole in a chunk of its own. How a collective of many tensors is bounded by a chunk (:func:`pack_slices`,
-    :func:`unpack_slices`)."""
-    out, pieces, size = [], [], 0
-    for t in tensors:
-        n = t.numel()
-        if not t.is_contiguous():
-            out += [x for x in (pieces, [(t, 0, n)]) if x]
-            pieces, size = [], 0
-            continue
-        start = 0
-        while start < n:
-            take = min(n - start, chunk - size)
-            pieces.append((t, start, start + take))
-            size, start = size + take, start + take
-            if size == chunk:
-                out.append(pieces)
-                pieces, size = [], 0
-    return out + ([pieces] if pieces else [])
-
-
-def pack_slices(pieces: list[tuple[Tensor, int, int]], flat: Tensor) -> Tensor:
-    """The slices' values, in order, into the front of ``flat`` (cast to its dtype); returns ``flat``."""
-    offset = 0
-    for t, a, b in pieces:
-        flat[offset:offset + b - a].copy_(t.detach().reshape(-1)[a:b])
-        offset += b - a
-    return flat
-
-
-def unpack_slices(flat: Tensor, pieces: list[tuple[Tensor, int, int]]) -> None:
-    """:func:`pack_slices` backwards: the front of ``flat`` written into the slices (cast to their dtype)."""
-    offset = 0
-    for t, a, b in pieces:
-        src = flat[offset:offset + b - a]
-        if t.is_contiguous():
-            t.view(-1)[a:b].copy_(src)
-        else:
-            t.copy_(src.view_as(t))
-        offset += b - a
 
 
 @torch.no_grad()

@@ -25,45 +25,45 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from .comm import chunk_cap, plan_chunks
+from .chunks import chunk_cap, plan_chunks
 from .validate import check_hyperparameters
 
 FOREACH_CHUNK = 1 << 24
 """Elements :class:`Lion`'s multi-tensor step takes at once, at most (its ``c`` temporary: 64 MiB of fp32; and
-at most a 16th of the group's elements, but not below 2^20: :func:`lioncub.comm.chunk_cap`)."""
+at most a 16th of the group's elements, but not below 2^20: :func:`lioncub.chunks.chunk_cap`)."""
 
 __all__ = ["Lion", "interpolate", "apply_update_", "lion"]
 
 
 def _chunks(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor]) -> list[list[tuple[int, object]]]:
-    """The multi-tensor step's runs: (index, slice or None for the whole tensor), by :func:`lioncub.comm.plan_chunks`
-    of at most :func:`~lioncub.comm.chunk_cap` (``FOREACH_CHUNK``) elements of the local tensors; a tensor is cut
-    only where the parameter, its gradient and its momentum are contiguous alike (:func:`_flat`)."""
-    sizes = [(_flat(p) if _flat(p) is not None else p).numel() for p in params]
-    uncut = frozenset(i for i, ts in enumerate(zip(params, grads, exp_avgs)) if not _cuttable(*ts))
+    """The multi-tensor step's runs: (index, slice or None for the whole tensor), by :func:`lioncub.chunks.plan_chunks`
+    of at most :func:`~lioncub.chunks.chunk_cap` (``FOREACH_CHUNK``) elements of the local tensors; a tensor above
+    that is cut only where its parameter, gradient and momentum allow it (:func:`_cuttable`)."""
+    sizes = [_local(p).numel() for p in params]
+    cap = chunk_cap(sum(sizes), FOREACH_CHUNK)
+    uncut = frozenset(i for i, n in enumerate(sizes) if n > cap and not _cuttable(params[i], grads[i], exp_avgs[i]))
     return [[(pc.index, None if pc.size == sizes[pc.index] else slice(pc.lo, pc.hi)) for pc in pieces]
-            for pieces in plan_chunks(sizes, chunk_cap(sum(sizes), FOREACH_CHUNK), uncut=uncut) if pieces]
+            for pieces in plan_chunks(sizes, cap, uncut=uncut) if pieces]
 
 
-def _flat(t: Tensor) -> Optional[Tensor]:
-    """The elements ``t`` holds on this rank as a flat view: its own, or a DTensor's local tensor; None when
-    they are not contiguous."""
-    local = t.to_local() if is_traceable_wrapper_subclass(t) and hasattr(t, "to_local") else t
-    return local.view(-1) if local.is_contiguous() and not is_traceable_wrapper_subclass(local) else None
+def _local(t: Tensor) -> Tensor:
+    """The elements ``t`` holds on this rank: itself, or a DTensor's local tensor."""
+    return t.to_local() if is_traceable_wrapper_subclass(t) and hasattr(t, "to_local") else t
 
 
 def _cuttable(p: Tensor, g: Tensor, m: Tensor) -> bool:
-    """Whether Lion may step slices of the three (its math is elementwise): each flat, of one size, and placed
-    alike (plain tensors, or DTensors on one mesh with the same placements)."""
-    flats = [_flat(t) for t in (p, g, m)]
-    if any(f is None or f.numel() != flats[0].numel() for f in flats):
+    """Whether Lion may step slices of the three (its math is elementwise): local tensors contiguous and of one
+    size, placed alike (plain tensors, or DTensors on one mesh with the same placements)."""
+    locals_ = [_local(t) for t in (p, g, m)]
+    if not all(x.is_contiguous() and not is_traceable_wrapper_subclass(x) and x.numel() == locals_[0].numel()
+               for x in locals_):
         return False
     placed = [(getattr(t, "device_mesh", None), getattr(t, "placements", None)) for t in (p, g, m)]
     return all(x == placed[0] for x in placed)
 
 
 def _part(t: Tensor, cut: Optional[slice]) -> Tensor:
-    return t if cut is None else _flat(t)[cut]
+    return t if cut is None else _local(t).view(-1)[cut]
 
 
 def _groups_by_device_dtype(tensors: list[Tensor]) -> list[list[int]]:

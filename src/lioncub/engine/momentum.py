@@ -55,7 +55,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from .. import comm
+from .. import chunks, comm
 from . import cost
 from ..comm import CommStats
 from ..validate import check_int
@@ -311,4 +311,4 @@ class MomentumSync:
 
 
 def _chunks(ms: list[Tensor], limit: int):
-    return [[ms[k] for k in run] for run in comm.runs([m.numel() for m in ms], limit)]
+    return [[ms[k] for k in run] for run in chunks.runs([m.numel() for m in ms], limit)]

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from .. import comm, fused
+from .. import chunks, comm, fused
 from . import guard
 from .mean_step import mean_message
 from ..comm import CommStats
@@ -345,7 +345,7 @@ class BucketStep:
         """How the buckets travel without overlap: consecutive buckets (indices into
         ``buckets``) grouped into messages of at most ``message_mb`` MiB on the wire, at
         least one bucket each."""
-        return comm.runs([self.method.part_nbytes(b.numel) for b in buckets], self.message_mb * 2**20)
+        return chunks.runs([self.method.part_nbytes(b.numel) for b in buckets], self.message_mb * 2**20)
 
     def encodes_ahead(self, buckets: list[Bucket]) -> bool:
         """Every bucket's gradients read by a fused loop (which also checks them), and no

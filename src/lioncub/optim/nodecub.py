@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from ..engine import amp, auto, guard
-from .. import comm
+from .. import chunks, comm
 from ..comm import CommStats
 from .lioncub import LionCub
 from ..engine.shell import Shell
@@ -185,11 +185,11 @@ class NodeCub(Shell, torch.optim.Optimizer):
                              f"{len(self.params)}; pass shard=False")
         self.owners = owners
         self._mine = [i for i, j in enumerate(owners) if j == layout.local_rank]
-        # shard=True: per dtype and round, each local rank's slices of its parameters (comm.slices: at most
+        # shard=True: per dtype and round, each local rank's slices of its parameters (chunks.slices: at most
         # NODE_CHUNK elements a round, a large tensor cut): what one all-gather carries (fixed)
         self._share_plan = []
         for dtype in sorted({p.dtype for p in self.params}, key=str):
-            cut = [comm.slices([p for i, p in enumerate(self.params) if p.dtype == dtype and owners[i] == j],
+            cut = [chunks.slices([p for i, p in enumerate(self.params) if p.dtype == dtype and owners[i] == j],
                                NODE_CHUNK) for j in range(local)]
             for k in range(max(len(x) for x in cut)):
                 pieces = [x[k] if k < len(x) else [] for x in cut]
@@ -224,16 +224,16 @@ class NodeCub(Shell, torch.optim.Optimizer):
             if p.grad is None:
                 missing[i] = 1.0  # a scalar fill: no host-to-device copy
         uncut = frozenset(i for i, p in enumerate(self.params) if p.grad is not None and not p.grad.is_contiguous())
-        chunks = comm.plan_chunks([p.numel() for p in self.params], NODE_CHUNK, uncut=uncut)
-        for k, pieces in enumerate(chunks):  # fp32 of a chunk at a time (a large tensor in slices); flags on the last
+        plan = chunks.plan_chunks([p.numel() for p in self.params], NODE_CHUNK, uncut=uncut)
+        for k, pieces in enumerate(plan):  # fp32 of a chunk at a time (a large tensor in slices); flags on the last
             parts = [(self.params[pc.index].grad.detach().reshape(-1)[pc.lo:pc.hi].float()
                       if self.params[pc.index].grad is not None else torch.zeros(pc.size, device=self.device))
                      for pc in pieces]
-            flat = torch.cat(parts + ([missing] if k == len(chunks) - 1 else []))
+            flat = torch.cat(parts + ([missing] if k == len(plan) - 1 else []))
             parts = None
             if local > 1:
                 comm.all_reduce(flat, self.layout.intra, stats)
-            if k == len(chunks) - 1:
+            if k == len(plan) - 1:
                 missing = flat[-len(self.params):]
             sums = flat[:sum(pc.size for pc in pieces)].div_(local)
             for pc, piece in zip(pieces, sums.split([pc.size for pc in pieces])):
@@ -252,11 +252,11 @@ class NodeCub(Shell, torch.optim.Optimizer):
         """shard=True: every rank gets every shard's updated values; one all-gather per dtype and chunk."""
         me = self.layout.local_rank
         for dtype, pieces, sizes in self._share_plan:
-            send = comm.pack_slices(pieces[me], torch.zeros(max(sizes), dtype=dtype, device=self.device))
+            send = chunks.pack_slices(pieces[me], torch.zeros(max(sizes), dtype=dtype, device=self.device))
             got = comm.all_gather(send, self.layout.intra, stats)  # (L, max size)
             for j, theirs in enumerate(pieces):
                 if j != me:
-                    comm.unpack_slices(got[j], theirs)
+                    chunks.unpack_slices(got[j], theirs)
 
     def _sync_settings(self) -> None:
         """Schedulers change this optimizer's groups; the vote's groups follow before each step."""

@@ -7,7 +7,7 @@ which group and count. Uses what LocalCub defines: ``params``, ``state`` (``star
 ``generator``, ``rounds``, ``nonfinite``.
 
 How a round stays within a chunk of memory: :meth:`Rounds._plan` cuts the model into chunks
-(:func:`lioncub.comm.plan_chunks`: whole tensors together, a larger tensor in slices cut on the blocks of
+(:func:`lioncub.chunks.plan_chunks`: whole tensors together, a larger tensor in slices cut on the blocks of
 :data:`SCALE_BLOCK`) of at most :attr:`Rounds.round_chunk` elements and a 16th of the model. The first pass
 reads every chunk's Δ once for what the round must agree on before any message is made (the finite check,
 and each tensor's mean |v|: :func:`abs_means`); the second pass makes each chunk's Δ again, exchanges it,
@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 
 from .. import comm
-from ..comm import CommStats, Piece
+from ..chunks import Piece, chunk_cap, plan_chunks
+from ..comm import CommStats
 from ..engine import guard
 from ..votes.rounds import Agreement
 
@@ -44,9 +45,7 @@ def abs_means(blocks: list[list[Tensor]], sizes: list[int], device) -> Tensor:
     same value whether its blocks came whole or in slices. An empty tensor's is 0."""
     if not sizes:
         return torch.zeros(0, dtype=torch.float64, device=device)
-    sums = torch.stack([parts[0][0] if len(parts) == 1 and parts[0].numel() == 1
-                        else torch.cat(parts).sum() if parts else torch.zeros((), dtype=torch.float64, device=device)
-                        for parts in blocks])
+    sums = torch.stack([torch.cat(parts).sum() for parts in blocks])  # (one block: its value, exactly)
     return sums / torch.tensor([max(n, 1) for n in sizes], dtype=torch.float64, device=device)
 
 
@@ -71,7 +70,7 @@ class Rounds:
 
     round_chunk = 1 << 22
     """Elements of pseudo-gradient a round holds at once, at most (and at most a 16th of the model, but not
-    below 2^20: :func:`lioncub.comm.chunk_cap`): Δ, v, the message and d of one chunk (about 13 bytes an
+    below 2^20: :func:`lioncub.chunks.chunk_cap`): Δ, v, the message and d of one chunk (about 13 bytes an
     element), not of the model. Each chunk is one more exchange; the round still agrees once."""
 
     def _round(self) -> None:
@@ -100,7 +99,7 @@ class Rounds:
         self._outer_step(agreement.result(stats), pieces)
 
     def _plan(self) -> list[list[Piece]]:
-        """The round's chunks for this optimizer's parameters: :func:`lioncub.comm.plan_chunks`, slices cut on
+        """The round's chunks for this optimizer's parameters: :func:`lioncub.chunks.plan_chunks`, slices cut on
         :data:`SCALE_BLOCK` (so that a tensor's mean |v| is the same sliced or whole) and a non-contiguous
         tensor never cut; one chunk of every tensor when the aggregation does not decide each tensor alone
         (:attr:`~lioncub.votes.rounds.RoundAggregation.per_tensor`)."""
@@ -111,7 +110,7 @@ class Rounds:
                 plan = [[Piece(i, 0, n) for i, n in enumerate(sizes)]]
             else:
                 uncut = frozenset(i for i, p in enumerate(self.params) if not p.is_contiguous())
-                plan = comm.plan_chunks(sizes, comm.chunk_cap(sum(sizes), self.round_chunk), align=SCALE_BLOCK,
+                plan = plan_chunks(sizes, chunk_cap(sum(sizes), self.round_chunk), align=SCALE_BLOCK,
                                         uncut=uncut)
             self._round_plan = (key, plan)
         return self._round_plan[1]
@@ -147,17 +146,21 @@ class Rounds:
         return verdict
 
     def _pseudo_gradient(self, began: str, pieces: list[Piece]) -> tuple[Tensor, Tensor]:
-        """(Δ_i, v_i = Δ_i + e_i) flat fp32 over ``pieces``: this worker's progress since ``state[p][began]``."""
-        deltas, vs = [], []
+        """(Δ_i, v_i = Δ_i + e_i) flat fp32 over ``pieces``: this worker's progress since ``state[p][began]``,
+        written piece by piece into the two buffers (Δ's values those of ``start.float() - p.float()``)."""
+        total = sum(pc.size for pc in pieces)
+        delta = torch.empty(total, dtype=torch.float32, device=self.device)
+        v = torch.empty_like(delta) if self.error_feedback else delta
+        offset = 0
         for pc in pieces:
             p = self.params[pc.index]
             s = self.local_state[p]
-            delta = s[began].reshape(-1)[pc.lo:pc.hi].float() - p.reshape(-1)[pc.lo:pc.hi].float()
-            deltas.append(delta)
+            out = delta[offset:offset + pc.size]
+            out.copy_(s[began].reshape(-1)[pc.lo:pc.hi]).sub_(p.reshape(-1)[pc.lo:pc.hi])
             if self.error_feedback:
-                vs.append(delta + s["residual"].reshape(-1)[pc.lo:pc.hi])
-        delta = torch.cat(deltas) if deltas else torch.zeros(0, device=self.device)
-        return delta, (torch.cat(vs) if vs else delta) if self.error_feedback else delta
+                torch.add(out, s["residual"].reshape(-1)[pc.lo:pc.hi], out=v[offset:offset + pc.size])
+            offset += pc.size
+        return delta, v
 
     def _launch(self, v: Tensor, pieces: list[Piece], head: list[float], scales: Optional[Tensor], count: int,
                 stats: CommStats, *, aggregation=None, group=None) -> tuple[Agreement, Optional[Tensor]]:

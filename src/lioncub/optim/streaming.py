@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from .. import comm
-from ..comm import CommStats, Piece
+from ..chunks import Piece
+from ..comm import CommStats
 from ..engine import guard
 from .rounds import _slot
 
