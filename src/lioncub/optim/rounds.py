@@ -128,7 +128,7 @@ class Rounds:
                 for piece, x in zip(pieces, v.split([pc.size for pc in pieces])):
                     blocks[piece.index].append(block_sums(x))
             kept = (delta, v) if len(plan) == 1 else None
-            delta = v = None  # (freed before the next chunk's are made)
+            delta = v = x = None  # (freed, views too, before the next chunk's are made)
         sizes = [p.numel() for p in self.params]
         return Measured(finite, abs_means(blocks, sizes, self.device) if scaled else None, kept)
 
