@@ -180,3 +180,43 @@ def test_full_dry_run_passes(tmp_path):
     assert report["checks"]["device_paths_two_ranks"]["passed"] == PATHS
     assert all(c["ok"] for c in report["gloo_cuda_collectives"].values())
     assert "refused" not in json.dumps(report)
+
+
+def test_exact_votes_allow_no_differing_element_and_the_l1_vote_its_tolerance():
+    import torch
+    gc = _module()
+    want = [torch.arange(2000, dtype=torch.float32), torch.ones(2000)]  # p, m: 1 of 2000 elements is 0.05%
+    got = [want[0].clone(), want[1].clone()]
+    got[0][3] = torch.nextafter(got[0][3], torch.tensor(100.0))  # one element of p, one ulp away
+    assert gc._compare(got, want, 4)["ok"] and not gc._compare(got, want, 4)["exact"]  # within the tolerance
+    assert not gc._compare(got, want, 4, exact_only=True)["ok"]
+    assert gc._compare(want, want, 4, exact_only=True)["ok"]
+    assert [gc._exact(*v) for v in gc.VOTES] == [q is None for _, _, q in gc.VOTES]
+    assert sum(not gc._exact(*v) for v in gc.VOTES) == 2  # pbit 4 and 8 with the L1 quantizer
+
+
+def test_the_bandwidth_floor_can_fail():
+    sys.path.insert(0, str(SCRIPT.parent))
+    from gpu_check_bandwidth import FLOOR, judge
+    rows = [dict(kernel="encode", of_copy=0.8), dict(kernel="apply", of_copy=FLOOR / 2)]
+    assert judge(rows) == dict(ok=False, floor=FLOOR, below_floor=["apply"])
+    assert judge(rows[:1])["ok"] and not judge([])["ok"]
+    assert not judge([dict(kernel="nan", of_copy=float("nan"))])["ok"]
+
+
+def test_the_long_checks_caps_fit_the_budget_and_the_callers_pythonpath_is_kept(tmp_path, monkeypatch):
+    gc = _module()
+    assert sum(gc.CAPS.values()) <= 0.9 and set(gc.CAPS) <= set(gc.CHECKS)
+    seen = {}
+
+    def run(cmd, **kw):  # the pytest subprocess the check starts: its environment and time limit
+        seen.update(env=kw["env"], timeout=kw["timeout"])
+        return subprocess.CompletedProcess(cmd, 0, "1 passed", "")
+
+    monkeypatch.setenv("PYTHONPATH", "/users/own/path")
+    monkeypatch.setattr(gc.subprocess, "run", run)
+    gc._DEADLINE[0], gc._BUDGET[0] = time.monotonic() + 200, 200.0
+    assert gc.check_kernels_vs_cpu_reference("cpu")["ok"]
+    assert seen["env"]["PYTHONPATH"].split(os.pathsep)[-1] == "/users/own/path"
+    assert seen["env"]["PYTHONPATH"].split(os.pathsep)[0].endswith("src")
+    assert seen["timeout"] <= gc.CAPS["kernels_vs_cpu_reference"] * 200 + 1e-9

@@ -1,7 +1,8 @@
 """The bandwidth check of ``make gpu-check`` (tests/gpu/gpu_check.py): each Triton kernel's
 GB/s (bytes read + written) on one large tensor, against a device copy of the same bytes and
-against the torch path of the same pass. A measurement, not a pass/fail check (``ok`` is True
-when it ran)."""
+against the torch path of the same pass. It fails when a kernel moves its bytes at under
+:data:`FLOOR` of the copy's rate (:func:`judge`); the dry run's interpreted kernels are
+measured but not judged."""
 from __future__ import annotations
 
 import statistics
@@ -22,7 +23,19 @@ def _time(fn, sync, reps: int) -> float:
     return statistics.median(times)
 
 
-def check_bandwidth(device: str, n: int, reps: int) -> dict:
+FLOOR = 0.25
+"""The least fraction of a device copy's GB/s a kernel must reach: each pass reads and writes its
+tensors once, as the copy does, so a memory-bound kernel runs near the copy's rate; a quarter of it
+means a kernel gone wrong (serialised, uncoalesced, or launched per element), not a slow GPU."""
+
+
+def judge(rows: list[dict], floor: float = FLOOR) -> dict:
+    """``ok`` and the rows under ``floor`` of the copy's rate (``of_copy``: copy time / kernel time)."""
+    slow = [r["kernel"] for r in rows if not r["of_copy"] >= floor]
+    return dict(ok=bool(rows) and not slow, floor=floor, below_floor=slow)
+
+
+def check_bandwidth(device: str, n: int, reps: int, judged: bool = True) -> dict:
     import torch
     from lioncub.wire import kernels
     from lioncub.fused import triton as tk
@@ -66,6 +79,7 @@ def check_bandwidth(device: str, n: int, reps: int) -> dict:
                         of_copy=round(t_copy / t, 3), torch_path_ms=round(t_torch * 1e3, 4)))
         print(f"    {name:24s} {out[-1]['gbps']:8.1f} GB/s  copy {out[-1]['copy_gbps']:8.1f} GB/s  "
               f"({out[-1]['of_copy']:.2f} of copy)  torch path {out[-1]['torch_path_ms']:.3f} ms", flush=True)
-    return dict(ok=True, rows=out, note="GB/s counts bytes read + written; the copy moves the same bytes "
+    verdict = judge(out) if judged else dict(ok=True, judged=False)
+    return dict(verdict, rows=out, note="GB/s counts bytes read + written; the copy moves the same bytes "
                                         "(half read, half written); the kernels' encode includes reading back the "
                                         "finite flag (one sync)")

@@ -34,6 +34,10 @@ from pathlib import Path
 
 PG_TIMEOUT_S = 60  # process-group timeout of every group this script makes
 _DEADLINE = [float("inf")]  # time.monotonic() at which the run's budget is spent (set by main)
+_BUDGET = [270.0]  # the run's budget in seconds (set by main)
+CAPS = {"kernels_vs_cpu_reference": 0.3, "device_paths_two_ranks": 0.35, "gloo_two_ranks_cuda": 0.2}
+"""Each long check's share of the run's budget at most (together 0.85: the short checks and the bandwidth
+rows, seconds each, fit in the rest); a check past its share is stopped and fails."""
 
 
 def _left(cap: float = float("inf")) -> float:
@@ -305,7 +309,7 @@ def check_device_paths_two_ranks(device: str, only=(), inject=()) -> dict:
     if not names:
         return dict(ok=False, error=f"no path matches --only {list(only)}")
     results, pending, groups = {}, list(names), 0
-    end = time.monotonic() + _left(170)
+    end = time.monotonic() + _left(CAPS["device_paths_two_ranks"] * _BUDGET[0])
     while pending:
         left = end - time.monotonic()
         if left < 15:  # a group takes seconds to start: what is left is not run, and fails
