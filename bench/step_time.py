@@ -8,6 +8,8 @@ unshaped (the CPU floor), once per method:
     lion fp32/bf16  LionCub(vote='grad'): fp32 / bf16 gradient allreduce, then Lion
     sign int8       vote='sign_allreduce';  gather 1-bit: vote='gather'
     onebit          1-bit all_to_all + all_gather
+    onebit overlap  the same, each bucket's vote launched from backward's hooks (``overlap=True``): its
+                    collectives run while backward goes on, so part of them shows as compute
     pbit 4          4-bit packed lanes;  pbit 8 l1: 8-bit lanes of L1-quantized values
 
 Per method: the median step (each step timed on its slowest rank), split into compute
@@ -41,6 +43,7 @@ METHODS = [  # (label, optimizer kwargs; 'adamw' is AdamW with a harness fp32 al
     ("sign int8", dict(vote="sign_allreduce")),
     ("gather 1-bit", dict(vote="gather")),
     ("onebit", dict(vote="onebit")),
+    ("onebit overlap", dict(vote="onebit", overlap=True)),
     ("pbit 4", dict(vote="pbit", bits=4)),
     ("pbit 8 l1", dict(vote="pbit", bits=8, quantizer="l1")),
 ]
@@ -127,7 +130,7 @@ def _model(label, kw, sizes, n_tensors, P, alpha, beta):
         m, mkw = "grad", {}
     else:
         m = kw["vote"]
-        mkw = {k: v for k, v in kw.items() if k != "vote"}
+        mkw = {k: v for k, v in kw.items() if k not in ("vote", "overlap")}  # (overlap moves no byte)
     nbytes = sum(cost.predicted_bytes(m, n, P, **mkw)["bytes_sent"] for n in sizes)
     secs = sum(cost.predicted_time(m, n, P, alpha, beta, **mkw) for n in sizes)
     if kw is not None:  # LionCub's has-grad / finite flag: one uint8 allreduce per step
