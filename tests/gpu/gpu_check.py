@@ -8,6 +8,7 @@ that cannot start in what is left is recorded as failed ("not run"), never skipp
 in order:
 
 * ``backend`` — CUDA tensors take the Triton kernels (else every comparison tests torch ops);
+* ``step_clock`` — ``lioncub train``'s step clock (CUDA events, no device-wide sync) against a host clock;
 * ``kernels_vs_cpu_reference`` — ``tests/test_triton.py`` with ``LIONCUB_TEST_DEVICE=cuda``:
   every Triton kernel on CUDA copies of the inputs against the torch CPU path, bit for bit
   (odd sizes, every lane width, both tie parities, non-finite gradients);
@@ -293,6 +294,26 @@ def check_gloo_two_ranks(device: str) -> dict:
                 votes=votes, collectives=collectives)
 
 
+def check_step_clock(device: str) -> dict:
+    """The harness's step clock (CUDA events) against a host clock around a synchronised matrix product: the
+    events' seconds positive and not above the host's."""
+    import torch
+    from lioncub.harness.train import StepClock
+    cuda = device == "cuda"
+    timer = StepClock(cuda)
+    a = torch.randn(2048 if cuda else 64, 2048 if cuda else 64, device=device)
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    timer.mark("start")
+    for _ in range(8):
+        a = (a @ a).clamp_(-1, 1)
+    timer.mark("end")
+    seconds = timer.seconds("start", "end")
+    host = time.perf_counter() - t0  # (seconds() waited for the stream up to "end")
+    return dict(ok=0 < seconds <= host * 1.01 + 1e-4, events_s=seconds, host_s=host, cuda_events=cuda)
+
+
 # ----------------------------------------------------------------------------- compile only
 def compile_all(arch: int, quick: bool = False) -> list:
     """Compile the kernels for ``sm_<arch>`` without a GPU (every specialization; one per
@@ -332,8 +353,8 @@ def compile_all(arch: int, quick: bool = False) -> list:
 
 
 # ----------------------------------------------------------------------------- main
-CHECKS = ("backend", "kernels_vs_cpu_reference", "kernels_vs_torch_cuda", "lion_cuda_vs_cpu", "lioncub_ws1_nccl",
-          "nccl_ws1_calls", "device_paths_two_ranks", "gloo_two_ranks_cuda", "bandwidth")
+CHECKS = ("backend", "step_clock", "kernels_vs_cpu_reference", "kernels_vs_torch_cuda", "lion_cuda_vs_cpu",
+          "lioncub_ws1_nccl", "nccl_ws1_calls", "device_paths_two_ranks", "gloo_two_ranks_cuda", "bandwidth")
 
 
 def _interrupt(signum, frame):
@@ -415,6 +436,7 @@ def main(argv=None) -> int:
     print(f"gpu-check on {report['device_name'] or 'CPU (dry run, Triton interpreter)'}: torch {torch.__version__}, "
           f"triton {triton_version}; budget {args.budget_s:.0f} s; report: {path}", flush=True)
     runs = {"backend": lambda: check_backend(device),
+            "step_clock": lambda: check_step_clock(device),
             "kernels_vs_cpu_reference": lambda: check_kernels_vs_cpu_reference(device),
             "kernels_vs_torch_cuda": lambda: check_kernels_vs_torch_cuda(device, n_bw >> 6),
             "lion_cuda_vs_cpu": lambda: check_lion_cuda_vs_cpu(device),

@@ -206,6 +206,29 @@ def make_optimizer(config: TrainConfig, groups: list[dict], model=None):
     return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas)
 
 
+class StepClock:
+    """Seconds between marks of a training step: CUDA events on the GPU's current stream (each read waits for
+    that stream up to its mark only, never for the whole device: a collective left in flight on its own stream,
+    a streamed LocalCub round, is not waited for), ``time.perf_counter`` on CPU."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.marks = cuda, {}
+
+    def mark(self, name: str) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks[name] = event
+        else:
+            self.marks[name] = time.perf_counter()
+
+    def seconds(self, first: str, last: str) -> float:
+        if self.cuda:
+            self.marks[last].synchronize()
+            return self.marks[first].elapsed_time(self.marks[last]) / 1e3
+        return self.marks[last] - self.marks[first]
+
+
 def _allreduce_grads(params: list[torch.Tensor], world: int) -> tuple[float, float]:
     """Average gradients with one fp32 SUM allreduce (on the gradients' device); returns
     (seconds, ring-model bytes sent)."""
@@ -267,7 +290,7 @@ def train_worker(config: TrainConfig) -> dict:
         start = meta["step"]
     cuda = device.type == "cuda"
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    timer = StepClock(cuda)
     budget, clock, next_eval_s = config.time_budget, 0.0, config.eval_every_s
     writer = MetricsWriter(os.path.join(config.out, "metrics.jsonl"), enabled=rank == 0,
                            truncate_after_step=start if resume_from else None)
@@ -282,16 +305,14 @@ def train_worker(config: TrainConfig) -> dict:
         lr_scale = lr_factor(step, config)
         for g, base in zip(opt.param_groups, base_lrs):
             g["lr"] = base * lr_scale
-        sync()
-        t0 = time.perf_counter()
+        timer.mark("start")
         x, y = data.loader.next_batch()
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        t1 = time.perf_counter()
+        timer.mark("batch")
         with autocast():
             loss, _ = batch_loss(model, x, y, config.is_gpt)
         loss.backward()
-        sync()
-        t_compute = time.perf_counter() - t1
+        timer.mark("backward")
         if config.optimizer == "lioncub":
             opt.step()
             s = opt.last_step_stats
@@ -302,8 +323,8 @@ def train_worker(config: TrainConfig) -> dict:
             t_vote, sent = _allreduce_grads(params, world)
             opt.step()
             traffic = {"bytes_sent": sent, "bytes_recv": sent, "n_collectives": 1}
-        sync()
-        t_step = time.perf_counter() - t0
+        timer.mark("end")
+        t_step, t_compute = timer.seconds("start", "end"), timer.seconds("batch", "backward")
         opt.zero_grad(set_to_none=True)
         train_time += t_step
         done = step + 1
