@@ -29,6 +29,7 @@ Writes bench/results/step_time.json and bench/results/step_time.png. Needs root.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -238,18 +239,25 @@ def main(argv=None) -> int:
     _runner.add_gpt_args(ap, layers=6, embd=576)
     ap.add_argument("--bucket-mb", type=float, default=25.0, help="LionCub bucket_mb")
     ap.add_argument("--out", default=os.path.join(_runner.RESULTS, "step_time.json"))
+    ap.add_argument("--report-only", action="store_true", help="print the tables and redraw the plot from --out")
     _runner.add_worker_args(ap)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
     if args.worker:
         worker(args, args.out_dir)
         return 0
-    rates = [None if r.strip().lower() == "none" else r.strip() for r in args.rates.split(",")]
-    results = []
-    for rate in rates:
-        results.append(run_testbed(args, argv, rate))
-        print(table(results[-1]), flush=True)
-    _runner.write_json(args.out, {"args": vars(args), "load_avg": os.getloadavg(), "results": results})
+    if args.report_only:
+        with open(args.out) as f:
+            results = json.load(f)["results"]
+        for res in results:
+            print(table(res), flush=True)
+    else:
+        rates = [None if r.strip().lower() == "none" else r.strip() for r in args.rates.split(",")]
+        results = []
+        for rate in rates:
+            results.append(run_testbed(args, argv, rate))
+            print(table(results[-1]), flush=True)
+        _runner.write_json(args.out, {"args": vars(args), "load_avg": os.getloadavg(), "results": results})
     png = os.path.splitext(args.out)[0] + ".png"
     plot(results, png)
     print(f"wrote {png}")
