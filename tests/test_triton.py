@@ -281,7 +281,8 @@ def test_every_launch_runs_under_its_tensors_device(monkeypatch):
     tk.apply_bits(ps, ms2, gs2, _d(torch.zeros(-(-n // 8), dtype=torch.uint8)), None, **hp)
     tk.apply_lanes(ps, ms2, gs2, _d(torch.zeros(-(-n * 4 // 8), dtype=torch.uint8)), 4, 7, 7, **hp)
     assert {name for name, _, _ in launches} == set(_KERNELS)
-    assert len(launches) == 6 * 2 + 1  # one per non-empty tensor and call; quantize_lanes: one for c
+    # encode: one per non-empty tensor and call (3 calls); apply: one per call (3 calls); quantize_lanes: one for c
+    assert len(launches) == 3 * 2 + 3 + 1
     device = torch.device(DEVICE) if DEVICE == "cpu" else ps[0].device
     for name, entered, devices in launches:
         assert devices == {device}, (name, devices)
@@ -477,3 +478,24 @@ def test_kernels_compile_for_a_hopper_gpu_without_one(tmp_path):
     assert {c["kernel"] for c in compiled} == {"_encode_lanes_kernel", "_encode_values_kernel",
                                                "_quantize_lanes_kernel", "_apply_kernel"}
     assert all(c["cubin_bytes"] > 0 for c in compiled)
+
+
+def test_apply_is_one_launch_for_every_tensor_of_a_call(monkeypatch):
+    """The launches of one step's passes for 300 tensors (a 1.3B GPT has about as many): the apply kernels take
+    them all in one launch (before: 300), the encode one launch per tensor; the result still equals the torch
+    path bit for bit."""
+    counted = []
+    real = tk._launch
+    monkeypatch.setattr(tk, "_launch", lambda kernel, *a, **kw: (counted.append(kernel), real(kernel, *a, **kw)))
+    sizes = [3, 1, 2] * 100
+    n = sum(sizes)
+    ms, gs = _tensors(sizes, seed=11)
+    tk.encode(_d(ms), _d(gs), 0.9, False, _d(torch.empty(-(-n // 8), dtype=torch.uint8)), bits=1, step=0)
+    assert len(counted) == 300
+    counted.clear()
+    ps, ms2, gs2 = _apply_case(sizes, seed=12)
+    u = torch.randint(-1, 2, (n,), generator=torch.Generator().manual_seed(1), dtype=torch.int8)
+    want = _reference(ps, ms2, gs2, u, 1e-3, 0.1, 0.99, False)
+    ps, ms2, gs2 = _d(ps), _d(ms2), _d(gs2)
+    tk.apply(ps, ms2, gs2, _d(u), lr=1e-3, beta2=0.99, weight_decay=0.1)
+    assert len(counted) == 1 and _same(ps + ms2, want)

@@ -336,10 +336,8 @@ def compile_all(arch: int, quick: bool = False) -> list:
         jobs.append((tk._quantize_lanes_kernel, dict(c_ptr=P, out_ptr="*u8", n=I32, nbytes=I32, mult_ptr=P, s=F),
                      dict(BITS=bits)))
     for source, bits in (((3, 4),) if quick else ((0, 8), (1, 1), (2, 1), (3, 2), (3, 4), (3, 8))):
-        for decay in ((True,) if quick else (True, False)):
-            jobs.append((tk._apply_kernel, dict(p_ptr=P, m_ptr=P, g_ptr=P, u_ptr="*i8" if source == 0 else "*u8",
-                                                neg_ptr="*u8", n=I32, start=I64, decay=F, neg_lr=F, beta2=F, alpha2=F,
-                                                above=I32, below=I32), dict(HAS_DECAY=decay, SOURCE=source, BITS=bits)))
+        jobs.append((tk._apply_kernel, dict(ints_ptr="*i64", floats_ptr=P, k=I32, u_ptr="*i8" if source == 0 else "*u8",
+                                            neg_ptr="*u8", above=I32, below=I32), dict(SOURCE=source, BITS=bits)))
     rows = []
     for fn, sig, consts in jobs:
         consts = dict(consts, BLOCK=tk._BLOCK)

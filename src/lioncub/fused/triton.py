@@ -23,8 +23,9 @@ bit (``tests/test_triton.py`` runs every kernel in Triton's CPU interpreter,
 (contracted to an FMA by default): ``tests/gpu/gpu_check.py`` measures whether that is exact
 on the GPU too and allows at most 1 ulp there.
 
-Tensors of one call form one stream (element ``j`` of the concatenation): one launch per
-tensor, in order on one CUDA stream. A packed byte shared by two tensors is stored whole
+Tensors of one call form one stream (element ``j`` of the concatenation). The apply kernels take
+every tensor of a call in one launch (a table of the tensors' addresses); the encode kernels
+launch once per tensor, in order on one CUDA stream. A packed byte shared by two tensors is stored whole
 by the first tensor's launch (its missing lanes zero) and OR-ed into by the next one.
 The finite report is one int32 flag on the device that the launches OR into; the call returns
 ``flag == 0`` (a 0-dim bool tensor, still on the device): nothing waits for the kernels, so an
@@ -182,19 +183,35 @@ if triton is not None:
         v = tl.where(inside, q, 0) << (lane * BITS)[None, :]
         tl.store(out_ptr + byte, tl.sum(v, axis=1).to(tl.uint8), mask=byte < nbytes)
 
-    @triton.jit(do_not_specialize=["n", "start", "above", "below"])
-    def _apply_kernel(p_ptr, m_ptr, g_ptr, u_ptr, neg_ptr, n, start, decay, neg_lr, beta2, alpha2, above, below,
-                      HAS_DECAY: tl.constexpr, SOURCE: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    @triton.jit(do_not_specialize=["k", "above", "below"])
+    def _apply_kernel(ints_ptr, floats_ptr, k, u_ptr, neg_ptr, above, below,
+                      SOURCE: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
+        # Every tensor of the call in one launch (:func:`_apply_tables`): program r takes block ints[5k + 2r + 1]
+        # of tensor t = ints[5k + 2r]; ints holds the k tensors' p, m and g addresses, sizes and vote-stream
+        # starts, floats their decay, -lr, β2 and ±(1 − β2).
         # SOURCE 0: int8 u; 1: u = 2·bit − 1; 2: u = pos bit − neg bit; 3: u from BITS-wide lane sums.
-        i, j = _stream_indices(tl.program_id(0), start, BLOCK)  # element index in p / in the vote stream
+        k64 = tl.cast(k, tl.int64)
+        row = tl.program_id(0).to(tl.int64)
+        t = tl.load(ints_ptr + 5 * k64 + 2 * row)
+        blk = tl.load(ints_ptr + 5 * k64 + 2 * row + 1)
+        p_ptr = tl.load(ints_ptr + t).to(tl.pointer_type(tl.float32))
+        m_ptr = tl.load(ints_ptr + k64 + t).to(tl.pointer_type(tl.float32))
+        g_ptr = tl.load(ints_ptr + 2 * k64 + t).to(tl.pointer_type(tl.float32))
+        n = tl.load(ints_ptr + 3 * k64 + t)
+        start = tl.load(ints_ptr + 4 * k64 + t)
+        decay = tl.load(floats_ptr + t)
+        neg_lr = tl.load(floats_ptr + k64 + t)
+        beta2 = tl.load(floats_ptr + 2 * k64 + t)
+        alpha2 = tl.load(floats_ptr + 3 * k64 + t)
+        i, j = _stream_indices(blk, start, BLOCK)  # int64: element index in p, and in the vote stream
         mask = i < n
         if SOURCE == 0:
             u = tl.load(u_ptr + j, mask=mask, other=0).to(tl.float32)
         elif SOURCE == 3:
             PER: tl.constexpr = 8 // BITS
             shift = ((j % PER) * BITS).to(tl.int32)
-            k = (tl.load(u_ptr + j // PER, mask=mask, other=0).to(tl.int32) >> shift) & ((1 << BITS) - 1)
-            u = (k > above).to(tl.float32) - (k < below).to(tl.float32)
+            q = (tl.load(u_ptr + j // PER, mask=mask, other=0).to(tl.int32) >> shift) & ((1 << BITS) - 1)
+            u = (q > above).to(tl.float32) - (q < below).to(tl.float32)
         else:
             bit = (j % 8).to(tl.int32)
             pb = (tl.load(u_ptr + j // 8, mask=mask, other=0).to(tl.int32) >> bit) & 1
@@ -206,9 +223,7 @@ if triton is not None:
         p = tl.load(p_ptr + i, mask=mask, other=0.0)
         m = tl.load(m_ptr + i, mask=mask, other=0.0)
         g = tl.load(g_ptr + i, mask=mask, other=0.0)
-        if HAS_DECAY:
-            p = p * decay
-        tl.store(p_ptr + i, tl.fma(neg_lr, u, p), mask=mask)
+        tl.store(p_ptr + i, tl.fma(neg_lr, u, p * decay), mask=mask)  # (decay 1.0 without weight decay: exact)
         tl.store(m_ptr + i, tl.fma(alpha2, g, m * beta2), mask=mask)
 
 
@@ -229,11 +244,19 @@ def _device_guard(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _launch(kernel, count: int, tensor: Tensor, *args, **meta) -> None:
-    """``kernel`` over ``count`` indices (one program per ``_BLOCK``), launched with the current
-    device set to ``tensor``'s (:func:`_device_guard`), FMA contraction off. Every launch here."""
+def _launch(kernel, count: int, tensor: Tensor, *args, programs: Optional[int] = None, **meta) -> None:
+    """``kernel`` over ``count`` indices (one program per ``_BLOCK``; or ``programs`` programs), launched with
+    the current device set to ``tensor``'s (:func:`_device_guard`), FMA contraction off. Every launch here."""
     with _device_guard(tensor.device):
-        kernel[_grid(count)](*args, BLOCK=_BLOCK, **meta, **_NO_CONTRACTION)
+        kernel[_grid(count) if programs is None else (programs,)](*args, BLOCK=_BLOCK, **meta, **_NO_CONTRACTION)
+
+
+def _table(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``values`` as a tensor on ``device``: on CUDA from pinned memory, copied without blocking (no host sync:
+    torch keeps the pinned buffer until the copy is done)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def _encode(exp_avgs, grads, beta1, maximize, out: Tensor, *, mode: int, bits: int, step: int) -> Tensor:
@@ -287,17 +310,30 @@ def quantize_lanes(c: Tensor, mult: float, levels: int, bits: int, out: Tensor) 
 
 def _apply(params, exp_avgs, grads, source: int, u: Tensor, neg: Optional[Tensor], bits: int, above: int,
            below: int, *, lr, beta2, weight_decay, maximize) -> None:
+    """One launch for every tensor of the call: a program per ``_BLOCK`` elements of each non-empty tensor,
+    found through two small tables (:func:`_table`) of the tensors' addresses, sizes, starts in the vote
+    stream and hyper-parameters (fp32, each rounded once from the Python float, as a scalar argument is)."""
     k = len(params)
     hyper = zip(_per_tensor(lr, k), _per_tensor(beta2, k), _per_tensor(weight_decay, k), _per_tensor(maximize, k))
-    start = 0
+    live, floats, rows, start = [], [[], [], [], []], [], 0
     for p, m, g, (a, b2, wd, mx) in zip(params, exp_avgs, grads, hyper):
         n = p.numel()
-        a, b2, wd = float(a), float(b2), float(wd)
-        alpha2 = -(1.0 - b2) if mx else 1.0 - b2  # as lion.apply_update_
         if n:
-            _launch(_apply_kernel, n, p, p, m, g, u, u if neg is None else neg, n, start, 1.0 - a * wd, -a, b2,
-                    alpha2, above, below, HAS_DECAY=wd != 0, SOURCE=source, BITS=bits)
+            a, b2, wd = float(a), float(b2), float(wd)
+            rows += [x for blk in range(triton.cdiv(n, _BLOCK)) for x in (len(live), blk)]
+            live.append((p, m, g, n, start))
+            for column, value in zip(floats, (1.0 - a * wd if wd != 0 else 1.0, -a, b2,
+                                              -(1.0 - b2) if mx else 1.0 - b2)):  # as lion.apply_update_
+                column.append(value)
         start += n
+    if not live:
+        return
+    device = params[0].device
+    ints = [x.data_ptr() for column in range(3) for x in (e[column] for e in live)]
+    ints += [e[3] for e in live] + [e[4] for e in live] + rows
+    _launch(_apply_kernel, 0, params[0], _table(ints, torch.int64, device),
+            _table([v for column in floats for v in column], torch.float32, device), len(live), u,
+            u if neg is None else neg, above, below, programs=len(rows) // 2, SOURCE=source, BITS=bits)
 
 
 def apply(params: list[Tensor], exp_avgs: list[Tensor], grads: list[Tensor], u: Tensor, *, lr,
