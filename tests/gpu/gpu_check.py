@@ -337,7 +337,7 @@ def compile_all(arch: int, quick: bool = False) -> list:
                      dict(BITS=bits)))
     for source, bits in (((3, 4),) if quick else ((0, 8), (1, 1), (2, 1), (3, 2), (3, 4), (3, 8))):
         jobs.append((tk._apply_kernel, dict(ints_ptr="*i64", floats_ptr=P, k=I32, u_ptr="*i8" if source == 0 else "*u8",
-                                            neg_ptr="*u8", above=I32, below=I32), dict(SOURCE=source, BITS=bits)))
+                                            neg_ptr="*u8", above=I32, below=I32), dict(SOURCE=source, BITS=bits, KMAX=16)))
     rows = []
     for fn, sig, consts in jobs:
         consts = dict(consts, BLOCK=tk._BLOCK)

@@ -185,15 +185,17 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["k", "above", "below"])
     def _apply_kernel(ints_ptr, floats_ptr, k, u_ptr, neg_ptr, above, below,
-                      SOURCE: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
-        # Every tensor of the call in one launch (:func:`_apply_tables`): program r takes block ints[5k + 2r + 1]
-        # of tensor t = ints[5k + 2r]; ints holds the k tensors' p, m and g addresses, sizes and vote-stream
-        # starts, floats their decay, -lr, β2 and ±(1 − β2).
+                      SOURCE: tl.constexpr, BITS: tl.constexpr, KMAX: tl.constexpr, BLOCK: tl.constexpr):
+        # Every tensor of the call in one launch (:func:`_apply`): ints holds the k tensors' p, m and g addresses,
+        # sizes, vote-stream starts and first program (a running count of their blocks); floats their decay,
+        # -lr, β2 and ±(1 − β2). Program r finds its tensor t among the first k ≤ KMAX firsts.
         # SOURCE 0: int8 u; 1: u = 2·bit − 1; 2: u = pos bit − neg bit; 3: u from BITS-wide lane sums.
         k64 = tl.cast(k, tl.int64)
         row = tl.program_id(0).to(tl.int64)
-        t = tl.load(ints_ptr + 5 * k64 + 2 * row)
-        blk = tl.load(ints_ptr + 5 * k64 + 2 * row + 1)
+        s = tl.arange(0, KMAX)
+        firsts = tl.load(ints_ptr + 5 * k64 + s, mask=s < k, other=row + 1)
+        t = (tl.sum((firsts <= row).to(tl.int64)) - 1).to(tl.int64)
+        blk = row - tl.load(ints_ptr + 5 * k64 + t)
         p_ptr = tl.load(ints_ptr + t).to(tl.pointer_type(tl.float32))
         m_ptr = tl.load(ints_ptr + k64 + t).to(tl.pointer_type(tl.float32))
         g_ptr = tl.load(ints_ptr + 2 * k64 + t).to(tl.pointer_type(tl.float32))
@@ -311,17 +313,19 @@ def quantize_lanes(c: Tensor, mult: float, levels: int, bits: int, out: Tensor) 
 def _apply(params, exp_avgs, grads, source: int, u: Tensor, neg: Optional[Tensor], bits: int, above: int,
            below: int, *, lr, beta2, weight_decay, maximize) -> None:
     """One launch for every tensor of the call: a program per ``_BLOCK`` elements of each non-empty tensor,
-    found through two small tables (:func:`_table`) of the tensors' addresses, sizes, starts in the vote
-    stream and hyper-parameters (fp32, each rounded once from the Python float, as a scalar argument is)."""
+    found through two small tables (:func:`_table`, one entry per tensor) of the tensors' addresses, sizes,
+    starts in the vote stream, first programs and hyper-parameters (fp32, each rounded once from the Python
+    float, as a scalar argument is). ``KMAX``, the tables' length rounded up to a power of two, is one compile
+    per size class."""
     k = len(params)
     hyper = zip(_per_tensor(lr, k), _per_tensor(beta2, k), _per_tensor(weight_decay, k), _per_tensor(maximize, k))
-    live, floats, rows, start = [], [[], [], [], []], [], 0
+    live, floats, programs, start = [], [[], [], [], []], 0, 0
     for p, m, g, (a, b2, wd, mx) in zip(params, exp_avgs, grads, hyper):
         n = p.numel()
         if n:
             a, b2, wd = float(a), float(b2), float(wd)
-            rows += [x for blk in range(triton.cdiv(n, _BLOCK)) for x in (len(live), blk)]
-            live.append((p, m, g, n, start))
+            live.append((p, m, g, n, start, programs))
+            programs += triton.cdiv(n, _BLOCK)
             for column, value in zip(floats, (1.0 - a * wd if wd != 0 else 1.0, -a, b2,
                                               -(1.0 - b2) if mx else 1.0 - b2)):  # as lion.apply_update_
                 column.append(value)
@@ -329,11 +333,12 @@ def _apply(params, exp_avgs, grads, source: int, u: Tensor, neg: Optional[Tensor
     if not live:
         return
     device = params[0].device
-    ints = [x.data_ptr() for column in range(3) for x in (e[column] for e in live)]
-    ints += [e[3] for e in live] + [e[4] for e in live] + rows
+    ints = [e[column].data_ptr() for column in range(3) for e in live] + [e[column] for column in (3, 4, 5)
+                                                                          for e in live]
     _launch(_apply_kernel, 0, params[0], _table(ints, torch.int64, device),
             _table([v for column in floats for v in column], torch.float32, device), len(live), u,
-            u if neg is None else neg, above, below, programs=len(rows) // 2, SOURCE=source, BITS=bits)
+            u if neg is None else neg, above, below, programs=programs, SOURCE=source, BITS=bits,
+            KMAX=max(16, triton.next_power_of_2(len(live))))
 
 
 def apply(params: list[Tensor], exp_avgs: list[Tensor], grads: list[Tensor], u: Tensor, *, lr,
