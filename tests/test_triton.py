@@ -476,7 +476,7 @@ def test_kernels_compile_for_a_hopper_gpu_without_one(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     compiled = json.loads((tmp_path / "gpu_check.json").read_text())["compiled"]
     assert {c["kernel"] for c in compiled} == {"_encode_lanes_kernel", "_encode_values_kernel",
-                                               "_quantize_lanes_kernel", "_apply_kernel"}
+                                               "_quantize_lanes_kernel", "_apply_kernel", "_vote_count_kernel"}
     assert all(c["cubin_bytes"] > 0 for c in compiled)
 
 
@@ -499,3 +499,26 @@ def test_apply_is_one_launch_for_every_tensor_of_a_call(monkeypatch):
     ps, ms2, gs2 = _d(ps), _d(ms2), _d(gs2)
     tk.apply(ps, ms2, gs2, _d(u), lr=1e-3, beta2=0.99, weight_decay=0.1)
     assert len(counted) == 1 and _same(ps + ms2, want)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8, 9, 64, 255])
+def test_vote_count_kernel_equals_the_bit_sliced_counters(world):
+    """The masks 2k > P and 2k = P of P rows of packed bits, in one launch, against the torch counters
+    (kernels.vote_bits) word for word: odd byte counts, all-ones and all-zero columns (k = P, k = 0), rows that
+    are a strided view of a wider buffer."""
+    g = torch.Generator().manual_seed(world)
+    for m in (1, 7, 13, 1031):
+        wide = torch.randint(0, 256, (world, m + 5), generator=g, dtype=torch.uint8)
+        wide[:, 0], wide[:, 1] = 255, 0
+        rows = wide[:, 2:2 + m] if m > 2 else wide[:, :m]
+        want = kernels.vote_bits(rows.contiguous(), world)
+        got = tk.vote_bits(_d(rows), world)
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want)), (world, m)
+    launches = []
+    real = tk._launch
+    try:
+        tk._launch = lambda kernel, *a, **kw: (launches.append(kernel), real(kernel, *a, **kw))
+        tk.vote_bits(_d(rows), world)
+    finally:
+        tk._launch = real
+    assert len(launches) == 1

@@ -338,6 +338,9 @@ def compile_all(arch: int, quick: bool = False) -> list:
     for source, bits in (((3, 4),) if quick else ((0, 8), (1, 1), (2, 1), (3, 2), (3, 4), (3, 8))):
         jobs.append((tk._apply_kernel, dict(ints_ptr="*i64", floats_ptr=P, k=I32, u_ptr="*i8" if source == 0 else "*u8",
                                             neg_ptr="*u8", above=I32, below=I32), dict(SOURCE=source, BITS=bits, KMAX=16)))
+    for even in ((True,) if quick else (True, False)):
+        jobs.append((tk._vote_count_kernel, dict(packed_ptr="*u8", stride=I32, world=I32, nbytes=I32, half=I32,
+                                                 gt_ptr="*u8", eq_ptr="*u8"), dict(EVEN=even)))
     rows = []
     for fn, sig, consts in jobs:
         consts = dict(consts, BLOCK=tk._BLOCK)

@@ -47,8 +47,10 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
+from ..wire import kernels
+
 __all__ = ["available", "status", "warn_if_unavailable", "encode", "interpolate", "quantize_lanes", "apply", "apply_bits", "apply_lanes", "usable",
-           "unusable_reason", "backend_of"]
+           "unusable_reason", "backend_of", "vote_bits"]
 
 _SOURCE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fused.c")
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared"]
@@ -269,6 +271,16 @@ def quantize_lanes(c: Tensor, mult, levels: int, bits: int, out: Tensor) -> None
     if _gpu(c) is not None:
         return _gpu(c).quantize_lanes(c, mult, levels, bits, out)
     _lib().lc_quantize_lanes(c.data_ptr(), n, float(mult), levels, bits, out.data_ptr())  # CPU: free to read
+
+
+def vote_bits(packed: Tensor, world: int) -> tuple[Tensor, Tensor]:
+    """:func:`lioncub.wire.kernels.vote_bits` (the masks "2k > P" and "2k = P" of P rows of packed bits): one
+    Triton launch for CUDA rows when the kernels are in use, else the torch ops (bit-sliced counters)."""
+    rows = packed.reshape(packed.shape[0], -1) if packed.dim() > 1 else packed.reshape(1, -1)
+    gpu = _gpu(rows)
+    if gpu is not None and gpu.available() and world <= 255 and rows.stride(-1) == 1 and not _traced(rows):
+        return gpu.vote_bits(rows, world)
+    return kernels.vote_bits(packed, world)
 
 
 def apply(params: list[Tensor], exp_avgs: list[Tensor], grads: list[Tensor], u: Tensor, *, lr,

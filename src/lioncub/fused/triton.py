@@ -63,7 +63,7 @@ except ImportError:  # the torch path (or the C loops) run instead
     tl = None
 
 __all__ = ["available", "status", "handles", "encode", "interpolate", "quantize_lanes", "apply",
-           "apply_bits", "apply_lanes"]
+           "apply_bits", "apply_lanes", "vote_bits"]
 
 _BLOCK = 1024  # elements (apply, signs, c) or output bytes (lanes) per program
 _NO_CONTRACTION = dict(enable_fp_fusion=False)  # launch option: no FMA but the explicit tl.fma
@@ -229,6 +229,25 @@ if triton is not None:
         tl.store(m_ptr + i, tl.fma(alpha2, g, m * beta2), mask=mask)
 
 
+    @triton.jit(do_not_specialize=["stride", "world", "nbytes", "half"])
+    def _vote_count_kernel(packed_ptr, stride, world, nbytes, half, gt_ptr, eq_ptr, EVEN: tl.constexpr,
+                           BLOCK: tl.constexpr):
+        # One program: BLOCK bytes (8·BLOCK elements) of the P rows; each element's count k of set bits over the
+        # rows, then "k > ⌊P/2⌋" (2k > P) and, for even P, "k = P/2" (2k = P), packed as the rows are.
+        byte = _block_offsets(tl.program_id(0), BLOCK)
+        inside = byte < nbytes
+        lane = tl.arange(0, 8)
+        counts = tl.zeros([BLOCK, 8], dtype=tl.int32)
+        for r in range(world):
+            b = tl.load(packed_ptr + r * tl.cast(stride, tl.int64) + byte, mask=inside, other=0).to(tl.int32)
+            counts += (b[:, None] >> lane[None, :]) & 1
+        gt = tl.sum((counts > half).to(tl.int32) << lane[None, :], axis=1)
+        tl.store(gt_ptr + byte, gt.to(tl.uint8), mask=inside)
+        if EVEN:
+            eq = tl.sum((counts == half).to(tl.int32) << lane[None, :], axis=1)
+            tl.store(eq_ptr + byte, eq.to(tl.uint8), mask=inside)
+
+
 def _per_tensor(value, k: int) -> list:
     values = list(value) if isinstance(value, (list, tuple)) else [value] * k
     if len(values) != k:
@@ -339,6 +358,17 @@ def _apply(params, exp_avgs, grads, source: int, u: Tensor, neg: Optional[Tensor
             _table([v for column in floats for v in column], torch.float32, device), len(live), u,
             u if neg is None else neg, above, below, programs=programs, SOURCE=source, BITS=bits,
             KMAX=max(16, triton.next_power_of_2(len(live))))
+
+
+def vote_bits(rows: Tensor, world: int) -> tuple[Tensor, Tensor]:
+    """:func:`lioncub.wire.kernels.vote_bits` in one launch: ``rows`` (P, m) uint8 with contiguous rows; the
+    masks "2k > P" and "2k = P" as int64 words (zero past the m bytes), as the torch function returns them."""
+    m = rows.shape[1]
+    gt = torch.zeros(-(-m // 8) * 8, dtype=torch.uint8, device=rows.device)
+    eq = torch.zeros_like(gt)
+    if m:
+        _launch(_vote_count_kernel, m, rows, rows, rows.stride(0), world, m, world // 2, gt, eq, EVEN=world % 2 == 0)
+    return gt.view(torch.int64), eq.view(torch.int64)
 
 
 def apply(params: list[Tensor], exp_avgs: list[Tensor], grads: list[Tensor], u: Tensor, *, lr,

@@ -30,7 +30,7 @@ class Gather(PackedSigns):
         """Voted bytes of shape (2, ·): row 0 the packed mask 2k > P, row 1 the mask 2k < P."""
         everyone = comm.all_gather(msg[:m], group, stats)  # (P, m)
         t0 = comm.clock(stats)
-        gt, eq = kernels.vote_bits(everyone, self.world)  # packed words
+        gt, eq = fused.vote_bits(everyone, self.world)  # packed words (one GPU kernel for CUDA rows)
         masks = torch.empty((2,) + gt.shape, dtype=gt.dtype, device=gt.device)
         masks[0].copy_(gt)
         torch.bitwise_or(gt, eq, out=masks[1])

@@ -53,9 +53,9 @@ class OneBit(PackedSigns):
             raise ValueError("tie='hold' keeps each chunk owner's last vote between steps: it runs in "
                              "LionCub's step (not a single vote call)")
         if residual is None:
-            voted = kernels.majority_bits(rows, self.world, self.parity(step))
+            voted = kernels.majority_bits(rows, self.world, self.parity(step), count=fused.vote_bits)
         elif self.owner_state == "held":
-            voted = kernels.majority_bits_held(rows, self.world, residual)
+            voted = kernels.majority_bits_held(rows, self.world, residual, count=fused.vote_bits)
         else:
             voted = server_signs_(rows, self.world, residual, self.parity(step))
         stats.t_unpack_vote += comm.clock(stats) - t0

@@ -229,22 +229,24 @@ def vote_bits(packed: Tensor, world: int) -> tuple[Tensor, Tensor]:
     return gt, eq
 
 
-def majority_bits(packed: Tensor, world: int, step: int) -> Tensor:
+def majority_bits(packed: Tensor, world: int, step: int, count=None) -> Tensor:
     """The 1-bit vote of the P rows, packed: 2k > P wins, ties follow the step parity.
 
-    Returns uint8 of the rows' byte length: bit set where 2k > P, or 2k = P on an even step."""
-    gt, eq = vote_bits(packed, world)
+    Returns uint8 of the rows' byte length: bit set where 2k > P, or 2k = P on an even step.
+    ``count``: the function that makes :func:`vote_bits`'s masks (default: it; the votes pass
+    :func:`lioncub.fused.vote_bits`, one GPU kernel for CUDA rows)."""
+    gt, eq = (count or vote_bits)(packed, world)
     if step % 2 == 0:
         gt |= eq
     m = packed.reshape(packed.shape[0], -1).shape[1] if packed.dim() > 1 else packed.numel()
     return gt.view(torch.uint8)[:m]
 
 
-def majority_bits_held(packed: Tensor, world: int, held: Tensor) -> Tensor:
+def majority_bits_held(packed: Tensor, world: int, held: Tensor, count=None) -> Tensor:
     """The 1-bit vote of the P rows, packed: 2k > P wins, a tie repeats ``held`` (the
     element's last vote, packed uint8 of the rows' byte length), which is then updated to
-    this vote. Returns uint8 of the rows' byte length."""
-    gt, eq = vote_bits(packed, world)
+    this vote. Returns uint8 of the rows' byte length. ``count``: as :func:`majority_bits`."""
+    gt, eq = (count or vote_bits)(packed, world)
     m = held.numel()
     last = torch.zeros_like(gt).view(torch.uint8)
     last[:m] = held
