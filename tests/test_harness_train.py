@@ -262,7 +262,7 @@ def test_cli_rejects_bad_arguments(capsys):
                           (["train", "--no-compare", "--local-steps", "2", "--overlap", "--eval-every", "2"],
                            "overlap=True is not supported with local_steps > 1"),
                           (["train", "--no-compare", "--local-steps", "2", "--aggregate", "mean", "--eval-every", "2"],
-                           "aggregate='mean' sums L1-quantized lanes"),
+                           "aggregate='mean' averages Δ on the vote's collectives"),
                           (["train", "--no-compare", "--aggregate", "mean"], "it needs vote='onebit', got vote='pbit'"),
                           (["train", "--no-compare", "--aggregate", "mean", "--vote", "onebit", "--nodes", "2"],
                            "aggregate='mean' every step runs on one LionCub: it needs nodes=1"),

@@ -315,7 +315,8 @@ def test_world_of_one_runs_without_a_process_group_and_matches_lion():
     (dict(vote="pbit", quantizer="linf", error_feedback=True), "stochastic quantizer"),
     (dict(inner="sgd"), "inner must be one of"),
     (dict(aggregate="sum"), "aggregate must be one of"),
-    (dict(vote="onebit", aggregate="mean"), "aggregate='mean' sums L1-quantized lanes"),
+    (dict(vote="gather", aggregate="mean"), "aggregate='mean' averages Δ on the vote's collectives"),
+    (dict(vote="onebit", aggregate="mean"), "needs error_feedback=True"),
     (dict(nonfinite="ignore"), "nonfinite must be one of"),
     (dict(lr=-1.0), "lr"),
 ])

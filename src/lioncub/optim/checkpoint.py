@@ -130,7 +130,8 @@ class RoundCheckpoint:
         sd[self.state_key] = self.envelope(
             counters, inner=self.inner.state_dict(), vote_requested=self.vote_requested,
             # inside a round every rank's parameters are its own (a model checkpoint holds one rank's)
-            params=[p.detach().clone() for p in self.params] if self.local_step else None, pending=pending)
+            params=[p.detach().clone() for p in self.params] if self.local_step else None, pending=pending,
+            owner_residuals={str(k): r.clone() for k, r in self.owner_residuals.items()})
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -165,6 +166,7 @@ class RoundCheckpoint:
                 raise ValueError(f"state_dict's round in flight has {d.numel()} elements; these parameters have "
                                  f"{sum(sizes)}")
             self._pending = [Agreement.finished(part.clone(), pending["signed"]) for part in d.split(sizes)]
+        self._restore_owner_residuals(extra.get("owner_residuals") or {})
         if extra.get("params") is not None:
             with torch.no_grad():
                 for p, saved in zip(self.params, extra["params"]):
@@ -173,3 +175,15 @@ class RoundCheckpoint:
             with torch.no_grad():
                 for p in self.params:
                     p.copy_(self.local_state[p]["origin"])
+
+    def _restore_owner_residuals(self, saved: dict) -> None:
+        """The aggregation's per-chunk state of a checkpoint, checked against this run's chunks."""
+        plan = self._plan()
+        self.owner_residuals = {}
+        for key, r in saved.items():
+            index = int(key)
+            size = self.aggregation.owner_elements(sum(pc.size for pc in plan[index])) if index < len(plan) else 0
+            if r.numel() != size:
+                raise ValueError(f"state_dict's owner residual of chunk {index} has {r.numel()} elements; this run's "
+                                 f"round keeps {size} there (another round_chunk or aggregation)")
+            self.owner_residuals[index] = r.to(self.device, torch.float32).clone()

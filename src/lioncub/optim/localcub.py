@@ -70,7 +70,7 @@ from ..lion import Lion
 from ..validate import check_bool, check_hyperparameters, check_int
 from ..votes.pbit import MEAN_CLIP
 from ..votes.rounds import ROUND_AGGREGATES as AGGREGATES
-from ..votes.rounds import Agreement, check_round_aggregate, round_aggregation
+from ..votes.rounds import Agreement, check_round_aggregate, round_aggregation, round_bits
 from .outer import OUTER_RULES, make_outer
 from .checkpoint import RoundCheckpoint
 from .rounds import Rounds
@@ -116,7 +116,8 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, Sharded, Shell, VoteSet
             α-β model (:mod:`lioncub.engine.auto`; one vote per round, so ``round_costs`` holds each
             candidate's seconds per round and per step, ``per_step_s`` = round / H).
         alpha, beta, gamma: ``vote='auto'`` only, as in :class:`~lioncub.LionCub`.
-        bits, quantizer: ``pbit`` only, as in :class:`~lioncub.LionCub`.
+        bits, quantizer: ``pbit``'s, as in :class:`~lioncub.LionCub`; with ``vote='onebit', aggregate='mean'``
+            ``bits`` is the scatter mean's code width, 1 (default), 2, 4 or 8.
         outer: ``'sgd'``, ``'nesterov'`` or ``'lion'`` (see the module docstring).
         outer_lr: α > 0 (dimensionless).
         outer_momentum: μ in [0, 1) of ``'nesterov'``.
@@ -126,7 +127,10 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, Sharded, Shell, VoteSet
         aggregate: ``'vote'`` (d = η·u, the majority vote) or ``'mean'`` (``pbit`` with
             ``quantizer='l1'`` only): every rank quantizes v_i with one shared L1 scale, the
             lanes' SUM all-reduce returns Σ_i q_i exactly, and d is their dequantized mean
-            (a 2-8-bit DiLoCo pseudo-gradient; ``outer_lr`` then scales Δ as DiLoCo's does).
+            (a 2-8-bit DiLoCo pseudo-gradient; ``outer_lr`` then scales Δ as DiLoCo's does). On
+            ``vote='onebit'``: the scatter mean (:class:`~lioncub.votes.rounds.ScatterMean`), Δ's mean in
+            ``bits`` (1-8) per element in each of onebit's two collectives, every chunk owner keeping a residual
+            of its span (4/P bytes a parameter); needs ``error_feedback=True``.
         tie: where zeros and tied votes go on the 1-bit paths, as in :class:`~lioncub.LionCub`
             (``'alternate'``: the round's parity; ``'plus'``, ``'minus'``).
         seed: seeds the stochastic quantizer's (``linf``) generator (``seed + rank``, on the
@@ -190,12 +194,15 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, Sharded, Shell, VoteSet
         if tie == "hold":
             raise ValueError("tie='hold' (ties repeat the chunk owner's last vote) is LionCub's: a LocalCub round "
                              "votes once per round; use tie='alternate', 'plus' or 'minus'")
-        config = VoteConfig(vote=vote, bits=bits, quantizer=quantizer, tie=tie, seed=seed)
-        self.rule = make_outer(outer, lr=outer_lr, momentum=outer_momentum, betas=outer_betas)
-        """The outer rule object (:mod:`lioncub.optim.outer`)."""
         self.error_feedback = check_bool("error_feedback", error_feedback)
         check_round_aggregate(aggregate, votes.METHODS.get(vote), vote, quantizer, error_feedback=error_feedback)
         self.aggregate = aggregate
+        self.round_bits = round_bits(vote, aggregate, quantizer, bits)
+        """The code width of the round's own aggregation (the scatter mean's 1-8 bits), or None: ``bits`` is the
+        vote's lane width."""
+        config = VoteConfig(vote=vote, bits=None if self.round_bits else bits, quantizer=quantizer, tie=tie, seed=seed)
+        self.rule = make_outer(outer, lr=outer_lr, momentum=outer_momentum, betas=outer_betas)
+        """The outer rule object (:mod:`lioncub.optim.outer`)."""
         auto.check_auto_args(vote, alpha, beta, gamma)
         self.delay = check_int("delay", delay, min(DELAYS), max(DELAYS), what="rounds an outer step is applied late")
         if delay and vote == "auto":
@@ -224,6 +231,9 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, Sharded, Shell, VoteSet
             raise ValueError(f"delay=1 overlaps one all-reduce per round: vote must be 'grad' or one of "
                              f"{votes.STREAMING_VOTES}, got vote={vote!r}")
         self._pending: Optional[list[Agreement]] = None
+        self.owner_residuals: dict[int, Tensor] = {}
+        """The aggregation's state per chunk of the round, kept from round to round (the scatter mean's owner
+        residuals: :meth:`Rounds._owner_state`)."""
         """delay=1: the last round's agreements (one per chunk), launched and not yet applied."""
         for p in self.params:
             self._outer_state(p)
@@ -236,11 +246,14 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, Sharded, Shell, VoteSet
         """The vote settings and the one vote method object every round uses (None: ``'grad'``)."""
         self.config = config
         self.method = config.method(self.world_size)
-        self.aggregation = round_aggregation(config.vote, self.method, self.world_size, self.aggregate)
+        self.aggregation = round_aggregation(config.vote, self.method, self.world_size, self.aggregate,
+                                             bits=self.round_bits)
         """How a round's v_i become d (:mod:`lioncub.votes.rounds`)."""
         self.vote_chosen = (config.vote, config.bits)
 
     outer = property(lambda self: self.rule.name, doc="The outer rule's name.")
+    bits = property(lambda self: self.round_bits or self.config.bits,
+                    doc="The scatter mean's code width, or ``pbit``'s lane width (None: the smallest valid).")
     outer_lr = property(lambda self: self.rule.lr, doc="α, the outer rule's step scale.")
 
     # ------------------------------------------------------------------ set-up

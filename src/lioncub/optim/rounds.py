@@ -84,17 +84,19 @@ class Rounds:
         if verdict.bad_ranks:
             self._nonfinite(verdict.bad_ranks)
             return
-        for pieces in plan:  # second pass: each chunk's Δ again, its exchange, residuals and outer step
-            self._chunk_round(pieces, seen, verdict.extra, stats)
+        for index, pieces in enumerate(plan):  # second pass: each chunk's Δ again, its exchange, residuals, outer step
+            self._chunk_round(pieces, seen, verdict.extra, stats, index)
         self.rounds += 1
         if self.check_due(self.rounds):
             guard.check_replicas(self.params, self.group, self.world_size, step=self.rounds,
                                  names=self._param_names)
 
-    def _chunk_round(self, pieces: list[Piece], seen: "Measured", head: list[float], stats: CommStats) -> None:
-        """One chunk of a ``delay=0`` round (its buffers freed on return, before the next chunk's are made)."""
+    def _chunk_round(self, pieces: list[Piece], seen: "Measured", head: list[float], stats: CommStats,
+                     index: int = 0) -> None:
+        """Chunk ``index`` of a ``delay=0`` round (its buffers freed on return, before the next chunk's are made)."""
         delta, v = seen.kept or self._pseudo_gradient("start", pieces)
-        agreement, sent = self._launch(v, pieces, head, seen.scales, self.world_size, stats)
+        agreement, sent = self._launch(v, pieces, head, seen.scales, self.world_size, stats,
+                                       owner=self._owner_state(index, v.numel()))
         self._keep_residuals(v, sent, pieces)
         self._outer_step(agreement.result(stats), pieces)
 
@@ -163,7 +165,8 @@ class Rounds:
         return delta, v
 
     def _launch(self, v: Tensor, pieces: list[Piece], head: list[float], scales: Optional[Tensor], count: int,
-                stats: CommStats, *, aggregation=None, group=None) -> tuple[Agreement, Optional[Tensor]]:
+                stats: CommStats, *, aggregation=None, group=None, owner: Optional[Tensor] = None
+                ) -> tuple[Agreement, Optional[Tensor]]:
         """Start the agreement of ``v`` over ``pieces`` (:mod:`lioncub.votes.rounds`): the agreement, and C(v_i)
         with error feedback (None without). ``head``: the agreed per-tensor sums, ``scales``: this rank's
         per-tensor mean |v| (each indexed by parameter; empty / None when the aggregation has none)."""
@@ -172,7 +175,19 @@ class Rounds:
         return aggregation.launch(v, [pc.size for pc in pieces], head=[head[i] for i in idx] if len(head) else [],
                                   scales=None if scales is None else scales[idx], count=count, step=self.rounds,
                                   generator=self.generator, group=self.group if group is None else group,
-                                  stats=stats, feedback=self.error_feedback)
+                                  stats=stats, feedback=self.error_feedback, owner=owner)
+
+    def _owner_state(self, index: int, n: int) -> Optional[Tensor]:
+        """This rank's state for chunk ``index`` (``n`` elements) that the aggregation keeps from round to round
+        (:meth:`~lioncub.votes.rounds.RoundAggregation.owner_elements`: the scatter mean's owner residual), made
+        as zeros on first use; None when it keeps none."""
+        size = self.aggregation.owner_elements(n)
+        if not size:
+            return None
+        kept = self.owner_residuals.get(index)
+        if kept is None or kept.numel() != size:
+            kept = self.owner_residuals[index] = torch.zeros(size, dtype=torch.float32, device=self.device)
+        return kept
 
     def _keep_residuals(self, v: Tensor, sent: Optional[Tensor], pieces: list[Piece]) -> None:
         """e_i ← v_i − C(v_i) over ``pieces`` (nothing without error feedback: ``sent`` None)."""

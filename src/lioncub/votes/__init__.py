@@ -11,10 +11,8 @@ from typing import Optional, Union
 
 from .base import TIE_RULES, VoteMethod, binary_signs, check_sign_options, check_tie_rule, decide, parity_step
 from .feedback import ERROR_FEEDBACK
-from .gather import Gather
-from .onebit import OneBit
-from .pbit import PBit, pbit_levels
-from .sign_allreduce import SignAllreduce
+from .pbit import pbit_levels
+from .registry import METHODS
 from .rounds import (ROUND_AGGREGATES, ROUND_AGGREGATIONS, Agreement, RoundAggregation, check_round_aggregate,
                      round_aggregation, round_class)
 
@@ -23,13 +21,6 @@ __all__ = ["METHODS", "VOTE_METHODS", "AUTO_CANDIDATES", "TIE_RULES", "VoteMetho
            "decide", "pbit_levels", "ROUND_AGGREGATES", "ROUND_AGGREGATIONS", "Agreement", "RoundAggregation",
            "check_round_aggregate", "round_aggregation", "round_class", "STREAMING_VOTES"]
 
-METHODS: dict[str, type[VoteMethod]] = {cls.name: cls for cls in (
-    SignAllreduce,
-    Gather,
-    OneBit,
-    PBit,
-)}
-"""The registry: adding a method is its module plus one line here."""
 
 VOTE_METHODS = tuple(METHODS)
 AUTO_CANDIDATES = tuple(sorted((name for name, cls in METHODS.items() if cls.auto_rank is not None),

@@ -189,10 +189,10 @@ class VoteMethod:
         return False
 
     @classmethod
-    def takes_round_mean(cls, quantizer: Optional[str]) -> bool:
-        """Whether a round's ``aggregate='mean'`` (:class:`~lioncub.votes.rounds.LaneMean`) runs on this
-        method's messages: lanes whose SUM all-reduce adds quantized values exactly."""
-        return False
+    def round_mean(cls, quantizer: Optional[str]) -> Optional[str]:
+        """The round aggregation (:data:`~lioncub.votes.rounds.ROUND_AGGREGATIONS`) a LocalCub round's
+        ``aggregate='mean'`` runs on this method's collectives with ``quantizer``, or None (refused)."""
+        return None
 
     @classmethod
     def check_options(cls, bits: Optional[int], quantizer: Optional[str], tie: str) -> None:

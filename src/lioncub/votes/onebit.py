@@ -35,6 +35,10 @@ class OneBit(PackedSigns):
     auto_rank = 1
     CHUNK_OWNERS = True
 
+    @classmethod
+    def round_mean(cls, quantizer):  # the all-to-all and all-gather carry a two-phase compressed mean
+        return "scatter_mean"
+
     def message_nbytes(self, m):
         return -(-m // self.world) * self.world
 

@@ -115,8 +115,8 @@ class PBit(VoteMethod):
 
     # ------------------------------------------------------------------ the lane mean
     @classmethod
-    def takes_round_mean(cls, quantizer):
-        return quantizer == "l1"
+    def round_mean(cls, quantizer):  # lanes whose SUM all-reduce adds L1-quantized values exactly
+        return "lane_mean" if quantizer == "l1" else None
 
     def lane_mean(self, v: Tensor, sizes: list[int], norms: list[float], group, stats) -> tuple[Tensor, Tensor]:
         """The mean of the ranks' quantized ``v`` through summed lanes (``pbit`` with ``l1``;

@@ -11,6 +11,8 @@ name                 d                                            wire per eleme
 ``'fp32_mean'``      ``(1/C)·Σ_i v_i`` (DiLoCo's pseudo-gradient)  2(P−1)/P · 32 bits, one all-reduce
 ``'sign_vote'``      ``u = sign(Σ_i q(v_i))``, any vote method     the vote method's (1–8 bits)
 ``'lane_mean'``      ``(1/C)·Σ_i unit·q_i`` (``pbit`` + ``l1``)    2(P−1)/P · w bits, one all-reduce
+``'scatter_mean'``   the mean of ``q_i``, re-quantized by each     2(P−1)/P · b bits (b = 1, 2, 4, 8):
+                     span's owner (``onebit``; both residuals)     all-to-all, then all-gather
 ===================  ===========================================  ==================================
 
 ``C`` is the number of ranks whose ``v`` counts (P, or torchft's contributors: :attr:`partial`).
@@ -35,15 +37,18 @@ from __future__ import annotations
 from typing import Callable, ClassVar, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from .. import comm
 from ..comm import CommStats
 from ..quantize import QUANTIZERS, STOCHASTIC, quantize
 from .base import VoteMethod
+from .registry import METHODS
+from .scatter import SCATTER_BITS, codes, from_codes, owner_span, piece_scales, spans_in, to_levels, unit_of
 
 __all__ = ["Agreement", "RoundAggregation", "Fp32Mean", "SignVote", "LaneMean", "ROUND_AGGREGATIONS",
-           "round_aggregation", "round_class", "sent_value",
+           "ScatterMean", "round_aggregation", "round_class", "round_bits", "sent_value",
            "ROUND_AGGREGATES", "check_round_aggregate", "PARTIAL_NEEDS"]
 
 
@@ -98,6 +103,8 @@ class RoundAggregation:
     the aggregations torchft's changing quorums can run."""
     lossless: ClassVar[bool] = False
     """Whether ``d`` is the exact mean (then error feedback has nothing to keep)."""
+    takes_bits: ClassVar[bool] = False
+    """Whether the aggregation has a code width of its own (``bits``), rather than the vote method's lanes."""
 
     def __init__(self, world: int, method: Optional[VoteMethod] = None):
         self.world, self.method = world, method
@@ -118,18 +125,24 @@ class RoundAggregation:
         caller measures over the whole tensor before a round in chunks (:func:`lioncub.optim.rounds.abs_means`)."""
         return False
 
+    def owner_elements(self, n: int) -> int:
+        """Elements of state this rank keeps from round to round for a message of ``n`` elements (an owner's
+        residual, passed to :meth:`launch` as ``owner``); 0 for none."""
+        return 0
+
     def head(self, scales: Optional[Tensor]) -> Optional[Tensor]:
         """This rank's per-tensor values (fp64) to be summed over the ranks before :meth:`launch`, from its
         per-tensor mean |v| (``scales``), or None when the aggregation needs none."""
         return None
 
     def launch(self, v: Tensor, sizes: list[int], *, head: list[float], count: int, step: int, generator,
-               group, stats: CommStats, feedback: bool = False, scales: Optional[Tensor] = None
-               ) -> tuple[Agreement, Optional[Tensor]]:
+               group, stats: CommStats, feedback: bool = False, scales: Optional[Tensor] = None,
+               owner: Optional[Tensor] = None) -> tuple[Agreement, Optional[Tensor]]:
         """Encode ``v`` (flat fp32; may be overwritten) and start the exchange over ``group``.
         ``sizes``: the pieces of tensors ``v`` holds; ``head``: :meth:`head` summed over the ranks, one per
         piece; ``scales``: this rank's mean |v| of each piece's tensor (None: of the piece itself, when it is
-        a whole tensor); ``count``: the ranks whose ``v`` counts; ``step``: the round (the tie rule's parity).
+        a whole tensor); ``count``: the ranks whose ``v`` counts; ``step``: the round (the tie rule's parity);
+        ``owner``: this rank's state of :meth:`owner_elements` for the message (updated in place).
         Returns the agreement and, with ``feedback``, ``C(v)``. Collective: every rank of ``group``."""
         raise NotImplementedError
 
@@ -140,7 +153,8 @@ class Fp32Mean(RoundAggregation):
     name = "fp32_mean"
     partial = lossless = True
 
-    def launch(self, v, sizes, *, head, count, step, generator, group, stats, feedback=False, scales=None):
+    def launch(self, v, sizes, *, head, count, step, generator, group, stats, feedback=False, scales=None,
+               owner=None):
         if self.world == 1:
             return Agreement.finished(v if count == 1 else v.div_(count), False), None
         return Agreement(comm.all_reduce_async(v, group, stats), lambda total: total.div_(count), False), None
@@ -163,7 +177,8 @@ class SignVote(RoundAggregation):
     def needs_scales(self, feedback):
         return feedback and self.method.levels is None
 
-    def launch(self, v, sizes, *, head, count, step, generator, group, stats, feedback=False, scales=None):
+    def launch(self, v, sizes, *, head, count, step, generator, group, stats, feedback=False, scales=None,
+               owner=None):
         method = self.method
         sent = sent_value(v, sizes, method, scales) if feedback else None
         if v.numel() == 0:
@@ -193,7 +208,8 @@ class LaneMean(RoundAggregation):
     def head(self, scales):
         return scales if scales is not None and scales.numel() else None
 
-    def launch(self, v, sizes, *, head, count, step, generator, group, stats, feedback=False, scales=None):
+    def launch(self, v, sizes, *, head, count, step, generator, group, stats, feedback=False, scales=None,
+               owner=None):
         lanes = self.method
         units, q, msg = lanes.lane_message(v, sizes, [x / count for x in head])
         if msg is None:
@@ -205,38 +221,144 @@ class LaneMean(RoundAggregation):
         return agreement, lanes.lane_sent(q, sizes, units)
 
 
-ROUND_AGGREGATIONS: dict[str, type[RoundAggregation]] = {cls.name: cls for cls in (Fp32Mean, SignVote, LaneMean)}
+class ScatterMean(RoundAggregation):
+    r"""``d``: the ranks' mean of ``v_i`` compressed to ``bits`` (1, 2, 4 or 8) per element in each of two
+    collectives, with error feedback on both sides (the 1-bit mean's shape, :mod:`lioncub.votes.mean`, for
+    a round). Rank j owns the j-th of P equal spans of the message (:func:`~lioncub.votes.scatter.owner_span`)::
+
+        q_i = levels(v_i; unit_t)             unit_t from M_t, the ranks' mean of mean|v_i| of tensor t (head)
+        C(v_i) = unit_t·q_i                   the worker's error feedback: e_i ← v_i − C(v_i)
+          all_to_all: span j of every q_i (b bits an element) → rank j
+        a = unit_t·Σ_i q_i / P                on span j's owner, exact sums of levels
+        x = a + r;  w = levels(x; unit'_t)    unit'_t from mean|x| over tensor t's part of the span
+        r ← x − unit'_t·w                     the owner's residual of its span (server error feedback)
+          all_gather: every owner's w (b bits an element) and its unit'_t (fp32, one per tensor)
+        d = unit'_t·w                         the same on every rank
+
+    Levels (:mod:`lioncub.votes.scatter`): ``b = 1`` the sign at ±unit, ``b ≥ 2`` ``2^(b−1) − 1`` levels a side.
+    Bytes per rank: ``2(P−1)/P·b/8`` per element, what an all-reduce of ``b``-bit lanes would send, for any P
+    (lanes of summed levels need wider lanes as P grows). Two collectives: not streamed, and every rank must
+    send (not :attr:`partial`)."""
+
+    name = "scatter_mean"
+    BITS = SCATTER_BITS
+    takes_bits = True
+
+    def __init__(self, world: int, method: Optional[VoteMethod] = None, bits: int = 1):
+        super().__init__(world, method)
+        self.bits = bits
+
+    @property
+    def streams(self) -> bool:
+        return False
+
+    def needs_scales(self, feedback):
+        return True
+
+    def head(self, scales):
+        return scales if scales is not None and scales.numel() else None
+
+    def owner_elements(self, n: int) -> int:
+        """The owner's residual for a message of ``n`` elements (its span)."""
+        return owner_span(n, self.world, self.bits)
+
+    def launch(self, v, sizes, *, head, count, step, generator, group, stats, feedback=False, scales=None,
+               owner=None):
+        bits, P, n = self.bits, self.world, v.numel()
+        parity = step % 2
+        E = owner_span(n, P, bits)
+        if owner is None or owner.numel() != E:
+            raise ValueError(f"owner: the scatter mean needs this rank's residual of {E} elements for a message of {n}")
+        units = [unit_of(h / count, bits) for h in head]
+        q = torch.zeros(n, dtype=torch.float32, device=v.device)
+        offset = 0
+        for size, unit in zip(sizes, units):
+            to_levels(v[offset:offset + size], unit, bits, parity, q[offset:offset + size])
+            offset += size
+        msg = codes(q, bits, P * E)
+        got = comm.all_to_all(msg, group, stats) if P > 1 else msg
+        me = dist.get_rank(group) if P > 1 else 0
+        # the owner: exact sums of the levels of its span, their mean, its residual, its own levels
+        mine = spans_in(sizes, me * E, min(n, (me + 1) * E))
+        total = from_codes(got, P * E, bits).view(P, E).sum(0)
+        x = torch.zeros(E, dtype=torch.float32, device=v.device)
+        for t, lo, hi in mine:
+            torch.mul(total[lo:hi], units[t] / count, out=x[lo:hi])
+        x.add_(owner)
+        unit2 = unit_of(piece_scales(x, mine, len(sizes), v.device), bits)
+        w = torch.zeros(E, dtype=torch.float32, device=v.device)
+        for t, lo, hi in mine:
+            to_levels(x[lo:hi], unit2[t], bits, parity, w[lo:hi])
+            x[lo:hi].sub_(w[lo:hi] * unit2[t])
+        owner.copy_(x)  # r ← x − unit'·w (0 beyond the message's end)
+        reply = torch.cat([codes(w, bits, E), unit2.view(torch.uint8)])
+        gathered = comm.all_gather(reply, group, stats) if P > 1 else reply.view(1, -1)
+        C = E * bits // 8
+        d = from_codes(gathered[:, :C].reshape(-1), P * E, bits)[:n]
+        rows = torch.empty((P, 4 * len(sizes)), dtype=torch.uint8, device=v.device)
+        rows = rows.copy_(gathered[:, C:]).view(torch.float32)  # (P, T): every owner's unit'
+        for j in range(P):
+            for t, lo, hi in spans_in(sizes, j * E, min(n, (j + 1) * E)):
+                d[j * E + lo:j * E + hi].mul_(rows[j, t])
+        for unit, qt in zip(units, q.split(sizes)):
+            qt.mul_(unit)
+        return Agreement.finished(d, False), q
+
+
+ROUND_AGGREGATIONS: dict[str, type[RoundAggregation]] = {cls.name: cls for cls in (Fp32Mean, SignVote, LaneMean,
+                                                                                   ScatterMean)}
 """The table: every round aggregation by its name."""
 
 
-ROUND_MEAN_NEEDS = "it needs vote='pbit' and quantizer='l1'"
+ROUND_MEAN_NEEDS = "it needs vote='pbit' with quantizer='l1' (the lane mean) or vote='onebit' (the two-phase mean)"
 
 
-def round_class(vote: str, aggregate: str = "vote") -> type[RoundAggregation]:
+def round_class(vote: str, aggregate: str = "vote", quantizer: Optional[str] = None) -> type[RoundAggregation]:
     """The aggregation a round of ``vote`` (a method's name, or ``'grad'``) and ``aggregate`` runs: the
-    one place that decides it, from :data:`ROUND_AGGREGATIONS`."""
-    return ROUND_AGGREGATIONS["fp32_mean" if vote == "grad" else "lane_mean" if aggregate == "mean" else "sign_vote"]
+    one place that decides it, from :data:`ROUND_AGGREGATIONS` (``'mean'``: the method's
+    :meth:`~lioncub.votes.base.VoteMethod.round_mean`)."""
+    if vote == "grad":
+        return Fp32Mean
+    if aggregate == "mean":
+        return ROUND_AGGREGATIONS[METHODS[vote].round_mean(quantizer) or LaneMean.name]
+    return SignVote
 
 
-def round_aggregation(vote: str, method: Optional[VoteMethod], world: int, aggregate: str = "vote") -> RoundAggregation:
+def round_aggregation(vote: str, method: Optional[VoteMethod], world: int, aggregate: str = "vote",
+                      bits: Optional[int] = None) -> RoundAggregation:
     """The aggregation object a LocalCub round runs (:func:`round_class`) for ``world`` ranks, on ``vote``'s
-    method object (None for ``'grad'``)."""
-    return round_class(vote, aggregate)(world, method)
+    method object (None for ``'grad'``); ``bits``: the code width of an aggregation that takes one."""
+    cls = round_class(vote, aggregate, None if method is None else method.quantizer)
+    return cls(world, method, bits) if cls.takes_bits else cls(world, method)
+
+
+def round_bits(vote: str, aggregate: str, quantizer: Optional[str], bits: Optional[int]) -> Optional[int]:
+    """The code width ``bits`` names for the round's own aggregation (1 when None), or None when ``bits``
+    is the vote method's lane width (:attr:`RoundAggregation.takes_bits`). Refuses a width it does not take."""
+    from ..validate import check_choice
+
+    if vote not in ("grad", "auto") and round_class(vote, aggregate, quantizer).takes_bits:
+        return check_choice("bits", 1 if bits is None else bits, ScatterMean.BITS)
+    return None
 
 
 def check_round_aggregate(aggregate: str, method_cls: Optional[type[VoteMethod]], vote: str,
                           quantizer: Optional[str], *, error_feedback: bool = False) -> None:
     """Refuse a round ``aggregate`` the vote cannot run (``'mean'`` needs lanes that sum exactly:
-    :meth:`VoteMethod.takes_round_mean <lioncub.votes.base.VoteMethod.takes_round_mean>`), and error
+    :meth:`VoteMethod.round_mean <lioncub.votes.base.VoteMethod.round_mean>`), and error
     feedback where it has nothing to keep (a :attr:`~RoundAggregation.lossless` aggregation) or cannot
     replay the message (a quantizer that draws: ``C(v)`` is computed apart from the message)."""
     from ..validate import check_choice
 
     check_choice("aggregate", aggregate, ROUND_AGGREGATES)
-    if aggregate == "mean" and not (method_cls is not None and method_cls.takes_round_mean(quantizer)):
-        raise ValueError(f"aggregate='mean' sums L1-quantized lanes: {ROUND_MEAN_NEEDS}, "
+    if aggregate == "mean" and not (method_cls is not None and method_cls.round_mean(quantizer)):
+        raise ValueError(f"aggregate='mean' averages Δ on the vote's collectives: {ROUND_MEAN_NEEDS}, "
                          f"got vote={vote!r}, quantizer={quantizer!r}")
-    if error_feedback and round_class(vote, aggregate).lossless:
+    if aggregate == "mean" and method_cls is not None and round_class(vote, aggregate, quantizer).takes_bits \
+            and not error_feedback:
+        raise ValueError(f"aggregate='mean' on vote={vote!r} sends Δ in 1-8 bits and keeps what it loses: it needs "
+                         "error_feedback=True")
+    if error_feedback and round_class(vote, aggregate, quantizer).lossless:
         raise ValueError(f"error_feedback needs a compressed vote: vote={vote!r} sends Δ exactly")
     if error_feedback and quantizer in STOCHASTIC:
         raise ValueError(f"error_feedback cannot replay the stochastic quantizer {quantizer!r}; use quantizer="
