@@ -4,10 +4,12 @@ Parts: ``bench/study_plan.py`` (what each part runs, as ``Spec``s).
 
 Driver: one group of ``--nproc`` gloo workers is spawned with the harness's launcher
 (``lioncub.harness.launch.spawn_local``) and runs every (config, seed) in turn, so the
-~2 s torch start-up is paid once, not per run. The loop is the harness's in outline, on its
-pieces (models, data loaders, ``schedule.lr_at``, ``train.batch_loss`` and ``train.evaluate``),
-because ``harness.run(config)`` has no momentum-sync, tie-rule or model-width options. "Lion" is ``LionCub(vote='grad')``: fp32
-gradient all-reduce then plain Lion, identical momenta on every rank.
+~2 s torch start-up is paid once, not per run. Each run is the harness's loop
+(:class:`lioncub.harness.loop.Loop`) on the harness's optimizer factory
+(:func:`lioncub.harness.method.make_method`, configured by ``config_for(spec)``), on the study's own
+model shapes and data shards (``_model``, ``_data``): what ``lioncub train`` runs with the same
+settings. "Lion" is ``LionCub(vote='grad')``: fp32 gradient all-reduce then plain Lion, identical
+momenta on every rank; "AdamW" the harness's ``--optimizer adamw`` (AdamW after an fp32 all-reduce).
 
 Rank 0 appends one JSON line per finished run to ``--out`` (so a killed study keeps what it
 finished and a rerun skips it); ``bench/study_report.py`` turns that file into tables and plots.
@@ -27,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from bench.study_plan import PARTS, RECIPE, Spec, best_batch_lrs, plan
-from lioncub import LionCub
+from lioncub.harness.config import TrainConfig
 from lioncub.harness.data import (ImageLoader, TokenLoader, ensure_prepared, eval_batches,
                                   image_eval_batches, load_images)
 from lioncub.harness.data.text import read_meta
@@ -37,48 +39,38 @@ from lioncub.harness.models import param_groups
 from lioncub.harness.models.gpt import GPT, GPTConfig
 from lioncub.harness.models.resnet import BasicBlock, ResNet
 from lioncub.harness.models.vit import ViT
+from lioncub.harness.loop import Loop
+from lioncub.harness.method import make_method, make_optimizer
 from lioncub.harness.schedule import lr_at
-from lioncub.harness.train import batch_loss, evaluate
+from lioncub.harness.train import evaluate
 
 
 # ----------------------------------------------------------------------------- the optimizer of a run
-class AllReduceAdamW(torch.optim.AdamW):
-    """AdamW after an fp32 mean all-reduce of the gradients (what DDP + AdamW computes)."""
-
-    skipped_steps = 0
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        flat = torch.cat([g.reshape(-1).float() for g in grads])
-        dist.all_reduce(flat)
-        flat /= dist.get_world_size()
-        for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(piece.view_as(g))
-        return super().step(closure)
-
-
-def make_optimizer(spec: Spec, params, **kw) -> torch.optim.Optimizer:
-    """The run's optimizer: ``LionCub`` with the spec's vote, lane width, quantizer and tie rule,
-    or (``optimizer='adamw'``) AdamW after a gradient all-reduce."""
+def config_for(spec: Spec) -> TrainConfig:
+    """The harness's configuration of ``spec``'s optimizer and schedule, for its one factory
+    (:func:`lioncub.harness.method.make_method`): ``LionCub`` with the spec's vote, lanes, tie rule, error
+    feedback, stochastic signs or 1-bit mean, β1/β2, seed and momentum sync (every 10 steps), skipping
+    non-finite steps; or (``optimizer='adamw'``) AdamW after the harness's fp32 gradient all-reduce.
+    ``model`` names only which loss the harness takes (a GPT's or an image model's): the study builds its
+    own shapes (``_model``)."""
+    shape = dict(model="gpt-mini" if spec.model == "gpt" else "resnet18", lr=spec.lr, weight_decay=spec.weight_decay,
+                 betas=(spec.beta1, spec.beta2), seed=spec.seed, steps=spec.steps, warmup_steps=spec.warmup,
+                 min_lr_ratio=0.1, batch_size=spec.batch, block_size=spec.block, tied_embeddings=spec.tied)
     if spec.optimizer == "adamw":
-        return AllReduceAdamW(params, lr=kw["lr"], betas=kw.get("betas", (0.9, 0.999)))
-    extra = dict(bits=spec.bits, quantizer=spec.quantizer) if spec.vote == "pbit" else {}
-    if spec.tie_rule is not None:
-        extra["tie"] = spec.tie_rule
-    if spec.error_feedback != "none" or spec.stochastic_signs:  # issue 34's variants (study_plan.VOTE_QUALITY)
-        extra.update(error_feedback=spec.error_feedback, stochastic_signs=spec.stochastic_signs)
-    if spec.aggregate != "vote":
-        extra.update(aggregate=spec.aggregate, mean_adapt=spec.mean_adapt, mean_range=spec.mean_range,
-                     mean_norm=spec.mean_norm, mean_restart=spec.mean_restart)
-    return LionCub(params, vote=spec.vote, **extra, **kw)
+        return TrainConfig(optimizer="adamw", **shape)
+    mean = {}
+    if spec.aggregate != "vote":  # the 1-bit mean's own settings (the spec's restart defaults to none, LionCub's to 50)
+        mean = dict(mean_adapt=spec.mean_adapt, mean_range=spec.mean_range, mean_norm=spec.mean_norm,
+                    mean_restart=spec.mean_restart)
+    return TrainConfig(optimizer="lioncub", vote=spec.vote, bits=spec.bits, quantizer=spec.quantizer,
+                       tie=spec.tie_rule or "alternate", vote_error_feedback=spec.error_feedback,
+                       stochastic_signs=spec.stochastic_signs, aggregate=spec.aggregate, momentum_sync=spec.sync,
+                       sync_every=10, nonfinite="skip_step", **mean, **shape)
 
 
 def run_optimizer(spec: Spec, params, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """The optimizer a run trains with: ``make_optimizer`` with the spec's lr, β2, seed and
-    momentum sync (every 10 steps), skipping non-finite steps."""
-    return make_optimizer(spec, params, lr=spec.lr, betas=(spec.beta1, spec.beta2), seed=spec.seed, model=model,
-                          momentum_sync=spec.sync, sync_every=10, nonfinite="skip_step")
+    """The optimizer a run of ``spec`` trains with (the harness's factory on :func:`config_for`)."""
+    return make_optimizer(config_for(spec), params, model)
 
 
 # ----------------------------------------------------------------------------- one run, per rank
@@ -125,44 +117,43 @@ def _momentum_spread(opt, model) -> dict[str, float]:
 
 
 def train_one(spec: Spec, cache_dir: str, eval_every: int, probe=None) -> dict:
-    """Train ``spec`` on this rank (inside the process group); every rank returns the same record.
-    ``probe(step, opt)``, if given, runs on every rank after ``backward()`` and before ``opt.step()``
-    (an instrument; it must not touch the model, the optimizer or the global RNG)."""
+    """Train ``spec`` on this rank (inside the process group) through the harness's loop and optimizer
+    factory; every rank returns the same record. ``probe(step, opt)``, if given, runs on every rank after
+    ``backward()`` and before ``opt.step()`` (an instrument; it must not touch the model, the optimizer or
+    the global RNG)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(spec.seed)
     loader, val, info = _data(spec, rank, world, cache_dir)
     model = _model(spec, info)
     is_gpt = spec.model == "gpt"
     groups = param_groups(model, lr=spec.lr, weight_decay=spec.weight_decay)
-    base = [g["lr"] for g in groups]
-    opt = run_optimizer(spec, groups, model)
-    every = max(1, spec.steps // 20) if spec.part == "batch" else eval_every  # 20 points on every batch's curve
+    method = make_method(config_for(spec), model, groups)
+    opt = method.opt
     curve, losses, t0 = [], [], time.perf_counter()
-    for step in range(spec.steps):
-        for g, b in zip(opt.param_groups, base):
-            g["lr"] = b * lr_at(step, spec.steps, spec.warmup, floor=0.1)
+
+    def before_update(step, _method):
         if spec.momentum_restart and step == spec.momentum_restart:  # the control of LionCub's mean_restart
             # (Lion's momentum; each worker's own under a vote)
             for state in opt.state.values():
                 state["exp_avg"].zero_()
-        x, y = loader.next_batch()
-        loss, _ = batch_loss(model, x, y, is_gpt)
-        loss.backward()
         if probe is not None:
             probe(step, opt)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        done = step + 1
-        if done % every == 0 or done == spec.steps:
-            curve.append({"step": done, **evaluate(model, val, is_gpt)})
-            if os.environ.get("LIONCUB_STUDY_PROGRESS") and rank == 0:  # one line per evaluation, to stderr
-                print(f"[study] {spec.label} seed {spec.seed} step {done}: {curve[-1]}", file=sys.stderr, flush=True)
+
+    def on_eval(record):
+        curve.append({"step": record["step"], **{k: v for k, v in record.items() if k.startswith("val_")}})
+        if os.environ.get("LIONCUB_STUDY_PROGRESS") and rank == 0:  # one line per evaluation, to stderr
+            print(f"[study] {spec.label} seed {spec.seed} step {record['step']}: {curve[-1]}", file=sys.stderr,
+                  flush=True)
+
+    loop = Loop(lr=lambda step, clock: spec.lr * lr_at(step, spec.steps, spec.warmup, floor=0.1), steps=spec.steps,
+                eval_every=max(1, spec.steps // 20) if spec.part == "batch" else eval_every,  # 20 points on a batch's curve
+                probe=before_update, on_step=lambda info: losses.append(info.loss.item()), on_eval=on_eval)
+    loop.run(method, loader, lambda: evaluate(model, val, is_gpt))
     train_loss = torch.tensor(sum(losses[-20:]) / len(losses[-20:]), dtype=torch.float64)
     dist.all_reduce(train_loss)
     rec = {"key": spec.key(), **asdict(spec), "world": world, "final": curve[-1],
            "train_loss_last20": train_loss.item() / world, "curve": curve,
-           "skipped_steps": opt.skipped_steps, "wall_s": time.perf_counter() - t0,
+           "skipped_steps": method.traffic.get("skipped_steps", 0), "wall_s": time.perf_counter() - t0,
            "params": sum(p.numel() for p in model.parameters())}
     if spec.vote != "grad" and spec.part in ("msync", "tied", "ablate"):
         rec["momentum_spread"] = _momentum_spread(opt, model)

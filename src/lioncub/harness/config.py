@@ -10,6 +10,9 @@ import os
 from dataclasses import dataclass, field
 
 from ..votes import check_lane_options
+from ..votes.base import TIE_RULES
+from ..votes.feedback import ERROR_FEEDBACK
+from ..votes.mean import MEAN_DEFAULTS
 from ..optim.lioncub import NONFINITE_ALIASES, NONFINITE_POLICIES, OPTIMIZER_VOTES
 
 GPT_MODELS = ("gpt-tiny", "gpt-mini", "gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1.5b")
@@ -97,6 +100,24 @@ class TrainConfig:
     ``none``, ``all``, ``io`` (input embedding + output head) or ``adaptive``."""
     sync_every: int = 10
     """LionCub: period in steps of the momentum synchronisation."""
+    tie: str = "alternate"
+    """LionCub every step: where the 1-bit wire cannot carry 0 (exact zeros of c, onebit's tied votes), ``alternate``
+    (+1 on even steps, -1 on odd ones: the paper's rule), ``plus``, ``minus`` or ``hold`` (LionCub's ``tie``)."""
+    vote_error_feedback: str = "none"
+    """LionCub every step: the vote's error feedback, ``none``, ``worker``, ``server`` or ``both`` (LionCub's
+    ``error_feedback``; ``error_feedback`` above is LocalCub's residual of a round)."""
+    stochastic_signs: bool | float = False
+    """LionCub every step: draw each sign with probability by magnitude (a float k: M = k * mean|v|;
+    LionCub's ``stochastic_signs``)."""
+    mean_adapt: float = MEAN_DEFAULTS["mean_adapt"]
+    """``aggregate='mean'`` every step: the magnitudes' adaptation factor gamma (LionCub's ``mean_adapt``)."""
+    mean_range: float = MEAN_DEFAULTS["mean_range"]
+    """``aggregate='mean'`` every step: the magnitudes' range R (LionCub's ``mean_range``)."""
+    mean_norm: str = MEAN_DEFAULTS["mean_norm"]
+    """``aggregate='mean'`` every step: which mean of the magnitudes is held at 1 (LionCub's ``mean_norm``)."""
+    mean_restart: int = MEAN_DEFAULTS["mean_restart"]
+    """``aggregate='mean'`` every step: the step at which the shared momentum and the residuals restart from
+    zero (0: never; LionCub's ``mean_restart``)."""
     nonfinite: str = "raise"
     """LionCub: on a NaN/Inf gradient on any rank, ``raise`` (naming the parameter) or
     ``skip_step`` (every rank skips the step; counted in ``skipped_steps``)."""
@@ -174,6 +195,8 @@ class TrainConfig:
         _choice("bits", self.bits, (None, 1, 2, 4, 8))
         _choice("momentum_sync", self.momentum_sync, MOMENTUM_SYNCS)
         _choice("nonfinite", self.nonfinite, NONFINITE)
+        _choice("tie", self.tie, TIE_RULES)
+        _choice("vote_error_feedback", self.vote_error_feedback, ERROR_FEEDBACK)
         for name in ("steps", "batch_size", "block_size", "width", "nproc", "eval_batches", "log_every", "keep_ckpts", "sync_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -202,58 +225,13 @@ class TrainConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        self._check_local_steps()
-        self._check_nodes()
+        _check_local_steps(self)
+        _check_nodes(self)
         self.betas = tuple(float(b) for b in self.betas)
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
         if self.data is None:
             self.data = "shakespeare" if self.is_gpt else "digits"
-
-    def _check_local_steps(self) -> None:
-        from ..optim.localcub import AGGREGATES, INNER_OPTIMIZERS, LOCAL_VOTES, OUTER_RULES
-        from ..votes import METHODS, check_round_aggregate
-        from ..votes.mean import MEAN_DEFAULTS, check_step_aggregate
-
-        _choice("inner", self.inner, INNER_OPTIMIZERS)
-        _choice("outer", self.outer, OUTER_RULES)
-        _choice("aggregate", self.aggregate, AGGREGATES)
-        if self.local_steps < 1:
-            raise ValueError(f"local_steps must be >= 1, got {self.local_steps}")
-        if not self.outer_lr > 0:
-            raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}")
-        if self.local_steps == 1:
-            # aggregate='mean' every step is LionCub's 1-bit mean (vote='onebit'; LionCub checks the rest)
-            changed = [f"{n}={getattr(self, n)!r}" for n, d in _LOCAL_ONLY.items()
-                       if getattr(self, n) != d and n != "aggregate"]
-            if changed:
-                raise ValueError(f"{', '.join(changed)} apply to local_steps > 1 only")
-            if self.aggregate != "vote" and self.nodes > 1:
-                raise ValueError(f"aggregate={self.aggregate!r} every step runs on one LionCub: it needs nodes=1, "
-                                 f"got nodes={self.nodes}")
-            check_step_aggregate(self.aggregate, self.vote, error_feedback="none", stochastic_signs=False, tie="alternate",
-                                 **MEAN_DEFAULTS)
-            return
-        _choice("vote", self.vote, LOCAL_VOTES + ("auto",))
-        check_round_aggregate(self.aggregate, METHODS.get(self.vote), self.vote, self.quantizer)
-        for name, default in (("momentum_sync", "none"), ("overlap", False), ("grad_dtype", "fp32")):
-            if getattr(self, name) != default:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not supported with local_steps > 1")
-        for name in ("eval_every", "steps"):
-            if getattr(self, name) % self.local_steps:
-                raise ValueError(f"{name}={getattr(self, name)} must be a multiple of local_steps={self.local_steps} "
-                                 "(evaluations run on the model the workers agree on, at the end of a round)")
-
-    def _check_nodes(self) -> None:
-        if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 1:
-            raise ValueError(f"nodes must be an int >= 1, got {self.nodes!r}")
-        if self.nodes == 1:
-            if not self.shard:
-                raise ValueError("shard=False applies to nodes > 1 only")
-            return
-        for name, default in (("local_steps", 1), ("overlap", False), ("momentum_sync", "none")):
-            if getattr(self, name) != default:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not supported with nodes > 1")
 
     @property
     def is_gpt(self) -> bool:
@@ -277,6 +255,10 @@ class TrainConfig:
             return f"lioncub-{self.vote}{bits}{quant}{local}{nodes}"
         return self.optimizer
 
+    def mean_options(self) -> dict:
+        """The ``mean_*`` settings, as LionCub takes them."""
+        return {name: getattr(self, name) for name in MEAN_DEFAULTS}
+
     def replace(self, **changes) -> "TrainConfig":
         """A validated copy with some fields changed."""
         return dataclasses.replace(self, **changes)
@@ -287,7 +269,8 @@ class TrainConfig:
 
 _LOCAL_ONLY = {"inner": "lion", "outer": "nesterov", "outer_lr": 1.0, "error_feedback": False, "aggregate": "vote",
                "delay": 0}
-_LIONCUB_ONLY = {"bits": None, "quantizer": None, "momentum_sync": "none", "nonfinite": "raise", "check_every": 0,
+_STEP_ONLY = {"tie": "alternate", "vote_error_feedback": "none", "stochastic_signs": False, **MEAN_DEFAULTS}
+_LIONCUB_ONLY = {**_STEP_ONLY, "bits": None, "quantizer": None, "momentum_sync": "none", "nonfinite": "raise", "check_every": 0,
                  "overlap": False, "local_steps": 1, "nodes": 1, "shard": True, **_LOCAL_ONLY}
 
 
@@ -295,3 +278,55 @@ def _choice(name: str, value, allowed: tuple) -> None:
     if value not in allowed:
         shown = ", ".join(repr(a) for a in allowed)
         raise ValueError(f"{name} must be one of {shown}; got {value!r}")
+
+
+def _check_local_steps(config: TrainConfig) -> None:
+    """Refuse local-step options on an every-step run and every-step options on local steps."""
+    from ..optim.localcub import AGGREGATES, INNER_OPTIMIZERS, LOCAL_VOTES, OUTER_RULES
+    from ..votes import METHODS, check_round_aggregate
+    from ..votes.mean import check_step_aggregate
+
+    _choice("inner", config.inner, INNER_OPTIMIZERS)
+    _choice("outer", config.outer, OUTER_RULES)
+    _choice("aggregate", config.aggregate, AGGREGATES)
+    if config.local_steps < 1:
+        raise ValueError(f"local_steps must be >= 1, got {config.local_steps}")
+    if not config.outer_lr > 0:
+        raise ValueError(f"outer_lr must be > 0, got {config.outer_lr}")
+    if config.local_steps == 1:
+        # aggregate='mean' every step is LionCub's 1-bit mean (vote='onebit'; LionCub checks the rest)
+        changed = [f"{n}={getattr(config, n)!r}" for n, d in _LOCAL_ONLY.items()
+                   if getattr(config, n) != d and n != "aggregate"]
+        if changed:
+            raise ValueError(f"{', '.join(changed)} apply to local_steps > 1 only")
+        if config.aggregate != "vote" and config.nodes > 1:
+            raise ValueError(f"aggregate={config.aggregate!r} every step runs on one LionCub: it needs nodes=1, "
+                             f"got nodes={config.nodes}")
+        check_step_aggregate(config.aggregate, config.vote, error_feedback=config.vote_error_feedback,
+                             stochastic_signs=config.stochastic_signs, tie=config.tie, **config.mean_options())
+        return
+    changed = [f"{n}={getattr(config, n)!r}" for n, d in _STEP_ONLY.items() if getattr(config, n) != d]
+    if changed:
+        raise ValueError(f"{', '.join(changed)} apply to local_steps=1 only (LionCub every step)")
+    _choice("vote", config.vote, LOCAL_VOTES + ("auto",))
+    check_round_aggregate(config.aggregate, METHODS.get(config.vote), config.vote, config.quantizer)
+    for name, default in (("momentum_sync", "none"), ("overlap", False), ("grad_dtype", "fp32")):
+        if getattr(config, name) != default:
+            raise ValueError(f"{name}={getattr(config, name)!r} is not supported with local_steps > 1")
+    for name in ("eval_every", "steps"):
+        if getattr(config, name) % config.local_steps:
+            raise ValueError(f"{name}={getattr(config, name)} must be a multiple of local_steps={config.local_steps} "
+                             "(evaluations run on the model the workers agree on, at the end of a round)")
+
+
+def _check_nodes(config: TrainConfig) -> None:
+    """Refuse what NodeCub does not run."""
+    if isinstance(config.nodes, bool) or not isinstance(config.nodes, int) or config.nodes < 1:
+        raise ValueError(f"nodes must be an int >= 1, got {config.nodes!r}")
+    if config.nodes == 1:
+        if not config.shard:
+            raise ValueError("shard=False applies to nodes > 1 only")
+        return
+    for name, default in (("local_steps", 1), ("overlap", False), ("momentum_sync", "none"), *_STEP_ONLY.items()):
+        if getattr(config, name) != default:
+            raise ValueError(f"{name}={getattr(config, name)!r} is not supported with nodes > 1")

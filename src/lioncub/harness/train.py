@@ -1,7 +1,8 @@
 """The training loop behind ``lioncub train``.
 
 ``run(config) -> summary`` launches the workers (see ``launch.py``) and returns
-rank 0's summary. Each step, per rank::
+rank 0's summary. The steps are :class:`~lioncub.harness.loop.Loop`'s (the study's and the race's loop
+too) on the method of :func:`~lioncub.harness.method.make_method`; each step, per rank::
 
     x, y   = loader.next_batch()            # this rank's own shard
     loss   = model(x, y); loss.backward()   # timed: "compute"
@@ -28,18 +29,23 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from .. import Lion, LionCub, LocalCub, NodeCub, comm, node_groups, votes
+from .. import LionCub, NodeCub, comm
 from . import checkpoint
 from .config import TrainConfig
 from .data import (ImageLoader, TokenLoader, ensure_prepared, eval_batches, image_eval_batches,
                    load_images, read_meta)
 from .data.text import prepared_dir
 from .launch import launch, resolve_device
+from .loop import Loop, StepClock, StepInfo
 from .metrics import MetricsWriter, ProgressBar, TensorBoardWriter, progress_enabled, write_csv
+from .method import batch_loss, lane_options, make_method, make_optimizer, vote_method
 from .models import build_model, param_groups
 from .schedule import lr_at, warmup_factor
+
+
+__all__ = ["run", "check_inputs", "train_worker", "evaluate", "summarize", "lr_factor", "batch_loss", "lane_options",
+           "make_optimizer", "vote_method", "StepClock"]
 
 
 def run(config: TrainConfig) -> dict:
@@ -116,26 +122,6 @@ def _check_data(config: TrainConfig, world: int, prepare: bool) -> None:
         raise ValueError(f"--data {data!r}: {exc}") from None
 
 
-def vote_method(config: TrainConfig):
-    """The class of the run's vote method (:func:`lioncub.votes.lookup`), or None: no vote method
-    (``--optimizer lion|adamw``, ``--vote grad`` or ``auto``)."""
-    if config.optimizer != "lioncub" or config.vote not in votes.METHODS:
-        return None
-    return votes.lookup(config.vote)
-
-
-def lane_options(config: TrainConfig) -> dict:
-    """The ``bits`` / ``quantizer`` arguments the run's vote method takes (its ``LANE_BITS`` /
-    ``TAKES_QUANTIZER``), for the optimizer's constructor."""
-    method = vote_method(config)
-    out = {}
-    if method is not None and method.LANE_BITS:
-        out["bits"] = config.bits
-    if method is not None and method.TAKES_QUANTIZER:
-        out["quantizer"] = config.quantizer
-    return out
-
-
 def lr_factor(step: int, config: TrainConfig) -> float:
     """Linear warm-up over ``warmup_steps``, then cosine decay to ``min_lr_ratio`` (:func:`schedule.lr_at`);
     with ``time_budget``: constant after the warm-up (:func:`schedule.warmup_factor`)."""
@@ -169,79 +155,6 @@ class _Data:
             self.val = list(image_eval_batches(images.x_val, images.y_val, batch_size=config.batch_size,
                                                n_batches=config.eval_batches, rank=rank, world_size=world))
             self.items_per_step = config.batch_size * world  # images
-
-
-def batch_loss(model, x, y, is_gpt: bool):
-    """(loss, correct count) of one batch: the GPT's own loss (correct: None), or an image model's
-    cross-entropy in fp32 and how many of its arg-max predictions hit."""
-    if is_gpt:
-        return model(x, y)[1], None
-    logits = model(x)
-    return F.cross_entropy(logits.float(), y), (logits.argmax(-1) == y).sum()
-
-
-def make_optimizer(config: TrainConfig, groups: list[dict], model=None):
-    """lioncub -> LionCub(vote=...); lion -> Lion; adamw -> AdamW (the last two with a harness allreduce).
-
-    ``model`` lets LionCub name parameters in its errors and find the ``io`` layers."""
-    extra = lane_options(config)
-    if config.optimizer == "lioncub" and config.local_steps > 1:
-        return LocalCub(groups, lr=config.lr, betas=config.betas, local_steps=config.local_steps, inner=config.inner,
-                        vote=config.vote, outer=config.outer, outer_lr=config.outer_lr,
-                        error_feedback=config.error_feedback, aggregate=config.aggregate, delay=config.delay, model=model,
-                        nonfinite=config.nonfinite,
-                        check_every=config.check_every, **extra)
-    if config.optimizer == "lioncub" and config.nodes > 1:
-        layout = node_groups(dist.get_world_size() // config.nodes)
-        return NodeCub(groups, lr=config.lr, betas=config.betas, layout=layout, shard=config.shard, vote=config.vote,
-                       grad_dtype=config.grad_dtype, seed=config.seed, model=model, nonfinite=config.nonfinite,
-                       check_every=config.check_every, **extra)
-    if config.optimizer == "lioncub":
-        return LionCub(groups, lr=config.lr, betas=config.betas, vote=config.vote, grad_dtype=config.grad_dtype,
-                       seed=config.seed, model=model, momentum_sync=config.momentum_sync,
-                       sync_every=config.sync_every, nonfinite=config.nonfinite, check_every=config.check_every,
-                       overlap=config.overlap, aggregate=config.aggregate, **extra)
-    if config.optimizer == "lion":
-        return Lion(groups, lr=config.lr, betas=config.betas)
-    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas)
-
-
-class StepClock:
-    """Seconds between marks of a training step: CUDA events on the GPU's current stream (each read waits for
-    that stream up to its mark only, never for the whole device: a collective left in flight on its own stream,
-    a streamed LocalCub round, is not waited for), ``time.perf_counter`` on CPU."""
-
-    def __init__(self, cuda: bool):
-        self.cuda, self.marks = cuda, {}
-
-    def mark(self, name: str) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks[name] = event
-        else:
-            self.marks[name] = time.perf_counter()
-
-    def seconds(self, first: str, last: str) -> float:
-        if self.cuda:
-            self.marks[last].synchronize()
-            return self.marks[first].elapsed_time(self.marks[last]) / 1e3
-        return self.marks[last] - self.marks[first]
-
-
-def _allreduce_grads(params: list[torch.Tensor], world: int) -> tuple[float, float]:
-    """Average gradients with one fp32 SUM allreduce (on the gradients' device); returns
-    (seconds, ring-model bytes sent)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    t0 = time.perf_counter()
-    flat = torch.cat([g.reshape(-1) for g in grads]).float()
-    comm.all_reduce(flat)
-    flat /= world
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-    return time.perf_counter() - t0, 2 * (world - 1) / world * flat.numel() * 4
 
 
 @torch.no_grad()
@@ -280,90 +193,62 @@ def train_worker(config: TrainConfig) -> dict:
             comm.broadcast(t, src=0)
     groups = param_groups(model, lr=config.lr, weight_decay=config.weight_decay,
                           lr_embed=config.lr_embed, lr_head=config.lr_head)
-    base_lrs = [g["lr"] for g in groups]
-    opt = make_optimizer(config, groups, model)
-    params = [p for g in groups for p in g["params"]]
+    cuda = device.type == "cuda"
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
+    method = make_method(config, model, groups, autocast=autocast)
+    opt = method.opt
     start, resume_from = 0, _resume_path(config, device)
     if resume_from:
         meta = checkpoint.load_checkpoint(resume_from, model=model, optimizer=opt, loader=data.loader,
                                           device=device, seed=config.seed)
-        start = meta["step"]
-    cuda = device.type == "cuda"
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
-    timer = StepClock(cuda)
-    budget, clock, next_eval_s = config.time_budget, 0.0, config.eval_every_s
+        start = method.steps = meta["step"]
+    budget = config.time_budget
     writer = MetricsWriter(os.path.join(config.out, "metrics.jsonl"), enabled=rank == 0,
                            truncate_after_step=start if resume_from else None)
     board = TensorBoardWriter(config.tensorboard and os.path.join(config.tensorboard, config.label),
                               enabled=rank == 0, purge_step=start + 1 if resume_from else None)
     bar = ProgressBar(config.steps if budget is None else None, label=config.label, initial=start,
                       enabled=rank == 0 and progress_enabled(config.progress))
-    n_params = sum(p.numel() for p in params)
-    steps, evals, train_time, t_begin = [], [], 0.0, time.perf_counter()
-    model.train()
-    for step in range(start, config.steps):
-        lr_scale = lr_factor(step, config)
-        for g, base in zip(opt.param_groups, base_lrs):
-            g["lr"] = base * lr_scale
-        timer.mark("start")
-        x, y = data.loader.next_batch()
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        timer.mark("batch")
-        with autocast():
-            loss, _ = batch_loss(model, x, y, config.is_gpt)
-        loss.backward()
-        timer.mark("backward")
-        if config.optimizer == "lioncub":
-            opt.step()
-            s = opt.last_step_stats
-            t_vote = s.t_quantize_pack + s.t_collective + s.t_unpack_vote
-            traffic = {"bytes_sent": s.bytes_sent, "bytes_recv": s.bytes_recv, "n_collectives": s.n_collectives,
-                       "skipped_steps": opt.skipped_rounds if isinstance(opt, LocalCub) else opt.skipped_steps}
-        else:
-            t_vote, sent = _allreduce_grads(params, world)
-            opt.step()
-            traffic = {"bytes_sent": sent, "bytes_recv": sent, "n_collectives": 1}
-        timer.mark("end")
-        t_step, t_compute = timer.seconds("start", "end"), timer.seconds("batch", "backward")
-        opt.zero_grad(set_to_none=True)
-        train_time += t_step
-        done = step + 1
-        if done % config.log_every == 0 or done == config.steps:
-            mean_loss = loss.detach().float().clone()
-            comm.all_reduce(mean_loss)
-            record = {"kind": "step", "step": done, "loss": mean_loss.item() / world, "lr": base_lrs[-1] * lr_scale,
-                      "t_step": t_step, "t_compute": t_compute, "t_vote": t_vote,
-                      "t_other": t_step - t_compute - t_vote, **traffic,
-                      "tokens_per_s" if config.is_gpt else "images_per_s": data.items_per_step / t_step,
-                      "train_time": train_time, "elapsed": time.perf_counter() - t_begin}
-            steps.append(record)
-            writer.write(record)
-            board.write(record)
-            bar.update(done, f"loss {record['loss']:.3f} | {1e3 * t_step:.0f} ms/step")
-        stop = eval_due = False
-        if budget is not None:  # the slowest rank's clock decides, at the end of a round
-            agreed = torch.tensor([train_time], dtype=torch.float64, device=device)
-            clock = comm.all_reduce(agreed, op="max").item()
-            if done % config.local_steps == 0:
-                stop = clock >= budget
-                eval_due = bool(config.eval_every_s) and clock >= next_eval_s
-                while next_eval_s and next_eval_s <= clock:
-                    next_eval_s += config.eval_every_s
-        if (config.eval_every and done % config.eval_every == 0) or done == config.steps or stop or eval_due:
-            with opt.agreed() if isinstance(opt, LocalCub) else contextlib.nullcontext():  # the agreed θ_s
-                scores = evaluate(model, data.val, config.is_gpt, device, autocast)
-            record = {"kind": "eval", "step": done, **scores,
-                      "train_time": clock if budget is not None else train_time,
-                      "elapsed": time.perf_counter() - t_begin}
-            evals.append(record)
-            writer.write(record)
-            board.write(record)
+    n_params = sum(p.numel() for g in groups for p in g["params"])
+    steps, evals, t_begin = [], [], time.perf_counter()
+
+    def on_step(info: StepInfo) -> None:
+        done = info.step
+        if done % config.log_every and done != config.steps:
+            return
+        mean_loss = info.loss.float().clone()
+        comm.all_reduce(mean_loss)
+        record = {"kind": "step", "step": done, "loss": mean_loss.item() / world, "lr": info.lr * method.shares[-1],
+                  "t_step": info.t_step, "t_compute": info.t_compute, "t_vote": method.t_vote,
+                  "t_other": info.t_step - info.t_compute - method.t_vote, **method.traffic,
+                  "tokens_per_s" if config.is_gpt else "images_per_s": data.items_per_step / info.t_step,
+                  "train_time": info.train_time, "elapsed": time.perf_counter() - t_begin}
+        steps.append(record)
+        writer.write(record)
+        board.write(record)
+        bar.update(done, f"loss {record['loss']:.3f} | {1e3 * info.t_step:.0f} ms/step")
+
+    def on_eval(scores: dict) -> None:
+        record = {"kind": "eval", **{k: v for k, v in scores.items() if k not in ("clock", "train_time")},
+                  "train_time": scores["clock"] if budget is not None else scores["train_time"],
+                  "elapsed": time.perf_counter() - t_begin}
+        evals.append(record)
+        writer.write(record)
+        board.write(record)
+
+    def after_step(done: int) -> None:
         if config.ckpt_every and done % config.ckpt_every == 0:
             checkpoint.save_checkpoint(config.out, done, model=model, optimizer=opt, loader=data.loader,
                                        meta={"label": config.label, "config": config.as_dict()},
                                        keep=config.keep_ckpts)
-        if stop:
-            break
+
+    model.train()
+    loop = Loop(lr=lambda step, clock: config.lr * lr_factor(step, config), steps=config.steps, budget=budget,
+                eval_every=config.eval_every, eval_every_s=config.eval_every_s, device=device,
+                on_step=on_step, on_eval=on_eval, after_step=after_step)
+    if start < config.steps:
+        loop.run(method, data.loader, lambda: evaluate(model, data.val, config.is_gpt, device, autocast),
+                 start=start, cuda=cuda)
     bar.close()
     board.close()
     summary = summarize(config, steps, evals, world=world, n_params=n_params,
