@@ -167,3 +167,68 @@ def test_fingerprint_holds_the_width():
     assert a.bits == 2 and a.fingerprint()["bits"] == 2
     with pytest.raises(ValueError, match="bits=2"):
         b.load_state_dict(a.state_dict())
+
+
+# ------------------------------------------------------------------ local_steps='auto'
+def test_round_seconds_and_the_pick_follow_the_alpha_beta_model():
+    from lioncub.optim.auto_steps import pick_local_steps, round_seconds
+    from lioncub.votes.rounds import Fp32Mean, ScatterMean
+
+    alpha, beta, P = 1e-4, 1e-9, 4
+    # fp32 mean of 1000 elements in one chunk of 3 tensors: the agreement (8·4 bytes) and a 4000-byte all-reduce
+    want = (2 * 3 * alpha + 2 * 3 / 4 * 32 * 8 * beta) + (2 * 3 * alpha + 2 * 3 / 4 * 4000 * 8 * beta)
+    assert round_seconds(Fp32Mean(P), [(1000, 3)], P, alpha, beta) == pytest.approx(want, rel=1e-12)
+    # the 2-bit scatter mean: spans of 252 elements (63 bytes): all-to-all of 4 spans, all-gather of a span + 3 scales
+    span = 63
+    want = (2 * 3 * alpha + 2 * 3 / 4 * 32 * 8 * beta) + (3 * alpha + 3 / 4 * 4 * span * 8 * beta) \
+        + (3 * alpha + 3 * (span + 12) * 8 * beta)
+    assert round_seconds(ScatterMean(P, None, 2), [(1000, 3)], P, alpha, beta) == pytest.approx(want, rel=1e-12)
+    assert pick_local_steps(1.0, 0.05, 0.1, 500) == 200  # 1 s of wire is a tenth of 200 steps of 50 ms
+    assert pick_local_steps(1.0, 0.05, 0.1, 100) == 100 and pick_local_steps(1e-6, 0.05, 0.1, 500) == 1
+
+
+def _auto_steps(rank, world):
+    import time
+
+    from lioncub.optim.auto_steps import FIRST_ROUND, pick_local_steps, round_seconds
+
+    ps = [torch.nn.Parameter(torch.zeros(n)) for n in SIZES]
+    opt = LocalCub(ps, lr=1e-2, local_steps="auto", vote="onebit", aggregate="mean", bits=2, error_feedback=True,
+                   alpha=1e-3, beta=1e-6)  # a slow link, given: ~2 ms of latency per message
+    synced_at = []
+    for step in range(FIRST_ROUND + 40):
+        time.sleep(0.004 * (rank + 1))  # rank 2 is the slowest: its iterations decide
+        for p, g in zip(ps, _grads(rank, step)):
+            p.grad = g.clone()
+        opt.step()
+        if opt.synced:
+            synced_at.append(step + 1)
+    pick = dict(opt.steps_pick)
+    chunks = [(sum(SIZES), len(SIZES))]
+    expected = pick_local_steps(round_seconds(opt.aggregation, chunks, world, 1e-3, 1e-6), pick["step_s"], 0.1, 500)
+    sd = opt.state_dict()
+    again = LocalCub([torch.nn.Parameter(p.detach().clone()) for p in ps], lr=1e-2, local_steps="auto", vote="onebit",
+                     aggregate="mean", bits=2, error_feedback=True, alpha=1e-3, beta=1e-6)
+    again.load_state_dict(sd)
+    fixed = LocalCub([torch.nn.Parameter(p.detach().clone()) for p in ps], lr=1e-2, local_steps=pick["H"],
+                     vote="onebit", aggregate="mean", bits=2, error_feedback=True)
+    try:
+        fixed.load_state_dict(sd)
+        refused = False
+    except ValueError:
+        refused = True
+    return pick, expected, synced_at, again.H, refused
+
+
+def test_auto_local_steps_are_picked_from_the_slowest_rank_and_agreed():
+    world = 3
+    res = run_workers(_auto_steps, world)
+    picks = [r[0] for r in res]
+    assert all(p == picks[0] for p in picks)  # one pick on every rank
+    pick = picks[0]
+    assert pick["step_s"] >= 0.012  # the slowest rank's iteration (it sleeps 12 ms)
+    H = pick["H"]
+    assert H == res[0][1] and 1 < H < 50  # ~8.5 ms of wire against a tenth of ~13 ms steps
+    assert res[0][2] == list(range(10, 10 + 40 + 1, H))[:len(res[0][2])]  # the first round of 10, then rounds of H
+    assert res[0][3] == H  # resumed with the saved pick
+    assert res[0][4]  # a fixed-H run refuses an 'auto' checkpoint

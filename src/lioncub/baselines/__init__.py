@@ -26,7 +26,8 @@ makes one; see :class:`Adapter`.
                             with -adamw), then one vote on Δ (+e with
                             -ef); vote: onebit, gather, pbit4, pbit8l1,
                             grad, mean4/mean8 (lane sums as a quantized
-                            mean); outer: sgd, nest(erov), lion with
+                            mean), smean1/2/4/8 (the scatter mean in 1-8
+                            bits, with -ef); outer: sgd, nest(erov), lion with
                             outer_lr <lr>, e.g. lcub-onebit-h10-nest2-ef
 
 Example (every rank, inside an initialised gloo group)::
@@ -74,13 +75,15 @@ METHODS = {
 
 # lcub-<vote>-h<H>-<outer><outer_lr>[-ef][-adamw][-stream]: a LocalCub configuration by name
 # (-stream: delay=1, the round's agreement in flight during the next round)
-_LOCAL = re.compile(r"lcub-(onebit|gather|pbit4|pbit8l1|mean4|mean8|grad)-h(\d+)-(sgd|nest|lion)(\d+(?:\.\d+)?)(-ef)?(-adamw)?"
+_LOCAL = re.compile(r"lcub-(onebit|gather|pbit4|pbit8l1|mean4|mean8|smean1|smean2|smean4|smean8|grad)-h(\d+)-(sgd|nest|lion)(\d+(?:\.\d+)?)(-ef)?(-adamw)?"
                     r"(-stream)?")
 _LOCAL_VOTES = {"onebit": dict(vote="onebit"), "gather": dict(vote="gather"), "pbit4": dict(vote="pbit", bits=4),
                 "pbit8l1": dict(vote="pbit", bits=8, quantizer="l1"), "grad": dict(vote="grad"),
                 # the lanes' sums as a quantized mean of Δ (aggregate='mean'), 4- or 8-bit lanes
                 "mean4": dict(vote="pbit", bits=4, quantizer="l1", aggregate="mean"),
-                "mean8": dict(vote="pbit", bits=8, quantizer="l1", aggregate="mean")}
+                "mean8": dict(vote="pbit", bits=8, quantizer="l1", aggregate="mean"),
+                # the scatter mean: Δ's mean in 1-8 bits on onebit's all-to-all and all-gather (needs -ef)
+                **{f"smean{b}": dict(vote="onebit", aggregate="mean", bits=b) for b in (1, 2, 4, 8)}}
 
 
 def _local_builder(name: str):

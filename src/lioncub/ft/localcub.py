@@ -150,6 +150,8 @@ class FTLocalCub(LocalCub):
         for key, allowed in (("delay", 0), ("process_group", None)):
             if kwargs.get(key, allowed) != allowed:
                 raise ValueError(f"{key} must be {allowed!r} with torchft, got {kwargs[key]!r}")
+        if kwargs.get("local_steps") == "auto":
+            raise ValueError("local_steps='auto' times the first round on a fixed group; under torchft give an int")
         vote = kwargs.get("vote", "onebit")
         if not round_class(vote, kwargs.get("aggregate", "vote")).partial:
             raise ValueError(f"under torchft a round's aggregation must be a sum that a replica with nothing to send "

@@ -131,7 +131,7 @@ class RoundCheckpoint:
             counters, inner=self.inner.state_dict(), vote_requested=self.vote_requested,
             # inside a round every rank's parameters are its own (a model checkpoint holds one rank's)
             params=[p.detach().clone() for p in self.params] if self.local_step else None, pending=pending,
-            owner_residuals={str(k): r.clone() for k, r in self.owner_residuals.items()})
+            owner_residuals={str(k): r.clone() for k, r in self.owner_residuals.items()}, steps_pick=self.steps_pick)
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -166,6 +166,7 @@ class RoundCheckpoint:
                 raise ValueError(f"state_dict's round in flight has {d.numel()} elements; these parameters have "
                                  f"{sum(sizes)}")
             self._pending = [Agreement.finished(part.clone(), pending["signed"]) for part in d.split(sizes)]
+        self._restore_steps(extra.get("steps_pick"))
         self._restore_owner_residuals(extra.get("owner_residuals") or {})
         if extra.get("params") is not None:
             with torch.no_grad():

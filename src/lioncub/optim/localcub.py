@@ -73,6 +73,7 @@ from ..votes.rounds import ROUND_AGGREGATES as AGGREGATES
 from ..votes.rounds import Agreement, check_round_aggregate, round_aggregation, round_bits
 from .outer import OUTER_RULES, make_outer
 from .checkpoint import RoundCheckpoint
+from .auto_steps import AutoSteps
 from .rounds import Rounds
 from .streaming import StreamingRounds
 
@@ -100,7 +101,7 @@ def _make_inner(inner, groups: list[dict], betas) -> torch.optim.Optimizer:
                      f"got {inner!r}")
 
 
-class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, Sharded, Shell, VoteSettings, torch.optim.Optimizer):
+class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, Shell, VoteSettings, torch.optim.Optimizer):
     """Lion Cub with local steps: ``local_steps`` inner steps per agreed outer step.
 
     Args:
@@ -108,7 +109,12 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, Sharded, Shell, VoteSet
         lr, betas: the inner optimizer's; ``lr`` also sizes the outer step (η above).
         weight_decay: λ, decoupled, applied to θ_s at each outer step as ``α·η·λ``
             (the inner optimizer runs without weight decay).
-        local_steps: H >= 1, inner steps per round.
+        local_steps: H >= 1, inner steps per round; or ``'auto'``: the first round runs
+            :data:`~lioncub.optim.auto_steps.FIRST_ROUND` steps and times them, then H is the smallest whose
+            agreement costs at most ``round_share`` of the round's compute on the link's α-β model
+            (:mod:`lioncub.optim.auto_steps`; ``alpha``/``beta`` given, or measured at construction), at most
+            ``max_local_steps``; the pick is in ``steps_pick`` and in checkpoints.
+        round_share, max_local_steps: ``local_steps='auto'`` only (defaults 0.1 and 500).
         inner: ``'lion'`` (default), ``'adamw'``, or ``callable(param_groups) -> Optimizer``.
         vote: ``'grad'`` (fp32 all-reduce of Δ, no compression), or a vote method of
             :func:`lioncub.majority_vote`: ``'sign_allreduce'``, ``'gather'``, ``'onebit'``,
@@ -167,7 +173,7 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, Sharded, Shell, VoteSet
         betas: tuple[float, float] = (0.9, 0.99),
         weight_decay: float = 0.0,
         *,
-        local_steps: int = 10,
+        local_steps: Union[int, str] = 10,
         inner: Union[str, Callable] = "lion",
         vote: str = "onebit",
         bits: Optional[int] = None,
@@ -188,9 +194,11 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, Sharded, Shell, VoteSet
         alpha: Optional[float] = None,
         beta: Optional[float] = None,
         gamma: Optional[dict] = None,
+        round_share: Optional[float] = None,
+        max_local_steps: Optional[int] = None,
     ):
         check_hyperparameters(lr, betas, weight_decay)
-        self.H = check_int("local_steps", local_steps, 1)
+        self.steps_pick, self.H = self._init_steps(local_steps, round_share, max_local_steps, vote, alpha, beta, gamma)
         if tie == "hold":
             raise ValueError("tie='hold' (ties repeat the chunk owner's last vote) is LionCub's: a LocalCub round "
                              "votes once per round; use tie='alternate', 'plus' or 'minus'")
@@ -203,7 +211,6 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, Sharded, Shell, VoteSet
         config = VoteConfig(vote=vote, bits=None if self.round_bits else bits, quantizer=quantizer, tie=tie, seed=seed)
         self.rule = make_outer(outer, lr=outer_lr, momentum=outer_momentum, betas=outer_betas)
         """The outer rule object (:mod:`lioncub.optim.outer`)."""
-        auto.check_auto_args(vote, alpha, beta, gamma)
         self.delay = check_int("delay", delay, min(DELAYS), max(DELAYS), what="rounds an outer step is applied late")
         if delay and vote == "auto":
             raise ValueError("delay=1 needs a fixed vote, got vote='auto' (it may pick a vote of several collectives)")
@@ -237,6 +244,8 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, Sharded, Shell, VoteSet
         """delay=1: the last round's agreements (one per chunk), launched and not yet applied."""
         for p in self.params:
             self._outer_state(p)
+        if self.steps_pick is not None:
+            self._measure_link()
         self.rounds, self.local_step, self.synced = 0, 0, False
         self.skipped_rounds, self._bad_round = 0, False
         self.last_round_stats = self.last_step_stats = CommStats()
@@ -286,6 +295,7 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, Sharded, Shell, VoteSet
         the ranks' loss scales need not agree, and agreeing would cost a collective per
         step); the round's collectives run on every rank regardless."""
         loss = self.run_closure(closure)
+        self._mark_step()
         with self.grads_on_shards():  # FSDP2: the local shards hold their gradients for the inner step's checks
             self._inner_step(grad_scaler)
         self.local_step += 1
@@ -295,6 +305,8 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, Sharded, Shell, VoteSet
             with comm.step_context(self.rounds):  # a failed collective names this round
                 self._round()
             self.local_step = 0
+            if self.steps_pick is not None and self.steps_pick["H"] is None:
+                self._pick_steps()
             self.last_step_stats = self.last_round_stats
         return loss
 
@@ -333,5 +345,5 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, Sharded, Shell, VoteSet
 
     # ------------------------------------------------------------------ state
     def fingerprint(self) -> dict:
-        return dict(local_steps=self.H, vote=self.vote, bits=self.bits, quantizer=self.quantizer, tie=self.tie,
+        return dict(local_steps="auto" if self.steps_pick else self.H, vote=self.vote, bits=self.bits, quantizer=self.quantizer, tie=self.tie,
                     outer=self.outer, error_feedback=self.error_feedback, aggregate=self.aggregate, delay=self.delay)

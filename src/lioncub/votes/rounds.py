@@ -125,6 +125,11 @@ class RoundAggregation:
         caller measures over the whole tensor before a round in chunks (:func:`lioncub.optim.rounds.abs_means`)."""
         return False
 
+    def plan(self, n: int, tensors: int) -> list[tuple[str, int]]:
+        """The collectives the exchange of a message of ``n`` elements of ``tensors`` tensors issues (beside the
+        round's one agreement): ``[(kind, bytes per rank)]``, priced by :mod:`lioncub.engine.cost`."""
+        return self.method.plan(n)
+
     def owner_elements(self, n: int) -> int:
         """Elements of state this rank keeps from round to round for a message of ``n`` elements (an owner's
         residual, passed to :meth:`launch` as ``owner``); 0 for none."""
@@ -152,6 +157,9 @@ class Fp32Mean(RoundAggregation):
 
     name = "fp32_mean"
     partial = lossless = True
+
+    def plan(self, n, tensors):
+        return [("allreduce", 4 * n)]
 
     def launch(self, v, sizes, *, head, count, step, generator, group, stats, feedback=False, scales=None,
                owner=None):
@@ -262,6 +270,10 @@ class ScatterMean(RoundAggregation):
         """The owner's residual for a message of ``n`` elements (its span)."""
         return owner_span(n, self.world, self.bits)
 
+    def plan(self, n, tensors):
+        span_bytes = owner_span(n, self.world, self.bits) * self.bits // 8
+        return [("all_to_all", self.world * span_bytes), ("all_gather", span_bytes + 4 * tensors)]
+
     def launch(self, v, sizes, *, head, count, step, generator, group, stats, feedback=False, scales=None,
                owner=None):
         bits, P, n = self.bits, self.world, v.numel()
@@ -320,7 +332,8 @@ def round_class(vote: str, aggregate: str = "vote", quantizer: Optional[str] = N
     if vote == "grad":
         return Fp32Mean
     if aggregate == "mean":
-        return ROUND_AGGREGATIONS[METHODS[vote].round_mean(quantizer) or LaneMean.name]
+        method = METHODS.get(vote)
+        return ROUND_AGGREGATIONS[(method and method.round_mean(quantizer)) or LaneMean.name]
     return SignVote
 
 

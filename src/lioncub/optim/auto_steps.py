@@ -1,0 +1,125 @@
+r"""``LocalCub(local_steps='auto')``: H chosen from the measured link and the measured compute.
+
+A round of H local steps costs H·t_step of compute and one agreement on the wire. The wire time of the
+agreement, for this model's chunks and this aggregation, is priced by the ring α-β model
+(:func:`lioncub.engine.cost.collective_time`; α and β measured by :func:`lioncub.engine.cost.calibrate`
+when not given), and the pick is the smallest H for which that time is at most ``round_share`` of the
+round's compute::
+
+    H = clamp(ceil(T_round(α, β) / (round_share · t_step)), 1, max_local_steps)
+
+so the loop runs at about ``1 / (1 + round_share)`` of its compute-bound step rate (0.91 at the default
+0.1) whatever the link. ``t_step`` is measured on the first round, which runs :data:`FIRST_ROUND` steps:
+the median time between consecutive ``step()`` calls (a whole iteration: data, forward, backward and the
+inner step), the slowest rank's (one MAX all-reduce, once). Every rank then computes the same H from the
+same agreed numbers. The pick is kept in :attr:`AutoSteps.steps_pick`, saved in checkpoints and taken back
+on resume.
+"""
+from __future__ import annotations
+
+import math
+import time
+from numbers import Real
+from typing import Optional
+
+import torch
+
+from .. import comm
+from ..engine import auto
+from ..engine.cost import calibrate, collective_time
+
+__all__ = ["AutoSteps", "FIRST_ROUND", "ROUND_SHARE", "MAX_LOCAL_STEPS", "round_seconds", "pick_local_steps"]
+
+FIRST_ROUND = 10
+"""Local steps of the first round of ``local_steps='auto'``, whose iterations are timed."""
+ROUND_SHARE = 0.1
+"""The default ``round_share``: a round's agreement costs at most this fraction of its compute."""
+MAX_LOCAL_STEPS = 500
+"""The default ``max_local_steps``: the largest H ``'auto'`` picks."""
+
+
+def round_seconds(aggregation, chunks: list[tuple[int, int]], world: int, alpha: float, beta: float) -> float:
+    """The α-β time of one round's agreement: its small all-reduce (a finite count and the per-tensor head, fp64)
+    and each chunk's exchange (``chunks``: ``(elements, tensors)`` of each)."""
+    tensors = sum(t for _, t in chunks)
+    total = collective_time("allreduce", 8 * (tensors + 1), world, alpha, beta)
+    for n, t in chunks:
+        total += sum(collective_time(kind, nbytes, world, alpha, beta) for kind, nbytes in aggregation.plan(n, t))
+    return total
+
+
+def pick_local_steps(round_s: float, step_s: float, share: float, most: int) -> int:
+    """The smallest H whose round spends at most ``share`` of its compute on the agreement, in [1, ``most``]."""
+    if not step_s > 0:
+        return most
+    return max(1, min(most, math.ceil(round_s / (share * step_s) - 1e-9)))
+
+
+class AutoSteps:
+    """The mixin of ``local_steps='auto'`` (module docstring). Uses what LocalCub defines: ``H``, ``group``,
+    ``world_size``, ``device``, ``aggregation``, ``_plan``."""
+
+    steps_pick: Optional[dict] = None
+    """``local_steps='auto'``: ``{'alpha', 'beta', 'round_share', 'max_local_steps', 'step_s', 'round_s', 'H'}``
+    (``step_s``, ``round_s`` and ``H`` None until the first round ends); None for a fixed H."""
+
+    def _init_steps(self, local_steps, round_share, max_local_steps, vote, alpha, beta, gamma
+                    ) -> tuple[Optional[dict], int]:
+        """Check ``local_steps`` and the link's arguments (``alpha``, ``beta``: ``vote='auto'``'s, or
+        ``local_steps='auto'``'s); the settings ``'auto'`` starts from (None for a fixed H) and the first round's
+        H. The link is measured later (:meth:`_measure_link`), once the optimizer's group exists."""
+        if local_steps != "auto":
+            if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
+                raise ValueError(f"local_steps must be an int >= 1 or 'auto', got {local_steps!r}")
+            if round_share is not None or max_local_steps is not None:
+                raise ValueError("round_share and max_local_steps apply to local_steps='auto' only")
+            auto.check_auto_args(vote, alpha, beta, gamma)
+            return None, local_steps
+        if vote == "auto":
+            auto.check_auto_args(vote, alpha, beta, gamma)
+        elif (alpha is None) != (beta is None) or gamma is not None:
+            raise ValueError("local_steps='auto' takes alpha and beta together (a known link) or neither (measured); "
+                             "gamma applies to vote='auto' only")
+        share = ROUND_SHARE if round_share is None else round_share
+        if isinstance(share, bool) or not isinstance(share, Real) or not 0 < share <= 1:
+            raise ValueError(f"round_share must be a number in (0, 1], got {round_share!r}")
+        most = MAX_LOCAL_STEPS if max_local_steps is None else max_local_steps
+        if isinstance(most, bool) or not isinstance(most, int) or most < 1:
+            raise ValueError(f"max_local_steps must be an int >= 1, got {max_local_steps!r}")
+        return dict(alpha=alpha, beta=beta, round_share=float(share), max_local_steps=most, step_s=None,
+                    round_s=None, H=None), FIRST_ROUND
+
+    def _measure_link(self) -> None:
+        """α and β of the group's link (calibrated unless given), the same on every rank. Collective; set-up."""
+        pick = self.steps_pick
+        if pick["alpha"] is None:
+            alpha, beta = (0.0, 0.0) if self.world_size == 1 else calibrate(self.group, device=self.device)
+            pick.update(alpha=float(alpha), beta=float(beta))
+        self._marks: list[float] = []
+
+    def _mark_step(self) -> None:
+        """The time of this ``step()`` call while the first round is being timed."""
+        if self.steps_pick is not None and self.steps_pick["H"] is None:
+            self._marks.append(time.perf_counter())
+
+    def _pick_steps(self) -> None:
+        """At the end of the first round: the slowest rank's median iteration, the round's α-β time, and H."""
+        pick = self.steps_pick
+        gaps = sorted(b - a for a, b in zip(self._marks, self._marks[1:]))
+        mine = gaps[len(gaps) // 2] if gaps else 0.0
+        agreed = torch.tensor([mine], dtype=torch.float64, device=self.device)
+        if self.world_size > 1:
+            comm.all_reduce(agreed, self.group, op="max")
+        step_s = float(agreed.item())  # one host read, once
+        chunks = [(sum(pc.size for pc in pieces), len(pieces)) for pieces in self._plan()]
+        round_s = round_seconds(self.aggregation, chunks, self.world_size, pick["alpha"], pick["beta"])
+        pick.update(step_s=step_s, round_s=round_s,
+                    H=pick_local_steps(round_s, step_s, pick["round_share"], pick["max_local_steps"]))
+        self.H, self._marks = pick["H"], []
+
+    def _restore_steps(self, saved: Optional[dict]) -> None:
+        """A checkpoint's pick (saved by :meth:`RoundCheckpoint.state_dict`): H as the saved run picked it."""
+        if self.steps_pick is None or not saved:
+            return
+        self.steps_pick = dict(saved)
+        self.H = FIRST_ROUND if saved.get("H") is None else int(saved["H"])
