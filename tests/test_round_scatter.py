@@ -49,17 +49,23 @@ def _levels(bits):
 
 
 def _quantize(x: torch.Tensor, unit: float, bits: int, parity: int) -> torch.Tensor:
-    """Levels of ``x`` (float64): the sign at 1 bit (zeros: +1 on even rounds, −1 on odd), else round and clamp."""
+    """Levels of ``x`` (float64): the sign at 1 bit, ±1/2 and ±3/2 at 2 bits (zeros: up on even rounds, down on
+    odd), else round and clamp to ±(2^(b−1) − 1)."""
     if bits == 1:
         zero = -1.0 if parity else 1.0
         return torch.where(x > 0, 1.0, torch.where(x < 0, -1.0, zero)).double()
+    if bits == 2:
+        scaled = x / unit if unit > 0 else torch.zeros_like(x)
+        return torch.where(x == 0, -0.5 if parity else 0.5, scaled.floor() + 0.5).clamp(-1.5, 1.5)
     s = _levels(bits)
     return (x / unit).round().clamp(-s, s) if unit > 0 else torch.zeros_like(x)
 
 
 def _unit(scale: float, bits: int) -> float:
+    if bits <= 2:
+        return scale * (1.0 if bits == 1 else 1.25)
     s = _levels(bits)
-    return scale if bits == 1 else scale * min(s, CLIP) / s
+    return scale * min(s, CLIP) / s
 
 
 def _reference(world: int, bits: int) -> list[dict]:

@@ -1,15 +1,20 @@
 r"""The arithmetic of a round's two-phase compressed mean (:class:`~lioncub.votes.rounds.ScatterMean`): values
 to ``b``-bit codes and back, with a scale per piece of a tensor.
 
-A ``b``-bit code holds one of the levels ``q``:
+A ``b``-bit code holds one of the levels ``q`` (the value sent is ``unit·q``, ``M`` the mean magnitude):
 
-* ``b = 1``: ``q = ±1``, the sign (a zero takes the round's parity, as the 1-bit votes' zeros do);
-  the step of a level is the scale itself, ``unit = M``.
-* ``b ≥ 2``: ``q ∈ {−s, …, s}`` with ``s = 2^(b−1) − 1`` (``b = 2``: ternary, one of the four codes unused),
-  ``q = clamp(round(v / unit), −s, s)``, ``unit = min(s, CLIP)·M / s``: the levels cover ±min(s, CLIP)
-  mean magnitudes ``M`` (:data:`~lioncub.votes.pbit.MEAN_CLIP`, as the 8-bit lane mean's do).
+* ``b = 1``: ``q = ±1``, the sign, at ``unit = M`` (the L1 scale of a sign).
+* ``b = 2``: ``q ∈ {−3/2, −1/2, +1/2, +3/2}``, a sign and one magnitude bit, at ``unit = 1.25·M``
+  (about the best uniform step of four levels for a normal distribution, ``σ ≈ 1.25·M``);
+  ``q = clamp(floor(v / unit) + 1/2, −3/2, 3/2)``. (A ternary code, three levels with one code unused, has
+  about twice its error on normal values: bench/README, "Rounds below 8 bits".)
+* ``b ≥ 4``: ``q ∈ {−s, …, s}`` with ``s = 2^(b−1) − 1``, ``q = clamp(round(v / unit), −s, s)``,
+  ``unit = min(s, CLIP)·M / s``: the levels cover ±min(s, CLIP) mean magnitudes
+  (:data:`~lioncub.votes.pbit.MEAN_CLIP`, as the 8-bit lane mean's do).
 
-A code travels as ``q + s`` (``b = 1``: 0 for −1, 1 for +1) in ``b``-bit lanes of bytes.
+A zero of ``v`` on the codes without a zero level (``b ≤ 2``) takes the round's parity (+ on even rounds),
+as the 1-bit votes' zeros do. A code travels as ``q + (2^b − 1)/2`` (``b ≤ 2``) or ``q + s`` in ``b``-bit
+lanes of bytes.
 """
 from __future__ import annotations
 
@@ -28,47 +33,58 @@ SCATTER_BITS = (1, 2, 4, 8)
 """The code widths a two-phase mean takes, bits per element in each of its two collectives."""
 
 
-def levels_of(bits: int) -> int:
-    """``s``, the largest level of a ``bits``-wide code (1 for the sign)."""
-    return 1 if bits == 1 else (1 << (bits - 1)) - 1
+def levels_of(bits: int) -> float:
+    """The largest level of a ``bits``-wide code: 1 (the sign), 3/2, or ``s = 2^(bits−1) − 1``."""
+    return {1: 1.0, 2: 1.5}.get(bits, float((1 << (bits - 1)) - 1))
+
+
+def _offset(bits: int) -> float:
+    """What a level adds to become its code: ``(2^b − 1)/2`` for the codes without a zero level, else ``s``."""
+    return (1 << bits) / 2 - 0.5 if bits <= 2 else levels_of(bits)
 
 
 def unit_of(scale, bits: int):
     """The value of one level for the mean magnitude ``scale`` (a float or a tensor; module docstring)."""
+    if bits <= 2:
+        return scale if bits == 1 else scale * 1.25
     s = levels_of(bits)
-    return scale if bits == 1 else scale * (min(s, MEAN_CLIP) / s)
+    return scale * (min(s, MEAN_CLIP) / s)
 
 
 def to_levels(v: Tensor, unit: Union[float, Tensor], bits: int, parity: int, out: Tensor) -> None:
     """``q`` of the flat ``v`` for a level of ``unit``, as fp32 into ``out`` (same size). ``unit``: a host float
     (``v`` times its reciprocal, as the lane mean quantizes) or a 0-dim fp32 tensor on ``v``'s device (``v`` over
-    it, no host read; 0 only where ``v`` is all zeros). ``parity``: where a zero of ``v`` goes on the sign code
-    (0: +1, 1: −1, as :func:`lioncub.wire.kernels.sign_bits`)."""
+    it, no host read; 0 only where ``v`` is all zeros). ``parity``: where a zero of ``v`` goes on the codes without
+    a zero level (0: up, 1: down, as :func:`lioncub.wire.kernels.sign_bits`)."""
     if bits == 1:
         out.copy_(kernels.sign_bits(v, parity)[:v.numel()]).mul_(2).sub_(1)
         return
     s = levels_of(bits)
     if isinstance(unit, Tensor):
-        torch.div(v, unit.clamp_min(torch.finfo(torch.float32).tiny), out=out).round_().clamp_(-s, s)
+        torch.div(v, unit.clamp_min(torch.finfo(torch.float32).tiny), out=out)
     elif unit > 0:
-        torch.round(v * (1.0 / unit), out=out).clamp_(-s, s)
+        torch.mul(v, 1.0 / unit, out=out)
     else:
         out.zero_()
+    if bits == 2:  # a sign and a magnitude bit: floor + 1/2, a zero by the parity
+        out.floor_().add_(0.5).masked_fill_(v == 0, -0.5 if parity else 0.5)
+    else:
+        out.round_()
+    out.clamp_(-s, s)
 
 
 def codes(q: Tensor, bits: int, length: int) -> Tensor:
     """The fp32 levels ``q`` packed as ``bits``-wide codes, zero-padded to ``length`` elements (the padding
     decodes to level ``−s``, which no reader takes)."""
-    s = levels_of(bits)
     values = torch.zeros(length, dtype=torch.uint8, device=q.device)
-    values[:q.numel()].copy_((q + 1).div_(2) if bits == 1 else q + s)
+    values[:q.numel()].copy_((q + 1).div_(2) if bits == 1 else q + _offset(bits))
     return kernels.pack_bytes(values, length, bits)
 
 
 def from_codes(packed: Tensor, n: int, bits: int) -> Tensor:
     """The first ``n`` levels of ``packed`` codes as fp32."""
     values = kernels.unpack_bytes(packed, n, bits).to(torch.float32)
-    return values.mul_(2).sub_(1) if bits == 1 else values.sub_(levels_of(bits))
+    return values.mul_(2).sub_(1) if bits == 1 else values.sub_(_offset(bits))
 
 
 def owner_span(n: int, world: int, bits: int) -> int:
