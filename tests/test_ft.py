@@ -442,6 +442,15 @@ def test_lioncub_train_ft_survives_faults_at_chosen_points(tmp_path):
     assert [(rounds[r][30]["participants"], rounds[r][30]["contributors"]) for r in (0, 1)] == [(2, 2)] * 2
     joins = [rec for rec in logs[2] if rec["kind"] == "joined"]
     assert len(joins) == 2 and joins[1]["heals"] == 1  # its second life began with a heal
+    # and its shard continued where a replica that never stopped would read at the heal's round, not from the start
+    from lioncub.harness.config import default_cache_dir
+    from lioncub.harness.data import TokenLoader, ensure_prepared
+
+    never_stopped = TokenLoader(os.path.join(ensure_prepared("shakespeare", default_cache_dir()), "train.bin"),
+                                block_size=32, batch_size=2, rank=2, world_size=3, seed=0)
+    for _ in range(joins[1]["round"] * 5):
+        never_stopped.next_batch()
+    assert joins[1]["round"] > 0 and joins[1]["data"] == never_stopped.state_dict()
 
 
 def test_no_lighthouse_reachable_is_a_clear_error():

@@ -195,3 +195,25 @@ def test_reshard_loader_keeps_the_mean_epoch_fraction(shakespeare):
     # Checkpoints written before epoch_len was saved: rank 0's position as it was.
     reshard_loader([{"epoch": 2, "pos": 7}, {"epoch": 2, "pos": 7}], new)
     assert (new.epoch, new.pos) == (2, 7)
+
+
+def test_seek_stands_where_reading_that_many_batches_would(shakespeare, tmp_path):
+    """A replica that rejoins a run seeks to the position of a loader that never stopped: the same next batches
+    after n batches for n inside an epoch, at its end and across two epoch boundaries (token windows of a small
+    file, images of a small shard)."""
+    small = _small_copy(os.path.join(shakespeare, "train.bin"), tmp_path)
+    make = lambda: TokenLoader(small, block_size=32, batch_size=4, seed=2)
+    per_epoch = len(make()._starts) // 4
+    data = load_images("digits", seed=0)
+    images = lambda: ImageLoader(data.x_train, data.y_train, batch_size=64, rank=1, world_size=4, seed=3)
+    for build, ns in ((make, (0, 3, per_epoch, per_epoch + 1, 2 * per_epoch + 3)), (images, (0, 2, 5, 11))):
+        for n in ns:
+            read, jumped = build(), build()
+            for _ in range(n):
+                read.next_batch()
+            jumped.seek(n)
+            assert jumped.state_dict() == read.state_dict(), (build, n)
+            for _ in range(3):
+                assert all(torch.equal(a, b) for a, b in zip(read.next_batch(), jumped.next_batch()))
+    with pytest.raises(ValueError, match="batches must be an int >= 0"):
+        make().seek(-1)

@@ -133,7 +133,9 @@ def replica_main(config, replica: int, replicas: int, lighthouse: str, *, host: 
     model.train()
     before = opt.rounds
     opt.join()  # the quorum, and a heal when this replica (re)joins a running job
-    write("joined", round=opt.rounds, heals=opt.heals, participants=opt.participants)
+    if opt.rounds != before:  # healed into a running job: its shard continues where a replica that never
+        data.loader.seek(opt.rounds * opt.H)  # stopped would read, not from the start
+    write("joined", round=opt.rounds, heals=opt.heals, participants=opt.participants, data=data.loader.state_dict())
     stop_at = deadline if deadline is not None else time.time() + config.time_budget
     if opt.rounds != before:
         committed(None)

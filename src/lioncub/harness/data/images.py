@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .position import seek_items
+
 _IMAGE_EXT = (".png", ".jpg", ".jpeg", ".bmp", ".gif")
 
 
@@ -155,6 +157,10 @@ class ImageLoader:
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
         self._order = self._epoch_order(self.epoch)
+
+    def seek(self, batches: int) -> None:
+        """Stand where this loader would after ``batches`` batches from its start (a replica rejoining a run)."""
+        self.epoch, self.pos, self._order = seek_items(batches, self.batch_size, self._epoch_order)
 
 
 def image_eval_batches(x: np.ndarray, y: np.ndarray, *, batch_size: int, n_batches: int, rank: int = 0,

@@ -14,6 +14,8 @@ import tempfile
 import numpy as np
 import torch
 
+from .position import seek_items
+
 BYTE_VOCAB = 256
 _MARKUP = re.compile(r"\*\*|(?<!\w)_|_(?!\w)|^#+ ", re.MULTILINE)
 
@@ -171,6 +173,10 @@ class TokenLoader:
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
         self._starts = self._epoch_starts(self.epoch)
+
+    def seek(self, batches: int) -> None:
+        """Stand where this loader would after ``batches`` batches from its start (a replica rejoining a run)."""
+        self.epoch, self.pos, self._starts = seek_items(batches, self.batch_size, self._epoch_starts)
 
 
 def eval_batches(path: str, *, block_size: int, batch_size: int, n_batches: int, rank: int = 0,
