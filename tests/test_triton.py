@@ -522,3 +522,62 @@ def test_vote_count_kernel_equals_the_bit_sliced_counters(world):
     finally:
         tk._launch = real
     assert len(launches) == 1
+
+
+@pytest.mark.parametrize("sizes", SIZES)
+def test_lion_step_equals_lion_and_a_set_skip_flag_changes_nothing(sizes):
+    """A whole Lion step in one launch (u = sign(c) made in the kernel; c = 0 exactly where m and g tie) equals
+    lioncub.lion.lion bit for bit; with the device flag set (a non-finite gradient, decided on the device) p and
+    m stay as they were, bit for bit, even where g holds NaN and Inf."""
+    from lioncub.lion import lion
+
+    for lr, wd, beta2, maximize in HYPER:
+        for beta1 in (0.9, 0.5):
+            ps, ms, gs = _apply_case(sizes, seed=31)
+            want_p, want_m = [p.clone() for p in ps], [m.clone() for m in ms]
+            lion(want_p, gs, want_m, lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, maximize=maximize, foreach=True)
+            hp = dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, maximize=maximize)
+            got_p, got_m, got_g = _d(ps), _d(ms), _d(gs)
+            tk.lion_step(got_p, got_m, got_g, **hp, skip=_d(torch.tensor(False)))
+            assert _same(got_p + got_m, want_p + want_m), (lr, beta1)
+            got_p, got_m, got_g = _d(ps), _d(ms), _d(gs)
+            if sum(sizes) > 1:
+                got_g[-1].view(-1)[:2] = torch.tensor([float("nan"), float("inf")])
+            tk.lion_step(got_p, got_m, got_g, **hp, skip=_d(torch.tensor(True)))
+            assert _same(got_p + got_m, ps + ms), (lr, beta1)
+
+
+def test_localcub_decides_a_non_finite_inner_step_on_the_device(monkeypatch):
+    """LocalCub's inner Lion through the one-launch kernel with the skip flag on the device (CUDA's path, here with
+    the kernels interpreted on CPU tensors): the same parameters, momenta and skipped round as the host-read path,
+    with no host read in any inner step (the round's end reads once)."""
+    from lioncub import LocalCub
+
+    def run(device_path: bool):
+        g = torch.Generator().manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in (37, 5)]
+        opt = LocalCub(ps, lr=1e-2, local_steps=3, nonfinite="skip")
+        reads = []
+        for step in range(9):  # rounds 0-2; a NaN in step 4 (round 1): that round is dropped
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g)
+            if step == 4:
+                ps[0].grad[3] = float("nan")
+            with monkeypatch.context() as m:
+                if device_path:
+                    m.setattr(fused, "_gpu", lambda t: tk)
+                    m.setattr(fused, "usable", lambda *lists: True)
+                real_bool, real_item = torch.Tensor.__bool__, torch.Tensor.item
+                m.setattr(torch.Tensor, "__bool__", lambda t: (reads.append(step), real_bool(t))[1])
+                m.setattr(torch.Tensor, "item", lambda t: (reads.append(step), real_item(t))[1])
+                opt.step()
+        return ps, opt, reads
+
+    host_ps, host, host_reads = run(False)
+    dev_ps, dev, dev_reads = run(True)
+    assert host.skipped_rounds == dev.skipped_rounds == 1 and host.rounds == dev.rounds == 2
+    assert _same(dev_ps + [dev.inner.state[p]["exp_avg"] for p in dev_ps],
+                 host_ps + [host.inner.state[p]["exp_avg"] for p in host_ps])
+    inner_steps = [s for s in range(9) if (s + 1) % 3]
+    assert all(s in host_reads for s in inner_steps)  # the host path reads every inner step's verdict
+    assert not any(s in dev_reads for s in inner_steps)  # the device path reads none of them

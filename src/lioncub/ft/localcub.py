@@ -227,7 +227,7 @@ class FTLocalCub(LocalCub):
             if head is not None:
                 extra[2:] = head
             verdict = guard.agree([], group, P, self.device, stats, extra=extra,
-                                  finite=False if self._bad_round and took_part else seen.finite)
+                                  finite=self._marked(seen.finite) if took_part else seen.finite)
             bad, C = verdict.bad_ranks, int(round(verdict.extra[0]))
             agreed = None
             if self.manager.errored() is None and bad == 0 and C > 0:

@@ -343,3 +343,28 @@ def _update_args(k: int, lr, beta2, weight_decay, maximize) -> list:
     return [_per_tensor([int(w != 0) for w in wds], k, ctypes.c_int64),
             _per_tensor([1.0 - a * w for a, w in zip(lrs, wds)], k), _per_tensor([-a for a in lrs], k),
             _per_tensor(b2, k), _per_tensor([-(1.0 - b) if x else 1.0 - b for b, x in zip(b2, mx)], k)]
+
+
+def lion_step_unless(optimizer, skip: Tensor) -> bool:
+    """One step of :class:`lioncub.lion.Lion` ``optimizer`` that the 0-dim ``skip`` flag (on the parameters' device)
+    cancels on the device, when the Triton kernels take every tensor (contiguous fp32 CUDA): one launch per param
+    group, no host read (as torch's fused optimizers read ``found_inf``). Returns False, having done nothing, when
+    they do not (not our Lion, CPU tensors, another dtype): the caller then reads ``skip`` on the host."""
+    from ..lion import Lion
+
+    kernels = _gpu(skip)
+    if not isinstance(optimizer, Lion) or kernels is None:
+        return False
+    todo = []
+    for group in optimizer.param_groups:
+        params, grads, exp_avgs = [], [], []
+        optimizer._init_group(group, params, grads, exp_avgs)
+        if params and not usable(params, grads, exp_avgs):
+            return False
+        todo.append((group, params, grads, exp_avgs))
+    for group, params, grads, exp_avgs in todo:
+        if params:
+            beta1, beta2 = group["betas"]
+            kernels.lion_step(params, exp_avgs, grads, lr=group["lr"], beta1=beta1, beta2=beta2,
+                                 weight_decay=group["weight_decay"], maximize=group["maximize"], skip=skip)
+    return True

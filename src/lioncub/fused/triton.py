@@ -63,7 +63,7 @@ except ImportError:  # the torch path (or the C loops) run instead
     tl = None
 
 __all__ = ["available", "status", "handles", "encode", "interpolate", "quantize_lanes", "apply",
-           "apply_bits", "apply_lanes", "vote_bits"]
+           "apply_bits", "apply_lanes", "vote_bits", "lion_step"]
 
 _BLOCK = 1024  # elements (apply, signs, c) or output bytes (lanes) per program
 _NO_CONTRACTION = dict(enable_fp_fusion=False)  # launch option: no FMA but the explicit tl.fma
@@ -184,12 +184,18 @@ if triton is not None:
         tl.store(out_ptr + byte, tl.sum(v, axis=1).to(tl.uint8), mask=byte < nbytes)
 
     @triton.jit(do_not_specialize=["k", "above", "below"])
-    def _apply_kernel(ints_ptr, floats_ptr, k, u_ptr, neg_ptr, above, below,
-                      SOURCE: tl.constexpr, BITS: tl.constexpr, KMAX: tl.constexpr, BLOCK: tl.constexpr):
+    def _apply_kernel(ints_ptr, floats_ptr, k, u_ptr, neg_ptr, above, below, skip_ptr,
+                      SOURCE: tl.constexpr, BITS: tl.constexpr, KMAX: tl.constexpr, SKIP: tl.constexpr,
+                      BLOCK: tl.constexpr):
         # Every tensor of the call in one launch (:func:`_apply`): ints holds the k tensors' p, m and g addresses,
         # sizes, vote-stream starts and first program (a running count of their blocks); floats their decay,
-        # -lr, β2 and ±(1 − β2). Program r finds its tensor t among the first k ≤ KMAX firsts.
-        # SOURCE 0: int8 u; 1: u = 2·bit − 1; 2: u = pos bit − neg bit; 3: u from BITS-wide lane sums.
+        # -lr, β2 and ±(1 − β2) (SOURCE 4: then β1 and ±(1 − β1)). Program r finds its tensor t among the first
+        # k ≤ KMAX firsts. SOURCE 0: int8 u; 1: u = 2·bit − 1; 2: u = pos bit − neg bit; 3: u from BITS-wide lane
+        # sums; 4: Lion's own u = sign(fma(±(1 − β1), g, m·β1)). SKIP: the int32 at skip_ptr, when not 0, says the
+        # whole call changes nothing (decided on the device: no host read).
+        if SKIP:
+            if tl.load(skip_ptr) != 0:
+                return
         k64 = tl.cast(k, tl.int64)
         row = tl.program_id(0).to(tl.int64)
         s = tl.arange(0, KMAX)
@@ -207,7 +213,13 @@ if triton is not None:
         alpha2 = tl.load(floats_ptr + 3 * k64 + t)
         i, j = _stream_indices(blk, start, BLOCK)  # int64: element index in p, and in the vote stream
         mask = i < n
-        if SOURCE == 0:
+        p = tl.load(p_ptr + i, mask=mask, other=0.0)
+        m = tl.load(m_ptr + i, mask=mask, other=0.0)
+        g = tl.load(g_ptr + i, mask=mask, other=0.0)
+        if SOURCE == 4:
+            c = tl.fma(tl.load(floats_ptr + 5 * k64 + t), g, m * tl.load(floats_ptr + 4 * k64 + t))
+            u = (c > 0).to(tl.float32) - (c < 0).to(tl.float32)
+        elif SOURCE == 0:
             u = tl.load(u_ptr + j, mask=mask, other=0).to(tl.float32)
         elif SOURCE == 3:
             PER: tl.constexpr = 8 // BITS
@@ -222,9 +234,6 @@ if triton is not None:
             else:
                 nb = (tl.load(neg_ptr + j // 8, mask=mask, other=0).to(tl.int32) >> bit) & 1
                 u = (pb - nb).to(tl.float32)
-        p = tl.load(p_ptr + i, mask=mask, other=0.0)
-        m = tl.load(m_ptr + i, mask=mask, other=0.0)
-        g = tl.load(g_ptr + i, mask=mask, other=0.0)
         tl.store(p_ptr + i, tl.fma(neg_lr, u, p * decay), mask=mask)  # (decay 1.0 without weight decay: exact)
         tl.store(m_ptr + i, tl.fma(alpha2, g, m * beta2), mask=mask)
 
@@ -329,24 +338,27 @@ def quantize_lanes(c: Tensor, mult: float, levels: int, bits: int, out: Tensor) 
                 BITS=bits)
 
 
-def _apply(params, exp_avgs, grads, source: int, u: Tensor, neg: Optional[Tensor], bits: int, above: int,
-           below: int, *, lr, beta2, weight_decay, maximize) -> None:
+def _apply(params, exp_avgs, grads, source: int, u: Optional[Tensor], neg: Optional[Tensor], bits: int, above: int,
+           below: int, *, lr, beta2, weight_decay, maximize, beta1=None, skip: Optional[Tensor] = None) -> None:
     """One launch for every tensor of the call: a program per ``_BLOCK`` elements of each non-empty tensor,
     found through two small tables (:func:`_table`, one entry per tensor) of the tensors' addresses, sizes,
     starts in the vote stream, first programs and hyper-parameters (fp32, each rounded once from the Python
     float, as a scalar argument is). ``KMAX``, the tables' length rounded up to a power of two, is one compile
-    per size class."""
+    per size class. ``beta1`` (SOURCE 4 only): each tensor's β1; ``skip``: a 0-dim tensor on the device whose
+    non-zero value makes the launch change nothing (read by the kernel, never on the host)."""
     k = len(params)
-    hyper = zip(_per_tensor(lr, k), _per_tensor(beta2, k), _per_tensor(weight_decay, k), _per_tensor(maximize, k))
-    live, floats, programs, start = [], [[], [], [], []], 0, 0
-    for p, m, g, (a, b2, wd, mx) in zip(params, exp_avgs, grads, hyper):
+    hyper = zip(_per_tensor(lr, k), _per_tensor(beta2, k), _per_tensor(weight_decay, k), _per_tensor(maximize, k),
+                _per_tensor(0.0 if beta1 is None else beta1, k))
+    live, floats, programs, start = [], [[], [], [], [], [], []], 0, 0
+    for p, m, g, (a, b2, wd, mx, b1) in zip(params, exp_avgs, grads, hyper):
         n = p.numel()
         if n:
-            a, b2, wd = float(a), float(b2), float(wd)
+            a, b2, wd, b1 = float(a), float(b2), float(wd), float(b1)
             live.append((p, m, g, n, start, programs))
             programs += triton.cdiv(n, _BLOCK)
             for column, value in zip(floats, (1.0 - a * wd if wd != 0 else 1.0, -a, b2,
-                                              -(1.0 - b2) if mx else 1.0 - b2)):  # as lion.apply_update_
+                                              -(1.0 - b2) if mx else 1.0 - b2,  # as lion.apply_update_
+                                              b1, -(1.0 - b1) if mx else 1.0 - b1)):  # as lion.interpolate
                 column.append(value)
         start += n
     if not live:
@@ -354,10 +366,12 @@ def _apply(params, exp_avgs, grads, source: int, u: Tensor, neg: Optional[Tensor
     device = params[0].device
     ints = [e[column].data_ptr() for column in range(3) for e in live] + [e[column] for column in (3, 4, 5)
                                                                           for e in live]
+    flag = params[0] if skip is None else skip.reshape(1).to(torch.int32)  # (a pointer the kernel never reads)
+    vote = params[0] if u is None else u
     _launch(_apply_kernel, 0, params[0], _table(ints, torch.int64, device),
-            _table([v for column in floats for v in column], torch.float32, device), len(live), u,
-            u if neg is None else neg, above, below, programs=programs, SOURCE=source, BITS=bits,
-            KMAX=max(16, triton.next_power_of_2(len(live))))
+            _table([v for column in floats for v in column], torch.float32, device), len(live), vote,
+            vote if neg is None else neg, above, below, flag, programs=programs, SOURCE=source, BITS=bits,
+            KMAX=max(16, triton.next_power_of_2(len(live))), SKIP=skip is not None)
 
 
 def vote_bits(rows: Tensor, world: int) -> tuple[Tensor, Tensor]:
@@ -390,3 +404,13 @@ def apply_lanes(params: list[Tensor], exp_avgs: list[Tensor], grads: list[Tensor
     """:func:`lioncub.fused.apply_lanes` on CUDA: ``u = (k > above) − (k < below)``."""
     _apply(params, exp_avgs, grads, 3, lanes, None, bits, int(above), int(below), lr=lr, beta2=beta2,
            weight_decay=weight_decay, maximize=maximize)
+
+
+def lion_step(params: list[Tensor], exp_avgs: list[Tensor], grads: list[Tensor], *, lr, beta1, beta2, weight_decay,
+              maximize=False, skip: Optional[Tensor] = None) -> None:
+    """One whole Lion step in one launch (:func:`lioncub.lion.lion`'s arithmetic): ``u = sign(c)`` of
+    ``c = β1·m + (1-β1)·g`` made in the kernel, then ``p`` and ``m`` in place. ``skip``: a 0-dim tensor on the
+    parameters' device; when it holds a non-zero value (e.g. a gradient was not finite) nothing changes, decided
+    on the device as torch's fused optimizers read ``found_inf``."""
+    _apply(params, exp_avgs, grads, 4, None, None, 8, 0, 0, lr=lr, beta2=beta2, weight_decay=weight_decay,
+           maximize=maximize, beta1=beta1, skip=skip)

@@ -126,7 +126,7 @@ class RoundCheckpoint:
                            signed=results[0][1] if results else False)
         sd = super().state_dict()
         counters = dict(rounds=self.rounds, local_step=self.local_step, skipped_rounds=self.skipped_rounds,
-                        bad_round=self._bad_round)
+                        bad_round=bool(self._bad_round))
         sd[self.state_key] = self.envelope(
             counters, inner=self.inner.state_dict(), vote_requested=self.vote_requested,
             # inside a round every rank's parameters are its own (a model checkpoint holds one rank's)

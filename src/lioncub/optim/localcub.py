@@ -60,7 +60,7 @@ from typing import Callable, Iterable, Iterator, Optional, Union
 import torch
 from torch import Tensor
 
-from .. import comm, votes
+from .. import comm, fused, votes
 from ..comm import CommStats
 from ..engine import amp, auto, guard
 from ..engine.config import VoteConfig, VoteSettings
@@ -311,21 +311,23 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
         return loss
 
     def _inner_step(self, grad_scaler) -> None:
-        """This rank's inner step, unless its gradients (or the scaler) say non-finite."""
+        """This rank's inner step, unless its gradients (or the scaler) say non-finite: a NaN must not reach the
+        inner optimizer's state (the round's end then decides on every rank at once). Lion on CUDA decides on the
+        device (:func:`lioncub.fused.lion_step_unless`); otherwise one host read (free on CPU)."""
         present = [p for p in self.params if p.grad is not None]
         scaler_inf = amp.unscale(self, grad_scaler, self.params)
-        # one host read per inner step on a GPU: a NaN must not reach the inner optimizer's state
-        # (the round's end then decides on every rank at once). Read as "how bad": 0 is ordinary.
-        if scaler_inf is not None:  # the scaler checked every gradient: an overflow (Inf or NaN)
-            if not bool(scaler_inf.sum() > 0):  # skips this rank's inner step; update() backs off its scale
-                self.inner.step()
+        if scaler_inf is not None:  # an overflow skips this rank's inner step only; update() backs off its scale
+            skip = scaler_inf.sum() > 0
         else:
             finite = guard.grads_finite(present)
-            bad = (not finite) if isinstance(finite, bool) else bool(torch.logical_not(finite))
-            if bad:
-                self._bad_round = True
-            else:
-                self.inner.step()
+            skip = None if finite is True else torch.logical_not(finite) if isinstance(finite, Tensor) else True
+        if isinstance(skip, Tensor) and fused.lion_step_unless(self.inner, skip):
+            if scaler_inf is None:  # the round is marked on the device, read at its end
+                self._bad_round = skip if self._bad_round is False else torch.logical_or(self._bad_round, skip)
+        elif skip is None or not bool(skip):
+            self.inner.step()
+        elif scaler_inf is None:
+            self._bad_round = True
 
     @contextmanager
     def agreed(self) -> Iterator[None]:

@@ -139,13 +139,20 @@ class Rounds:
         this rank's verdict), and the aggregation's per-tensor sums (the lane mean's shared scale)."""
         sharded = self.sharding is not None and head is not None  # the world agrees; a shard's replicas sum
         verdict = guard.agree([], self.agree_group, self.agree_size, self.device, stats,
-                              finite=False if self._bad_round else finite,
+                              finite=self._marked(finite),
                               extra=self.sharding.spread(head) if sharded else head)
         self._bad_round = False
         self.last_round_stats = stats
         if sharded:
             verdict = verdict._replace(extra=self.sharding.slot(verdict.extra, head.numel()))
         return verdict
+
+    def _marked(self, finite):
+        """This rank's verdict for the round: ``finite`` (its Δ), and no inner step marked non-finite (``_bad_round``:
+        False, True, or a device flag the inner steps set without a host read)."""
+        if isinstance(self._bad_round, Tensor):
+            return guard.all_finite(finite, torch.logical_not(self._bad_round))
+        return False if self._bad_round else finite
 
     def _pseudo_gradient(self, began: str, pieces: list[Piece]) -> tuple[Tensor, Tensor]:
         """(Δ_i, v_i = Δ_i + e_i) flat fp32 over ``pieces``: this worker's progress since ``state[p][began]``,
