@@ -44,6 +44,12 @@ def write_json(path: str, obj) -> None:
 
 
 # ---------------------------------------------------------------------------- the model
+def read_json(path: str):
+    """A JSON file, for ``--report-only JSON``: the table re-made from an earlier run."""
+    with open(path) as f:
+        return json.load(f)
+
+
 def add_gpt_args(ap: argparse.ArgumentParser, *, layers: int, embd: int, vocab: int = 8192, tokens: int = 16) -> None:
     """``--layers --embd --vocab --tokens``: the GPT of :func:`gpt` (8 heads; batch 1 of ``tokens``)."""
     ap.add_argument("--layers", type=int, default=layers)

@@ -82,9 +82,14 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="comma-separated substrings of path names")
     ap.add_argument("--legacy-values", action="store_true",
                     help="answer host reads as code before issue 30 expects (for the 'before' table)")
+    ap.add_argument("--report-only", metavar="JSON", help="print the table of an earlier run's JSON; run nothing")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     from lioncub.testing.paths import META_SKIP, PATHS, SYNC_BUDGET
+
+    if args.report_only:
+        print(table(json.loads(Path(args.report_only).read_text()), SYNC_BUDGET), end="")
+        return 0
 
     init_fake()
     rows = []

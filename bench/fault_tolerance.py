@@ -90,7 +90,7 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=_runner.comma_list(int), default=[0, 1, 2])
     ap.add_argument("--budget", type=float, default=200.0, help="training seconds per run")
@@ -102,7 +102,7 @@ def main() -> None:
     ap.add_argument("--link", default="100mbit", help="a rate, 'unshaped', or 'none' (loopback)")
     ap.add_argument("--out", default=os.path.join(_runner.RESULTS, "fault_tolerance.json"))
     ap.add_argument("--report-only", metavar="JSON", help="print the table of an earlier run's JSON; run nothing")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.report_only:
         with open(args.report_only) as f:
             print(table(json.load(f)))

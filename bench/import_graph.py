@@ -115,12 +115,12 @@ def report(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--src", action="append", default=[], help="a tree's src/ (give several: before, after)")
     ap.add_argument("--out", default=str(HERE / "results" / "import_graph.json"))
     ap.add_argument("--report-only", action="store_true", help="print the table of an existing --out")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.report_only:
         with open(args.out) as f:
             rows = json.load(f)

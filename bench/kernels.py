@@ -96,13 +96,31 @@ def _time(fn, repeats):
     return best
 
 
-def main():
+def table(res: dict) -> str:
+    """The stages' GB/s against a copy of their largest buffer, from ``main``'s JSON."""
+    lines = [f"n = {res['n']:,} elements ({res['n'] * 4 / 2**20:g} MiB fp32), P = {res['world']}, "
+             f"{res['threads']} thread, load {res['load'][0]:.1f}",
+             f"{'stage':24s} {'MB':>6s} {'GB/s':>7s} {'old GB/s':>9s} {'copy GB/s':>10s} {'% of copy':>10s} "
+             f"{'old %':>6s} {'x old':>6s}"]
+    for row in res["rows"]:
+        lines.append(f"{row['stage']:24s} {row['bytes'] / 1e6:6.1f} {row['gbps']:7.2f} {row['old_gbps']:9.2f} "
+                     f"{row['copy_gbps']:10.2f} {100 * row['frac_of_copy']:9.0f}% {100 * row['old_frac_of_copy']:5.0f}% "
+                     f"{row['speedup']:6.1f}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--mib", type=float, default=64, help="size of c in MiB of fp32")
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default="bench/results/kernels.json", help="JSON output path")
-    a = ap.parse_args()
+    ap.add_argument("--report-only", metavar="JSON", help="print the table of an earlier run's JSON; run nothing")
+    a = ap.parse_args(argv)
+    if a.report_only:
+        with open(a.report_only) as f:
+            print(table(json.load(f)))
+        return
     torch.set_num_threads(1)
     n, P = int(a.mib * 2**20) // 4, a.world
     f32 = torch.float32
@@ -172,9 +190,6 @@ def main():
             src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
             copies[nbytes] = _time(lambda: dst.copy_(src), a.repeats)
     rows = []
-    print(f"n = {n:,} elements ({a.mib:g} MiB fp32), P = {P}, 1 thread, load {os.getloadavg()[0]:.1f}")
-    print(f"{'stage':24s} {'MB':>6s} {'GB/s':>7s} {'old GB/s':>9s} {'copy GB/s':>10s} {'% of copy':>10s} "
-          f"{'old %':>6s} {'x old':>6s}")
     for name, (nbytes, new, old) in stages.items():
         t_new, t_old = _time(new, a.repeats), _time(old, max(2, a.repeats // 2))
         t_copy = copies[nbytes]
@@ -182,11 +197,12 @@ def main():
                    copy_gbps=nbytes / t_copy / 1e9, frac_of_copy=t_copy / t_new,
                    old_frac_of_copy=t_copy / t_old, speedup=t_old / t_new)
         rows.append(row)
-        print(f"{name:24s} {nbytes / 1e6:6.1f} {row['gbps']:7.2f} {row['old_gbps']:9.2f} {row['copy_gbps']:10.2f} "
-              f"{100 * row['frac_of_copy']:9.0f}% {100 * row['old_frac_of_copy']:5.0f}% {row['speedup']:6.1f}")
+        print(f"{name}: {row['gbps']:.2f} GB/s", flush=True)
+    res = dict(n=n, world=P, threads=1, rows=rows, load=os.getloadavg())
+    print(table(res))
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
-        json.dump(dict(n=n, world=P, threads=1, rows=rows, load=os.getloadavg()), f, indent=1)
+        json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,16 @@ def race_argv(args, name: str, out: str) -> list[str]:
             "--warmup", "10", "--eval-every", "1000", "--eval-batches", "2", "--seeds", "0", "--out", out]
 
 
+def table(res: dict) -> str:
+    """Validation loss at the end of each run of each grid (rank 0's records), as bench/README.md shows it."""
+    lines = ["| grid | method | lr | val @ end | steps |", "|---|---|---|---|---|"]
+    for grid in res["grids"]:
+        for r in grid["runs"]:
+            last = r["evals"][-1]
+            lines.append(f"| {grid['name'].split()[0]} | {r['method']} | {r['lr']:g} | {last['val']:.3f} | {last['step']} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--grids", type=_runner.comma_list(str), default=list(GRIDS), help=f"comma list of {list(GRIDS)}")
@@ -55,7 +65,11 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=3)
     ap.add_argument("--out", default=os.path.join(_runner.RESULTS, "local_grid.json"))
     ap.add_argument("--dry-run", action="store_true", help="print the bench.race command lines; run nothing")
+    ap.add_argument("--report-only", metavar="JSON", help="print the table of an earlier run's JSON; run nothing")
     args = ap.parse_args(argv)
+    if args.report_only:
+        print(table(_runner.read_json(args.report_only)))
+        return 0
     unknown = [g for g in args.grids if g not in GRIDS]
     if unknown:
         ap.error(f"--grids must be among {list(GRIDS)}, got {unknown}")
@@ -79,6 +93,7 @@ def main(argv=None) -> int:
             f"{args.layers}x{args.embd}, block {args.block}, {args.batch} sequences x {args.workers} workers, lr 1e-4 "
             "Lion family / 1e-3 AdamW family, seed 0 (losses do not depend on the host's load, s/step does)")
     _runner.write_json(args.out, {"what": what, "grids": grids})
+    print(table({"grids": grids}))
     return 0
 
 

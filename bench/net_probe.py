@@ -128,8 +128,12 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes-mib", default="1,16,64")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=os.path.join(_runner.RESULTS, "net_probe.json"))
+    ap.add_argument("--report-only", metavar="JSON", help="print the table of an earlier run's JSON; run nothing")
     _runner.add_worker_args(ap)
     args = ap.parse_args(argv)
+    if args.report_only:
+        print(table(_runner.read_json(args.report_only)["results"]))
+        return 0
     sizes = [float(s) for s in args.sizes_mib.split(",")]
     if args.worker:
         worker(sizes, args.repeats, args.out_dir)

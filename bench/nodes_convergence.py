@@ -63,6 +63,19 @@ def read_run(run_dir: str, vote: str, nodes: int) -> dict:
             "bytes_sent_per_step": float(summary["bytes_sent_per_step"]), "evals": evals}
 
 
+def table(res: dict) -> str:
+    """Validation loss at each evaluation and bytes per rank per step, one row per run (bench/README.md's
+    "What it costs in convergence")."""
+    steps = [e["step"] for e in res["runs"][0]["evals"]]
+    lines = ["| vote | layout | " + " | ".join(f"val @ {s}" for s in steps) + " | bytes sent per rank per step |",
+             "|---|---|" + "---|" * len(steps) + "---|"]
+    for r in res["runs"]:
+        layout = "flat" if r["nodes"] == 1 else f"{r['nodes']} nodes"
+        vals = " | ".join(f"{e['val_loss']:.3f}" for e in r["evals"])
+        lines.append(f"| `{r['vote']}` | {layout} | {vals} | {r['bytes_sent_per_step'] / 1e3:.0f} KB |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--votes", type=_runner.comma_list(str), default=["onebit", "pbit"], help="comma list")
@@ -81,7 +94,11 @@ def main(argv=None) -> int:
     ap.add_argument("--runs-dir", help="keep each run's directory here (default: a temporary directory)")
     ap.add_argument("--out", default=os.path.join(_runner.RESULTS, "nodes_convergence.json"))
     ap.add_argument("--dry-run", action="store_true", help="print the JSON's command, then each run's; run nothing")
+    ap.add_argument("--report-only", metavar="JSON", help="print the table of an earlier run's JSON; run nothing")
     args = ap.parse_args(argv)
+    if args.report_only:
+        print(table(_runner.read_json(args.report_only)))
+        return 0
     grid = [(vote, nodes) for vote in args.votes for nodes in args.nodes]
     if args.dry_run:
         print(command(args))
@@ -103,6 +120,7 @@ def main(argv=None) -> int:
             runs.append(read_run(run_dir, vote, nodes))
     host = f"{os.cpu_count()}-core {platform.machine()} host, torch {torch.__version__}, gloo"
     _runner.write_json(args.out, {"command": command(args), "host": host, "runs": runs})
+    print(table({"runs": runs}))
     return 0
 
 

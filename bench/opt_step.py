@@ -51,6 +51,16 @@ METHODS = [("grad fp32", dict(vote="grad")), ("onebit", dict(vote="onebit")), ("
            ("sign int8", dict(vote="sign_allreduce"))]
 
 
+def table(r: dict) -> str:
+    """Per method, ms of the step and its parts (median over the timed steps), from ``main``'s JSON."""
+    lines = []
+    for k, v in r.items():
+        other = v["step"] - v["pack"] - v["coll"] - v["unpack"] - v["apply"]
+        lines.append(f"{k:10s} step {v['step'] * 1e3:7.1f}  pack {v['pack'] * 1e3:6.1f}  coll {v['coll'] * 1e3:6.1f}  "
+                     f"unpack {v['unpack'] * 1e3:6.1f}  apply {v['apply'] * 1e3:6.1f}  other {other * 1e3:6.1f}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=5, help="timed steps per method (after one warm-up)")
@@ -59,7 +69,12 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=6, help="GPT layers (smaller: a quicker, smaller run)")
     ap.add_argument("--embd", type=int, default=576, help="GPT width (a multiple of 6)")
     ap.add_argument("--vocab", type=int, default=8192, help="GPT vocabulary")
+    ap.add_argument("--report-only", metavar="JSON", help="print the table of an earlier run's JSON; run nothing")
     args = ap.parse_args(argv)
+    if args.report_only:
+        with open(args.report_only) as f:
+            print(table(json.load(f)))
+        return 0
     if args.steps < 1:
         ap.error(f"--steps must be >= 1, got {args.steps}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -68,11 +83,7 @@ def main(argv=None) -> int:
     gpt = dict(n_layer=args.layers, n_embd=args.embd, vocab_size=args.vocab)
     spawn(worker, 2, METHODS, args.steps, args.out, gpt, timeout_s=1800.0, deadline_s=float("inf"))
     with open(args.out) as f:
-        r = json.load(f)
-    for k, v in r.items():
-        other = v["step"] - v["pack"] - v["coll"] - v["unpack"] - v["apply"]
-        print(f"{k:10s} step {v['step'] * 1e3:7.1f}  pack {v['pack'] * 1e3:6.1f}  coll {v['coll'] * 1e3:6.1f}  "
-              f"unpack {v['unpack'] * 1e3:6.1f}  apply {v['apply'] * 1e3:6.1f}  other {other * 1e3:6.1f}")
+        print(table(json.load(f)))
     print(f"wrote {args.out}")
     return 0
 

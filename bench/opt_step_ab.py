@@ -34,15 +34,33 @@ def median_step(run: dict) -> dict:
     return {label: 1000.0 * row["step"] for label, row in run.items() if isinstance(row, dict) and "step" in row}
 
 
-def main() -> int:
+def table(summary: dict) -> str:
+    """Per method: the median step before and after, their ratio and the spread before (``main``'s JSON's
+    ``methods``)."""
+    lines = [f"{'method':10s} {'before ms (median of runs)':>28s} {'after':>8s} {'ratio':>6s} {'spread before':>14s}"]
+    for m, s in summary.items():
+        b = s["before_ms"]
+        lines.append(f"{m:10s} {s['before_median']:28.1f} {s['after_median']:8.1f} {s['ratio']:6.2f} "
+                     f"{min(b):6.1f}-{max(b):.1f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--before", required=True, help="src/ of the tree before the change")
-    ap.add_argument("--after", required=True, help="src/ of the tree after it")
+    ap.add_argument("--report-only", metavar="JSON", help="print the table of an earlier run's JSON; run nothing")
+    ap.add_argument("--before", help="src/ of the tree before the change (required unless --report-only)")
+    ap.add_argument("--after", help="src/ of the tree after it (required unless --report-only)")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out")
     ap.add_argument("--note", default="", help="what, host load")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.report_only:
+        with open(args.report_only) as f:
+            print(table(json.load(f)["methods"]))
+        return 0
+    if not (args.before and args.after and args.out):
+        ap.error("--before, --after and --out are required (or --report-only JSON)")
     runs = {"before": [], "after": []}
     for k in range(args.runs):
         for side in ("before", "after"):
@@ -50,14 +68,12 @@ def main() -> int:
             print(f"run {k} {side}: " + ", ".join(f"{m} {v:.1f}" for m, v in runs[side][-1].items()), flush=True)
     methods = list(runs["after"][0])
     summary = {}
-    print(f"{'method':10s} {'before ms (median of runs)':>28s} {'after':>8s} {'ratio':>6s} {'spread before':>14s}")
     for m in methods:
         b = [r[m] for r in runs["before"] if m in r]
         a = [r[m] for r in runs["after"]]
         summary[m] = {"before_ms": b, "after_ms": a, "before_median": statistics.median(b),
                       "after_median": statistics.median(a), "ratio": statistics.median(a) / statistics.median(b)}
-        print(f"{m:10s} {summary[m]['before_median']:28.1f} {summary[m]['after_median']:8.1f} "
-              f"{summary[m]['ratio']:6.2f} {min(b):6.1f}-{max(b):.1f}")
+    print(table(summary))
     with open(args.out, "w") as f:
         json.dump({"what": f"bench/opt_step.py --steps {args.steps}, {args.runs} runs alternately",
                    "note": args.note, "before_src": args.before, "after_src": args.after, "methods": summary},

@@ -143,9 +143,14 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     _runner.add_gpt_args(ap, layers=4, embd=512, tokens=8)
     ap.add_argument("--out", default=os.path.join(_runner.RESULTS, "overlap.json"))
+    ap.add_argument("--report-only", metavar="JSON", help="print the table of an earlier run's JSON; run nothing")
     _runner.add_worker_args(ap)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
+    if args.report_only:
+        res = _runner.read_json(args.report_only)
+        print(table(res["rows"], res["where"]))
+        return 0
     if args.worker:
         worker(args, args.out_dir)
         return 0

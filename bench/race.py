@@ -15,8 +15,11 @@ all its lrs ran (the tuning seed, when later seeds ran at the best lr only); its
 gives the mean ± std over seeds of the final loss and of the time and bytes to each target
 (and how many seeds reached it), and the plot its mean curve with a band of ± one std.
 
-At each point where the replicas agree (every step; every H steps for local SGD,
-DiLoCo and SparseLoCo) the ranks agree on the elapsed time (one 8-byte all-reduce, MAX) and, every
+Each run is the harness's training loop (:class:`lioncub.harness.loop.Loop`, what ``lioncub train``
+runs); the Lion Cub rows are built by the harness's optimizer factory (``cub_config``), the peers by
+:func:`lioncub.baselines.build`. At each point where the replicas agree (every step; every H steps for
+local SGD, DiLoCo and SparseLoCo) the ranks agree on the elapsed time (one 8-byte all-reduce, MAX: each
+rank's seconds of steps since the last such point, evaluations not counted) and, every
 ``--eval-every`` seconds, evaluate the agreed model on fixed validation batches. Each
 evaluation records: training seconds, steps, validation loss, bytes this rank's veth
 sent so far (mean over ranks). The target is the loss Lion + DDP fp32 (best LR) reaches
@@ -39,7 +42,6 @@ import json
 import math
 import os
 import sys
-import time
 
 from bench import _runner
 from bench.regime import REFERENCE, measure_regime, regime_text
@@ -78,17 +80,50 @@ def _evaluate(model, val) -> float:
     return evaluate(model, val, is_gpt=True)["val_loss"]
 
 
-def train_one(args, name: str, lr: float, seed: int, data_dir: str) -> dict:
-    """One (method, lr, seed) run on this rank for ``args.budget`` seconds of training time."""
+def cub_config(name: str, lr: float, seed: int):
+    """The harness configuration (:class:`~lioncub.harness.config.TrainConfig`) of a Lion Cub race row, so that
+    the row is built by the harness's factory (what ``lioncub train`` runs); None for a peer, and for the
+    ``-overlap`` rows, whose buckets of 2 MiB the harness does not set (they stay on ``lioncub.baselines``)."""
+    from lioncub import baselines
+    from lioncub.baselines import cub
+    from lioncub.baselines.ddp import BETAS
+    from lioncub.harness.config import TrainConfig
+
+    cls, kw = baselines.options(name)
+    common = dict(optimizer="lioncub", lr=lr, betas=BETAS, weight_decay=0.0, seed=seed)
+    if cls is cub.CubMethod and not kw.get("overlap"):
+        return TrainConfig(vote=kw["vote"], bits=kw.get("bits"), **common)
+    if cls is cub.LocalCubMethod:  # steps and eval_every: multiples of H, unused by the factory
+        H = kw.pop("H")
+        return TrainConfig(local_steps=H, steps=H, eval_every=0, **kw, **common)
+    return None
+
+
+def build_method(name: str, model, lr: float, seed: int):
+    """The race's method ``name``: a Lion Cub row from the harness's factory (:func:`cub_config`), a peer from
+    :func:`lioncub.baselines.build`."""
+    from lioncub import baselines
+    from lioncub.harness.method import make_method
+    from lioncub.harness.models import param_groups
+
+    config = cub_config(name, lr, seed)
+    if config is None:
+        return baselines.build(name, model, lr=lr)
+    method = make_method(config, model, param_groups(model, lr=lr, weight_decay=0.0))
+    method.name = name
+    return method
+
+
+def setup(args, seed: int, data_dir: str):
+    """This rank's (GPT, training loader, fixed validation batches) of a run: ``seed`` for the init and the
+    data order."""
     import torch
     import torch.distributed as dist
 
-    from lioncub import baselines
     from lioncub.harness.data.text import TokenLoader, eval_batches
     from lioncub.harness.models.gpt import GPT, GPTConfig
-    from lioncub.testbed import iface_bytes
 
-    rank, world, dev = dist.get_rank(), dist.get_world_size(), os.environ["GLOO_SOCKET_IFNAME"]
+    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
     model = GPT(GPTConfig(n_layer=args.layers, n_head=args.heads, n_embd=args.embd, vocab_size=256,
                           block_size=args.block))
@@ -96,48 +131,48 @@ def train_one(args, name: str, lr: float, seed: int, data_dir: str) -> dict:
                          rank=rank, world_size=world, seed=seed)
     val = list(eval_batches(os.path.join(data_dir, "val.bin"), block_size=args.block, batch_size=16,
                             n_batches=args.eval_batches, rank=rank, world_size=world))
+    return model, loader, val
+
+
+def train_one(args, name: str, lr: float, seed: int, data_dir: str) -> dict:
+    """One (method, lr, seed) run on this rank for ``args.budget`` seconds of training time (or ``args.steps``
+    steps), through the harness's loop (:class:`lioncub.harness.loop.Loop`)."""
+    import torch.distributed as dist
+
+    from lioncub.harness.loop import Loop
+    from lioncub.testbed import iface_bytes
+
+    dev = os.environ["GLOO_SOCKET_IFNAME"]
+    model, loader, val = setup(args, seed, data_dir)
     n_params = sum(p.numel() for p in model.parameters())
     regime = measure_regime(model, loader, n_params) if name == REFERENCE else None
-    method = baselines.build(name, model, lr=lr)
+    method = build_method(name, model, lr, seed)
     dist.barrier()
     tx0 = iface_bytes(dev)["tx"]
-    evals = [dict(t=0.0, step=0, val=_evaluate(model, val), tx=0, train=float("nan"))]
-    clock, step, recent, next_eval, status = 0.0, 0, [], args.eval_every, "ok"
-    dist.barrier()
-    t_last = time.perf_counter()
-    while True:
-        x, y = loader.next_batch()
-        recent.append(method.backward(x, y))
-        # progress: the agreed clock of the last sync point (or the step count), the same on every rank
-        progress = step / args.steps if args.steps is not None else clock / args.budget
-        synced = method.step(lr * lr_factor(step, progress, args.warmup, args.schedule, args.min_lr_ratio))
-        step += 1
-        if not synced:
-            continue
-        elapsed = torch.tensor([clock + time.perf_counter() - t_last], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # every rank stops/evaluates at the same step
-        clock = float(elapsed)  # the slowest rank's time: the others waited for it inside the all-reduce
-        done = clock >= args.budget or (args.steps is not None and step >= args.steps)
-        if clock < next_eval and not done:
-            t_last = time.perf_counter()
-            continue
-        tx = iface_bytes(dev)["tx"] - tx0
-        with method.evaluation():  # the agreed model (a streaming method's start, not its round in flight)
-            v = _evaluate(model, val)
-        evals.append(dict(t=clock, step=step, val=v, tx=tx, train=sum(recent) / len(recent)))
-        recent = []
-        while next_eval <= clock:
-            next_eval += args.eval_every
-        if not math.isfinite(v) or v > evals[0]["val"] + 1.0:  # agreed: val is all-reduced
+    evals, recent, status = [], [], "ok"
+
+    def scores() -> dict:  # the bytes sent so far, read before the evaluation's own all-reduce
+        return {"tx": iface_bytes(dev)["tx"] - tx0, "val": _evaluate(model, val)}
+
+    def on_eval(rec: dict) -> bool:
+        nonlocal status
+        evals.append(dict(t=rec["clock"], step=rec["step"], val=rec["val"], tx=rec["tx"] if evals else 0,
+                          train=sum(recent) / len(recent) if recent else float("nan")))
+        recent.clear()
+        if not math.isfinite(rec["val"]) or rec["val"] > evals[0]["val"] + 1.0:  # agreed: val is all-reduced
             status = "diverged"
-            break
-        if done:
-            break
-        dist.barrier()
-        t_last = time.perf_counter()
+        return status != "ok"
+
+    def lr_at(step: int, clock: float) -> float:  # progress: the step count, or the agreed clock's share
+        progress = step / args.steps if args.steps is not None else clock / args.budget
+        return lr * lr_factor(step, progress, args.warmup, args.schedule, args.min_lr_ratio)
+
+    loop = Loop(lr=lr_at, steps=args.steps, budget=args.budget, eval_every_s=args.eval_every, eval_at_start=True,
+                on_step=lambda info: recent.append(float(info.loss)), on_eval=on_eval)
+    loop.run(method, loader, scores)
     del method
     dist.barrier()
-    return dict(method=name, lr=lr, seed=seed, status=status, n_params=n_params, steps=step, evals=evals,
+    return dict(method=name, lr=lr, seed=seed, status=status, n_params=n_params, steps=evals[-1]["step"], evals=evals,
                 **({"regime": regime} if regime else {}))
 
 

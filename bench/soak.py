@@ -153,7 +153,11 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=120.0, help="process group timeout (s)")
     ap.add_argument("--growth-limit-mib", type=float, default=4.0)
     ap.add_argument("--out", default=os.path.join(_runner.RESULTS, "soak.json"))
+    ap.add_argument("--report-only", metavar="JSON", help="print the table of an earlier run's JSON; run nothing")
     args = ap.parse_args(argv)
+    if args.report_only:
+        print(_table(_runner.read_json(args.report_only)))
+        return 0
     if args.steps <= args.warmup:
         ap.error(f"--steps must exceed --warmup ({args.warmup}), got {args.steps}")
     res = run(args)

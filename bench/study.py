@@ -225,7 +225,14 @@ def main(argv=None) -> None:
     ap.add_argument("--recipe-steps", type=int, default=RECIPE["steps"], help="steps of the recipe part's runs")
     ap.add_argument("--out", default="bench/results/study.jsonl")
     ap.add_argument("--only", default=None, help="';'-separated run labels to restrict the plan to")
+    ap.add_argument("--report-only", metavar="JSONL", help="print the tables of a study's records "
+                    "(bench/study_report.py's markdown); run nothing")
     a = ap.parse_args(argv)
+    if a.report_only:
+        from bench import study_report
+
+        print(study_report.markdown(study_report.summarize(read_jsonl(a.report_only, partial=True))))
+        return
     t0 = time.perf_counter()
     run_study(a.parts.split(","), [int(s) for s in a.seeds.split(",")], gpt_steps=a.gpt_steps,
               img_steps=a.img_steps, nproc=a.nproc, out=a.out, eval_every=a.eval_every, recipe_steps=a.recipe_steps,

@@ -172,7 +172,12 @@ def main(argv=None) -> None:
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--study", default="bench/results/study_recipe.jsonl", help="records to check the losses against")
     ap.add_argument("--out", default="bench/results/vote_agreement.json")
+    ap.add_argument("--report-only", metavar="JSON", help="print the table of an earlier run's JSON; run nothing")
     a = ap.parse_args(argv)
+    if a.report_only:
+        with open(a.report_only) as f:
+            print("\n".join(table(json.load(f)["records"], read_jsonl(a.study, partial=True))))
+        return
     if a.every < 1:
         raise SystemExit(f"--every must be a positive step count, got {a.every}")
     from lioncub.harness.config import default_cache_dir

@@ -73,27 +73,35 @@ def _worker(rank, world, n, reps, out):  # one CPU thread, in a gloo group (the 
     dist.destroy_process_group()
 
 
+def table(res: dict) -> str:
+    """Per method: bytes sent against fp32's and the time split, from ``main``'s JSON."""
+    base = res["rows"][0]
+    lines = [f"n={res['n']:,} elements, {res['world']} gloo workers on loopback, median of {res['reps']} (slowest rank)",
+             f"{'method':28s} {'MB sent':>9s} {'model MB':>9s} {'vs fp32':>8s} {'total ms':>9s} "
+             f"{'q+pack':>8s} {'coll':>8s} {'unpack+vote':>11s}"]
+    for r in res["rows"]:
+        lines.append(f"{r['method']:28s} {r['bytes_sent'] / 1e6:9.2f} {r['model_bytes'] / 1e6:9.2f} "
+                     f"{base['bytes_sent'] / r['bytes_sent']:7.1f}x {r['total_s'] * 1e3:9.1f} "
+                     f"{r['quantize_pack_s'] * 1e3:8.1f} {r['collective_s'] * 1e3:8.1f} {r['unpack_vote_s'] * 1e3:11.1f}")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=25_000_000, help="elements in the bucket")
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "vote_bench.json"))
+    ap.add_argument("--report-only", metavar="JSON", help="print the table of an earlier run's JSON; run nothing")
     args = ap.parse_args(argv)
+    if args.report_only:
+        print(table(json.loads(Path(args.report_only).read_text())))
+        return
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     from lioncub.testbed.launch import spawn
 
     spawn(_worker, args.world, args.n, args.reps, args.out, timeout_s=1800.0, deadline_s=float("inf"))
-    res = json.loads(Path(args.out).read_text())
-    base = res["rows"][0]
-    print(f"n={args.n:,} elements, {args.world} gloo workers on loopback, median of {args.reps} (slowest rank)")
-    hdr = f"{'method':28s} {'MB sent':>9s} {'model MB':>9s} {'vs fp32':>8s} {'total ms':>9s} " \
-          f"{'q+pack':>8s} {'coll':>8s} {'unpack+vote':>11s}"
-    print(hdr)
-    for r in res["rows"]:
-        print(f"{r['method']:28s} {r['bytes_sent'] / 1e6:9.2f} {r['model_bytes'] / 1e6:9.2f} "
-              f"{base['bytes_sent'] / r['bytes_sent']:7.1f}x {r['total_s'] * 1e3:9.1f} "
-              f"{r['quantize_pack_s'] * 1e3:8.1f} {r['collective_s'] * 1e3:8.1f} {r['unpack_vote_s'] * 1e3:11.1f}")
+    print(table(json.loads(Path(args.out).read_text())))
     print(f"JSON: {args.out}")
 
 

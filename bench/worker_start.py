@@ -53,13 +53,29 @@ def _measure(method: str, sizes: list[int], calls: int) -> dict:
     return out
 
 
+def table(record: dict) -> list[str]:
+    """Markdown: the median start of a group by size, spawn against the forkserver (``main``'s JSON)."""
+    lines = [f"Starting {record['calls']} groups each (an optimizer and one all-reduce per worker), {record['cpus']} "
+             f"cores, load at start {record['load_at_start'][0]:.2f}", "",
+             "| workers | spawn (median s) | forkserver (median s) | ratio |", "|---|---|---|---|"]
+    rows = record["results"]
+    for n in rows["spawn"]:
+        s, f = rows["spawn"][n]["median_s"], rows["forkserver"][n]["median_s"]
+        lines.append(f"| {n} | {s:.2f} | {f:.2f} | {s / f:.0f}x |")
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="2,4")
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--method", choices=("spawn", "forkserver"), help=argparse.SUPPRESS)  # one method, as a child
     ap.add_argument("--out", default=str(OUT / "worker_start"))
+    ap.add_argument("--report-only", metavar="JSON", help="print the table of an earlier run's JSON; run nothing")
     a = ap.parse_args(argv)
+    if a.report_only:
+        print("\n".join(table(json.loads(Path(a.report_only).read_text()))))
+        return 0
     sizes = [int(x) for x in a.sizes.split(",")]
     if a.method:
         print(json.dumps(_measure(a.method, sizes, a.calls)))
@@ -74,12 +90,7 @@ def main(argv=None) -> int:
     record = dict(load_at_start=load, cpus=os.cpu_count(), calls=a.calls, results=rows)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out + ".json").write_text(json.dumps(record, indent=1) + "\n")
-    lines = [f"Starting {a.calls} groups each (an optimizer and one all-reduce per worker), {os.cpu_count()} cores, "
-             f"load at start {load[0]:.2f}", "", "| workers | spawn (median s) | forkserver (median s) | ratio |",
-             "|---|---|---|---|"]
-    for n in sizes:
-        s, f = rows["spawn"][str(n)]["median_s"], rows["forkserver"][str(n)]["median_s"]
-        lines.append(f"| {n} | {s:.2f} | {f:.2f} | {s / f:.0f}x |")
+    lines = table(record)
     Path(a.out + ".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -189,3 +189,65 @@ def test_a_tiny_spec_keeps_its_fields():
     assert (mean.aggregate, mean.mean_restart, mean.tie, mean.nonfinite) == ("mean", 2, "alternate", "skip_step")
     assert study.config_for(dataclasses.replace(SPECS[1], tie_rule="plus")).tie == "plus"
     assert study.config_for(SPECS[3]).optimizer == "adamw"
+
+
+# ----------------------------------------------------------------------------- the race through the loop
+def _race_args(**kw):
+    import argparse
+
+    base = dict(layers=1, heads=2, embd=32, block=16, batch=2, eval_batches=1, steps=4, budget=float("inf"),
+                eval_every=1e9, warmup=2, schedule="cosine", min_lr_ratio=0.1)
+    return argparse.Namespace(**dict(base, **kw))
+
+
+def _race_reference(args, name, lr, seed, data_dir):
+    """The race's run as it was before issue 46: ``lioncub.baselines.build`` (Lion Cub rows included) in a
+    plain loop to the first sync point at or after ``args.steps``."""
+    from bench import race
+    from lioncub import baselines
+
+    model, loader, val = race.setup(args, seed, data_dir)
+    method, step, synced = baselines.build(name, model, lr=lr), 0, False
+    while not (synced and step >= args.steps):
+        method.backward(*loader.next_batch())
+        synced = method.step(lr * race.lr_factor(step, step / args.steps, args.warmup, args.schedule, args.min_lr_ratio))
+        step += 1
+    with method.evaluation():
+        return step, race._evaluate(model, val)
+
+
+def _race_runs(rank, world, data_dir, names):
+    import os
+
+    from bench import race
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # unshaped: the bytes are loopback's, only read here
+    out = []
+    for name in names:
+        args = _race_args()
+        run = race.train_one(args, name, 2e-3, 0, data_dir)
+        out.append((name, run["status"], [(e["step"], e["val"]) for e in run["evals"]],
+                    _race_reference(args, name, 2e-3, 0, data_dir), type(race.build_method(name, _tiny_gpt(), 1e-3, 0))
+                    .__name__))
+    return out
+
+
+def _tiny_gpt():
+    from lioncub.harness.models.gpt import GPT, GPTConfig
+
+    return GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, vocab_size=256, block_size=16))
+
+
+def test_the_race_through_the_harness_loop_is_its_old_loop(corpus_cache):
+    """Fails if a race run through the harness's loop (a Lion Cub row from the harness's factory, LocalCub
+    over rounds of 3 steps, a peer from lioncub.baselines) ends anywhere but the old loop's step and loss:
+    the loop's stop at the first sync point past --steps, its lr, and the factory's optimizer."""
+    names = ("lioncub-onebit", "lcub-mean8-h3-nest0.7-ef-adamw", "diloco-h10")
+    data_dir = str(corpus_cache / "shakespeare-bytes")
+    for per_rank in run_workers(_race_runs, 2, data_dir, names):
+        for name, status, evals, (ref_step, ref_val), kind in per_rank:
+            assert status == "ok" and evals[0][0] == 0, name
+            assert evals[-1] == (ref_step, ref_val), (name, evals, ref_step, ref_val)
+        kinds = {name: kind for name, *_, kind in per_rank}
+        assert kinds == {"lioncub-onebit": "OptimizerMethod", "lcub-mean8-h3-nest0.7-ef-adamw": "OptimizerMethod",
+                         "diloco-h10": "DiLoCo"}

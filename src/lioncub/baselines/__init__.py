@@ -48,7 +48,7 @@ from torch import nn
 from . import cub, ddp, demo, local, sparseloco
 from .base import Adapter
 
-__all__ = ["Adapter", "METHODS", "build", "family"]
+__all__ = ["Adapter", "METHODS", "build", "family", "options"]
 
 # name -> builder(module, *, lr, group, weight_decay) -> Adapter: an Adapter class, or a partial of one
 METHODS = {
@@ -96,13 +96,19 @@ def _local_builder(name: str):
                    delay=1 if stream else 0, **_LOCAL_VOTES[vote])
 
 
+def options(name: str) -> tuple[type, dict]:
+    """(the adapter class, the keyword arguments) method ``name`` stands for, without building it:
+    e.g. ``(CubMethod, {'vote': 'onebit', 'bits': None})`` for ``lioncub-onebit``."""
+    builder = _builder(name)
+    return (builder.func, dict(builder.keywords)) if isinstance(builder, partial) else (builder, {})
+
+
 def family(name: str) -> str:
     """'adamw' or 'lion': the learning-rate grid method ``name`` is swept over, as its adapter
     class states it for the options the name stands for (:meth:`Adapter.family_for`; nothing
     is built). ``build(name, ...).family`` is the same."""
-    builder = _builder(name)
-    cls, options = (builder.func, builder.keywords) if isinstance(builder, partial) else (builder, {})
-    return cls.family_for(**options)
+    cls, kw = options(name)
+    return cls.family_for(**kw)
 
 
 def build(name: str, module: nn.Module, *, lr: float, group=None, weight_decay: float = 0.0) -> Adapter:
