@@ -556,15 +556,17 @@ def test_localcub_decides_a_non_finite_inner_step_on_the_device(monkeypatch):
     def run(device_path: bool):
         g = torch.Generator().manual_seed(0)
         ps = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in (37, 5)]
+        if device_path:  # on the GPU (make gpu-check) its own tensors; here CPU tensors the kernels interpret
+            ps = [torch.nn.Parameter(p.detach().to(DEVICE)) for p in ps]
         opt = LocalCub(ps, lr=1e-2, local_steps=3, nonfinite="skip")
         reads = []
         for step in range(9):  # rounds 0-2; a NaN in step 4 (round 1): that round is dropped
             for p in ps:
-                p.grad = torch.randn(p.shape, generator=g)
+                p.grad = torch.randn(p.shape, generator=g).to(p.device)
             if step == 4:
                 ps[0].grad[3] = float("nan")
             with monkeypatch.context() as m:
-                if device_path:
+                if device_path and DEVICE == "cpu":
                     m.setattr(fused, "_gpu", lambda t: tk)
                     m.setattr(fused, "usable", lambda *lists: True)
                 real_bool, real_item = torch.Tensor.__bool__, torch.Tensor.item

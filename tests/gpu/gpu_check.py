@@ -335,9 +335,13 @@ def compile_all(arch: int, quick: bool = False) -> list:
     for bits in ((4,) if quick else (2, 4, 8)):
         jobs.append((tk._quantize_lanes_kernel, dict(c_ptr=P, out_ptr="*u8", n=I32, nbytes=I32, mult_ptr=P, s=F),
                      dict(BITS=bits)))
-    for source, bits in (((3, 4),) if quick else ((0, 8), (1, 1), (2, 1), (3, 2), (3, 4), (3, 8))):
-        jobs.append((tk._apply_kernel, dict(ints_ptr="*i64", floats_ptr=P, k=I32, u_ptr="*i8" if source == 0 else "*u8",
-                                            neg_ptr="*u8", above=I32, below=I32), dict(SOURCE=source, BITS=bits, KMAX=16)))
+    for source, bits, skip in (((3, 4, False),) if quick else ((0, 8, False), (1, 1, False), (2, 1, False), (3, 2, False),
+                                                              (3, 4, False), (3, 8, False), (4, 8, True))):
+        jobs.append((tk._apply_kernel, dict(ints_ptr="*i64", floats_ptr=P, k=I32,
+                                            u_ptr=P if source == 4 else "*i8" if source == 0 else "*u8",
+                                            neg_ptr=P if source == 4 else "*u8", above=I32, below=I32,
+                                            skip_ptr="*i32" if skip else P),
+                     dict(SOURCE=source, BITS=bits, KMAX=16, SKIP=skip)))
     for even in ((True,) if quick else (True, False)):
         jobs.append((tk._vote_count_kernel, dict(packed_ptr="*u8", stride=I32, world=I32, nbytes=I32, half=I32,
                                                  gt_ptr="*u8", eq_ptr="*u8"), dict(EVEN=even)))
