@@ -54,6 +54,9 @@ RUNS = {
     "outer_sgd": ["--local-steps", "2", "--vote", "grad", "--outer", "sgd"],
     "outer_lion": ["--local-steps", "2", "--vote", "grad", "--outer", "lion"],
     "local_auto": ["--local-steps", "2", "--vote", "auto"],  # auto without alpha/beta: calibrates
+    # H from the link (measured) and the first round's 10 timed steps; the scatter mean at 2 bits
+    "steps_auto": ["--local-steps", "auto", "--vote", "onebit", "--aggregate", "mean", "--bits", "2",
+                   "--error-feedback", "--steps", "16"],
     # everything at once, with a checkpoint whose meta.json records the config
     "recorded": ["--optimizer", "lioncub", "--vote", "grad", "--betas", "0.8", "0.95", "--dropout", "0.1",
                  "--eval-batches", "2", "--grad-dtype", "bf16", "--log-every", "2", "--lr-embed", "2e-3",
@@ -215,6 +218,18 @@ def test_local_steps_vote_auto_without_alpha_beta_through_the_cli(runs):
     steps = records(d, "local_auto")
     assert [r["step"] for r in steps] == [1, 2, 3, 4] and all(0 < r["loss"] < 10 for r in steps)
     assert steps[1]["bytes_sent"] > 0 and steps[3]["bytes_sent"] > 0  # the vote ran at each round's end
+
+
+def test_local_steps_auto_and_the_scatter_mean_through_the_cli(runs):
+    d, _ = runs
+    row = summary(d, "steps_auto")
+    assert row["label"] == "lioncub-onebit-2b-hauto-mean"
+    H = int(row["local_steps_picked"])
+    assert 1 <= H <= 500 and float(row["step_s"]) > 0 and float(row["round_s"]) > 0
+    steps = records(d, "steps_auto")
+    rounds = [r["step"] for r in steps if r["bytes_sent"] > 0]  # the exchanges: round ends only
+    assert rounds[0] == 10 and rounds == list(range(10, rounds[-1] + 1, H)) and steps[-1]["step"] >= 16
+    assert steps[-1]["step"] == rounds[-1]  # the run stops at a round's end
 
 
 def test_checkpoint_records_every_flag(runs):

@@ -20,7 +20,7 @@ from tests.test_harness_train import ROOT, read_csv, read_jsonl
 
 TINY = ["--model", "gpt-tiny", "--batch-size", "4", "--block-size", "32", "--lr", "1e-3", "--nproc", "2",
         "--no-progress"]
-LABELS = ["lion-grad-fp32", "lioncub-onebit-mean", "localcub-h50-mean8"]  # README's recommended 1-bit setting
+LABELS = ["lion-grad-fp32", "lioncub-onebit-mean", "localcub-hauto-mean8"]  # README's recommended 1-bit setting
 OURS = ("lct-", "lcprobe-")  # run_in_testbed's and the availability probe's namespace prefixes
 
 
@@ -50,12 +50,13 @@ def _check_comparison(out, printed: str) -> None:
     rows = read_csv(out / "compare.csv")
     assert [r["label"] for r in rows] == LABELS
     base, cub, local = (float(r["bytes_sent_per_step"]) for r in rows)
-    assert base > 10 * cub > 0 and cub > local > 0  # fp32 gradients, 4-bit lanes, 8-bit lanes every 50 steps
+    assert base > 10 * cub > 0 and cub > local > 0  # fp32 gradients, 1 bit each way, 8-bit lanes every H >= 10 steps
     for label in LABELS:
         evals = [r for r in read_jsonl(out / label / "metrics.jsonl") if r["kind"] == "eval"]
         assert evals and all(e["train_time"] > 0 for e in evals)
     local_steps = [r for r in read_jsonl(out / LABELS[2] / "metrics.jsonl") if r["kind"] == "step"]
-    assert local_steps[-1]["step"] % 50 == 0  # the budget ends a LocalCub run at the end of a round
+    assert local_steps[-1]["bytes_sent"] > 0  # the budget ends a LocalCub run at the end of a round
+    assert "local_steps='auto' picked H=" in printed  # and says what H the link gave it
     with open(out / "loss.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 

@@ -19,12 +19,23 @@ import os
 import sys
 
 from .ft.command import _FT_KEYS, cmd_train_ft
+from .optim.auto_steps import MAX_LOCAL_STEPS
 from .optim.outer import OUTER_RULES
 from .votes.mean import AGGREGATES as STEP_AGGREGATES
 from .votes.rounds import ROUND_AGGREGATES
 from .testbed import TESTBED_SWITCH, testbed_unavailable
 from .harness.config import RECOMMENDED, DEVICES, MODELS, MOMENTUM_SYNCS, NONFINITE, OPTIMIZERS, QUANTIZERS, VOTES, TrainConfig
 
+
+
+def _local_steps(text: str):
+    """``--local-steps``: an int, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int or 'auto', got {text!r}") from None
 
 def _add_train(sub) -> None:
     d = TrainConfig()
@@ -73,8 +84,9 @@ def _add_train(sub) -> None:
     p.add_argument("--check-every", type=int, default=d.check_every,
                    help="LionCub: check every N steps that replicas are identical (0: never)")
     p.add_argument("--overlap", action="store_true", help="LionCub: launch votes from backward hooks")
-    p.add_argument("--local-steps", type=int, default=d.local_steps, metavar="H",
-                   help="LionCub: H inner steps per voted outer step (LocalCub; default: %(default)s = every step)")
+    p.add_argument("--local-steps", type=_local_steps, default=d.local_steps, metavar="H",
+                   help="LionCub: H inner steps per voted outer step (LocalCub; default: %(default)s = every step), "
+                        "or 'auto': H picked from the measured link and compute (printed)")
     p.add_argument("--inner", choices=("lion", "adamw"), default=d.inner, help="local steps: inner optimizer")
     p.add_argument("--outer", choices=tuple(OUTER_RULES), default=d.outer, help="local steps: outer rule")
     p.add_argument("--outer-lr", type=float, default=d.outer_lr, help="local steps: outer lr (default: %(default)s)")
@@ -203,7 +215,8 @@ def cmd_train(args) -> int:
     if budget is not None and not budget > 0:
         args.parser.error(f"--budget must be > 0 seconds, got {budget:g}")
     if args.steps is None:
-        args.steps = STEP_CAP * max(1, args.local_steps) if budget is not None else TrainConfig().steps
+        args.steps = (STEP_CAP * (MAX_LOCAL_STEPS if args.local_steps == "auto" else max(1, args.local_steps))
+                      if budget is not None else TrainConfig().steps)
     if args.eval_every is None:
         args.eval_every = 0 if budget is not None else TrainConfig().eval_every
     fields = {k: v for k, v in vars(args).items()

@@ -42,7 +42,7 @@ def cmd_train_ft(args) -> int:
         fields["time_budget"] = args.budget if args.budget is not None else FT_DEFAULT_BUDGET_S
     try:
         config = TrainConfig(**fields)
-        if config.local_steps < 2:
+        if config.local_steps == "auto" or config.local_steps < 2:
             raise ValueError("--ft runs LocalCub: --local-steps must be >= 2")
         from ..votes.rounds import round_class
 

@@ -3,8 +3,10 @@
 - ``lion-grad-fp32``: Lion after an fp32 gradient all-reduce every step (what DDP does),
 - ``lioncub-onebit-mean``: Lion Cub every step at the setting README recommends, the 1-bit mean
   (``LionCub(vote='onebit', aggregate='mean')``, :data:`lioncub.harness.config.RECOMMENDED`; with ``--vote`` the vote asked for),
-- ``localcub-h50-mean8``: the local-step setting the repository's results recommend where bytes decide
-  (``LocalCub``, :data:`LOCALCUB`; bench/README.md, "Local steps under the vote"),
+- ``localcub-hauto-mean8``: the local-step setting the repository's results recommend where bytes decide
+  (``LocalCub``, :data:`LOCALCUB`; bench/README.md, "Local steps under the vote"), with H picked from the
+  measured link and compute (``local_steps='auto'``; a step-matched run takes the largest fixed H <= 50 that
+  fits its steps),
 
 each for the same seconds of training time (``time_budget``; or step-matched with ``--steps``), then a
 summary that leads with time to the same loss (Lion fp32's final validation loss), the per-step table
@@ -32,17 +34,19 @@ DESCRIPTIONS = {
     "cub": "LionCub: Lion Cub's majority vote every step",
     "cub-mean": "LionCub: the 1-bit mean every step (1 bit per element each way, Lion on the decoded mean)",
     "local": "LocalCub: {H} local AdamW steps (lr 1e-3), then the deltas' 8-bit L1 lane mean, error feedback, "
-             "Nesterov outer lr 0.7 (bench/README.md, race_local: first to Lion's loss at 100 Mbit/s)",
+             "Nesterov outer lr 0.7 (bench/README.md, race_local: first to Lion's loss at 100 Mbit/s; 'auto': H from "
+             "the measured link, a round's agreement at most a tenth of its compute)",
 }
 
 
-def local_period(config: TrainConfig) -> int | None:
-    """LocalCub's H in the comparison: 50 (the recommended setting), or with a step-matched run the largest
-    H <= 50 that divides ``steps`` and ``eval_every`` (None when only H = 1 would: no LocalCub row)."""
+def local_period(config: TrainConfig) -> int | str | None:
+    """LocalCub's H in the comparison: ``'auto'`` (picked from the measured link and compute:
+    :mod:`lioncub.optim.auto_steps`), or with a step-matched run the largest H <= 50 (the race's setting) that
+    divides ``steps`` and ``eval_every`` (None when only H = 1 would: no LocalCub row)."""
     if config.nodes > 1:  # LocalCub runs flat
         return None
     if config.time_budget is not None:
-        return LOCALCUB["local_steps"]
+        return "auto"
     for h in range(LOCALCUB["local_steps"], 1, -1):
         if config.steps % h == 0 and config.eval_every % h == 0:
             return h

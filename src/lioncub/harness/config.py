@@ -125,9 +125,11 @@ class TrainConfig:
     """LionCub: verify every this many steps that replicas are identical (0: never)."""
     overlap: bool = False
     """LionCub: launch each bucket's vote from backward hooks (overlaps compute)."""
-    local_steps: int = 1
+    local_steps: int | str = 1
     """LionCub: inner steps per agreed outer step; > 1 trains with ``lioncub.LocalCub`` (the vote
-    then runs on the pseudo-gradients once per round; ``eval_every`` and ``steps`` must be multiples)."""
+    then runs on the pseudo-gradients once per round; ``eval_every`` and ``steps`` must be multiples);
+    ``'auto'``: LocalCub picks H from the measured link and compute (``LocalCub(local_steps='auto')``; the
+    run stops at the first round's end at or after ``steps``, evaluations by the clock, not ``eval_every``)."""
     inner: str = "lion"
     """Local steps: the inner optimizer, ``lion`` or ``adamw``."""
     outer: str = "nesterov"
@@ -220,7 +222,8 @@ class TrainConfig:
             if changed:
                 raise ValueError(f"{', '.join(changed)} apply to optimizer='lioncub' only, got "
                                  f"optimizer={self.optimizer!r}")
-        check_lane_options(self.vote, self.bits, self.quantizer)
+        if self.round_bits is None:  # else --bits is the scatter mean's code width (checked with the local steps)
+            check_lane_options(self.vote, self.bits, self.quantizer)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -238,18 +241,35 @@ class TrainConfig:
         return self.model in GPT_MODELS
 
     @property
+    def round_bits(self):
+        """The code width ``bits`` gives a LocalCub round's own aggregation (the scatter mean: ``--vote onebit
+        --aggregate mean``), or None when ``bits`` is the vote's lane width (:func:`lioncub.votes.rounds.round_bits`)."""
+        from ..votes.rounds import round_class
+
+        if not self.local or self.vote in ("grad", "auto") or self.vote not in VOTES:
+            return None
+        if not round_class(self.vote, self.aggregate, self.quantizer).takes_bits:
+            return None
+        return 1 if self.bits is None else self.bits
+
+    @property
+    def local(self) -> bool:
+        """Whether the run takes local steps (LocalCub): ``local_steps`` > 1 or ``'auto'``."""
+        return self.local_steps == "auto" or self.local_steps > 1
+
+    @property
     def label(self) -> str:
         """Run label: ``name`` or e.g. ``lioncub-pbit`` / ``lion-grad`` / ``adamw``."""
         if self.name:
             return self.name
         if self.optimizer == "lioncub":
             if self.vote == "grad":  # with local steps: the mean of the pseudo-gradients (DiLoCo's)
-                return (f"lion-grad-{self.grad_dtype}" + (f"-h{self.local_steps}" if self.local_steps > 1 else "")
+                return (f"lion-grad-{self.grad_dtype}" + (f"-h{self.local_steps}" if self.local else "")
                         + ("-streaming" if self.delay else ""))
             bits = f"-{self.bits}b" if self.bits else ""
             quant = f"-{self.quantizer}" if self.quantizer else ""
-            local = f"-h{self.local_steps}-{self.aggregate}" if self.local_steps > 1 else ""
-            local += f"-{self.aggregate}" if self.local_steps == 1 and self.aggregate != "vote" else ""
+            local = f"-h{self.local_steps}-{self.aggregate}" if self.local else ""
+            local += f"-{self.aggregate}" if not self.local and self.aggregate != "vote" else ""
             local += "-streaming" if self.delay else ""
             nodes = f"-{self.nodes}nodes{'' if self.shard else '-unsharded'}" if self.nodes > 1 else ""
             return f"lioncub-{self.vote}{bits}{quant}{local}{nodes}"
@@ -284,16 +304,18 @@ def _check_local_steps(config: TrainConfig) -> None:
     """Refuse local-step options on an every-step run and every-step options on local steps."""
     from ..optim.localcub import AGGREGATES, INNER_OPTIMIZERS, LOCAL_VOTES, OUTER_RULES
     from ..votes import METHODS, check_round_aggregate
+    from ..votes.rounds import round_bits
     from ..votes.mean import check_step_aggregate
 
     _choice("inner", config.inner, INNER_OPTIMIZERS)
     _choice("outer", config.outer, OUTER_RULES)
     _choice("aggregate", config.aggregate, AGGREGATES)
-    if config.local_steps < 1:
-        raise ValueError(f"local_steps must be >= 1, got {config.local_steps}")
+    if config.local_steps != "auto" and (isinstance(config.local_steps, bool) or not isinstance(config.local_steps, int)
+                                         or config.local_steps < 1):
+        raise ValueError(f"local_steps must be >= 1 or 'auto', got {config.local_steps!r}")
     if not config.outer_lr > 0:
         raise ValueError(f"outer_lr must be > 0, got {config.outer_lr}")
-    if config.local_steps == 1:
+    if not config.local:
         # aggregate='mean' every step is LionCub's 1-bit mean (vote='onebit'; LionCub checks the rest)
         changed = [f"{n}={getattr(config, n)!r}" for n, d in _LOCAL_ONLY.items()
                    if getattr(config, n) != d and n != "aggregate"]
@@ -309,10 +331,17 @@ def _check_local_steps(config: TrainConfig) -> None:
     if changed:
         raise ValueError(f"{', '.join(changed)} apply to local_steps=1 only (LionCub every step)")
     _choice("vote", config.vote, LOCAL_VOTES + ("auto",))
-    check_round_aggregate(config.aggregate, METHODS.get(config.vote), config.vote, config.quantizer)
+    check_round_aggregate(config.aggregate, METHODS.get(config.vote), config.vote, config.quantizer,
+                          error_feedback=config.error_feedback)
+    round_bits(config.vote, config.aggregate, config.quantizer, config.bits)
     for name, default in (("momentum_sync", "none"), ("overlap", False), ("grad_dtype", "fp32")):
         if getattr(config, name) != default:
             raise ValueError(f"{name}={getattr(config, name)!r} is not supported with local_steps > 1")
+    if config.local_steps == "auto":
+        if config.eval_every:
+            raise ValueError(f"eval_every={config.eval_every} needs a fixed local_steps: with 'auto' a round ends where "
+                             "the picked H falls (evaluate by the clock: time_budget with eval_every_s)")
+        return
     for name in ("eval_every", "steps"):
         if getattr(config, name) % config.local_steps:
             raise ValueError(f"{name}={getattr(config, name)} must be a multiple of local_steps={config.local_steps} "

@@ -38,7 +38,7 @@ def lane_options(config: TrainConfig) -> dict:
     ``TAKES_QUANTIZER``), for the optimizer's constructor."""
     method = vote_method(config)
     out = {}
-    if method is not None and method.LANE_BITS:
+    if method is not None and (method.LANE_BITS or config.round_bits is not None):  # lanes, or the scatter mean's codes
         out["bits"] = config.bits
     if method is not None and method.TAKES_QUANTIZER:
         out["quantizer"] = config.quantizer
@@ -51,7 +51,7 @@ def make_optimizer(config: TrainConfig, groups: list[dict], model=None):
 
     ``model`` lets LionCub name parameters in its errors and find the ``io`` layers."""
     extra = lane_options(config)
-    if config.optimizer == "lioncub" and config.local_steps > 1:
+    if config.optimizer == "lioncub" and config.local:
         return LocalCub(groups, lr=config.lr, betas=config.betas, local_steps=config.local_steps, inner=config.inner,
                         vote=config.vote, outer=config.outer, outer_lr=config.outer_lr,
                         error_feedback=config.error_feedback, aggregate=config.aggregate, delay=config.delay, model=model,
@@ -140,7 +140,7 @@ class OptimizerMethod(Adapter):
             self.traffic = {"bytes_sent": sent, "bytes_recv": sent, "n_collectives": 1}
         opt.zero_grad(set_to_none=True)
         self.steps += 1
-        return self.steps % self.config.local_steps == 0
+        return opt.synced if isinstance(opt, LocalCub) else True
 
     def evaluation(self):
         """LocalCub: the agreed start θ_s in the module (:meth:`lioncub.LocalCub.agreed`)."""

@@ -255,6 +255,11 @@ def train_worker(config: TrainConfig) -> dict:
                         wall_s=time.perf_counter() - t_begin, device=str(device), optimizer=opt)
     if rank == 0:
         write_csv([summary], os.path.join(config.out, "summary.csv"))
+        if "local_steps_picked" in summary:
+            print(f"[{config.label}] local_steps='auto' picked H={summary['local_steps_picked']}: a round's agreement "
+                  f"~{1e3 * summary['round_s']:.1f} ms on the measured link (alpha {summary['link_alpha_s']:.2e} s, "
+                  f"beta {summary['link_beta_s_per_bit']:.2e} s/bit), a step's compute {1e3 * summary['step_s']:.1f} ms, "
+                  f"round_share {summary['round_share']}", flush=True)
     return summary
 
 
@@ -296,6 +301,10 @@ def summarize(config: TrainConfig, steps: list[dict], evals: list[dict], *, worl
             row.update(nodes=config.nodes, shard=config.shard)
         row.update(vote_chosen=f"{vote}/{bits}b" if bits else vote, skipped_steps=optimizer.skipped_steps,
                    momentum_sync=config.momentum_sync)
+    pick = getattr(optimizer, "steps_pick", None)
+    if pick and pick.get("H") is not None:  # LocalCub(local_steps='auto'): what it picked, from what
+        row.update(local_steps_picked=pick["H"], round_s=pick["round_s"], step_s=pick["step_s"],
+                   link_alpha_s=pick["alpha"], link_beta_s_per_bit=pick["beta"], round_share=pick["round_share"])
     row.update({"bytes_sent_per_step": mean("bytes_sent"), "n_collectives_per_step": mean("n_collectives"),
                 "t_step_ms": 1e3 * mean("t_step"), "t_compute_ms": 1e3 * mean("t_compute"),
                 "t_vote_ms": 1e3 * mean("t_vote"), "t_other_ms": 1e3 * mean("t_other"),

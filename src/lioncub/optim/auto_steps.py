@@ -6,10 +6,12 @@ agreement, for this model's chunks and this aggregation, is priced by the ring �
 when not given), and the pick is the smallest H for which that time is at most ``round_share`` of the
 round's compute::
 
-    H = clamp(ceil(T_round(α, β) / (round_share · t_step)), 1, max_local_steps)
+    H = clamp(ceil(T_round(α, β) / (round_share · t_step)), FIRST_ROUND, max_local_steps)
 
 so the loop runs at about ``1 / (1 + round_share)`` of its compute-bound step rate (0.91 at the default
-0.1) whatever the link. ``t_step`` is measured on the first round, which runs :data:`FIRST_ROUND` steps:
+0.1) whatever the link. H is never below the first round's 10 steps: the outer rules and their rates were
+tuned for rounds of 10 steps and more (a Nesterov outer step of 0.7 on a one-step Δ would multiply the
+inner step several-fold), and where the link is that fast a fixed H (or LionCub every step) is the choice. ``t_step`` is measured on the first round, which runs :data:`FIRST_ROUND` steps:
 the median time between consecutive ``step()`` calls (a whole iteration: data, forward, backward and the
 inner step), the slowest rank's (one MAX all-reduce, once). Every rank then computes the same H from the
 same agreed numbers. The pick is kept in :attr:`AutoSteps.steps_pick`, saved in checkpoints and taken back
@@ -48,11 +50,12 @@ def round_seconds(aggregation, chunks: list[tuple[int, int]], world: int, alpha:
     return total
 
 
-def pick_local_steps(round_s: float, step_s: float, share: float, most: int) -> int:
-    """The smallest H whose round spends at most ``share`` of its compute on the agreement, in [1, ``most``]."""
+def pick_local_steps(round_s: float, step_s: float, share: float, most: int, least: int = FIRST_ROUND) -> int:
+    """The smallest H whose round spends at most ``share`` of its compute on the agreement, in [``least``,
+    ``most``] (``most`` wins where they cross)."""
     if not step_s > 0:
         return most
-    return max(1, min(most, math.ceil(round_s / (share * step_s) - 1e-9)))
+    return min(most, max(least, math.ceil(round_s / (share * step_s) - 1e-9)))
 
 
 class AutoSteps:
