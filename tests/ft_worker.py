@@ -62,7 +62,11 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     kw = dict(lr=1e-2, local_steps=a.H, inner="adamw", outer="nesterov", outer_lr=0.7, outer_momentum=0.9,
               weight_decay=0.01, nonfinite="skip")
-    if a.vote == "mean8":
+    every_step = a.vote.startswith("every-")  # LionCub's every-step vote: every-pbit, every-sign_allreduce
+    if every_step:
+        kw = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.01, vote=a.vote[len("every-"):])
+        a.H = 1
+    elif a.vote == "mean8":
         kw.update(vote="pbit", bits=8, quantizer="l1", aggregate="mean", error_feedback=True)
     else:
         kw.update(vote="grad")
@@ -70,13 +74,19 @@ def main() -> None:
         import torch.distributed as dist
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.master_port}", rank=a.replica,
                                 world_size=a.world)
-        from lioncub import LocalCub
-        opt = LocalCub(model.parameters(), **kw)
+        from lioncub import LionCub, LocalCub
+
+        class EveryStep(LionCub):  # LionCub's counters under the names this loop reads
+            rounds = property(lambda self: self.steps)
+            skipped_rounds = property(lambda self: self.skipped_steps)
+            local_step = 0
+
+        opt = EveryStep(model.parameters(), **kw) if every_step else LocalCub(model.parameters(), **kw)
         manager = None
     else:
-        from lioncub.ft import FTLocalCub, make_manager
+        from lioncub.ft import FTLionCub, FTLocalCub, make_manager
         manager = make_manager(str(a.replica), a.lighthouse, min_replicas=2, timeout_s=3.0, quorum_timeout_s=30.0)
-        opt = FTLocalCub(model.parameters(), manager, max_attempts=a.max_attempts, **kw)
+        opt = (FTLionCub if every_step else FTLocalCub)(model.parameters(), manager, max_attempts=a.max_attempts, **kw)
         from lioncub.ft.faults import install, parse_fault
         install(opt, [parse_fault(spec) for spec in a.fault], a.replica)
     if a.round_chunk:

@@ -239,3 +239,42 @@ def test_auto_local_steps_are_picked_from_the_slowest_rank_and_agreed():
     assert res[0][2] == list(range(10, 10 + 150 + 1, H))  # the first round of 10, then rounds of H
     assert res[0][3] == H  # resumed with the saved pick
     assert res[0][4]  # a fixed-H run refuses an 'auto' checkpoint
+
+
+# ------------------------------------------------------------------ a vote that leaves a rank out (torchft)
+def _partial_vote(rank, world, vote):
+    from lioncub import votes
+    from lioncub.comm import CommStats
+    from lioncub.votes.rounds import SignVote
+
+    g = torch.Generator().manual_seed(7 + rank)
+    v = torch.randn(45, generator=g)
+    v[:5] = 0.0  # zeros: the tie rule's parity, from the voters only
+    method = votes.make(vote, world)
+    agg = SignVote(world, method)
+    out = {}
+    for step in (0, 1):
+        abstain = rank == 2  # e.g. a replica that rejoins: it sends what adds nothing
+        agreement, _ = agg.launch(torch.zeros_like(v) if abstain else v.clone(), [45], head=[], count=2, step=step,
+                                  generator=None, group=None, stats=CommStats(), abstain=abstain)
+        out[step] = agreement.result()[0]
+    everyone = [torch.empty_like(v) for _ in range(world)]
+    dist.all_gather(everyone, v)
+    return out, everyone
+
+
+@pytest.mark.parametrize("vote", ["pbit", "sign_allreduce"])
+def test_an_abstaining_rank_is_left_out_of_the_vote(vote):
+    """3 ranks, rank 2 abstaining (count = 2): every rank gets the 2 voters' own vote (the 2-rank method's
+    reference: binary lanes decided among 2, ties 0; the sign of the summed signs), zeros by the step's parity."""
+    from lioncub import votes
+
+    res = run_workers(_partial_vote, 3, vote)
+    voters = res[0][1][:2]
+    two = votes.make(vote, 2)
+    for step in (0, 1):
+        want = two.reference([x.clone() for x in voters], step).float()
+        for rank in range(3):
+            assert torch.equal(res[rank][0][step], want), (vote, step, rank)
+    assert votes.lookup("pbit").partial_vote(None) and not votes.lookup("pbit").partial_vote("l1")
+    assert not votes.lookup("onebit").partial_vote(None)

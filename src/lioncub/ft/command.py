@@ -42,12 +42,12 @@ def cmd_train_ft(args) -> int:
         fields["time_budget"] = args.budget if args.budget is not None else FT_DEFAULT_BUDGET_S
     try:
         config = TrainConfig(**fields)
-        if config.local_steps == "auto" or config.local_steps < 2:
-            raise ValueError("--ft runs LocalCub: --local-steps must be >= 2")
-        from ..votes.rounds import round_class
+        if config.local_steps == "auto":
+            raise ValueError("--ft: --local-steps must be an int (1: LionCub's every-step vote, FTLionCub)")
+        from ..votes.rounds import PARTIAL_NEEDS, round_partial
 
-        if not round_class(config.vote, config.aggregate).partial:
-            raise ValueError("--ft: --vote must be grad, or pbit with --quantizer l1 --aggregate mean")
+        if not round_partial(config.vote, config.aggregate, config.quantizer):
+            raise ValueError(f"--ft: a replica left out of a quorum must add nothing to its sums: {PARTIAL_NEEDS}")
     except ValueError as exc:
         args.parser.error(str(exc))
     from ..harness.train import check_inputs

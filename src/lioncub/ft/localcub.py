@@ -49,9 +49,9 @@ from ..engine import guard
 from ..optim.localcub import LocalCub
 from ..optim.rounds import Measured
 from ..validate import check_int
-from ..votes.rounds import PARTIAL_NEEDS, round_aggregation, round_class
+from ..votes.rounds import PARTIAL_NEEDS, round_aggregation, round_partial
 
-__all__ = ["FTLocalCub", "ReplicaGroup", "TensorTransport", "QuorumError", "require_torchft"]
+__all__ = ["FTLocalCub", "FTLionCub", "ReplicaGroup", "TensorTransport", "QuorumError", "require_torchft"]
 
 
 def require_torchft():
@@ -153,7 +153,7 @@ class FTLocalCub(LocalCub):
         if kwargs.get("local_steps") == "auto":
             raise ValueError("local_steps='auto' times the first round on a fixed group; under torchft give an int")
         vote = kwargs.get("vote", "onebit")
-        if not round_class(vote, kwargs.get("aggregate", "vote")).partial:
+        if not round_partial(vote, kwargs.get("aggregate", "vote"), kwargs.get("quantizer")):
             raise ValueError(f"under torchft a round's aggregation must be a sum that a replica with nothing to send "
                              f"leaves unchanged: {PARTIAL_NEEDS}; got vote={vote!r}")
         if getattr(manager, "_use_async_quorum", False):
@@ -271,7 +271,8 @@ class FTLocalCub(LocalCub):
             delta, v = seen.kept or self._pseudo_gradient("start", pieces)
         else:
             v = torch.zeros(sum(pc.size for pc in pieces), dtype=torch.float32, device=self.device)
-        agreement, sent = self._launch(v, pieces, head, seen.scales, C, stats, aggregation=aggregation, group=group)
+        agreement, sent = self._launch(v, pieces, head, seen.scales, C, stats, aggregation=aggregation, group=group,
+                                       abstain=not took_part)
         residual = v.sub_(sent) if took_part and sent is not None and self.error_feedback else None
         return agreement.result(stats), residual
 
@@ -323,6 +324,27 @@ class FTLocalCub(LocalCub):
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "ft"})
         if ft is not None:
             self.manager.load_state_dict(ft)
+
+
+class FTLionCub(FTLocalCub):
+    """LionCub's every-step vote across torchft replica groups: :class:`FTLocalCub` with one inner Lion step per
+    round, the outer step ``θ ← θ·(1 − η·λ) − η·u`` (``outer='sgd', outer_lr=1``), which is exactly
+    :class:`~lioncub.LionCub`'s step (docs/local_steps.md, "H = 1 is LionCub"): a quorum every step (torchft's
+    DDP pattern), the vote over the step's contributing replicas, the momentum healed from a peer.
+
+    ``vote``: a vote whose all-reduce leaves a replica out by adding nothing: ``'pbit'`` without a quantizer
+    (binary lanes sized for the quorum, the vote decided among the C that voted) or ``'sign_allreduce'``.
+    With no failure it equals LionCub on a fixed group bit for bit (tests/test_ft.py)."""
+
+    def __init__(self, params, manager, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0, *,
+                 vote: str = "pbit", bits=None, quantizer=None, tie: str = "alternate", seed: int = 0,
+                 nonfinite: str = "raise", model=None, max_attempts: int = 20):
+        super().__init__(params, manager, max_attempts=max_attempts, lr=lr, betas=betas, weight_decay=weight_decay,
+                         local_steps=1, inner="lion", outer="sgd", outer_lr=1.0, vote=vote, bits=bits,
+                         quantizer=quantizer, tie=tie, seed=seed, nonfinite=nonfinite, model=model)
+
+    steps = property(lambda self: self.rounds, doc="Steps taken (committed), as LionCub counts them.")
+    skipped_steps = property(lambda self: self.skipped_rounds, doc="Non-finite steps skipped on every replica.")
 
 
 def _clone(obj):

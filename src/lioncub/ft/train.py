@@ -93,7 +93,7 @@ def replica_main(config, replica: int, replicas: int, lighthouse: str, *, host: 
 
     from ..harness.models import build_model, param_groups
     from ..harness.train import _Data, batch_loss, evaluate, lane_options, lr_factor
-    from . import FTLocalCub, make_manager
+    from . import FTLionCub, FTLocalCub, make_manager
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # the harness's world of one
     device = torch.device("cpu")
@@ -106,10 +106,14 @@ def replica_main(config, replica: int, replicas: int, lighthouse: str, *, host: 
     base_lrs = [g["lr"] for g in groups]
     manager = make_manager(str(replica), lighthouse, min_replicas=min_replicas, host=host, timeout_s=timeout_s,
                            quorum_timeout_s=max(60.0, 4 * timeout_s), device=device)
-    opt = FTLocalCub(groups, manager, lr=config.lr, betas=config.betas, local_steps=config.local_steps,
-                     inner=config.inner, vote=config.vote, outer=config.outer, outer_lr=config.outer_lr,
-                     error_feedback=config.error_feedback, aggregate=config.aggregate, model=model,
-                     nonfinite=config.nonfinite, **lane_options(config))
+    if config.local_steps == 1:  # LionCub's vote every step, a quorum per step
+        opt = FTLionCub(groups, manager, lr=config.lr, betas=config.betas, vote=config.vote, tie=config.tie,
+                        seed=config.seed, model=model, nonfinite=config.nonfinite, **lane_options(config))
+    else:
+        opt = FTLocalCub(groups, manager, lr=config.lr, betas=config.betas, local_steps=config.local_steps,
+                         inner=config.inner, vote=config.vote, outer=config.outer, outer_lr=config.outer_lr,
+                         error_feedback=config.error_feedback, aggregate=config.aggregate, model=model,
+                         nonfinite=config.nonfinite, **lane_options(config))
     from .faults import install
 
     install(opt, faults, replica)
@@ -158,6 +162,7 @@ def replica_main(config, replica: int, replicas: int, lighthouse: str, *, host: 
     manager.shutdown(wait=False)
     dist.destroy_process_group()
     return 0
+
 
 
 # ---------------------------------------------------------------------- the supervisor
@@ -440,7 +445,8 @@ def summarize(out: str, plan: FTPlan, run: FTRun, *, budget: float) -> dict:
 
 def format_summary(summary: dict, plan: FTPlan, H: int) -> str:
     s = summary
-    lines = [f"fault-tolerant LocalCub: {plan.replicas} replicas, kill every {plan.kill_every:g} s "
+    what = "LionCub (the vote every step)" if H == 1 else "LocalCub"
+    lines = [f"fault-tolerant {what}: {plan.replicas} replicas, kill every {plan.kill_every:g} s "
              f"(restart after {plan.restart_after:g} s), link {plan.link or 'loopback'}",
              f"  committed rounds {s['rounds']} in {s['span_s']:.1f} s: {s['rounds_per_s'] * H:.2f} steps/s "
              f"(H={H}; median round {s['round_s_median']:.2f} s, of which {s['agree_s_median']:.2f} s agreeing), "

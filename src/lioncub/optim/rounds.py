@@ -172,8 +172,8 @@ class Rounds:
         return delta, v
 
     def _launch(self, v: Tensor, pieces: list[Piece], head: list[float], scales: Optional[Tensor], count: int,
-                stats: CommStats, *, aggregation=None, group=None, owner: Optional[Tensor] = None
-                ) -> tuple[Agreement, Optional[Tensor]]:
+                stats: CommStats, *, aggregation=None, group=None, owner: Optional[Tensor] = None,
+                abstain: bool = False) -> tuple[Agreement, Optional[Tensor]]:
         """Start the agreement of ``v`` over ``pieces`` (:mod:`lioncub.votes.rounds`): the agreement, and C(v_i)
         with error feedback (None without). ``head``: the agreed per-tensor sums, ``scales``: this rank's
         per-tensor mean |v| (each indexed by parameter; empty / None when the aggregation has none)."""
@@ -182,7 +182,7 @@ class Rounds:
         return aggregation.launch(v, [pc.size for pc in pieces], head=[head[i] for i in idx] if len(head) else [],
                                   scales=None if scales is None else scales[idx], count=count, step=self.rounds,
                                   generator=self.generator, group=self.group if group is None else group,
-                                  stats=stats, feedback=self.error_feedback, owner=owner)
+                                  stats=stats, feedback=self.error_feedback, owner=owner, abstain=abstain)
 
     def _owner_state(self, index: int, n: int) -> Optional[Tensor]:
         """This rank's state for chunk ``index`` (``n`` elements) that the aggregation keeps from round to round

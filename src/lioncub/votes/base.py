@@ -189,6 +189,17 @@ class VoteMethod:
         return False
 
     @classmethod
+    def partial_vote(cls, quantizer: Optional[str]) -> bool:
+        """Whether a vote on this method's one all-reduce can leave ranks out: a rank that abstains sends a message
+        that adds nothing (:meth:`abstain_message`), and :meth:`decode_for` decides among the ``count`` that voted
+        (what torchft's changing quorums need)."""
+        return False
+
+    def decode_for(self, voted: Tensor, offset: int, n: int, out: Tensor, count: int) -> Tensor:
+        """:meth:`decode` when only ``count`` of the ranks voted (:meth:`partial_vote`)."""
+        raise NotImplementedError(f"vote={self.name!r} cannot leave ranks out of a vote")
+
+    @classmethod
     def round_mean(cls, quantizer: Optional[str]) -> Optional[str]:
         """The round aggregation (:data:`~lioncub.votes.rounds.ROUND_AGGREGATIONS`) a LocalCub round's
         ``aggregate='mean'`` runs on this method's collectives with ``quantizer``, or None (refused)."""

@@ -101,6 +101,16 @@ class PBit(VoteMethod):
         part = voted[offset:offset + self.part_nbytes(n)]
         return kernels.vote_lanes(part, n, self.bits, *self.thresholds(), out.dtype, out=out)
 
+    @classmethod
+    def partial_vote(cls, quantizer):  # binary lanes: an abstaining rank's 0 bits add no plus vote
+        return quantizer is None
+
+    def decode_for(self, voted, offset, n, out, count):
+        if self.levels is not None:
+            return super().decode_for(voted, offset, n, out, count)
+        part = voted[offset:offset + self.part_nbytes(n)]  # u = (2k > C) − (2k < C) of the C that voted
+        return kernels.vote_lanes(part, n, self.bits, count // 2, (count + 1) // 2, out.dtype, out=out)
+
     def apply_fused(self, params, exp_avgs, grads, part, hyper) -> bool:
         fused.apply_lanes(params, exp_avgs, grads, part, self.bits, *self.thresholds(), **hyper)
         return True

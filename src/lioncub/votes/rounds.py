@@ -48,7 +48,7 @@ from .registry import METHODS
 from .scatter import SCATTER_BITS, codes, from_codes, owner_span, piece_scales, spans_in, to_levels, unit_of
 
 __all__ = ["Agreement", "RoundAggregation", "Fp32Mean", "SignVote", "LaneMean", "ROUND_AGGREGATIONS",
-           "ScatterMean", "round_aggregation", "round_class", "round_bits", "sent_value",
+           "ScatterMean", "round_aggregation", "round_class", "round_bits", "round_partial", "sent_value",
            "ROUND_AGGREGATES", "check_round_aggregate", "PARTIAL_NEEDS"]
 
 
@@ -130,6 +130,11 @@ class RoundAggregation:
         round's one agreement): ``[(kind, bytes per rank)]``, priced by :mod:`lioncub.engine.cost`."""
         return self.method.plan(n)
 
+    @classmethod
+    def partial_for(cls, method_cls: Optional[type[VoteMethod]], quantizer: Optional[str]) -> bool:
+        """:attr:`partial` for a round on ``method_cls``'s messages with ``quantizer``, before any object is made."""
+        return cls.partial
+
     def owner_elements(self, n: int) -> int:
         """Elements of state this rank keeps from round to round for a message of ``n`` elements (an owner's
         residual, passed to :meth:`launch` as ``owner``); 0 for none."""
@@ -142,12 +147,14 @@ class RoundAggregation:
 
     def launch(self, v: Tensor, sizes: list[int], *, head: list[float], count: int, step: int, generator,
                group, stats: CommStats, feedback: bool = False, scales: Optional[Tensor] = None,
-               owner: Optional[Tensor] = None) -> tuple[Agreement, Optional[Tensor]]:
+               owner: Optional[Tensor] = None, abstain: bool = False) -> tuple[Agreement, Optional[Tensor]]:
         """Encode ``v`` (flat fp32; may be overwritten) and start the exchange over ``group``.
         ``sizes``: the pieces of tensors ``v`` holds; ``head``: :meth:`head` summed over the ranks, one per
         piece; ``scales``: this rank's mean |v| of each piece's tensor (None: of the piece itself, when it is
         a whole tensor); ``count``: the ranks whose ``v`` counts; ``step``: the round (the tie rule's parity);
-        ``owner``: this rank's state of :meth:`owner_elements` for the message (updated in place).
+        ``owner``: this rank's state of :meth:`owner_elements` for the message (updated in place); ``abstain``:
+        this rank has nothing to contribute (``v`` is zeros) and is not among the ``count``: a :attr:`partial`
+        aggregation sends what adds nothing.
         Returns the agreement and, with ``feedback``, ``C(v)``. Collective: every rank of ``group``."""
         raise NotImplementedError
 
@@ -162,7 +169,7 @@ class Fp32Mean(RoundAggregation):
         return [("allreduce", 4 * n)]
 
     def launch(self, v, sizes, *, head, count, step, generator, group, stats, feedback=False, scales=None,
-               owner=None):
+               owner=None, abstain=False):
         if self.world == 1:
             return Agreement.finished(v if count == 1 else v.div_(count), False), None
         return Agreement(comm.all_reduce_async(v, group, stats), lambda total: total.div_(count), False), None
@@ -173,6 +180,16 @@ class SignVote(RoundAggregation):
 
     name = "sign_vote"
     signed = True
+
+    @property
+    def partial(self) -> bool:
+        """One all-reduce whose abstaining ranks add nothing (``sign_allreduce``; ``pbit``'s binary lanes, the vote
+        then decided among the ``count`` that voted)."""
+        return self.partial_for(type(self.method), self.method.quantizer)
+
+    @classmethod
+    def partial_for(cls, method_cls, quantizer):
+        return method_cls is not None and method_cls.partial_vote(quantizer)
 
     @property
     def streams(self) -> bool:
@@ -186,7 +203,7 @@ class SignVote(RoundAggregation):
         return feedback and self.method.levels is None
 
     def launch(self, v, sizes, *, head, count, step, generator, group, stats, feedback=False, scales=None,
-               owner=None):
+               owner=None, abstain=False):
         method = self.method
         sent = sent_value(v, sizes, method, scales) if feedback else None
         if v.numel() == 0:
@@ -197,9 +214,13 @@ class SignVote(RoundAggregation):
         if not self.streams:  # several collectives: the vote completes here
             return Agreement.finished(method.vote(v, torch.empty_like(v), step, group, stats, generator), True), sent
         msg, nb = method.encode_message(v, step, stats, generator)
+        if abstain:  # adds nothing to the sum: no plus vote in binary lanes, sign 0 in sign_allreduce's int8
+            msg[:nb].zero_()
         pending = comm.all_reduce_async(msg[:nb], group, stats)  # the exchange is the SUM all-reduce, in place
         n, like = v.numel(), dict(dtype=v.dtype, device=v.device)  # (v itself is not kept while in flight)
-        return Agreement(pending, lambda _: method.decode(msg, 0, n, torch.empty(n, **like)), True), sent
+        if count == self.world:
+            return Agreement(pending, lambda _: method.decode(msg, 0, n, torch.empty(n, **like)), True), sent
+        return Agreement(pending, lambda _: method.decode_for(msg, 0, n, torch.empty(n, **like), count), True), sent
 
 
 class LaneMean(RoundAggregation):
@@ -217,7 +238,7 @@ class LaneMean(RoundAggregation):
         return scales if scales is not None and scales.numel() else None
 
     def launch(self, v, sizes, *, head, count, step, generator, group, stats, feedback=False, scales=None,
-               owner=None):
+               owner=None, abstain=False):
         lanes = self.method
         units, q, msg = lanes.lane_message(v, sizes, [x / count for x in head])
         if msg is None:
@@ -275,7 +296,7 @@ class ScatterMean(RoundAggregation):
         return [("all_to_all", self.world * span_bytes), ("all_gather", span_bytes + 4 * tensors)]
 
     def launch(self, v, sizes, *, head, count, step, generator, group, stats, feedback=False, scales=None,
-               owner=None):
+               owner=None, abstain=False):
         bits, P, n = self.bits, self.world, v.numel()
         parity = step % 2
         E = owner_span(n, P, bits)
@@ -345,6 +366,12 @@ def round_aggregation(vote: str, method: Optional[VoteMethod], world: int, aggre
     return cls(world, method, bits) if cls.takes_bits else cls(world, method)
 
 
+def round_partial(vote: str, aggregate: str = "vote", quantizer: Optional[str] = None) -> bool:
+    """Whether a round of ``vote`` and ``aggregate`` can leave ranks out (:attr:`RoundAggregation.partial`): what
+    torchft's changing quorums need."""
+    return round_class(vote, aggregate, quantizer).partial_for(METHODS.get(vote), quantizer)
+
+
 def round_bits(vote: str, aggregate: str, quantizer: Optional[str], bits: Optional[int]) -> Optional[int]:
     """The code width ``bits`` names for the round's own aggregation (1 when None), or None when ``bits``
     is the vote method's lane width (:attr:`RoundAggregation.takes_bits`). Refuses a width it does not take."""
@@ -382,5 +409,6 @@ ROUND_AGGREGATES = ("vote", "mean")
 """What LocalCub's ``aggregate=`` takes: ``'vote'`` (the method's majority vote; the fp32 mean for
 ``vote='grad'``) or ``'mean'`` (:class:`LaneMean`)."""
 
-PARTIAL_NEEDS = "vote='grad', or vote='pbit' with quantizer='l1' and aggregate='mean'"
+PARTIAL_NEEDS = ("vote='grad', vote='sign_allreduce', vote='pbit' without a quantizer (binary lanes), or vote='pbit' with "
+                 "quantizer='l1' and aggregate='mean'")
 """The round configurations whose sums a rank with nothing to send leaves unchanged (:attr:`RoundAggregation.partial`)."""

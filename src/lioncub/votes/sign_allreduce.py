@@ -37,6 +37,13 @@ class SignAllreduce(VoteMethod):
     def decode(self, voted, offset, n, out):
         return out.copy_(voted[offset:offset + n].view(torch.int8).sign())
 
+    @classmethod
+    def partial_vote(cls, quantizer):  # a rank that abstains sends sign 0: the sum's sign is the voters'
+        return True
+
+    def decode_for(self, voted, offset, n, out, count):
+        return self.decode(voted, offset, n, out)
+
     def encode_fused(self, exp_avgs, grads, beta1, maximize, dst, step) -> bool:
         return fused.encode(exp_avgs, grads, beta1, maximize, dst, bits=8, step=0, signs=True)
 
