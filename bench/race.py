@@ -44,7 +44,7 @@ import os
 import sys
 
 from bench import _runner
-from bench.regime import REFERENCE, measure_regime, regime_text
+from bench.regime import REFERENCE, measure_compute, measure_regime, regime_text
 from lioncub.harness.schedule import cosine_factor, warmup_factor
 
 DEFAULT_METHODS = ("adamw-ddp,adamw-bf16,adamw-psgd-r1,adamw-psgd-r4,local-adamw-h10,diloco-h10,diloco-h50,"
@@ -95,7 +95,7 @@ def cub_config(name: str, lr: float, seed: int):
         return TrainConfig(vote=kw["vote"], bits=kw.get("bits"), **common)
     if cls is cub.LocalCubMethod:  # steps and eval_every: multiples of H, unused by the factory
         H = kw.pop("H")
-        return TrainConfig(local_steps=H, steps=H, eval_every=0, **kw, **common)
+        return TrainConfig(local_steps=H, steps=H if H != "auto" else 10, eval_every=0, **kw, **common)
     return None
 
 
@@ -146,6 +146,7 @@ def train_one(args, name: str, lr: float, seed: int, data_dir: str) -> dict:
     model, loader, val = setup(args, seed, data_dir)
     n_params = sum(p.numel() for p in model.parameters())
     regime = measure_regime(model, loader, n_params) if name == REFERENCE else None
+    compute_s = measure_compute(model, loader)  # every run: the compute-bound step rate it is held against
     method = build_method(name, model, lr, seed)
     dist.barrier()
     tx0 = iface_bytes(dev)["tx"]
@@ -170,10 +171,11 @@ def train_one(args, name: str, lr: float, seed: int, data_dir: str) -> dict:
     loop = Loop(lr=lr_at, steps=args.steps, budget=args.budget, eval_every_s=args.eval_every, eval_at_start=True,
                 on_step=lambda info: recent.append(float(info.loss)), on_eval=on_eval)
     loop.run(method, loader, scores)
+    pick = getattr(getattr(method, "opt", None), "steps_pick", None)  # local_steps='auto': the H it picked
     del method
     dist.barrier()
     return dict(method=name, lr=lr, seed=seed, status=status, n_params=n_params, steps=evals[-1]["step"], evals=evals,
-                **({"regime": regime} if regime else {}))
+                compute_s=compute_s, **({"regime": regime} if regime else {}), **({"steps_pick": pick} if pick else {}))
 
 
 def worker(args) -> None:
@@ -256,12 +258,15 @@ def summarize(runs: list[dict], budget: float, target_method: str = REFERENCE) -
                             # second half of the run: PowerSGD's first steps are uncompressed
                             bytes_per_step=(last["tx"] - mid["tx"]) / max(1, last["step"] - mid["step"]),
                             target=_crossing(ev, target) if target is not None and ok else None,
-                            half=_crossing(ev, half) if half is not None and ok else None))
+                            half=_crossing(ev, half) if half is not None and ok else None,
+                            # the step rate over the compute-bound one (one forward + backward, measured in the run)
+                            rate=r["compute_s"] * last["step"] / last["t"] if r.get("compute_s") and last["t"] else None))
         final, final_std = _mean_std([p["final"] for p in per])
         row = dict(method=name, lr=key[1], seeds=len(rs), final_val=final, final_val_std=final_std,
                    steps=round(sum(p["steps"] for p in per) / len(per)),
                    step_s=sum(p["step_s"] for p in per) / len(per),
                    bytes_per_step=sum(p["bytes_per_step"] for p in per) / len(per),
+                   compute_rate=(sum(p["rate"] for p in per) / len(per)) if all(p["rate"] for p in per) else None,
                    lrs_tried={lr: tuned[(n, lr)] for n, lr in by if n == name})
         for which in ("target", "half"):
             hits = [p[which] for p in per if p[which] is not None]
@@ -304,11 +309,12 @@ def table(summary: dict) -> str:
         return f"no run of the target's method ({setter})"
     lines = [f"A = {summary['target']:.3f}: {setter}'s (best lr, mean over seeds) val loss at the end of the budget; "
              f"B = {summary['target_half']:.3f}: its val loss at half the budget",
-             "| method | best lr | val @ budget | steps | s/step | MB/step sent | time to A | x | MB to A "
-             "| time to B | x | MB to B |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| method | best lr | val @ budget | steps | s/step | of compute rate | MB/step sent | time to A | x "
+             "| MB to A | time to B | x | MB to B |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(summary["rows"], key=lambda r: r["final_val"]):
         final = f"{r['final_val']:.3f}" + (f" ± {r['final_val_std']:.3f}" if r.get("seeds", 1) > 1 else "")
-        lines.append(f"| {r['method']} | {r['lr']:g} | {final} | {r['steps']} | {r['step_s']:.3f} | "
+        rate = f"{r['compute_rate']:.2f}" if r.get("compute_rate") else "-"  # (races before it: not measured)
+        lines.append(f"| {r['method']} | {r['lr']:g} | {final} | {r['steps']} | {r['step_s']:.3f} | {rate} | "
                      f"{r['bytes_per_step'] / 1e6:.2f} | {_hit(r, ref, 'target')} | {_hit(r, ref, 'half')} |")
     return "\n".join(lines)
 

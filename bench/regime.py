@@ -7,6 +7,30 @@ REFERENCE = "lion-ddp"
 """The race's reference (Lion fp32): it measures r before its runs and, by default, sets the targets."""
 
 
+def measure_compute(model, loader, repeats: int = 3) -> float:
+    """Seconds of one forward + backward of a batch with no communication: the median over ``repeats``, the slowest
+    rank's (one 8-byte MAX all-reduce). 1 / this is a run's compute-bound step rate, against which its steps per
+    second are held (the inner optimizer's own step is not counted: the share is conservative). The batches are
+    put back, the gradients cleared."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    state = loader.state_dict()
+    times = []
+    for _ in range(repeats):
+        x, y = loader.next_batch()
+        t0 = time.perf_counter()
+        model(x, y)[1].backward()
+        times.append(time.perf_counter() - t0)
+    model.zero_grad(set_to_none=True)
+    loader.load_state_dict(state)
+    slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(slowest.item())
+
+
 def measure_regime(model, loader, n_params: int, repeats: int = 3) -> dict:
     """The race's regime r, measured before the reference's run: the median over ``repeats`` of one
     forward + backward of a batch (no communication) and of one fp32 SUM all-reduce of ``n_params``

@@ -73,9 +73,10 @@ METHODS = {
 }
 
 
-# lcub-<vote>-h<H>-<outer><outer_lr>[-ef][-adamw][-stream]: a LocalCub configuration by name
+# lcub-<vote>-h<H>-<outer><outer_lr>[-ef][-adamw][-stream]: a LocalCub configuration by name (H: an int, or
+# auto: local_steps='auto', H from the measured link)
 # (-stream: delay=1, the round's agreement in flight during the next round)
-_LOCAL = re.compile(r"lcub-(onebit|gather|pbit4|pbit8l1|mean4|mean8|smean1|smean2|smean4|smean8|grad)-h(\d+)-(sgd|nest|lion)(\d+(?:\.\d+)?)(-ef)?(-adamw)?"
+_LOCAL = re.compile(r"lcub-(onebit|gather|pbit4|pbit8l1|mean4|mean8|smean1|smean2|smean4|smean8|grad)-h(\d+|auto)-(sgd|nest|lion)(\d+(?:\.\d+)?)(-ef)?(-adamw)?"
                     r"(-stream)?")
 _LOCAL_VOTES = {"onebit": dict(vote="onebit"), "gather": dict(vote="gather"), "pbit4": dict(vote="pbit", bits=4),
                 "pbit8l1": dict(vote="pbit", bits=8, quantizer="l1"), "grad": dict(vote="grad"),
@@ -91,7 +92,7 @@ def _local_builder(name: str):
     if m is None:
         return None
     vote, H, outer, outer_lr, ef, adamw, stream = m.groups()
-    return partial(cub.LocalCubMethod, H=int(H), outer={"nest": "nesterov"}.get(outer, outer),
+    return partial(cub.LocalCubMethod, H=H if H == "auto" else int(H), outer={"nest": "nesterov"}.get(outer, outer),
                    outer_lr=float(outer_lr), error_feedback=ef is not None, inner="adamw" if adamw else "lion",
                    delay=1 if stream else 0, **_LOCAL_VOTES[vote])
 
