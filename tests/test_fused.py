@@ -5,22 +5,14 @@ import torch
 from lioncub import fused
 from lioncub.wire import kernels
 from lioncub.lion import apply_update_, interpolate
+from tests.kernel_data import kernel_tensors
 
 pytestmark = pytest.mark.skipif(not fused.available(), reason="no C compiler: the fused loops are not built")
 
 SIZES = [[0], [1], [7, 9], [8, 16, 3], [1001, 5, 0, 64], [4099]]
 
 
-def _tensors(sizes, seed):
-    g = torch.Generator().manual_seed(seed)
-    ms = [torch.randn(n, generator=g) for n in sizes]
-    gs = [torch.randn(n, generator=g) * 1e-2 for n in sizes]
-    for m, gr in zip(ms, gs):  # exact zeros of c (m = g = 0) and -0.0 (β1·(-0) + α·(-0))
-        m[::5] = 0.0
-        gr[::5] = 0.0
-        m[1::7] = -0.0
-        gr[1::7] = -0.0
-    return ms, gs
+_tensors = kernel_tensors
 
 
 @pytest.mark.parametrize("sizes", SIZES)

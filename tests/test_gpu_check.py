@@ -209,14 +209,16 @@ def test_the_long_checks_caps_fit_the_budget_and_the_callers_pythonpath_is_kept(
     assert sum(gc.CAPS.values()) <= 0.9 and set(gc.CAPS) <= set(gc.CHECKS)
     seen = {}
 
-    def run(cmd, **kw):  # the pytest subprocess the check starts: its environment and time limit
-        seen.update(env=kw["env"], timeout=kw["timeout"])
-        return subprocess.CompletedProcess(cmd, 0, "1 passed", "")
+    def run(cmd, **kw):  # the kernel runner's subprocess the check starts: its command, environment and time limit
+        seen.update(cmd=cmd, env=kw["env"], timeout=kw["timeout"])
+        report = dict(passed=["test_x"], failed={}, skipped={}, not_run=[])
+        return subprocess.CompletedProcess(cmd, 0, json.dumps(report) + "\n", "")
 
     monkeypatch.setenv("PYTHONPATH", "/users/own/path")
     monkeypatch.setattr(gc.subprocess, "run", run)
     gc._DEADLINE[0], gc._BUDGET[0] = time.monotonic() + 200, 200.0
     assert gc.check_kernels_vs_cpu_reference("cpu")["ok"]
+    assert "pytest" not in " ".join(seen["cmd"]) and seen["cmd"][-1].endswith("kernel_runner.py")  # no pytest needed
     assert seen["env"]["PYTHONPATH"].split(os.pathsep)[-1] == "/users/own/path"
     assert seen["env"]["PYTHONPATH"].split(os.pathsep)[0].endswith("src")
     assert seen["timeout"] <= gc.CAPS["kernels_vs_cpu_reference"] * 200 + 1e-9

@@ -3,7 +3,12 @@
 By default on CPU tensors, run by Triton's interpreter (TRITON_INTERPRET=1; small tensors:
 the interpreter is slow). With ``LIONCUB_TEST_DEVICE=cuda`` (what ``make gpu-check`` does)
 the same tests run the compiled kernels on CUDA copies of the inputs against the same CPU
-references: the GPU must give the CPU path's bits."""
+references: the GPU must give the CPU path's bits.
+
+Without pytest (a bare GPU machine) ``tests/gpu/kernel_runner.py`` runs this file's tests itself: each
+``test_*`` whose arguments are only its :func:`cases` (the parametrised ones, and those with none); the ones
+that need pytest's fixtures (``tmp_path``, ``capsys``) are skipped there and listed. Patching uses the standard
+library's ``unittest.mock``, not pytest's ``monkeypatch``, so the same functions run either way."""
 import contextlib
 import importlib
 import importlib.util
@@ -12,25 +17,32 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 DEVICE = os.environ.get("LIONCUB_TEST_DEVICE", "cpu")
 _INTERPRET_BEFORE = os.environ.get("TRITON_INTERPRET")
 if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined (at the module's import)
 
-import pytest  # noqa: E402
+try:
+    import pytest  # noqa: E402
+except ImportError:  # tests/gpu/kernel_runner.py on a machine without pytest
+    pytest = None
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from tests.conftest import require_module  # noqa: E402
+if pytest is not None:
+    from tests.conftest import require_module  # noqa: E402
 
-triton = require_module("triton")  # a skip; a failure under LIONCUB_REQUIRE=triton (.ci/run)
+    triton = require_module("triton")  # a skip; a failure under LIONCUB_REQUIRE=triton (.ci/run)
+else:
+    import triton  # noqa: E402  (the runner's machine must have it)
 import triton.language as tl  # noqa: E402
 
 from lioncub import fused
 from lioncub.wire import kernels  # noqa: E402
 from lioncub.lion import apply_update_, interpolate  # noqa: E402
-from tests.test_fused import _tensors  # noqa: E402  (m, g with exact zeros and -0.0 of c: ties)
+from tests.kernel_data import kernel_tensors as _tensors  # noqa: E402  (m, g with zeros and -0.0 of c: ties)
 
 if "lioncub.fused.triton" in sys.modules:  # defined earlier without the interpreter: define again
     tk = importlib.reload(sys.modules["lioncub.fused.triton"])
@@ -42,11 +54,31 @@ if DEVICE != "cpu" and not tk.available():  # asked for the GPU: never skip sile
     raise RuntimeError(f"LIONCUB_TEST_DEVICE={DEVICE} but the Triton kernels are {tk.status()}")
 
 
-@pytest.fixture(autouse=True)
-def _interpreter(monkeypatch):
-    """Triton's interpreter also reads TRITON_INTERPRET when a kernel runs."""
-    if DEVICE == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+def cases(name: str, values: list):
+    """``pytest.mark.parametrize(name, values)`` where pytest runs, and the same cases recorded on the function for
+    tests/gpu/kernel_runner.py where it does not."""
+    def mark(fn):
+        fn.cases = (name, list(values))
+        return pytest.mark.parametrize(name, values)(fn) if pytest is not None else fn
+    return mark
+
+
+class SkipCase(Exception):
+    """A case that does not apply here (tests/gpu/kernel_runner.py's skip; pytest's where pytest runs)."""
+
+
+def skip(reason: str):
+    if pytest is not None:
+        pytest.skip(reason)
+    raise SkipCase(reason)
+
+
+if pytest is not None:
+    @pytest.fixture(autouse=True)
+    def _interpreter(monkeypatch):
+        """Triton's interpreter also reads TRITON_INTERPRET when a kernel runs."""
+        if DEVICE == "cpu":
+            monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def _d(x):
@@ -81,7 +113,7 @@ def _flat_c(ms, gs, beta1, maximize):
     return torch.cat([x.reshape(-1) for x in interpolate(ms, gs, beta1, maximize=maximize)] + [torch.zeros(0)])
 
 
-@pytest.mark.parametrize("sizes", SIZES)
+@cases("sizes", SIZES)
 def test_encode_equals_interpolate_sign_bits_pack(sizes):
     """Lanes of every width at both step parities, int8 signs and c itself, per-tensor β1 / maximize."""
     ms, gs = _tensors(sizes, seed=len(sizes))
@@ -146,12 +178,16 @@ class _HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_finite_flag_is_a_device_tensor_read_without_a_host_sync(monkeypatch):
+def test_finite_flag_is_a_device_tensor_read_without_a_host_sync():
     """encode (lanes, signs) and interpolate, straight and through fused's switch, return a 0-dim
     bool tensor on the output's device (True: all finite; False for a NaN / +Inf gradient)
     without reading anything back to the host: no ``_local_scalar_dense`` while they run."""
     real = fused._gpu
-    monkeypatch.setattr(fused, "_gpu", lambda t: tk if DEVICE == "cpu" else real(t))
+    with mock.patch.object(fused, "_gpu", lambda t: tk if DEVICE == "cpu" else real(t)):
+        _finite_flags_without_a_host_read()
+
+
+def _finite_flags_without_a_host_read():
     sizes = [3, 21, 0, 5]
     n = sum(sizes)
     ms, gs = _tensors(sizes, seed=4)
@@ -231,7 +267,7 @@ def test_offsets_are_int64_past_2_31():
 _KERNELS = ("_encode_lanes_kernel", "_encode_values_kernel", "_quantize_lanes_kernel", "_apply_kernel")
 
 
-def test_every_launch_runs_under_its_tensors_device(monkeypatch):
+def test_every_launch_runs_under_its_tensors_device():
     """Each kernel launch happens inside ``torch.cuda.device(<the tensors' device>)`` for CUDA
     tensors (Triton launches on the current device) and, for CPU tensors (the interpreter),
     without touching ``torch.cuda.device`` at all."""
@@ -263,9 +299,21 @@ def test_every_launch_runs_under_its_tensors_device(monkeypatch):
                 return self.kernel[grid](*args, **meta)
             return launch
 
-    monkeypatch.setattr(torch.cuda, "device", Recorder)
-    for name in _KERNELS:
-        monkeypatch.setattr(tk, name, Kernel(name, getattr(tk, name)))
+    with contextlib.ExitStack() as patches:
+        patches.enter_context(mock.patch.object(torch.cuda, "device", Recorder))
+        for name in _KERNELS:
+            patches.enter_context(mock.patch.object(tk, name, Kernel(name, getattr(tk, name))))
+        _launch_every_kernel()
+    assert {name for name, _, _ in launches} == set(_KERNELS)
+    # encode: one per non-empty tensor and call (3 calls); apply: one per call (3 calls); quantize_lanes: one for c
+    assert len(launches) == 3 * 2 + 3 + 1
+    device = torch.device(DEVICE) if DEVICE == "cpu" else torch.device(DEVICE, torch.cuda.current_device())
+    for name, entered, devices in launches:
+        assert devices == {device}, (name, devices)
+        assert entered == ([device] if device.type == "cuda" else []), (name, entered)
+
+
+def _launch_every_kernel():
     sizes = [5, 0, 11]
     n = sum(sizes)
     ms, gs = _tensors(sizes, seed=7)
@@ -280,16 +328,9 @@ def test_every_launch_runs_under_its_tensors_device(monkeypatch):
     tk.apply(ps, ms2, gs2, _d(torch.ones(n, dtype=torch.int8)), **hp)
     tk.apply_bits(ps, ms2, gs2, _d(torch.zeros(-(-n // 8), dtype=torch.uint8)), None, **hp)
     tk.apply_lanes(ps, ms2, gs2, _d(torch.zeros(-(-n * 4 // 8), dtype=torch.uint8)), 4, 7, 7, **hp)
-    assert {name for name, _, _ in launches} == set(_KERNELS)
-    # encode: one per non-empty tensor and call (3 calls); apply: one per call (3 calls); quantize_lanes: one for c
-    assert len(launches) == 3 * 2 + 3 + 1
-    device = torch.device(DEVICE) if DEVICE == "cpu" else ps[0].device
-    for name, entered, devices in launches:
-        assert devices == {device}, (name, devices)
-        assert entered == ([device] if device.type == "cuda" else []), (name, entered)
 
 
-@pytest.mark.parametrize("n", [1, 13, 1031])
+@cases("n", [1, 13, 1031])
 def test_quantize_lanes_equals_round_clamp_then_pack(n):
     """q = round(c·mult) half to even, clamped to ±levels, + levels, in lanes: exact halves of
     both signs, values past ±levels, ±0.0, mult = 0."""
@@ -327,7 +368,7 @@ def _reference(ps, ms, gs, u, lr, wd, beta2, maximize):
     return ps_ref + ms_ref
 
 
-@pytest.mark.parametrize("sizes", SIZES)
+@cases("sizes", SIZES)
 def test_apply_and_apply_bits_equal_apply_update(sizes):
     """From int8 u, from packed ±1 bits (1-bit vote) and from pos − neg bits (gather)."""
     n = sum(sizes)
@@ -350,7 +391,7 @@ def test_apply_and_apply_bits_equal_apply_update(sizes):
             assert _same(ps + ms, want), (how, lr)
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@cases("bits", [2, 4, 8])
 def test_apply_lanes_equals_vote_lanes_then_apply_update(bits):
     sizes = [3, 5, 17, 0, 1030]
     n, top = sum(sizes), (1 << bits) - 1
@@ -380,12 +421,17 @@ def test_per_tensor_hyperparameters():
     assert _same(ps + ms, [w[0] for w in want] + [w[1] for w in want])
 
 
-def test_fused_switch_sends_cuda_tensors_to_the_kernels(monkeypatch):
+def test_fused_switch_sends_cuda_tensors_to_the_kernels():
     """fused's functions hand the tensors for which ``fused._gpu`` answers (CUDA tensors; on
     CPU, CPU tensors as if they were) to the Triton kernels: the torch path's bytes and updates."""
     calls = []
     real = fused._gpu
-    monkeypatch.setattr(fused, "_gpu", lambda t: calls.append(t.device.type) or (tk if DEVICE == "cpu" else real(t)))
+    with mock.patch.object(fused, "_gpu", lambda t: calls.append(t.device.type) or (tk if DEVICE == "cpu" else real(t))):
+        _through_the_switch()
+    assert len(calls) >= 4 and set(calls) == {DEVICE}
+
+
+def _through_the_switch():
     sizes = [7, 9]
     n = sum(sizes)
     ms, gs = _tensors(sizes, seed=1)
@@ -405,7 +451,6 @@ def test_fused_switch_sends_cuda_tensors_to_the_kernels(monkeypatch):
     ps, ms, gs = _d(ps), _d(ms), _d(gs)
     fused.apply_lanes(ps, ms, gs, out, 4, 7, 7, lr=[1e-3] * 2, beta2=0.99, weight_decay=0.1, maximize=True)
     assert _same(ps + ms, want)
-    assert len(calls) >= 4 and set(calls) == {DEVICE}
 
 
 def test_status_and_cpu_tensors_keep_the_c_loops():
@@ -446,8 +491,9 @@ def _lioncub_worker(rank, world):
     return out, len(calls)
 
 
-@pytest.mark.skipif(DEVICE != "cpu" or not fused.available(), reason="CPU run of the kernels against the C loops")
 def test_lioncub_steps_through_the_kernels_equal_the_c_loops():
+    if DEVICE != "cpu" or not fused.available():
+        skip("CPU run of the kernels against the C loops")
     """Two gloo ranks, 3 steps (both tie parities, a NaN gradient skipped), several buckets and
     messages: the CUDA route (fused -> triton_kernels) gives the C loops' parameters and momenta."""
     from tests.dist import run_workers
@@ -480,13 +526,17 @@ def test_kernels_compile_for_a_hopper_gpu_without_one(tmp_path):
     assert all(c["cubin_bytes"] > 0 for c in compiled)
 
 
-def test_apply_is_one_launch_for_every_tensor_of_a_call(monkeypatch):
+def test_apply_is_one_launch_for_every_tensor_of_a_call():
     """The launches of one step's passes for 300 tensors (a 1.3B GPT has about as many): the apply kernels take
     them all in one launch (before: 300), the encode one launch per tensor; the result still equals the torch
     path bit for bit."""
     counted = []
     real = tk._launch
-    monkeypatch.setattr(tk, "_launch", lambda kernel, *a, **kw: (counted.append(kernel), real(kernel, *a, **kw)))
+    with mock.patch.object(tk, "_launch", lambda kernel, *a, **kw: (counted.append(kernel), real(kernel, *a, **kw))):
+        _count_launches(counted)
+
+
+def _count_launches(counted):
     sizes = [3, 1, 2] * 100
     n = sum(sizes)
     ms, gs = _tensors(sizes, seed=11)
@@ -501,7 +551,7 @@ def test_apply_is_one_launch_for_every_tensor_of_a_call(monkeypatch):
     assert len(counted) == 1 and _same(ps + ms2, want)
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8, 9, 64, 255])
+@cases("world", [1, 2, 3, 4, 5, 8, 9, 64, 255])
 def test_vote_count_kernel_equals_the_bit_sliced_counters(world):
     """The masks 2k > P and 2k = P of P rows of packed bits, in one launch, against the torch counters
     (kernels.vote_bits) word for word: odd byte counts, all-ones and all-zero columns (k = P, k = 0), rows that
@@ -524,7 +574,7 @@ def test_vote_count_kernel_equals_the_bit_sliced_counters(world):
     assert len(launches) == 1
 
 
-@pytest.mark.parametrize("sizes", SIZES)
+@cases("sizes", SIZES)
 def test_lion_step_equals_lion_and_a_set_skip_flag_changes_nothing(sizes):
     """A whole Lion step in one launch (u = sign(c) made in the kernel; c = 0 exactly where m and g tie) equals
     lioncub.lion.lion bit for bit; with the device flag set (a non-finite gradient, decided on the device) p and
@@ -547,7 +597,7 @@ def test_lion_step_equals_lion_and_a_set_skip_flag_changes_nothing(sizes):
             assert _same(got_p + got_m, ps + ms), (lr, beta1)
 
 
-def test_localcub_decides_a_non_finite_inner_step_on_the_device(monkeypatch):
+def test_localcub_decides_a_non_finite_inner_step_on_the_device():
     """LocalCub's inner Lion through the one-launch kernel with the skip flag on the device (CUDA's path, here with
     the kernels interpreted on CPU tensors): the same parameters, momenta and skipped round as the host-read path,
     with no host read in any inner step (the round's end reads once)."""
@@ -565,13 +615,15 @@ def test_localcub_decides_a_non_finite_inner_step_on_the_device(monkeypatch):
                 p.grad = torch.randn(p.shape, generator=g).to(p.device)
             if step == 4:
                 ps[0].grad[3] = float("nan")
-            with monkeypatch.context() as m:
+            with contextlib.ExitStack() as patches:
                 if device_path and DEVICE == "cpu":
-                    m.setattr(fused, "_gpu", lambda t: tk)
-                    m.setattr(fused, "usable", lambda *lists: True)
+                    patches.enter_context(mock.patch.object(fused, "_gpu", lambda t: tk))
+                    patches.enter_context(mock.patch.object(fused, "usable", lambda *lists: True))
                 real_bool, real_item = torch.Tensor.__bool__, torch.Tensor.item
-                m.setattr(torch.Tensor, "__bool__", lambda t: (reads.append(step), real_bool(t))[1])
-                m.setattr(torch.Tensor, "item", lambda t: (reads.append(step), real_item(t))[1])
+                patches.enter_context(mock.patch.object(torch.Tensor, "__bool__",
+                                                        lambda t: (reads.append(step), real_bool(t))[1]))
+                patches.enter_context(mock.patch.object(torch.Tensor, "item",
+                                                        lambda t: (reads.append(step), real_item(t))[1]))
                 opt.step()
         return ps, opt, reads
 
@@ -583,3 +635,14 @@ def test_localcub_decides_a_non_finite_inner_step_on_the_device(monkeypatch):
     inner_steps = [s for s in range(9) if (s + 1) % 3]
     assert all(s in host_reads for s in inner_steps)  # the host path reads every inner step's verdict
     assert not any(s in dev_reads for s in inner_steps)  # the device path reads none of them
+
+
+def test_the_kernel_tests_run_without_pytest():
+    """make gpu-check on a machine without pytest: tests/gpu/kernel_runner.py imports this file with pytest hidden,
+    runs a parametrised test's every case and lists the tests that need pytest's fixtures as not run."""
+    env = dict(os.environ, TRITON_INTERPRET="1", LIONCUB_TEST_DEVICE="cpu")
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "kernel_runner.py"), "--without-pytest",
+                        "--only", "quantize_lanes"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    assert r.returncode == 0 and not report["failed"], r.stderr[-2000:]
+    assert report["passed"] == [f"test_quantize_lanes_equals_round_clamp_then_pack[{n}]" for n in (1, 13, 1031)]
