@@ -60,7 +60,7 @@ def bad_inputs(d):
         (["train", *TINY, "--vote", "onebit", "--no-shard", *text], "shard=False applies to nodes > 1 only"),
         (["train", *TINY, "--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
         (["train", "--ft", *FT_TINY, "--vote", "onebit", "--local-steps", "5", *text],
-         "--ft: --vote must be grad, or pbit with --quantizer l1 --aggregate mean"),
+         "--ft: a replica left out of a quorum must add nothing to its sums: vote='grad', vote='sign_allreduce'"),
         (["train", "--ft", *FT_TINY, "--replicas", "1", *text], "--replicas must be >= 2 for fault tolerance, got 1"),
         (["train", "--ft", *FT_TINY, "--kill-every", "10", "--replicas", "2", *text],
          "--kill-every needs --replicas > --min-replicas (a kill leaves 1 of the 2 a round needs)"),
