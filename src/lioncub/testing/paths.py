@@ -148,7 +148,7 @@ def ddp_hook(device, audit, steps: int = 3, vote: str = "pbit") -> None:
 def localcub(device, audit, steps: int = 4, **kw) -> None:
     import lioncub as lc
     model = _model(device)
-    opt = lc.LocalCub(model.parameters(), lr=1e-3, local_steps=2, model=model, **kw)
+    opt = lc.LocalCub(model.parameters(), lr=1e-3, local_steps=kw.pop("local_steps", 2), model=model, **kw)
     _train(opt, model, device, audit, steps)
 
 
@@ -255,6 +255,9 @@ def _paths() -> dict[str, Callable]:
     out["localcub lion inner, lion outer, tie minus"] = p(localcub, vote="onebit", inner="lion", outer="lion",
                                                          outer_lr=0.5, outer_betas=(0.9, 0.99), tie="minus")
     out["localcub sgd outer momentum"] = p(localcub, vote="grad", outer="sgd", outer_momentum=0.9)
+    out["localcub scatter mean 2 bits"] = p(localcub, vote="onebit", aggregate="mean", bits=2, error_feedback=True)
+    out["localcub local_steps auto"] = p(localcub, steps=12, local_steps="auto", round_share=0.5, max_local_steps=20,
+                                         alpha=1e-4, beta=1e-9, vote="pbit")
     out["localcub mean delay 1"] = p(localcub, vote="pbit", bits=8, quantizer="l1", aggregate="mean",
                                      error_feedback=True, delay=1)
     out["localcub auto skip check"] = p(localcub, vote="auto", alpha=1e-4, beta=1e-9, gamma={"pbit": (1e-9, 0.0)},
@@ -291,6 +294,8 @@ for _name in PATHS:
         SYNC_BUDGET[_name] = 3  # + check_every=1's replica check on each step
     if _name == "localcub auto skip check":
         SYNC_BUDGET[_name] = 3  # + check_every=1's replica check after each round
+    if _name == "localcub local_steps auto":
+        SYNC_BUDGET[_name] = 3  # + once, at the first round's end, the slowest rank's timed iteration (the pick)
 
 META_SKIP: dict[str, str] = {name: "DDP's C++ reducer cannot run on meta tensors (it crashes in backward); "
                              "the hook's launch/apply are the overlap driver's, audited there, and "
