@@ -35,13 +35,14 @@ DESCRIPTIONS = {
     "cub-mean": "LionCub: the 1-bit mean every step (1 bit per element each way, Lion on the decoded mean)",
     "local": "LocalCub: {H} local AdamW steps (lr 1e-3), then the deltas' 8-bit L1 lane mean, error feedback, "
              "Nesterov outer lr 0.7 (bench/README.md, race_local: first to Lion's loss at 100 Mbit/s; 'auto': H from "
-             "the measured link, a round's agreement at most a tenth of its compute)",
+             "the measured link: 50, more where a round would cost more than a tenth of its compute)",
 }
 
 
 def local_period(config: TrainConfig) -> int | str | None:
     """LocalCub's H in the comparison: ``'auto'`` (picked from the measured link and compute:
-    :mod:`lioncub.optim.auto_steps`), or with a step-matched run the largest H <= 50 (the race's setting) that
+    :mod:`lioncub.optim.auto_steps`; at least 50, the H its Nesterov 0.7 was tuned at, more where a round would
+    cost more than a tenth of its compute), or with a step-matched run the largest H <= 50 (the race's setting) that
     divides ``steps`` and ``eval_every`` (None when only H = 1 would: no LocalCub row)."""
     if config.nodes > 1:  # LocalCub runs flat
         return None
@@ -62,8 +63,10 @@ def variants(config: TrainConfig) -> list[TrainConfig]:
     cub = config.replace(optimizer="lioncub", vote=cub_vote, name=None, resume=None)
     runs = [base, cub]
     h = local_period(config)
-    if h is not None:
-        runs.append(config.replace(**{**LOCALCUB, "local_steps": h}, optimizer="lioncub", name=LOCALCUB_NAME.format(H=h),
+    if h is not None:  # 'auto' from the H its outer rate was tuned at: longer rounds only where the link is slow
+        floor = dict(min_local_steps=LOCALCUB["local_steps"]) if h == "auto" else {}
+        runs.append(config.replace(**{**LOCALCUB, "local_steps": h, **floor}, optimizer="lioncub",
+                                   name=LOCALCUB_NAME.format(H=h),
                                    resume=None, grad_dtype="fp32", momentum_sync="none", overlap=False))
     return [c.replace(out=os.path.join(config.out, c.label)) for c in runs]
 

@@ -130,6 +130,8 @@ class TrainConfig:
     then runs on the pseudo-gradients once per round; ``eval_every`` and ``steps`` must be multiples);
     ``'auto'``: LocalCub picks H from the measured link and compute (``LocalCub(local_steps='auto')``; the
     run stops at the first round's end at or after ``steps``, evaluations by the clock, not ``eval_every``)."""
+    min_local_steps: int = 10
+    """``local_steps='auto'``: the smallest H it picks (the H the outer rule's rate was tuned at)."""
     inner: str = "lion"
     """Local steps: the inner optimizer, ``lion`` or ``adamw``."""
     outer: str = "nesterov"
@@ -337,7 +339,12 @@ def _check_local_steps(config: TrainConfig) -> None:
     for name, default in (("momentum_sync", "none"), ("overlap", False), ("grad_dtype", "fp32")):
         if getattr(config, name) != default:
             raise ValueError(f"{name}={getattr(config, name)!r} is not supported with local_steps > 1")
+    if config.local_steps != "auto" and config.min_local_steps != 10:
+        raise ValueError(f"min_local_steps={config.min_local_steps} applies to local_steps='auto' only")
     if config.local_steps == "auto":
+        if isinstance(config.min_local_steps, bool) or not isinstance(config.min_local_steps, int) \
+                or config.min_local_steps < 1:
+            raise ValueError(f"min_local_steps must be an int >= 1, got {config.min_local_steps!r}")
         if config.eval_every:
             raise ValueError(f"eval_every={config.eval_every} needs a fixed local_steps: with 'auto' a round ends where "
                              "the picked H falls (evaluate by the clock: time_budget with eval_every_s)")

@@ -6,16 +6,22 @@ agreement, for this model's chunks and this aggregation, is priced by the ring �
 when not given), and the pick is the smallest H for which that time is at most ``round_share`` of the
 round's compute::
 
-    H = clamp(ceil(T_round(α, β) / (round_share · t_step)), FIRST_ROUND, max_local_steps)
+    H = clamp(ceil(T_round(α, β) / (round_share · t_step)), min_local_steps, max_local_steps)
 
 so the loop runs at about ``1 / (1 + round_share)`` of its compute-bound step rate (0.91 at the default
-0.1) whatever the link. H is never below the first round's 10 steps: the outer rules and their rates were
-tuned for rounds of 10 steps and more (a Nesterov outer step of 0.7 on a one-step Δ would multiply the
-inner step several-fold), and where the link is that fast a fixed H (or LionCub every step) is the choice. ``t_step`` is measured on the first round, which runs :data:`FIRST_ROUND` steps:
-the median time between consecutive ``step()`` calls (a whole iteration: data, forward, backward and the
-inner step), the slowest rank's (one MAX all-reduce, once). Every rank then computes the same H from the
-same agreed numbers. The pick is kept in :attr:`AutoSteps.steps_pick`, saved in checkpoints and taken back
-on resume.
+0.1) whatever the link.
+
+H is never below ``min_local_steps`` (default 10): the outer rules and their rates were tuned for rounds of
+10 steps and more (a Nesterov outer step of 0.7 on a one-step Δ would multiply the inner step several-fold);
+where the link is that fast, a fixed H (or LionCub every step) is the choice. A setting whose outer rate was
+tuned at a larger H takes that H as its floor (``lioncub train``'s LocalCub row: 50, the H its Nesterov 0.7
+was tuned at): ``'auto'`` then only lengthens rounds where the link makes them costly.
+
+``t_step`` is measured on the first round, which runs ``min_local_steps`` steps (so a run whose floor is its
+tuned H runs exactly that H until the pick): the median time between consecutive ``step()`` calls (a whole
+iteration: data, forward, backward and the inner step), the slowest rank's (one MAX all-reduce, once). Every
+rank then computes the same H from the same agreed numbers. The pick is kept in :attr:`AutoSteps.steps_pick`,
+saved in checkpoints and taken back on resume.
 """
 from __future__ import annotations
 
@@ -33,7 +39,7 @@ from ..engine.cost import calibrate, collective_time
 __all__ = ["AutoSteps", "FIRST_ROUND", "ROUND_SHARE", "MAX_LOCAL_STEPS", "round_seconds", "pick_local_steps"]
 
 FIRST_ROUND = 10
-"""Local steps of the first round of ``local_steps='auto'``, whose iterations are timed."""
+"""The default ``min_local_steps``: the smallest H ``'auto'`` picks, and the first round's length (it is timed)."""
 ROUND_SHARE = 0.1
 """The default ``round_share``: a round's agreement costs at most this fraction of its compute."""
 MAX_LOCAL_STEPS = 500
@@ -66,7 +72,7 @@ class AutoSteps:
     """``local_steps='auto'``: ``{'alpha', 'beta', 'round_share', 'max_local_steps', 'step_s', 'round_s', 'H'}``
     (``step_s``, ``round_s`` and ``H`` None until the first round ends); None for a fixed H."""
 
-    def _init_steps(self, local_steps, round_share, max_local_steps, vote, alpha, beta, gamma
+    def _init_steps(self, local_steps, round_share, max_local_steps, vote, alpha, beta, gamma, min_local_steps=None
                     ) -> tuple[Optional[dict], int]:
         """Check ``local_steps`` and the link's arguments (``alpha``, ``beta``: ``vote='auto'``'s, or
         ``local_steps='auto'``'s); the settings ``'auto'`` starts from (None for a fixed H) and the first round's
@@ -74,8 +80,8 @@ class AutoSteps:
         if local_steps != "auto":
             if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
                 raise ValueError(f"local_steps must be an int >= 1 or 'auto', got {local_steps!r}")
-            if round_share is not None or max_local_steps is not None:
-                raise ValueError("round_share and max_local_steps apply to local_steps='auto' only")
+            if round_share is not None or max_local_steps is not None or min_local_steps is not None:
+                raise ValueError("round_share, min_local_steps and max_local_steps apply to local_steps='auto' only")
             auto.check_auto_args(vote, alpha, beta, gamma)
             return None, local_steps
         if vote == "auto":
@@ -89,8 +95,11 @@ class AutoSteps:
         most = MAX_LOCAL_STEPS if max_local_steps is None else max_local_steps
         if isinstance(most, bool) or not isinstance(most, int) or most < 1:
             raise ValueError(f"max_local_steps must be an int >= 1, got {max_local_steps!r}")
-        return dict(alpha=alpha, beta=beta, round_share=float(share), max_local_steps=most, step_s=None,
-                    round_s=None, H=None), FIRST_ROUND
+        least = FIRST_ROUND if min_local_steps is None else min_local_steps
+        if isinstance(least, bool) or not isinstance(least, int) or not 1 <= least <= most:
+            raise ValueError(f"min_local_steps must be an int in [1, max_local_steps={most}], got {min_local_steps!r}")
+        return dict(alpha=alpha, beta=beta, round_share=float(share), min_local_steps=least, max_local_steps=most,
+                    step_s=None, round_s=None, H=None), least
 
     def _measure_link(self) -> None:
         """α and β of the group's link (calibrated unless given), the same on every rank. Collective; set-up."""
@@ -117,7 +126,8 @@ class AutoSteps:
         chunks = [(sum(pc.size for pc in pieces), len(pieces)) for pieces in self._plan()]
         round_s = round_seconds(self.aggregation, chunks, self.world_size, pick["alpha"], pick["beta"])
         pick.update(step_s=step_s, round_s=round_s,
-                    H=pick_local_steps(round_s, step_s, pick["round_share"], pick["max_local_steps"]))
+                    H=pick_local_steps(round_s, step_s, pick["round_share"], pick["max_local_steps"],
+                                       pick.get("min_local_steps", FIRST_ROUND)))
         self.H, self._marks = pick["H"], []
 
     def _restore_steps(self, saved: Optional[dict]) -> None:
@@ -125,4 +135,4 @@ class AutoSteps:
         if self.steps_pick is None or not saved:
             return
         self.steps_pick = dict(saved)
-        self.H = FIRST_ROUND if saved.get("H") is None else int(saved["H"])
+        self.H = int(saved.get("min_local_steps", FIRST_ROUND)) if saved.get("H") is None else int(saved["H"])

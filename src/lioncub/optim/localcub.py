@@ -114,7 +114,7 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
             agreement costs at most ``round_share`` of the round's compute on the link's α-β model
             (:mod:`lioncub.optim.auto_steps`; ``alpha``/``beta`` given, or measured at construction), at most
             ``max_local_steps``; the pick is in ``steps_pick`` and in checkpoints.
-        round_share, max_local_steps: ``local_steps='auto'`` only (defaults 0.1 and 500).
+        round_share, min_local_steps, max_local_steps: ``local_steps='auto'`` only (defaults 0.1, 10 and 500).
         inner: ``'lion'`` (default), ``'adamw'``, or ``callable(param_groups) -> Optimizer``.
         vote: ``'grad'`` (fp32 all-reduce of Δ, no compression), or a vote method of
             :func:`lioncub.majority_vote`: ``'sign_allreduce'``, ``'gather'``, ``'onebit'``,
@@ -195,10 +195,12 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
         beta: Optional[float] = None,
         gamma: Optional[dict] = None,
         round_share: Optional[float] = None,
+        min_local_steps: Optional[int] = None,
         max_local_steps: Optional[int] = None,
     ):
         check_hyperparameters(lr, betas, weight_decay)
-        self.steps_pick, self.H = self._init_steps(local_steps, round_share, max_local_steps, vote, alpha, beta, gamma)
+        self.steps_pick, self.H = self._init_steps(local_steps, round_share, max_local_steps, vote, alpha, beta, gamma,
+                                                   min_local_steps)
         if tie == "hold":
             raise ValueError("tie='hold' (ties repeat the chunk owner's last vote) is LionCub's: a LocalCub round "
                              "votes once per round; use tie='alternate', 'plus' or 'minus'")

@@ -256,7 +256,8 @@ def _paths() -> dict[str, Callable]:
                                                          outer_lr=0.5, outer_betas=(0.9, 0.99), tie="minus")
     out["localcub sgd outer momentum"] = p(localcub, vote="grad", outer="sgd", outer_momentum=0.9)
     out["localcub scatter mean 2 bits"] = p(localcub, vote="onebit", aggregate="mean", bits=2, error_feedback=True)
-    out["localcub local_steps auto"] = p(localcub, steps=12, local_steps="auto", round_share=0.5, max_local_steps=20,
+    out["localcub local_steps auto"] = p(localcub, steps=12, local_steps="auto", round_share=0.5, min_local_steps=5,
+                                         max_local_steps=20,
                                          alpha=1e-4, beta=1e-9, vote="pbit")
     out["localcub mean delay 1"] = p(localcub, vote="pbit", bits=8, quantizer="l1", aggregate="mean",
                                      error_feedback=True, delay=1)
