@@ -278,3 +278,13 @@ def test_an_abstaining_rank_is_left_out_of_the_vote(vote):
             assert torch.equal(res[rank][0][step], want), (vote, step, rank)
     assert votes.lookup("pbit").partial_vote(None) and not votes.lookup("pbit").partial_vote("l1")
     assert not votes.lookup("onebit").partial_vote(None)
+
+
+def test_an_empty_chunk_exchanges_nothing():
+    from lioncub.comm import CommStats
+    from lioncub.votes.rounds import ScatterMean
+
+    stats = CommStats()
+    agreement, sent = ScatterMean(1, None, 2).launch(torch.zeros(0), [0], head=[0.0], count=1, step=0, generator=None,
+                                                     group=None, stats=stats)
+    assert agreement.result()[0].numel() == 0 and sent.numel() == 0 and stats.n_collectives == 0

@@ -298,6 +298,8 @@ class ScatterMean(RoundAggregation):
     def launch(self, v, sizes, *, head, count, step, generator, group, stats, feedback=False, scales=None,
                owner=None, abstain=False):
         bits, P, n = self.bits, self.world, v.numel()
+        if n == 0:  # (every rank's chunk is the same: none of them exchanges)
+            return Agreement.finished(torch.zeros_like(v), False), torch.zeros_like(v)
         parity = step % 2
         E = owner_span(n, P, bits)
         if owner is None or owner.numel() != E:
