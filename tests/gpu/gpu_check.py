@@ -9,7 +9,7 @@ in order:
 
 * ``backend`` — CUDA tensors take the Triton kernels (else every comparison tests torch ops);
 * ``step_clock`` — ``lioncub train``'s step clock (CUDA events, no device-wide sync) against a host clock;
-* ``kernels_vs_cpu_reference`` — ``tests/test_triton.py`` with ``LIONCUB_TEST_DEVICE=cuda``:
+* ``kernels_vs_cpu_reference`` — ``tests/test_triton*.py`` with ``LIONCUB_TEST_DEVICE=cuda``:
   every Triton kernel on CUDA copies of the inputs against the torch CPU path, bit for bit
   (odd sizes, every lane width, both tie parities, non-finite gradients);
 * ``kernels_vs_torch_cuda`` — the kernels against torch's own CUDA ops on the same tensors.
@@ -111,7 +111,7 @@ def _compare(got: list, want: list, steps: int, exact_only: bool = False) -> dic
 def _exact(vote: str, bits, quantizer) -> bool:
     """Whether LionCub's run of this vote on CUDA must equal its CPU run bit for bit: every vote but the L1
     quantizer's (its scale is a torch reduction, summed in another order on CUDA). The Triton kernels equal the
-    C loops and torch ops bit for bit (tests/test_triton.py), gloo reduces CUDA tensors on the host in the CPU
+    C loops and torch ops bit for bit (tests/test_triton*.py), gloo reduces CUDA tensors on the host in the CPU
     order, and the votes' sums are integers."""
     return quantizer is None
 
@@ -330,13 +330,11 @@ def compile_all(arch: int, quick: bool = False) -> list:
     target = GPUTarget("cuda", arch, 32)
     P, I32, F, I64 = "*fp32", "i32", "fp32", "i64"
     jobs = []
-    for bits in ((4,) if quick else (1, 2, 4, 8)):
-        for even in ((True,) if quick else (True, False)):
-            jobs.append((tk._encode_lanes_kernel, dict(m_ptr=P, g_ptr=P, out_ptr="*u8", bad_ptr="*i32", n=I32, start=I64,
-                                                       beta1=F, alpha=F), dict(EVEN=even, BITS=bits)))
-    for signs in ((True,) if quick else (True, False)):
-        jobs.append((tk._encode_values_kernel, dict(m_ptr=P, g_ptr=P, out_ptr="*i8" if signs else P, bad_ptr="*i32",
-                                                    n=I32, beta1=F, alpha=F), dict(SIGNS=signs)))
+    lanes = [(0, bits, even) for bits in (1, 2, 4, 8) for even in (True, False)]  # MODE 0: packed lanes
+    for mode, bits, even in ([(0, 4, True)] if quick else lanes + [(1, 8, False), (2, 8, False)]):  # int8 signs, c
+        jobs.append((tk._encode_kernel, dict(ints_ptr="*i64", floats_ptr=P, k=I32, total=I64,
+                                             out_ptr=("*u8", "*i8", P)[mode], bad_ptr="*i32"),
+                     dict(MODE=mode, EVEN=even, BITS=bits)))
     for bits in ((4,) if quick else (2, 4, 8)):
         jobs.append((tk._quantize_lanes_kernel, dict(c_ptr=P, out_ptr="*u8", n=I32, nbytes=I32, mult_ptr=P, s=F),
                      dict(BITS=bits)))

@@ -18,16 +18,16 @@ multiply-add** ``fma(α, g, m·β1)`` (``tl.fma``: rounded once, never left to t
 contraction, which every launch turns off: ``enable_fp_fusion=False``, PTX ``.rn`` ops); the
 same for ``m``. The p update ``fma(-lr, u, p·decay)`` is exact whatever
 the contraction, since ``u ∈ {-1, 0, 1}``. So the results equal the torch CPU path bit for
-bit (``tests/test_triton.py`` runs every kernel in Triton's CPU interpreter,
+bit (``tests/test_triton_*.py`` run every kernel in Triton's CPU interpreter,
 ``TRITON_INTERPRET=1``). torch's own CUDA kernels compute ``a + α·b`` as nvcc compiles it
 (contracted to an FMA by default): ``tests/gpu/gpu_check.py`` measures whether that is exact
 on the GPU too and allows at most 1 ulp there.
 
-Tensors of one call form one stream (element ``j`` of the concatenation). The apply kernels take
-every tensor of a call in one launch (a table of the tensors' addresses); the encode kernels
-launch once per tensor, in order on one CUDA stream. A packed byte shared by two tensors is stored whole
-by the first tensor's launch (its missing lanes zero) and OR-ed into by the next one.
-The finite report is one int32 flag on the device that the launches OR into; the call returns
+Tensors of one call form one stream (element ``j`` of the concatenation). The apply and the encode
+kernels take every tensor of a call in one launch (a table of the tensors' addresses). An encode
+program owns whole output bytes, so a packed byte shared by several tensors is assembled by one
+program (each lane from its own tensor, found by :func:`_tensors_of`), never by two launches in turn.
+The finite report is one int32 flag on the device that the programs OR into; the call returns
 ``flag == 0`` (a 0-dim bool tensor, still on the device): nothing waits for the kernels, so an
 encode inside a backward hook does not stall the stream. Whoever needs the answer on the host
 reads it (one sync), once, where it decides.
@@ -37,10 +37,10 @@ CUDA tensor (Triton launches on the *current* device and its current stream, so 
 another GPU would otherwise get the wrong one), with no guard for CPU tensors (the interpreter).
 
 Offsets are int64: each kernel takes its element / byte indices from :func:`_block_offsets`
-(``pid.to(int64)·BLOCK + arange``) and ``start`` as int64 (:func:`_lane_indices`,
+(``pid.to(int64)·BLOCK + arange``) and ``start`` as int64 (:func:`_unit_elements`,
 :func:`_stream_indices`), so tensors and streams past 2^31 elements index correctly (int32
-``pid·BLOCK`` wraps at 2^31). ``tests/test_triton.py`` runs these helpers in the interpreter
-with program ids and starts past 2^31.
+``pid·BLOCK`` wraps at 2^31). ``tests/test_triton_encode.py`` runs these helpers and the encode's
+search in the interpreter with program ids, starts and streams past 2^31.
 
 Import-time note: ``TRITON_INTERPRET=1`` must be set before this module is imported for
 the kernels to run on CPU tensors.
@@ -108,18 +108,41 @@ if triton is not None:
         return pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
 
     @triton.jit
-    def _lane_indices(pid, start, n, PER: tl.constexpr, BLOCK: tl.constexpr):
-        """Program ``pid`` of a lanes kernel, for a tensor of ``n`` elements from element ``start``
-        of the stream (``PER`` lanes a byte): ``(byte, i, first, last)``, all int64 — its BLOCK
-        output bytes (stream byte index, from the byte holding element ``start``), ``i`` the
-        [BLOCK, PER] element index in this tensor of each lane (outside [0, n) for lanes of
-        other tensors), and the tensor's first and last byte."""
-        start = tl.cast(start, tl.int64)
-        first = start // PER
-        last = (start + n - 1) // PER
-        byte = first + _block_offsets(pid, BLOCK)
-        i = byte[:, None] * PER + tl.arange(0, PER)[None, :] - start
-        return byte, i, first, last
+    def _unit_elements(pid, total, PER: tl.constexpr, BLOCK: tl.constexpr):
+        """Program ``pid`` of the encode over a stream of ``total`` elements: ``(unit, j, lo, hi)`` in int64 — its
+        BLOCK output units (bytes of ``PER`` lanes, or elements when ``PER`` is 1), the [BLOCK, PER] stream element
+        of each lane ``j = unit·PER + lane``, and the first and last of them in the stream (``hi < total``)."""
+        unit = _block_offsets(pid, BLOCK)
+        lo = pid.to(tl.int64) * (BLOCK * PER)
+        hi = tl.minimum(lo + BLOCK * PER, tl.cast(total, tl.int64)) - 1
+        return unit, unit[:, None] * PER + tl.arange(0, PER)[None, :], lo, hi
+
+    @triton.jit
+    def _tensor_of(starts_ptr, j, lo, hi):
+        """The tensor holding stream element ``j``: the largest ``t`` in ``[lo, hi]`` with ``starts[t] ≤ j``
+        (``starts`` increasing, ``starts[lo] ≤ j``; ``j`` a scalar or a block, ``lo``/``hi`` scalars). A binary
+        search: each step keeps the half ``[mid, hi]`` or ``[lo, mid − 1]``, ``mid = ⌈(lo + hi)/2⌉``, so the
+        ``hi − lo + 1`` candidates become at most half as many; ``⌈log2(hi − lo + 1)⌉`` steps (the bit length
+        of ``hi − lo``), none when ``lo = hi``."""
+        span = hi - lo
+        lo = j * 0 + lo  # j's shape: each element narrows its own range
+        hi = j * 0 + hi
+        while span > 0:
+            mid = (lo + hi + 1) // 2
+            ok = tl.load(starts_ptr + mid) <= j
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid - 1)
+            span = span // 2
+        return lo
+
+    @triton.jit
+    def _tensors_of(starts_ptr, k, j, lo, hi):
+        """The tensor of each stream element ``j`` (a block) of a program whose elements run from ``lo`` to
+        ``hi``: the tensors of ``lo`` and ``hi`` first (scalar searches over all ``k``), then each element's
+        among those only — no search at all when one tensor holds the whole program."""
+        first = _tensor_of(starts_ptr, lo, 0, k - 1)
+        last = _tensor_of(starts_ptr, hi, first, k - 1)
+        return _tensor_of(starts_ptr, j, first, last)
 
     @triton.jit
     def _stream_indices(pid, start, BLOCK: tl.constexpr):
@@ -128,42 +151,36 @@ if triton is not None:
         i = _block_offsets(pid, BLOCK)
         return i, tl.cast(start, tl.int64) + i
 
-    @triton.jit(do_not_specialize=["n", "start"])  # sizes: one compile per kind
-    def _encode_lanes_kernel(m_ptr, g_ptr, out_ptr, bad_ptr, n, start, beta1, alpha,
-                             EVEN: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
-        # One program: BLOCK output bytes of the stream, from the byte holding element `start`.
-        PER: tl.constexpr = 8 // BITS
-        byte, i, first, last = _lane_indices(tl.program_id(0), start, n, PER, BLOCK)
-        lane = tl.arange(0, PER)
-        inside = (i >= 0) & (i < n)
-        m = tl.load(m_ptr + i, mask=inside, other=0.0)
-        g = tl.load(g_ptr + i, mask=inside, other=0.0)
-        c = tl.fma(alpha, g, m * beta1)
-        if EVEN:
-            on = c >= 0.0
+    @triton.jit(do_not_specialize=["k", "total"])  # sizes: one compile per kind
+    def _encode_kernel(ints_ptr, floats_ptr, k, total, out_ptr, bad_ptr, MODE: tl.constexpr, EVEN: tl.constexpr,
+                       BITS: tl.constexpr, BLOCK: tl.constexpr):
+        # Every tensor of the call in one launch (:func:`_encode`): ints holds the k non-empty tensors' m and g
+        # addresses and their starts in the stream of `total` elements (increasing); floats their β1 and
+        # α = ±(1 − β1). One program: BLOCK output units, whole, so no byte is written by two programs. MODE 0:
+        # bytes of 8/BITS lanes of c ≥ 0 (EVEN) / c > 0, a byte's lanes from as many tensors as hold them;
+        # 1: int8 sign(c) per element; 2: c per element (fp32).
+        PER: tl.constexpr = 8 // BITS if MODE == 0 else 1
+        k64 = tl.cast(k, tl.int64)
+        total64 = tl.cast(total, tl.int64)
+        starts_ptr = ints_ptr + 2 * k64
+        unit, j, lo, hi = _unit_elements(tl.program_id(0), total, PER, BLOCK)
+        inside = j < total64
+        t = _tensors_of(starts_ptr, k64, j, lo, hi)  # [BLOCK, PER]; lanes past `total` (masked): the last tensor
+        i = j - tl.load(starts_ptr + t)  # the element's index in its tensor
+        m = tl.load(tl.load(ints_ptr + t).to(tl.pointer_type(tl.float32)) + i, mask=inside, other=0.0)
+        g = tl.load(tl.load(ints_ptr + k64 + t).to(tl.pointer_type(tl.float32)) + i, mask=inside, other=0.0)
+        c = tl.fma(tl.load(floats_ptr + k64 + t), g, m * tl.load(floats_ptr + t))
+        if MODE == 0:
+            if EVEN:
+                on = c >= 0.0
+            else:
+                on = c > 0.0
+            v = tl.where(inside & on, 1, 0) << (tl.arange(0, PER) * BITS)[None, :]
+            tl.store(out_ptr + unit, tl.sum(v, axis=1).to(tl.uint8), mask=unit * PER < total64)
+        elif MODE == 1:
+            tl.store(out_ptr + j, ((c > 0.0).to(tl.int8) - (c < 0.0).to(tl.int8)), mask=inside)
         else:
-            on = c > 0.0
-        v = tl.where(inside & on, 1, 0) << (lane * BITS)[None, :]
-        b = tl.sum(v, axis=1)
-        valid = byte <= last
-        shared = (byte == first) & (byte * PER != start)  # the previous tensor stored its lanes here
-        b = b | tl.load(out_ptr + byte, mask=valid & shared, other=0).to(tl.int32)
-        tl.store(out_ptr + byte, b.to(tl.uint8), mask=valid)
-        tl.atomic_or(bad_ptr, _nonfinite_any(g))
-
-    @triton.jit(do_not_specialize=["n"])
-    def _encode_values_kernel(m_ptr, g_ptr, out_ptr, bad_ptr, n, beta1, alpha,
-                              SIGNS: tl.constexpr, BLOCK: tl.constexpr):
-        # out_ptr: this tensor's first element of the output (int8 signs or fp32 c).
-        i = _block_offsets(tl.program_id(0), BLOCK)
-        mask = i < n
-        m = tl.load(m_ptr + i, mask=mask, other=0.0)
-        g = tl.load(g_ptr + i, mask=mask, other=0.0)
-        c = tl.fma(alpha, g, m * beta1)
-        if SIGNS:
-            tl.store(out_ptr + i, ((c > 0.0).to(tl.int8) - (c < 0.0).to(tl.int8)), mask=mask)
-        else:
-            tl.store(out_ptr + i, c, mask=mask)
+            tl.store(out_ptr + j, c, mask=inside)
         tl.atomic_or(bad_ptr, _nonfinite_any(g))
 
     @triton.jit(do_not_specialize=["n", "nbytes"])
@@ -290,25 +307,27 @@ def _table(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
 
 
 def _encode(exp_avgs, grads, beta1, maximize, out: Tensor, *, mode: int, bits: int, step: int) -> Tensor:
+    """One launch for every tensor of the call: a program per ``_BLOCK`` output units (bytes of lanes, mode 0;
+    elements, modes 1 and 2) of the stream, each finding the tensor of each of its elements in a small table
+    (:func:`_table`) of the non-empty tensors' addresses and starts, and their β1 and α (fp32, each rounded once
+    from the Python float, as a scalar argument is). The finite flag: one int32 that the programs OR into."""
     k = len(exp_avgs)
-    b1s, mxs = _per_tensor(beta1, k), _per_tensor(maximize, k)
+    live, floats, start = [], [[], []], 0
+    for m, g, b1, mx in zip(exp_avgs, grads, _per_tensor(beta1, k), _per_tensor(maximize, k)):
+        if m.numel():
+            b1 = float(b1)
+            live.append((m.data_ptr(), g.data_ptr(), start))
+            floats[0].append(b1)
+            floats[1].append(-(1.0 - b1) if mx else 1.0 - b1)  # as lion.interpolate
+        start += m.numel()
     bad = torch.zeros((), dtype=torch.int32, device=out.device)  # 0-dim: `bad == 0` is the 0-dim answer
-    start = 0
-    for m, g, b1, mx in zip(exp_avgs, grads, b1s, mxs):
-        n = m.numel()
-        b1 = float(b1)
-        alpha = -(1.0 - b1) if mx else 1.0 - b1  # as lion.interpolate
-        if n == 0:
-            continue
-        if mode == 0:
-            per = 8 // bits
-            nbytes = (start + n - 1) // per - start // per + 1
-            _launch(_encode_lanes_kernel, nbytes, out, m, g, out, bad, n, start, b1, alpha,
-                    EVEN=step % 2 == 0, BITS=bits)
-        else:
-            dst = out.view(torch.int8)[start:start + n] if mode == 1 else out[start:start + n]
-            _launch(_encode_values_kernel, n, out, m, g, dst, bad, n, b1, alpha, SIGNS=mode == 1)
-        start += n
+    if live:
+        per = 8 // bits if mode == 0 else 1
+        ints = [e[column] for column in range(3) for e in live]
+        dst = out.view(torch.int8) if mode == 1 else out
+        _launch(_encode_kernel, -(-start // per), out, _table(ints, torch.int64, out.device),
+                _table(floats[0] + floats[1], torch.float32, out.device), len(live), start, dst, bad, MODE=mode,
+                EVEN=mode == 0 and step % 2 == 0, BITS=bits if mode == 0 else 8)
     return bad == 0  # on the device: no sync
 
 
