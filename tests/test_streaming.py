@@ -331,7 +331,7 @@ def test_one_process_streams_without_a_process_group():
 @pytest.mark.parametrize("kw, match", [
     (dict(delay=2), r"delay \(rounds an outer step is applied late\) must be an int in \[0, 1\], got 2"),
     (dict(delay=True, vote="grad"), "delay .* must be an int in"),
-    (dict(delay=1, vote="onebit"), r"delay=1 overlaps one all-reduce per round: vote must be 'grad' or one of"),
+    (dict(delay=1, vote="onebit"), r"delay=1 keeps the round's exchange in flight: vote must be 'grad', one of"),
     (dict(delay=1, vote="gather"), "got vote='gather'"),
     (dict(delay=1, vote="auto"), "delay=1 needs a fixed vote"),
 ])

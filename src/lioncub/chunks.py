@@ -12,7 +12,7 @@ from typing import Iterable, NamedTuple
 
 from torch import Tensor
 
-__all__ = ["Piece", "plan_chunks", "runs", "chunk_cap", "slices", "pack_slices", "unpack_slices"]
+__all__ = ["Piece", "plan_chunks", "plan_fragments", "runs", "chunk_cap", "slices", "pack_slices", "unpack_slices"]
 
 
 class Piece(NamedTuple):
@@ -47,6 +47,42 @@ def plan_chunks(sizes: Iterable[int], chunk: float, *, align: int = 1, uncut=fro
             run.append(Piece(i, 0, n))
             filled += n
     return chunks + [run] if run or not chunks else chunks
+
+
+def plan_fragments(sizes: Iterable[int], parts: int, chunk: float, *, align: int = 1,
+                   uncut=frozenset()) -> list[list[list[Piece]]]:
+    """Tensors of ``sizes``, in order, as ``parts`` fragments of about equal size, each cut into chunks of at most
+    ``chunk`` elements as :func:`plan_chunks` cuts a model. A fragment is a run of whole tensors and slices: it
+    ends at a tensor's end or, inside a tensor that is not ``uncut``, at a multiple of ``align``; of these places,
+    fragment k ends at the one nearest ``k·total/parts``. ``parts=1`` is :func:`plan_chunks` exactly.
+    ValueError when the tensors cannot be cut into ``parts`` non-empty fragments."""
+    sizes = list(sizes)
+    total = sum(sizes)
+    ends, starts, at = [], [], 0  # the places a fragment may end, in elements from the first tensor's start
+    for i, n in enumerate(sizes):
+        starts.append(at)
+        if not (uncut is True or i in uncut):
+            ends += [at + lo for lo in range(align, n, align)]
+        at += n
+        ends.append(at)
+    cuts = []
+    for k in range(1, parts):
+        later = [e for e in ends if e > (cuts[-1] if cuts else 0) and e < total]
+        if len(later) < parts - k:
+            most = len(cuts) + len(later) + 1
+            raise ValueError(f"fragments must be at most the places these parameters can be cut into ({most} "
+                             f"fragments: whole tensors, or slices of {align} elements), got {parts}")
+        cuts.append(min(later[:len(later) - (parts - k - 1)], key=lambda e: (abs(e - k * total / parts), e)))
+    out, bounds = [], [0] + cuts + [total]
+    for lo, hi in zip(bounds, bounds[1:]):
+        pieces = [Piece(i, max(lo - s, 0), min(hi - s, n)) for i, (s, n) in enumerate(zip(starts, sizes))
+                  if ((s < hi and s + n > lo) if n else (lo <= s < hi or s == hi == total))]
+        chunks = plan_chunks([pc.size for pc in pieces], chunk, align=align,
+                             uncut=True if uncut is True else frozenset(j for j, pc in enumerate(pieces)
+                                                                        if pc.index in uncut))
+        out.append([[Piece(pieces[c.index].index, pieces[c.index].lo + c.lo, pieces[c.index].lo + c.hi) for c in run]
+                    for run in chunks])
+    return out
 
 
 def runs(sizes: Iterable[int], cap: float) -> list[list[int]]:

@@ -55,6 +55,7 @@ from .chunks import pack_slices, slices, unpack_slices
 
 __all__ = ["CommStats", "CollectiveError", "ExternalGroup", "step_context", "all_reduce", "all_reduce_async", "Pending",
            "all_gather", "all_to_all",
+           "all_gather_async", "all_to_all_async", "own_group",
            "broadcast", "broadcast_from_first", "barrier", "all_gather_object", "broadcast_object",
            "device_of", "comm_device", "make_generator", "restore_generator", "clock", "step_stats",
            "REDUCE_OPS"]
@@ -223,29 +224,37 @@ def all_reduce(t: Tensor, group=None, stats: CommStats | None = None, *, step: O
 
 
 class Pending:
-    """An all-reduce in flight (:func:`all_reduce_async`): :meth:`wait` completes it.
+    """A collective in flight (:func:`all_reduce_async`, :func:`all_to_all_async`, :func:`all_gather_async`):
+    :meth:`wait` completes it.
 
     Its bytes and count were recorded when it was launched; :meth:`wait` adds the time it
     blocks (the part of the collective that compute did not hide) to the ``stats`` it is
     given. A second :meth:`wait` returns at once."""
 
-    def __init__(self, t: Tensor, work, step: Optional[int]):
-        self.tensor, self._work, self._step = t, work, step
+    def __init__(self, t: Tensor, work, step: Optional[int], name: str = "all_reduce", out: Optional[Tensor] = None):
+        self.tensor, self._work, self._step, self._name = t, work, step, name
+        self._out = t if out is None else out
 
     @property
     def done(self) -> bool:
         """Whether :meth:`wait` has completed it."""
         return self._work is None
 
+    def ready(self) -> bool:
+        """Whether :meth:`wait` would return at once (the backend's ``is_completed``: a query, no wait and no
+        device synchronisation)."""
+        return self._work is None or bool(self._work.is_completed())
+
     def wait(self, stats: CommStats | None = None) -> Tensor:
-        """Block until the all-reduce is complete; the reduced tensor (reduced in place)."""
+        """Block until the collective is complete; its result (the all-reduce's tensor, reduced in place; the
+        all-to-all's or all-gather's output)."""
         if self._work is not None:
             t0 = clock(stats)
-            _guarded("all_reduce", self.tensor, self._step, self._work.wait)
+            _guarded(self._name, self.tensor, self._step, self._work.wait)
             self._work = None
             if stats is not None:
                 stats.t_collective += clock(stats) - t0
-        return self.tensor
+        return self._out
 
 
 def all_reduce_async(t: Tensor, group=None, stats: CommStats | None = None, *, step: Optional[int] = None,
@@ -266,13 +275,23 @@ def all_reduce_async(t: Tensor, group=None, stats: CommStats | None = None, *, s
 
 def all_gather(t: Tensor, group=None, stats: CommStats | None = None, *, step: Optional[int] = None) -> Tensor:
     """Gather every rank's ``t`` (same shape) into a ``(P, *t.shape)`` tensor."""
+    return all_gather_async(t, group, stats, step=step).wait(stats)
+
+
+def all_gather_async(t: Tensor, group=None, stats: CommStats | None = None, *,
+                     step: Optional[int] = None) -> Pending:
+    """Launch :func:`all_gather` and return at once; ``wait()`` gives the ``(P, *t.shape)`` tensor. ``t`` must
+    not be written until then."""
     _plain("all_gather", group)
     p = _size(group)
+    step = _STEP.get() if step is None else step
+    flat = t.contiguous().reshape(-1)
     out = torch.empty(p * t.numel(), dtype=t.dtype, device=t.device)
     t0 = clock(stats)
-    _guarded("all_gather", t, step, lambda: _all_gather_flat(out, t.contiguous().reshape(-1), group=group))
+    works = []
+    _guarded("all_gather", t, step, lambda: works.append(_all_gather_flat(out, flat, group=group, async_op=True)))
     _record(stats, (p - 1) * t.numel() * t.element_size(), t0)
-    return out.view((p,) + tuple(t.shape))
+    return Pending(flat, works[0], step, "all_gather", out.view((p,) + tuple(t.shape)))
 
 
 def all_to_all(t: Tensor, group=None, stats: CommStats | None = None, *, step: Optional[int] = None) -> Tensor:
@@ -280,13 +299,41 @@ def all_to_all(t: Tensor, group=None, stats: CommStats | None = None, *, step: O
 
     Returns the received parts in rank order, same shape as ``t``.
     """
+    return all_to_all_async(t, group, stats, step=step).wait(stats)
+
+
+def all_to_all_async(t: Tensor, group=None, stats: CommStats | None = None, *,
+                     step: Optional[int] = None) -> Pending:
+    """Launch :func:`all_to_all` and return at once; ``wait()`` gives the received parts. ``t`` must not be
+    written until then."""
     _plain("all_to_all", group)
     p = _size(group)
+    step = _STEP.get() if step is None else step
+    t = t.contiguous()
     out = torch.empty_like(t)
     t0 = clock(stats)
-    _guarded("all_to_all", t, step, lambda: dist.all_to_all_single(out, t.contiguous(), group=group))
+    works = []
+    _guarded("all_to_all", t, step, lambda: works.append(dist.all_to_all_single(out, t, group=group, async_op=True)))
     _record(stats, (p - 1) / p * t.numel() * t.element_size(), t0)
-    return out
+    return Pending(t, works[0], step, "all_to_all", out)
+
+
+def own_group(group, device: torch.device):
+    """A process group of ``group``'s ranks (None: the world) for one user's collectives alone, so that what other
+    code issues meanwhile on other groups never queues behind them. A set-up call, collective over ``group``:
+    made by those ranks only, named after them (torch names such a group by its ranks, so two replica groups get
+    two names; a group made on the world's counter would give both one name, and their collectives could meet).
+    On CUDA its NCCL communicator is made here, by one barrier, not in the first collective. None when ``group``
+    has one rank."""
+    base = group if group is not None else dist.group.WORLD
+    ranks = dist.get_process_group_ranks(base)
+    if len(ranks) == 1:
+        return None
+    local = len(ranks) < dist.get_world_size()
+    made = dist.new_group(ranks, backend=dist.get_backend(base), use_local_synchronization=local)
+    if device.type == "cuda":
+        barrier(made, device)
+    return made
 
 
 def broadcast(t: Tensor, group=None, stats: CommStats | None = None, *, src: int = 0,

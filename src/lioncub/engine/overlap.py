@@ -71,7 +71,6 @@ from contextlib import contextmanager
 from typing import Callable, Iterator, Optional, Union
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from .. import comm
@@ -167,17 +166,8 @@ class VoteDriver:
         self._index = {id(p): i for i, (_, p) in enumerate(opt.param_entries)}
         self.device = comm.device_of([p for _, p in opt.param_entries])
         self._cuda = self.device.type == "cuda"  # every torch.cuda call below is behind this
-        self.group = None  # the votes' own process group
-        if opt.world_size > 1:
-            base = opt.group if opt.group is not None else dist.group.WORLD
-            ranks = dist.get_process_group_ranks(base)
-            # made by the group's ranks only: torch names such a group by its ranks (hashed), so two replica
-            # groups (HSDP, or tensor parallelism beside data parallelism) get two names; a group made with
-            # the world's counter would give both one name, and their collectives could meet (and hang)
-            local = len(ranks) < dist.get_world_size()
-            self.group = dist.new_group(ranks, backend=dist.get_backend(base), use_local_synchronization=local)
-            if self._cuda:  # NCCL makes a communicator on first use: here, not in the first hook
-                comm.barrier(self.group, self.device)
+        # the votes' own process group (two replica groups, as under HSDP, get two: comm.own_group)
+        self.group = comm.own_group(opt.group, self.device) if opt.world_size > 1 else None
         self._thread = _VoteThread() if self.device.type in THREADED_DEVICES else None
         self._side = None  # CUDA: the stream the exchanges run on (made on first use)
         self._applied = None  # CUDA: event after the last step's apply (or discard)

@@ -123,14 +123,16 @@ class RoundCheckpoint:
         if self._pending is not None:  # one agreement per chunk of the round (:meth:`Rounds._plan`)
             results = [agreement.result() for agreement in self._pending]
             pending = dict(d=torch.cat([d for d, _ in results]) if results else torch.zeros(0, device=self.device),
-                           signed=results[0][1] if results else False)
+                           signed=results[0][1] if results else False, fragment=self._pending_fragment)
         sd = super().state_dict()
         counters = dict(rounds=self.rounds, local_step=self.local_step, skipped_rounds=self.skipped_rounds,
                         bad_round=bool(self._bad_round))
         sd[self.state_key] = self.envelope(
             counters, inner=self.inner.state_dict(), vote_requested=self.vote_requested,
-            # inside a round every rank's parameters are its own (a model checkpoint holds one rank's)
-            params=[p.detach().clone() for p in self.params] if self.local_step else None, pending=pending,
+            # inside a round (with fragments, always) every rank's parameters are its own (a model checkpoint holds
+            # one rank's)
+            params=[p.detach().clone() for p in self.params] if self.local_step or self.fragments > 1 else None,
+            pending=pending,
             owner_residuals={str(k): r.clone() for k, r in self.owner_residuals.items()}, steps_pick=self.steps_pick)
         return sd
 
@@ -161,7 +163,9 @@ class RoundCheckpoint:
         self._pending = None
         if pending is not None:
             d = pending["d"].to(self.device)
-            sizes = [sum(pc.size for pc in pieces) for pieces in self._plan()]
+            self._pending_fragment = int(pending.get("fragment", 0))
+            lo, hi = self._fragment_spans()[self._pending_fragment]
+            sizes = [sum(pc.size for pc in pieces) for pieces in self._plan()[lo:hi]]
             if d.numel() != sum(sizes):
                 raise ValueError(f"state_dict's round in flight has {d.numel()} elements; these parameters have "
                                  f"{sum(sizes)}")

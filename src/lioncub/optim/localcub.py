@@ -41,6 +41,21 @@ one round late, and the in-flight round's local progress is carried onto the new
 of the round in flight (the agreed step replaces the worker's own one, never adds to it).
 :meth:`LocalCub.flush` applies the round in flight at once (every replica then holds θ_s).
 
+Streaming in fragments (``delay=1, fragments=F``, Streaming DiLoCo's schedule): the model is cut into F
+fragments of about equal size (:func:`lioncub.chunks.plan_fragments`); fragment j's round ends every H steps,
+staggered, at steps ``(j+1)·H/F`` of each round, and its agreement has the next H/F inner steps to arrive::
+
+    fragment j's round ends:  receive the fragment in flight (launched H/F steps ago), for its elements:
+                                  θ_s ← outer(θ_s, d);  θ_i ← θ_s + (θ_i − o_i)   (its progress since the launch)
+                              Δ_i = θ_s − θ_i over fragment j (H steps of progress);  o_i ← θ_i
+                              launch the agreement of v_i = Δ_i + e_i; e_i ← v_i − C(v_i)
+
+One fragment is in flight at a time, on the link for H/F steps instead of H, so each outer step lands H/F
+steps late rather than a round; the bytes per round are those of ``fragments=1``. The agreements run on a
+process group of their own (:func:`lioncub.comm.own_group`), so the caller's collectives never queue behind
+one in flight; an exchange of two collectives (the scatter mean) launches its second between inner steps, as
+soon as its first is complete (:meth:`~lioncub.votes.rounds.Agreement.advance`).
+
 Example (every rank, inside an initialised process group)::
 
     opt = LocalCub(model.parameters(), lr=1e-4, local_steps=10, vote="onebit",
@@ -151,6 +166,9 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
             round k+1's inner steps and applied at its end (see the module docstring). For
             ``vote='grad'``, ``aggregate='mean'`` and the one-all-reduce votes
             (``'sign_allreduce'``, ``'pbit'``).
+        fragments: F >= 1 (default 1); with ``delay=1``, the model streamed in F fragments whose rounds end
+            staggered, every H/F steps, each agreement applied H/F steps after its launch (the module
+            docstring). ``local_steps`` a multiple of F; not with ``'auto'``.
         model: the module, to name parameters in errors.
 
     Attributes: ``synced`` (the last ``step()`` ended a round: replicas are identical; with
@@ -190,6 +208,7 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
         nonfinite: str = "raise",
         check_every: int = 0,
         delay: int = 0,
+        fragments: int = 1,
         model: Optional[torch.nn.Module] = None,
         alpha: Optional[float] = None,
         beta: Optional[float] = None,
@@ -216,6 +235,7 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
         self.delay = check_int("delay", delay, min(DELAYS), max(DELAYS), what="rounds an outer step is applied late")
         if delay and vote == "auto":
             raise ValueError("delay=1 needs a fixed vote, got vote='auto' (it may pick a vote of several collectives)")
+        self.fragments = self._check_fragments(fragments, local_steps)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
         self.inner = _make_inner(inner, self.param_groups, tuple(betas))
         self._restore_weight_decay()
@@ -237,9 +257,18 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
             config = config.resolved(picked, picked_bits)
         self._set_config(config)
         if self.delay and not self.aggregation.streams:
-            raise ValueError(f"delay=1 overlaps one all-reduce per round: vote must be 'grad' or one of "
-                             f"{votes.STREAMING_VOTES}, got vote={vote!r}")
+            raise ValueError(f"delay=1 keeps the round's exchange in flight: vote must be 'grad', one of "
+                             f"{votes.STREAMING_VOTES}, or 'onebit' with aggregate='mean', got vote={vote!r}")
+        if self.fragments > 1 and not self.aggregation.per_tensor:
+            raise ValueError(f"fragments={self.fragments} needs an aggregation that decides each tensor alone: "
+                             f"vote={vote!r} with quantizer={quantizer!r} scales the whole model at once")
+        if self.fragments > 1:
+            self._plan()  # refuses more fragments than the parameters can be cut into
+        self.stream_group = comm.own_group(self.group, self.device) if self.delay and self.world_size > 1 else None
+        """delay=1: the process group the round's agreements run on (:func:`lioncub.comm.own_group`)."""
         self._pending: Optional[list[Agreement]] = None
+        self._pending_fragment = 0
+        """delay=1: the fragment whose agreements are in flight (0 with one fragment)."""
         self.owner_residuals: dict[int, Tensor] = {}
         """The aggregation's state per chunk of the round, kept from round to round (the scatter mean's owner
         residuals: :meth:`Rounds._owner_state`)."""
@@ -253,6 +282,22 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
         self.last_round_stats = self.last_step_stats = CommStats()
 
     # ------------------------------------------------------------------ settings
+    def _check_fragments(self, fragments, local_steps) -> int:
+        """``fragments``, refused where it cannot stagger: without ``delay=1``, with ``local_steps='auto'``, or
+        when H is not a multiple of it."""
+        fragments = check_int("fragments", fragments, 1, None, what="parts of the model streamed in turn")
+        if fragments == 1:
+            return 1
+        if not self.delay:
+            raise ValueError(f"fragments={fragments} staggers streaming rounds: it needs delay=1")
+        if self.steps_pick is not None:
+            raise ValueError(f"fragments={fragments} needs a fixed local_steps (a round's fragments end every H/F "
+                             "steps), got local_steps='auto'")
+        if self.H % fragments:
+            raise ValueError(f"fragments must divide local_steps={self.H} (a fragment's round ends every H/F steps), "
+                             f"got {fragments}")
+        return fragments
+
     def _set_config(self, config: VoteConfig) -> None:
         """The vote settings and the one vote method object every round uses (None: ``'grad'``)."""
         self.config = config
@@ -277,7 +322,7 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
         state = self.local_state[p]
         if not state:
             state["start"] = p.detach().clone()
-            if self.delay:  # o_i: where this worker's round in flight began
+            if self.delay:  # o_i: where this worker's round in flight began (fragments: its last launch)
                 state["origin"] = p.detach().clone()
             if self.error_feedback:
                 state["residual"] = torch.zeros_like(p, dtype=torch.float32)
@@ -303,9 +348,17 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
         self.local_step += 1
         self.synced = self.local_step == self.H
         self.last_step_stats = comm.step_stats(self.device)
-        if self.synced:
+        if self._pending is not None:  # a later stage of the exchange in flight, launched once the first is done
+            self._advance()
+        ending = self._fragment_ending()
+        if ending is not None:
+            with comm.step_context(self.rounds):  # a failed collective names this round
+                self._fragment_round(ending)
+            self.last_step_stats = self.last_round_stats
+        elif self.synced:
             with comm.step_context(self.rounds):  # a failed collective names this round
                 self._round()
+        if self.synced:
             self.local_step = 0
             if self.steps_pick is not None and self.steps_pick["H"] is None:
                 self._pick_steps()
@@ -350,4 +403,5 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
     # ------------------------------------------------------------------ state
     def fingerprint(self) -> dict:
         return dict(local_steps="auto" if self.steps_pick else self.H, vote=self.vote, bits=self.bits, quantizer=self.quantizer, tie=self.tie,
-                    outer=self.outer, error_feedback=self.error_feedback, aggregate=self.aggregate, delay=self.delay)
+                    outer=self.outer, error_feedback=self.error_feedback, aggregate=self.aggregate, delay=self.delay,
+                    fragments=self.fragments)

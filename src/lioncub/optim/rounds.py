@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .. import comm
-from ..chunks import Piece, chunk_cap, plan_chunks
+from ..chunks import Piece, chunk_cap, plan_fragments
 from ..comm import CommStats
 from ..engine import guard
 from ..votes.rounds import Agreement
@@ -42,10 +42,12 @@ def block_sums(x: Tensor) -> Tensor:
 def abs_means(blocks: list[list[Tensor]], sizes: list[int], device) -> Tensor:
     """Each tensor's mean |v| (float64) from its pieces' :func:`block_sums` in order: the block sums added,
     over the tensor's size. A tensor of one block gets ``v.abs().mean()`` exactly; one of several gets the
-    same value whether its blocks came whole or in slices. An empty tensor's is 0."""
+    same value whether its blocks came whole or in slices. An empty tensor's is 0, and so is one with no pieces
+    (a tensor outside the fragment measured: its size there is 0)."""
     if not sizes:
         return torch.zeros(0, dtype=torch.float64, device=device)
-    sums = torch.stack([torch.cat(parts).sum() for parts in blocks])  # (one block: its value, exactly)
+    sums = torch.stack([torch.cat(parts).sum() if parts else torch.zeros((), dtype=torch.float64, device=device)
+                        for parts in blocks])  # (one block: its value, exactly)
     return sums / torch.tensor([max(n, 1) for n in sizes], dtype=torch.float64, device=device)
 
 
@@ -104,18 +106,28 @@ class Rounds:
         """The round's chunks for this optimizer's parameters: :func:`lioncub.chunks.plan_chunks`, slices cut on
         :data:`SCALE_BLOCK` (so that a tensor's mean |v| is the same sliced or whole) and a non-contiguous
         tensor never cut; one chunk of every tensor when the aggregation does not decide each tensor alone
-        (:attr:`~lioncub.votes.rounds.RoundAggregation.per_tensor`)."""
-        key = (self.round_chunk, SCALE_BLOCK, self.aggregation.per_tensor)
+        (:attr:`~lioncub.votes.rounds.RoundAggregation.per_tensor`). With ``fragments > 1`` the chunks of each
+        fragment in turn (:func:`lioncub.chunks.plan_fragments`; :meth:`_fragment_spans`)."""
+        key = (self.round_chunk, SCALE_BLOCK, self.aggregation.per_tensor, self.fragments)
         if getattr(self, "_round_plan", (None,))[0] != key:
             sizes = [p.numel() for p in self.params]
             if not self.aggregation.per_tensor:
-                plan = [[Piece(i, 0, n) for i, n in enumerate(sizes)]]
+                fragments = [[[Piece(i, 0, n) for i, n in enumerate(sizes)]]]
             else:
                 uncut = frozenset(i for i, p in enumerate(self.params) if not p.is_contiguous())
-                plan = plan_chunks(sizes, chunk_cap(sum(sizes), self.round_chunk), align=SCALE_BLOCK,
-                                        uncut=uncut)
-            self._round_plan = (key, plan)
+                fragments = plan_fragments(sizes, self.fragments, chunk_cap(sum(sizes), self.round_chunk),
+                                           align=SCALE_BLOCK, uncut=uncut)
+            spans, at = [], 0
+            for chunks in fragments:
+                spans.append((at, at + len(chunks)))
+                at += len(chunks)
+            self._round_plan = (key, [chunk for chunks in fragments for chunk in chunks], spans)
         return self._round_plan[1]
+
+    def _fragment_spans(self) -> list[tuple[int, int]]:
+        """Each fragment's chunks in :meth:`_plan`, as ``(first, end)`` indices (one fragment: every chunk)."""
+        self._plan()
+        return self._round_plan[2]
 
     def _measure(self, began: str, plan: list[list[Piece]], aggregation=None) -> Measured:
         """The first pass over the chunks: whether this rank's Δ since ``state[p][began]`` is finite, and each
@@ -131,7 +143,10 @@ class Rounds:
                     blocks[piece.index].append(block_sums(x))
             kept = (delta, v) if len(plan) == 1 else None
             delta = v = x = None  # (freed, views too, before the next chunk's are made)
-        sizes = [p.numel() for p in self.params]
+        sizes = [0] * len(self.params)  # each tensor's elements in ``plan`` (all of it, but in a fragment)
+        for pieces in plan:
+            for pc in pieces:
+                sizes[pc.index] += pc.size
         return Measured(finite, abs_means(blocks, sizes, self.device) if scaled else None, kept)
 
     def _agree(self, head: Optional[Tensor], finite, stats: CommStats) -> guard.Verdict:

@@ -1,12 +1,13 @@
 """Streaming rounds (``delay=1``) of :class:`~lioncub.optim.localcub.LocalCub`, as a mixin.
 
 The end of a streaming round k: wait for round k−1's agreement and take its outer step on θ_s,
-rebase this worker onto it (θ_i ← θ_s − Δ_i^k, o_i ← θ_i), and launch round k's agreement as
-asynchronous all-reduces, one per chunk of the model (:mod:`.rounds`, :mod:`lioncub.votes.rounds`),
-each left in flight for a round. The rule and why it is this one: docs/local_steps.md. The mixin uses
-what LocalCub defines: ``params``, ``state`` (``start`` = θ_s, ``origin`` = o_i), ``world_size``,
-``group``, ``rounds``, ``_pending`` (the chunks' agreements in flight), and the round helpers of
-:class:`~lioncub.optim.rounds.Rounds`.
+rebase this worker onto it (θ_i ← θ_s − Δ_i^k, o_i ← θ_i), and launch round k's agreement
+asynchronously, one exchange per chunk of the model (:mod:`.rounds`, :mod:`lioncub.votes.rounds`),
+each left in flight for a round. With ``fragments=F`` the same happens to one fragment of the model every
+H/F steps, each in flight for H/F steps (:meth:`StreamingRounds._fragment_round`). The rule and why it is
+this one: docs/local_steps.md. The mixin uses what LocalCub defines: ``params``, ``state`` (``start`` = θ_s,
+``origin`` = o_i), ``world_size``, ``stream_group``, ``fragments``, ``rounds``, ``_pending`` (the chunks'
+agreements in flight) and ``_pending_fragment``, and the round helpers of :class:`~lioncub.optim.rounds.Rounds`.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class StreamingRounds:
             previous = None if pending is None else pending[c]
             if pending is not None:
                 pending[c] = None  # (its d is freed with this chunk)
-            launched.append(self._chunk_stream(pieces, seen, verdict, previous, stats))
+            launched.append(self._chunk_stream(pieces, seen, verdict, previous, stats, c))
         if pending is not None:
             self._applied()
         if verdict.bad_ranks:
@@ -45,7 +46,8 @@ class StreamingRounds:
             return
         self._pending = launched
 
-    def _chunk_stream(self, pieces: list[Piece], seen, verdict: guard.Verdict, previous, stats: CommStats):
+    def _chunk_stream(self, pieces: list[Piece], seen, verdict: guard.Verdict, previous, stats: CommStats,
+                      index: int):
         """One chunk of a streaming round's end: ``previous`` (the last round's agreement of this chunk, or
         None) applied to θ_s, the rebase, and this round's agreement of the chunk launched and returned (None
         when the round is not finite everywhere)."""
@@ -59,9 +61,71 @@ class StreamingRounds:
         else:  # nothing in flight (the first round, after a skip or a flush): θ_i stays
             for pc in pieces:
                 _slot(self.local_state[self.params[pc.index]]["origin"], pc).copy_(_slot(self.params[pc.index], pc))
-        agreement, sent = self._launch(v, pieces, verdict.extra, seen.scales, self.world_size, stats)
+        agreement, sent = self._launch(v, pieces, verdict.extra, seen.scales, self.world_size, stats,
+                                       group=self.stream_group, owner=self._owner_state(index, v.numel()))
         self._keep_residuals(v, sent, pieces)
         return agreement
+
+    # ------------------------------------------------------------------ fragments
+    def _fragment_ending(self):
+        """The fragment whose round ends at this inner step (``fragments > 1``: every H/F steps), or None."""
+        if self.fragments == 1:
+            return None
+        every = self.H // self.fragments
+        return self.local_step // every - 1 if self.local_step % every == 0 else None
+
+    def _fragment_round(self, j: int) -> None:
+        """The end of fragment ``j``'s round: the fragment in flight received (:meth:`_receive`), then fragment
+        ``j``'s finite check and head agreed, its Δ_i = θ_s − θ_i over H steps measured and its agreement launched
+        (o_i ← θ_i there, where its progress in flight begins)."""
+        stats = comm.step_stats(self.device)
+        plan, spans = self._plan(), self._fragment_spans()
+        self._receive_pending(stats)
+        lo, hi = spans[j]
+        seen = self._measure("start", plan[lo:hi])
+        verdict = self._agree(self.aggregation.head(seen.scales), seen.finite, stats)
+        if verdict.bad_ranks:
+            self._nonfinite(verdict.bad_ranks)
+            return
+        launched = []
+        for index in range(lo, hi):
+            pieces = plan[index]
+            _, v = seen.kept or self._pseudo_gradient("start", pieces)
+            agreement, sent = self._launch(v, pieces, verdict.extra, seen.scales, self.world_size, stats,
+                                           group=self.stream_group, owner=self._owner_state(index, v.numel()))
+            self._keep_residuals(v, sent, pieces)
+            for pc in pieces:
+                _slot(self.local_state[self.params[pc.index]]["origin"], pc).copy_(_slot(self.params[pc.index], pc))
+            launched.append(agreement)
+            v = sent = None
+        self._pending, self._pending_fragment = launched, j
+        self.last_round_stats = stats
+
+    def _receive_pending(self, stats: CommStats) -> None:
+        """Fragments: wait for the fragment in flight and, over its elements, take the outer step on θ_s and carry
+        this worker's progress since the launch onto it (θ_i ← θ_s + θ_i − o_i); a round is complete when the
+        last fragment's is."""
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        plan, (lo, hi) = self._plan(), self._fragment_spans()[self._pending_fragment]
+        for index, agreement in zip(range(lo, hi), pending):
+            pieces = plan[index]
+            progress = [_slot(self.params[pc.index], pc).float() - _slot(self.local_state[self.params[pc.index]]["origin"],
+                                                                            pc).float() for pc in pieces]
+            self._outer_step(agreement.result(stats), pieces, replicas=False)
+            for pc, moved in zip(pieces, progress):
+                _slot(self.params[pc.index], pc).copy_(_slot(self.local_state[self.params[pc.index]]["start"],
+                                                             pc).float() + moved)
+        if self._pending_fragment == self.fragments - 1:
+            self._applied()
+
+    def _advance(self) -> None:
+        """Between inner steps: launch the next stage of each exchange in flight whose first is complete, in the
+        chunks' order (every rank issues a group's collectives in one order: a chunk waits for the one before)."""
+        for agreement in self._pending:
+            if not agreement.advance():
+                return
 
     def _applied(self) -> None:
         """A round's outer step is complete: count it, and check the replicas' θ_s when due."""
@@ -84,10 +148,16 @@ class StreamingRounds:
     def flush(self) -> None:
         """``delay=1``: wait for the round in flight and apply its outer step now, carrying each
         worker's progress since onto it (called at a round's end: every replica then holds θ_s,
-        as with ``delay=0``). Every rank calls it at the same step; nothing to do otherwise."""
+        as with ``delay=0``). With fragments, the fragment in flight (every replica then holds θ_s plus its
+        progress in the other fragments since their launches; :meth:`agreed` gives θ_s). Every rank calls it at
+        the same step; nothing to do otherwise."""
         if self._pending is None:
             return
         stats = comm.step_stats(self.device)
+        if self.fragments > 1:  # the fragment in flight; the others keep each worker's progress since their launch
+            self._receive_pending(stats)
+            self.last_round_stats = stats
+            return
         pending, self._pending = self._pending, None
         for c, pieces in enumerate(self._plan()):
             agreement, pending[c] = pending[c], None  # (its d is freed with this chunk)

@@ -28,7 +28,8 @@ The contract, in the order a round uses it:
   ``C(v)``: this rank's message in the units of ``v``, what error feedback subtracts
   (``e ← v − C(v)``).
 * the flags a caller plans with: :attr:`signed` (``d`` is a vote, scaled by the learning rate
-  in the outer rule), :attr:`streams` (the exchange is one all-reduce, so it may stay in flight),
+  in the outer rule), :attr:`streams` (the exchange's collectives are launched asynchronously, so it may
+  stay in flight),
   :attr:`lossless` (nothing for error feedback to keep), :attr:`partial` (a rank may send
   nothing and be left out of the mean: what torchft needs).
 """
@@ -53,24 +54,42 @@ __all__ = ["Agreement", "RoundAggregation", "Fp32Mean", "SignVote", "LaneMean", 
 
 
 class Agreement:
-    """A round's agreement: its all-reduce in flight (or none: one rank, an empty vote, an exchange
-    already complete) and ``read``, which turns the reduced buffer into the round's ``d``.
-    :meth:`result` waits (once) and returns ``(d, signed)``; after it only ``d`` is kept."""
+    """A round's agreement: its collective in flight (or none: one rank, an empty vote, an exchange
+    already complete) and ``read``, which turns the collective's result into the round's ``d``, or into the
+    next stage of an exchange of several collectives: another :class:`Agreement`, its collective launched
+    (the scatter mean's all-gather after its all-to-all). :meth:`result` waits for every stage (once) and
+    returns ``(d, signed)``; after it only ``d`` is kept. :meth:`advance` takes the stages whose collectives
+    are already complete, without waiting."""
 
-    def __init__(self, pending: Optional[comm.Pending], read: Callable[[Optional[Tensor]], Tensor], signed: bool):
+    def __init__(self, pending: Optional[comm.Pending], read: Callable[[Optional[Tensor]], object], signed: bool):
         self.pending, self.read, self.signed, self.d = pending, read, signed, None
 
     @classmethod
     def finished(cls, d: Tensor, signed: bool) -> "Agreement":
         """An agreement whose ``d`` is already known (one rank, or restored from a checkpoint)."""
-        done = cls(None, lambda _: d, signed)
+        done = cls(None, None, signed)
         done.d = d
         return done
 
+    def _take(self, stats: Optional[CommStats]) -> None:
+        """The next stage: wait for the collective in flight and read it."""
+        out = self.read(None if self.pending is None else self.pending.wait(stats))
+        if isinstance(out, Agreement):  # the next stage, its collective launched
+            self.pending, self.read = out.pending, out.read
+        else:
+            self.d, self.pending, self.read = out, None, None
+
+    def advance(self) -> bool:
+        """Take every stage whose collective is complete (:meth:`comm.Pending.ready`: no wait); whether ``d``
+        is known. Called between a streaming round's steps, so that a later stage's collective is launched
+        while compute goes on."""
+        while self.d is None and (self.pending is None or self.pending.ready()):
+            self._take(None)
+        return self.d is not None
+
     def result(self, stats: Optional[CommStats] = None) -> tuple[Tensor, bool]:
-        if self.d is None:
-            self.d = self.read(None if self.pending is None else self.pending.wait(stats))
-            self.pending = self.read = None
+        while self.d is None:
+            self._take(stats)
         return self.d, self.signed
 
 
@@ -117,7 +136,8 @@ class RoundAggregation:
 
     @property
     def streams(self) -> bool:
-        """Whether the exchange is one all-reduce that may stay in flight (``delay=1``)."""
+        """Whether the exchange's collectives are launched asynchronously, so that it may stay in flight
+        (``delay=1``): one all-reduce, or stages that :meth:`Agreement.advance` launches as they come."""
         return True
 
     def needs_scales(self, feedback: bool) -> bool:
@@ -266,8 +286,9 @@ class ScatterMean(RoundAggregation):
 
     Levels (:mod:`lioncub.votes.scatter`): ``b = 1`` the sign at ±unit, ``b ≥ 2`` ``2^(b−1) − 1`` levels a side.
     Bytes per rank: ``2(P−1)/P·b/8`` per element, what an all-reduce of ``b``-bit lanes would send, for any P
-    (lanes of summed levels need wider lanes as P grows). Two collectives: not streamed, and every rank must
-    send (not :attr:`partial`)."""
+    (lanes of summed levels need wider lanes as P grows). Two collectives, each launched asynchronously (the
+    all-gather as a second stage of the :class:`Agreement`, so a streaming round keeps both in flight); every rank
+    must send (not :attr:`partial`)."""
 
     name = "scatter_mean"
     BITS = SCATTER_BITS
@@ -276,10 +297,6 @@ class ScatterMean(RoundAggregation):
     def __init__(self, world: int, method: Optional[VoteMethod] = None, bits: int = 1):
         super().__init__(world, method)
         self.bits = bits
-
-    @property
-    def streams(self) -> bool:
-        return False
 
     def needs_scales(self, feedback):
         return True
@@ -311,33 +328,44 @@ class ScatterMean(RoundAggregation):
             to_levels(v[offset:offset + size], unit, bits, parity, q[offset:offset + size])
             offset += size
         msg = codes(q, bits, P * E)
-        got = comm.all_to_all(msg, group, stats) if P > 1 else msg
-        me = dist.get_rank(group) if P > 1 else 0
-        # the owner: exact sums of the levels of its span, their mean, its residual, its own levels
-        mine = spans_in(sizes, me * E, min(n, (me + 1) * E))
-        total = from_codes(got, P * E, bits).view(P, E).sum(0)
-        x = torch.zeros(E, dtype=torch.float32, device=v.device)
-        for t, lo, hi in mine:
-            torch.mul(total[lo:hi], units[t] / count, out=x[lo:hi])
-        x.add_(owner)
-        unit2 = unit_of(piece_scales(x, mine, len(sizes), v.device), bits)
-        w = torch.zeros(E, dtype=torch.float32, device=v.device)
-        for t, lo, hi in mine:
-            to_levels(x[lo:hi], unit2[t], bits, parity, w[lo:hi])
-            x[lo:hi].sub_(w[lo:hi] * unit2[t])
-        owner.copy_(x)  # r ← x − unit'·w (0 beyond the message's end)
-        reply = torch.cat([codes(w, bits, E), unit2.view(torch.uint8)])
-        gathered = comm.all_gather(reply, group, stats) if P > 1 else reply.view(1, -1)
-        C = E * bits // 8
-        d = from_codes(gathered[:, :C].reshape(-1), P * E, bits)[:n]
-        rows = torch.empty((P, 4 * len(sizes)), dtype=torch.uint8, device=v.device)
-        rows = rows.copy_(gathered[:, C:]).view(torch.float32)  # (P, T): every owner's unit'
-        for j in range(P):
-            for t, lo, hi in spans_in(sizes, j * E, min(n, (j + 1) * E)):
-                d[j * E + lo:j * E + hi].mul_(rows[j, t])
-        for unit, qt in zip(units, q.split(sizes)):
+        for unit, qt in zip(units, q.split(sizes)):  # q becomes C(v_i) (the message holds its codes)
             qt.mul_(unit)
-        return Agreement.finished(d, False), q
+        me = dist.get_rank(group) if P > 1 else 0
+        mine = spans_in(sizes, me * E, min(n, (me + 1) * E))
+
+        def owner_stage(got: Tensor) -> Agreement:
+            """On span ``me``'s owner: exact sums of the levels, their mean, its residual, its own levels; the
+            all-gather of every owner's levels and units launched."""
+            total = from_codes(got, P * E, bits).view(P, E).sum(0)
+            x = torch.zeros(E, dtype=torch.float32, device=v.device)
+            for t, lo, hi in mine:
+                torch.mul(total[lo:hi], units[t] / count, out=x[lo:hi])
+            x.add_(owner)
+            unit2 = unit_of(piece_scales(x, mine, len(sizes), v.device), bits)
+            w = torch.zeros(E, dtype=torch.float32, device=v.device)
+            for t, lo, hi in mine:
+                to_levels(x[lo:hi], unit2[t], bits, parity, w[lo:hi])
+                x[lo:hi].sub_(w[lo:hi] * unit2[t])
+            owner.copy_(x)  # r ← x − unit'·w (0 beyond the message's end)
+            reply = torch.cat([codes(w, bits, E), unit2.view(torch.uint8)])
+            if P == 1:
+                return Agreement(None, lambda _: decode(reply.view(1, -1)), False)
+            return Agreement(comm.all_gather_async(reply, group, stats), decode, False)
+
+        def decode(gathered: Tensor) -> Tensor:
+            """d from every owner's levels and units: the same on every rank."""
+            C = E * bits // 8
+            d = from_codes(gathered[:, :C].reshape(-1), P * E, bits)[:n]
+            rows = torch.empty((P, 4 * len(sizes)), dtype=torch.uint8, device=v.device)
+            rows = rows.copy_(gathered[:, C:]).view(torch.float32)  # (P, T): every owner's unit'
+            for j in range(P):
+                for t, lo, hi in spans_in(sizes, j * E, min(n, (j + 1) * E)):
+                    d[j * E + lo:j * E + hi].mul_(rows[j, t])
+            return d
+
+        if P == 1:
+            return Agreement(None, lambda _: owner_stage(msg), False), q
+        return Agreement(comm.all_to_all_async(msg, group, stats), owner_stage, False), q
 
 
 ROUND_AGGREGATIONS: dict[str, type[RoundAggregation]] = {cls.name: cls for cls in (Fp32Mean, SignVote, LaneMean,

@@ -1,0 +1,230 @@
+"""LocalCub's streaming in fragments (``delay=1, fragments=F``) and the exchanges a streaming round keeps in
+flight, on real gloo groups (2-4 workers).
+
+Fragment j's round ends at steps (j+1)·H/F of every round: the fragment in flight is received (θ_s ← outer(θ_s,
+d); θ_i ← θ_s + θ_i − o_i), then fragment j's Δ_i = θ_s − θ_i is launched and o_i ← θ_i (docs/local_steps.md,
+"Streaming in fragments"). The tests write that schedule by hand and hold the optimizer to it element for
+element."""
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lioncub import LocalCub, comm
+from lioncub.chunks import Piece, plan_chunks, plan_fragments
+from lioncub.votes.rounds import ScatterMean
+from lioncub.votes.scatter import owner_span
+from tests.dist import run_workers
+from tests.test_streaming import _flat, _grads, _params, _sgd
+
+LR = 2 ** -6  # SHAPES: 35, 13 and 27 elements, so that with F = 3 each tensor is one fragment
+
+
+# ------------------------------------------------------------------ the fragments' cut (a pure function)
+def test_plan_fragments_cuts_at_tensor_ends_nearest_equal_shares_and_one_part_is_plan_chunks():
+    assert plan_fragments([35, 13, 27], 3, 1 << 20, align=1 << 20) == [[[Piece(0, 0, 35)]], [[Piece(1, 0, 13)]],
+                                                                       [[Piece(2, 0, 27)]]]
+    # 100 elements in 2: the tensor end nearest 50 is 40 (60 is as near; the earlier wins)
+    assert plan_fragments([40, 20, 40], 2, 1000, align=64) == [[[Piece(0, 0, 40)]], [[Piece(1, 0, 20), Piece(2, 0, 40)]]]
+    # inside a tensor a fragment ends only on a multiple of align; each fragment then cut into chunks of <= chunk
+    # (40 in 2: 16 and 24 are as near 20, the earlier wins; the second fragment's 24 elements in chunks of 16)
+    assert plan_fragments([40], 2, 16, align=8) == [[[Piece(0, 0, 16)]], [[Piece(0, 16, 32)], [Piece(0, 32, 40)]]]
+    for sizes, chunk, align in (([5, 0, 7, 100, 3], 16, 4), ([0], 8, 1), ([3, 3], 2, 1)):
+        assert plan_fragments(sizes, 1, chunk, align=align) == [plan_chunks(sizes, chunk, align=align)]
+    with pytest.raises(ValueError, match=r"fragments must be at most the places .* \(2 fragments"):
+        plan_fragments([10, 10], 3, 100, align=64)
+
+
+# ------------------------------------------------------------------ the schedule by hand
+def _fragments_by_hand(rank, world, H, F, steps):
+    """Each step: (θ_i, θ_s, o_i equal the schedule by hand, exactly; θ_s the same on every rank). The fp32
+    mean (``vote='grad'``) and ``outer='sgd'`` with α = 1: θ_s ← θ_s − d, d the ranks' mean of v (one SUM
+    all-reduce, as the optimizer's, then / P)."""
+    params = _params()
+    opt = LocalCub(params, lr=LR, local_steps=H, inner=_sgd, vote="grad", outer="sgd", outer_lr=1.0, delay=1,
+                   fragments=F)
+    theta = [p.detach().clone() for p in params]  # θ_i by hand, per tensor (fragment j = tensor j)
+    start = [t.clone() for t in theta]
+    origin = [t.clone() for t in theta]
+    flight = None  # (fragment, v) in flight
+    checks = []
+    for t in range(1, steps + 1):
+        grads = _grads(params, rank, t)
+        for p, g, mine in zip(params, grads, theta):
+            p.grad = g
+            mine.add_(g, alpha=-LR)  # the inner SGD step (torch's SGD: p.add_(g, alpha=-lr))
+        opt.step()
+        s = t % H or H
+        if s % (H // F) == 0:
+            j = s // (H // F) - 1
+            if flight is not None:
+                k, v = flight
+                total = v.clone()
+                dist.all_reduce(total)
+                progress = theta[k].float() - origin[k].float()
+                start[k].add_(total.div_(world).view(start[k].shape), alpha=-1.0)
+                theta[k] = start[k].float() + progress
+            v = (start[j] - theta[j]).reshape(-1)
+            origin[j] = theta[j].clone()
+            flight = (j, v)
+        starts = _flat(opt.state[p]["start"] for p in params)
+        everyone = [torch.empty_like(starts) for _ in range(world)]
+        dist.all_gather(everyone, starts)
+        checks.append((all(torch.equal(p, m) for p, m in zip(params, theta)),
+                       all(torch.equal(opt.state[p]["start"], x) for p, x in zip(params, start)),
+                       all(torch.equal(opt.state[p]["origin"], x) for p, x in zip(params, origin)),
+                       all(torch.equal(x, everyone[0]) for x in everyone)))
+    return checks, opt.rounds, opt._pending_fragment
+
+
+@pytest.mark.parametrize("H, F", [(6, 3), (3, 3)])
+def test_each_fragment_is_received_h_over_f_steps_after_its_launch_and_carries_its_progress(H, F):
+    for checks, rounds, in_flight in run_workers(_fragments_by_hand, 2, H, F, 4 * H):
+        for t, (theta, start, origin, same) in enumerate(checks, 1):
+            assert theta, f"step {t}: θ_i is not the schedule by hand"
+            assert start, f"step {t}: θ_s is not the schedule by hand"
+            assert origin, f"step {t}: o_i is not where the fragment's launch put it"
+            assert same, f"step {t}: θ_s differs between ranks"
+        assert rounds == 3 and in_flight == F - 1  # the last fragment's round 4 is in flight
+
+
+# ------------------------------------------------------------------ a two-stage exchange kept in flight
+def _scatter_stages(rank, world, bits):
+    """The scatter mean launched, advanced without waiting until its second stage (the all-gather) is in flight,
+    then read: equal, d and the owner's residual, to the same exchange run through at once."""
+    n, sizes = 75, [35, 13, 27]
+    g = torch.Generator().manual_seed(7 + rank)
+    v = torch.randn(n, generator=g)
+    scales = torch.stack([x.abs().mean() for x in v.split(sizes)]).double()
+    head = scales.clone()
+    dist.all_reduce(head)
+    agg = ScatterMean(world, bits=bits)
+    E = owner_span(n, world, bits)
+    group = comm.own_group(None, torch.device("cpu"))
+    out = []
+    for streamed in (False, True):
+        owner = torch.full((E,), 0.01 * (rank + 1))
+        stats = comm.CommStats()
+        agreement, sent = agg.launch(v.clone(), sizes, head=head.tolist(), count=world, step=3, generator=None,
+                                     group=group, stats=stats, feedback=True, scales=scales, owner=owner)
+        stages = [stats.n_collectives]
+        if streamed:
+            deadline = time.monotonic() + 60
+            while stats.n_collectives < 2 and time.monotonic() < deadline:  # only the all-to-all launched so far
+                agreement.advance()
+                time.sleep(0.005)
+            stages.append(stats.n_collectives)
+        d, signed = agreement.result(stats)
+        out.append((d, owner, sent, stages, stats.n_collectives, signed))
+    return out
+
+
+@pytest.mark.parametrize("bits", [1, 4])
+def test_the_scatter_means_all_gather_is_launched_between_steps_and_the_result_is_the_blocking_one(bits):
+    for blocking, streamed in run_workers(_scatter_stages, 3, bits):
+        assert torch.equal(blocking[0], streamed[0]) and torch.equal(blocking[1], streamed[1])
+        assert torch.equal(blocking[2], streamed[2]) and blocking[5] is streamed[5] is False
+        assert blocking[3] == [1] and streamed[3] == [1, 2]  # launch: the all-to-all; advance: the all-gather
+        assert blocking[4] == streamed[4] == 2
+
+
+# ------------------------------------------------------------------ the scatter mean in fragments, resumed
+CONFIGS = [
+    dict(vote="onebit", aggregate="mean", bits=4, error_feedback=True, outer="nesterov", outer_lr=0.7, fragments=3),
+    dict(vote="onebit", aggregate="mean", bits=2, error_feedback=True, outer="nesterov", outer_lr=0.7),
+    dict(vote="pbit", bits=8, quantizer="l1", aggregate="mean", error_feedback=True, inner="adamw", fragments=3),
+]
+
+
+def _resume(rank, world):
+    out = []
+    for cfg in CONFIGS:
+        params = _params(seed=rank)  # different starts: the set-up broadcast aligns them
+        opt = LocalCub(params, lr=1e-2, weight_decay=0.1, local_steps=6, check_every=1, delay=1, **cfg)
+        saved, identical = {}, True
+        for step in range(20):
+            for p, g in zip(params, _grads(params, rank, step)):
+                p.grad = g
+            opt.step()
+            starts = _flat(opt.state[p]["start"] for p in params)
+            everyone = [torch.empty_like(starts) for _ in range(world)]
+            dist.all_gather(everyone, starts)
+            identical &= all(torch.equal(x, everyone[0]) for x in everyone)
+            if step in (6, 7, 11):  # 6, 7: a fragment in flight (its all-gather maybe not launched); 11: a round's end
+                saved[step] = copy.deepcopy(opt.state_dict())
+        opt.flush()
+        final = [p.detach().clone() for p in params]
+        resumed = {}
+        for at, sd in saved.items():
+            params2 = _params(seed=rank)
+            opt2 = LocalCub(params2, lr=1e-2, weight_decay=0.1, local_steps=6, check_every=1, delay=1, **cfg)
+            opt2.load_state_dict(sd)
+            for step in range(at + 1, 20):
+                for p, g in zip(params2, _grads(params2, rank, step)):
+                    p.grad = g
+                opt2.step()
+            opt2.flush()
+            resumed[at] = all(torch.equal(a, b) for a, b in zip(final, params2))
+        out.append((cfg, resumed, opt.rounds, identical, bool(opt.owner_residuals)))
+    return out
+
+
+def test_the_scatter_mean_streams_in_fragments_keeps_replicas_agreed_and_resumes_mid_flight_bit_exact():
+    for res in run_workers(_resume, 3):
+        for cfg, resumed, rounds, identical, owners in res:
+            assert identical, f"θ_s differs between ranks: {cfg}"
+            assert rounds == 3, cfg  # 20 steps of H = 6: three rounds complete (the last by flush)
+            assert owners == (cfg["vote"] == "onebit"), cfg
+            for at, same in resumed.items():
+                assert same, f"resumed from step {at} differs for {cfg}"
+
+
+# ------------------------------------------------------------------ two replica groups
+def _two_groups(rank, world):
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    mine = groups[rank % 2]
+    params = _params(seed=rank % 2)
+    opt = LocalCub(params, lr=1e-2, local_steps=4, vote="onebit", aggregate="mean", bits=4, error_feedback=True,
+                   delay=1, fragments=2, process_group=mine)
+    for step in range(13):
+        for p, g in zip(params, _grads(params, rank, step)):
+            p.grad = g
+        opt.step()
+        loss = torch.ones(1)
+        dist.all_reduce(loss)  # a collective of the caller's on the world, a fragment in flight
+    opt.flush()
+    return _flat(opt.state[p]["start"] for p in params), opt.rounds
+
+
+def test_two_replica_groups_stream_fragments_on_their_own_groups():
+    (s0, r0), (s1, r1), (s2, r2), (s3, r3) = run_workers(_two_groups, 4)
+    assert torch.equal(s0, s2) and torch.equal(s1, s3) and not torch.equal(s0, s1)
+    assert r0 == r1 == r2 == r3 == 3
+
+
+# ------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("kw, match", [
+    (dict(fragments=2, vote="grad"), "fragments=2 staggers streaming rounds: it needs delay=1"),
+    (dict(fragments=0, vote="grad", delay=1), r"fragments \(parts of the model streamed in turn\) must be"),
+    (dict(fragments=4, vote="grad", delay=1, local_steps=6), "fragments must divide local_steps=6"),
+    (dict(fragments=2, vote="grad", delay=1, local_steps="auto", alpha=1e-4, beta=1e-9),
+     "fragments=2 needs a fixed local_steps"),
+    (dict(fragments=2, vote="pbit", bits=4, quantizer="l1", delay=1, local_steps=4),
+     "fragments=2 needs an aggregation that decides each tensor alone"),
+    (dict(fragments=4, vote="grad", delay=1, local_steps=4), r"fragments must be at most the places"),
+])
+def test_bad_fragment_arguments_are_named(kw, match):
+    kw = {"local_steps": 2, **kw}
+    with pytest.raises(ValueError, match=match):
+        LocalCub(_params(), **kw)
+
+
+def test_a_checkpoint_of_other_fragments_is_refused():
+    a = LocalCub(_params(), local_steps=2, vote="grad", delay=1, fragments=2)
+    b = LocalCub(_params(), local_steps=2, vote="grad", delay=1)
+    with pytest.raises(ValueError, match="fragments=2"):
+        b.load_state_dict(a.state_dict())
