@@ -134,9 +134,10 @@ def setup(args, seed: int, data_dir: str):
     return model, loader, val
 
 
-def train_one(args, name: str, lr: float, seed: int, data_dir: str) -> dict:
+def train_one(args, name: str, lr: float, seed: int, data_dir: str, first: bool = False) -> dict:
     """One (method, lr, seed) run on this rank for ``args.budget`` seconds of training time (or ``args.steps``
-    steps), through the harness's loop (:class:`lioncub.harness.loop.Loop`)."""
+    steps), through the harness's loop (:class:`lioncub.harness.loop.Loop`). The regime r is measured before the
+    reference's runs, and before the ``first`` run of the race with ``--regime``."""
     import torch.distributed as dist
 
     from lioncub.harness.loop import Loop
@@ -145,7 +146,7 @@ def train_one(args, name: str, lr: float, seed: int, data_dir: str) -> dict:
     dev = os.environ["GLOO_SOCKET_IFNAME"]
     model, loader, val = setup(args, seed, data_dir)
     n_params = sum(p.numel() for p in model.parameters())
-    regime = measure_regime(model, loader, n_params) if name == REFERENCE else None
+    regime = measure_regime(model, loader, n_params) if name == REFERENCE or (first and args.regime) else None
     compute_s = measure_compute(model, loader)  # every run: the compute-bound step rate it is held against
     method = build_method(name, model, lr, seed)
     dist.barrier()
@@ -184,8 +185,8 @@ def worker(args) -> None:
 
     rank = _runner.init_worker(timeout_s=300)
     with open(_runner.rank_file(args.out_dir, rank, "jsonl"), "a") as f:
-        for name, lr, seed in _runs(args):
-            f.write(json.dumps(train_one(args, name, lr, seed, args.data_dir)) + "\n")
+        for i, (name, lr, seed) in enumerate(_runs(args)):
+            f.write(json.dumps(train_one(args, name, lr, seed, args.data_dir, first=i == 0)) + "\n")
             f.flush()  # a later crash keeps the runs done so far
     dist.destroy_process_group()
 
@@ -380,6 +381,8 @@ def main(argv=None) -> int:
                     help="after the warm-up: constant, or a cosine over the budget (seconds, or --steps)")
     ap.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine: the last lr, as a fraction of the peak")
     ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--regime", action="store_true", help="measure r before the race's first run too (it is "
+                    "always measured before the reference's, lion-ddp, runs)")
     ap.add_argument("--rate", default="1gbit", help="per-direction link rate; 'none' = unshaped")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=4)

@@ -76,7 +76,8 @@ def gpu_link_for(r: float, setting: dict = GPU_SETTING) -> float:
 
 
 def regime_text(runs: list[dict]) -> str:
-    """The measured regime of a race (mean r over the reference's runs) and its GPU counterpart."""
+    """The measured regime of a race (mean r over the runs that measured it: the reference's, and the first with
+    ``--regime``) and its GPU counterpart."""
     rs = [r["regime"] for r in runs if r.get("regime")]
     s = GPU_SETTING
     if not rs:  # an earlier race: r from the step rates, the reference's s/step over the fastest method's, less 1

@@ -97,6 +97,9 @@ def _add_train(sub) -> None:
     p.add_argument("--delay", type=int, choices=(0, 1), default=d.delay,
                    help="local steps: 1 streams rounds, each round's exchange overlapped with the next round's "
                    "inner steps and its outer step applied one round late (default: %(default)s)")
+    p.add_argument("--fragments", type=int, default=d.fragments,
+                   help="local steps with --delay 1: stream the model in this many fragments, their rounds staggered "
+                   "every H/fragments steps (default: %(default)s)")
     p.add_argument("--nodes", type=int, default=d.nodes,
                    help="LionCub: the workers form this many nodes of consecutive ranks; average inside a node, "
                    "vote across nodes (NodeCub; with --link, each node is one namespace behind one shaped link)")

@@ -62,6 +62,8 @@ METHODS = {
     # Streaming DiLoCo's overlap (the fp32 exchange in flight during the next round), as LocalCub(delay=1)
     "streaming-diloco-h50": partial(local.DiLoCo, H=50, delay=1),
     "streaming-diloco-h200": partial(local.DiLoCo, H=200, delay=1),
+    # with Streaming DiLoCo's fragments: 5 of them, one every 10 steps, each applied 10 steps after its launch
+    "streaming-diloco-h50-f5": partial(local.DiLoCo, H=50, delay=1, fragments=5),
     "sparseloco-h10": partial(sparseloco.SparseLoCo, H=10),
     "sparseloco-h50": partial(sparseloco.SparseLoCo, H=50),
     "demo": demo.DeMo,
@@ -75,9 +77,9 @@ METHODS = {
 
 # lcub-<vote>-h<H>-<outer><outer_lr>[-ef][-adamw][-stream]: a LocalCub configuration by name (H: an int, or
 # auto: local_steps='auto', H from the measured link)
-# (-stream: delay=1, the round's agreement in flight during the next round)
+# (-stream: delay=1, the round's agreement in flight during the next round; -stream-f<F>: in F fragments)
 _LOCAL = re.compile(r"lcub-(onebit|gather|pbit4|pbit8l1|mean4|mean8|smean1|smean2|smean4|smean8|grad)-h(\d+|auto)-(sgd|nest|lion)(\d+(?:\.\d+)?)(-ef)?(-adamw)?"
-                    r"(-stream)?")
+                    r"(-stream(?:-f(\d+))?)?")
 _LOCAL_VOTES = {"onebit": dict(vote="onebit"), "gather": dict(vote="gather"), "pbit4": dict(vote="pbit", bits=4),
                 "pbit8l1": dict(vote="pbit", bits=8, quantizer="l1"), "grad": dict(vote="grad"),
                 # the lanes' sums as a quantized mean of Δ (aggregate='mean'), 4- or 8-bit lanes
@@ -91,10 +93,10 @@ def _local_builder(name: str):
     m = _LOCAL.fullmatch(name)
     if m is None:
         return None
-    vote, H, outer, outer_lr, ef, adamw, stream = m.groups()
+    vote, H, outer, outer_lr, ef, adamw, stream, fragments = m.groups()
     return partial(cub.LocalCubMethod, H=H if H == "auto" else int(H), outer={"nest": "nesterov"}.get(outer, outer),
                    outer_lr=float(outer_lr), error_feedback=ef is not None, inner="adamw" if adamw else "lion",
-                   delay=1 if stream else 0, **_LOCAL_VOTES[vote])
+                   delay=1 if stream else 0, **({"fragments": int(fragments)} if fragments else {}), **_LOCAL_VOTES[vote])
 
 
 def options(name: str) -> tuple[type, dict]:
@@ -126,6 +128,6 @@ def _builder(name: str):
     """The registry entry of ``name``, or the LocalCub configuration it spells; ValueError otherwise."""
     builder = METHODS.get(name) or _local_builder(name)
     if builder is None:
-        raise ValueError(f"method must be one of {', '.join(METHODS)} or lcub-<vote>-h<H>-<outer><lr>[-ef][-adamw][-stream]; "
+        raise ValueError(f"method must be one of {', '.join(METHODS)} or lcub-<vote>-h<H>-<outer><lr>[-ef][-adamw][-stream[-f<F>]]; "
                          f"got {name!r}")
     return builder

@@ -96,8 +96,11 @@ class DiLoCo(LocalCubMethod):
     the inner AdamW with the weight decay inside it, as the paper has it. ``delay=1`` is
     Streaming DiLoCo's overlap: the fp32 exchange of round k in flight during round k+1, its
     outer step applied one round late (LocalCub's streaming rounds, docs/local_steps.md); the
-    name becomes ``streaming-diloco-h<H>``. (Streaming DiLoCo's fragments, a slice of the model
-    per sub-round, are not modelled.)"""
+    name becomes ``streaming-diloco-h<H>``. ``fragments=F`` adds Streaming DiLoCo's fragments (LocalCub's
+    ``fragments``: a slice of the model per sub-round, staggered every H/F steps, each outer step applied H/F
+    steps after its launch; ``-f<F>`` in the name). Where the paper mixes the received fragment with the local one
+    (θ ← α·θ_local + (1−α)·θ_global), LocalCub carries the worker's progress since the launch onto the agreed
+    start (α-free); the values travel in fp32, not the paper's 4-bit floats."""
 
     family = "adamw"
 
@@ -106,8 +109,10 @@ class DiLoCo(LocalCubMethod):
         return cls.family
 
     def __init__(self, module: nn.Module, *, lr: float, H: int, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, delay: int = 0, group=None, weight_decay: float = 0.0):
+                 outer_momentum: float = 0.9, delay: int = 0, fragments: int = 1, group=None,
+                 weight_decay: float = 0.0):
         super().__init__(module, lr=lr, H=check_period(H), vote="grad", outer="nesterov", outer_lr=outer_lr,
                          outer_momentum=outer_momentum, inner=partial(_inner_adamw, weight_decay=weight_decay),
-                         delay=delay, group=group)
-        self.H, self.name = H, ("streaming-" if delay else "") + f"diloco-h{H}"
+                         delay=delay, fragments=fragments, group=group)
+        self.H = H
+        self.name = ("streaming-" if delay else "") + f"diloco-h{H}" + (f"-f{fragments}" if fragments > 1 else "")

@@ -145,6 +145,9 @@ class TrainConfig:
     delay: int = 0
     """Local steps: 1 streams rounds (``LocalCub(delay=1)``: each round's exchange overlapped with the
     next round's inner steps; evaluations run on the agreed start θ_s)."""
+    fragments: int = 1
+    """Local steps with ``delay=1``: stream the model in this many fragments, their rounds staggered every
+    H/fragments steps, each exchange in flight for H/fragments steps (``LocalCub(fragments=...)``)."""
     nodes: int = 1
     """LionCub: split the workers into this many nodes of consecutive ranks (equal sizes):
     gradients are averaged inside a node, the vote runs across nodes (``lioncub.NodeCub``).
@@ -267,12 +270,13 @@ class TrainConfig:
         if self.optimizer == "lioncub":
             if self.vote == "grad":  # with local steps: the mean of the pseudo-gradients (DiLoCo's)
                 return (f"lion-grad-{self.grad_dtype}" + (f"-h{self.local_steps}" if self.local else "")
-                        + ("-streaming" if self.delay else ""))
+                        + ("-streaming" if self.delay else "") + (f"-f{self.fragments}" if self.fragments > 1 else ""))
             bits = f"-{self.bits}b" if self.bits else ""
             quant = f"-{self.quantizer}" if self.quantizer else ""
             local = f"-h{self.local_steps}-{self.aggregate}" if self.local else ""
             local += f"-{self.aggregate}" if not self.local and self.aggregate != "vote" else ""
             local += "-streaming" if self.delay else ""
+            local += f"-f{self.fragments}" if self.fragments > 1 else ""
             nodes = f"-{self.nodes}nodes{'' if self.shard else '-unsharded'}" if self.nodes > 1 else ""
             return f"lioncub-{self.vote}{bits}{quant}{local}{nodes}"
         return self.optimizer
@@ -290,7 +294,7 @@ class TrainConfig:
 
 
 _LOCAL_ONLY = {"inner": "lion", "outer": "nesterov", "outer_lr": 1.0, "error_feedback": False, "aggregate": "vote",
-               "delay": 0}
+               "delay": 0, "fragments": 1}
 _STEP_ONLY = {"tie": "alternate", "vote_error_feedback": "none", "stochastic_signs": False, **MEAN_DEFAULTS}
 _LIONCUB_ONLY = {**_STEP_ONLY, "bits": None, "quantizer": None, "momentum_sync": "none", "nonfinite": "raise", "check_every": 0,
                  "overlap": False, "local_steps": 1, "nodes": 1, "shard": True, **_LOCAL_ONLY}
