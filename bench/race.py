@@ -260,7 +260,7 @@ def summarize(runs: list[dict], budget: float, target_method: str = REFERENCE) -
                             bytes_per_step=(last["tx"] - mid["tx"]) / max(1, last["step"] - mid["step"]),
                             target=_crossing(ev, target) if target is not None and ok else None,
                             half=_crossing(ev, half) if half is not None and ok else None,
-                            # the step rate over the compute-bound one (one forward + backward, measured in the run)
+                            # the step rate over the compute-bound one (local AdamW, no communication, measured in the run)
                             rate=r["compute_s"] * last["step"] / last["t"] if r.get("compute_s") and last["t"] else None))
         final, final_std = _mean_std([p["final"] for p in per])
         row = dict(method=name, lr=key[1], seeds=len(rs), final_val=final, final_val_std=final_std,

@@ -8,23 +8,30 @@ REFERENCE = "lion-ddp"
 
 
 def measure_compute(model, loader, repeats: int = 3) -> float:
-    """Seconds of one forward + backward of a batch with no communication: the median over ``repeats``, the slowest
-    rank's (one 8-byte MAX all-reduce). 1 / this is a run's compute-bound step rate, against which its steps per
-    second are held (the inner optimizer's own step is not counted: the share is conservative). The batches are
-    put back, the gradients cleared."""
+    """Seconds of one step of local AdamW with no communication: forward + backward of a batch and an AdamW step,
+    on a copy of the model (the run's own model, gradients and loader are left as they were), after one untimed
+    step that makes AdamW's state; the median over ``repeats``, the slowest rank's (one 8-byte MAX all-reduce).
+    1 / this is a run's compute-bound step rate, against which its steps per second are held (issue 48's
+    definition: the steps per second of local AdamW with no communication, same host, same run)."""
+    import copy
     import statistics
 
     import torch
     import torch.distributed as dist
 
     state = loader.state_dict()
+    local = copy.deepcopy(model)
+    opt = torch.optim.AdamW(local.parameters(), lr=1e-6)
     times = []
-    for _ in range(repeats):
+    for i in range(repeats + 1):
         x, y = loader.next_batch()
         t0 = time.perf_counter()
-        model(x, y)[1].backward()
-        times.append(time.perf_counter() - t0)
-    model.zero_grad(set_to_none=True)
+        local(x, y)[1].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i:
+            times.append(time.perf_counter() - t0)
+    del local, opt
     loader.load_state_dict(state)
     slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
