@@ -22,6 +22,7 @@ STEPS = {"local-adamw-h10": 11, "diloco-h10": 11, "sparseloco-h10": 11, "lcub-gr
          "lcub-mean4-h2-nest0.7-ef-stream": 7, "lcub-smean4-h4-nest0.7-ef-stream-f2": 9}
 PERIOD = {"local-adamw-h10": 10, "diloco-h10": 10, "diloco-h50": 50, "sparseloco-h10": 10, "sparseloco-h50": 50,
           "streaming-diloco-h50": 50, "streaming-diloco-h200": 200, "streaming-diloco-h50-f5": 50,
+          "streaming-diloco-h50-f10": 50,
           "lcub-smean4-h4-nest0.7-ef-stream-f2": 4,
           "lcub-onebit-h2-nest2-ef": 2, "lcub-pbit8l1-h3-lion2-adamw": 3, "lcub-mean4-h2-nest0.7-ef": 2,
           "lcub-grad-h2-nest0.7-adamw-stream": 2, "lcub-mean4-h2-nest0.7-ef-stream": 2}

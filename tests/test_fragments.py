@@ -228,3 +228,21 @@ def test_a_checkpoint_of_other_fragments_is_refused():
     b = LocalCub(_params(), local_steps=2, vote="grad", delay=1)
     with pytest.raises(ValueError, match="fragments=2"):
         b.load_state_dict(a.state_dict())
+
+
+# ------------------------------------------------------------------ lioncub train --delay 1 --fragments F
+@pytest.mark.slow  # ~25 s: two 2-worker runs of gpt-tiny
+def test_lioncub_train_streams_fragments_and_resumes_mid_flight_bit_for_bit(tmp_path, corpus_cache):
+    """--local-steps 4 --delay 1 --fragments 2: a fragment's round ends every 2 steps (bytes sent there), and a
+    run resumed from the checkpoint at step 6 (fragment 0 in flight) reproduces the uninterrupted one's losses."""
+    from tests.test_harness_train import TINY, _losses, _resumed_from, lioncub, read_csv, read_jsonl
+
+    common = [*TINY, "--vote", "onebit", "--bits", "4", "--local-steps", "4", "--inner", "adamw", "--aggregate",
+              "mean", "--error-feedback", "--outer-lr", "0.7", "--delay", "1", "--fragments", "2", "--steps", "12",
+              "--eval-every", "4", "--check-every", "1", "--nproc", "2", "--cache-dir", str(corpus_cache)]
+    full = tmp_path / "full"
+    lioncub("train", *common, "--ckpt-every", "6", "--out", str(full))
+    records = read_jsonl(full / "metrics.jsonl")
+    assert [r["bytes_sent"] > 0 for r in records if r["kind"] == "step"] == [False, True] * 6
+    assert read_csv(full / "summary.csv")[0]["label"] == "lioncub-onebit-4b-h4-mean-streaming-f2"
+    assert _resumed_from(full, 6, tmp_path / "resumed", common) == _losses(records)

@@ -62,8 +62,9 @@ METHODS = {
     # Streaming DiLoCo's overlap (the fp32 exchange in flight during the next round), as LocalCub(delay=1)
     "streaming-diloco-h50": partial(local.DiLoCo, H=50, delay=1),
     "streaming-diloco-h200": partial(local.DiLoCo, H=200, delay=1),
-    # with Streaming DiLoCo's fragments: 5 of them, one every 10 steps, each applied 10 steps after its launch
+    # with Streaming DiLoCo's fragments: F of them, one every 50/F steps, each applied 50/F steps after its launch
     "streaming-diloco-h50-f5": partial(local.DiLoCo, H=50, delay=1, fragments=5),
+    "streaming-diloco-h50-f10": partial(local.DiLoCo, H=50, delay=1, fragments=10),
     "sparseloco-h10": partial(sparseloco.SparseLoCo, H=10),
     "sparseloco-h50": partial(sparseloco.SparseLoCo, H=50),
     "demo": demo.DeMo,
