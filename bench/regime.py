@@ -7,7 +7,7 @@ REFERENCE = "lion-ddp"
 """The race's reference (Lion fp32): it measures r before its runs and, by default, sets the targets."""
 
 
-def measure_compute(model, loader, repeats: int = 3) -> float:
+def measure_compute(model, loader, repeats: int = 8) -> float:
     """Seconds of one step of local AdamW with no communication: forward + backward of a batch and an AdamW step,
     on a copy of the model (the run's own model, gradients and loader are left as they were), after one untimed
     step that makes AdamW's state; the median over ``repeats``, the slowest rank's (one 8-byte MAX all-reduce).
@@ -23,6 +23,7 @@ def measure_compute(model, loader, repeats: int = 3) -> float:
     local = copy.deepcopy(model)
     opt = torch.optim.AdamW(local.parameters(), lr=1e-6)
     times = []
+    dist.barrier()  # every rank computes at once, as in a run (ranks may share the host's cores)
     for i in range(repeats + 1):
         x, y = loader.next_batch()
         t0 = time.perf_counter()
@@ -103,7 +104,8 @@ def regime_text(runs: list[dict]) -> str:
     c = sum(x["compute_s"] for x in rs) / len(rs)
     w = sum(x["allreduce_s"] for x in rs) / len(rs)
     link = gpu_link_for(r)
-    return (f"regime r = {r:.2g} (fp32 all-reduce {w * 1e3:.0f} ms / compute {c * 1e3:.0f} ms per step, measured by "
-            f"{REFERENCE} before its runs); the same r for a GPT on {s['nodes']} nodes of {s['gpu']}s "
+    who = ", ".join(sorted({x["method"] for x in runs if x.get("regime")}))
+    return (f"regime r = {r:.2g} (fp32 all-reduce {w * 1e3:.0f} ms / compute {c * 1e3:.0f} ms per step, measured "
+            f"before the runs of {who}); the same r for a GPT on {s['nodes']} nodes of {s['gpu']}s "
             f"({s['flops']:.0e} FLOP/s effective, {s['tokens_per_gpu']} tokens per GPU per step): a "
             f"{link / 1e9:.3g} Gbit/s link (r = 2(P-1)/P·32·F / (6·T·B), the model size cancels)")
