@@ -337,12 +337,13 @@ def _supervise(config, plan: FTPlan, replicas: list, run: FTRun, budget: float) 
                     run.late.append(r.index)
             for r in replicas:
                 r.down_since = None
-        for r in replicas:  # a replica killed by its armed fault: a scheduled kill, restarted on schedule
-            if r.kill_planned and r.proc.poll() == -signal.SIGKILL and r.down_since is None:
+        for r in replicas:  # one poll a replica: a fault's kill between two polls would read as a failure
+            code = r.proc.poll() if r.proc is not None else None
+            if r.kill_planned and code == -signal.SIGKILL and r.down_since is None:
+                # killed by its armed fault: a scheduled kill, restarted on schedule
                 r.down_since, r.kill_planned = time.time(), False
                 run.kills.append(dict(replica=r.index, wall=r.down_since))
-        for r in replicas:  # a replica that failed on its own is an error of the run, not a scheduled kill
-            if r.proc is not None and r.proc.poll() not in (None, 0) and r.down_since is None:
+            elif code not in (None, 0) and r.down_since is None:  # failed on its own: an error of the run
                 err = r.proc.stderr.read()[-3000:]
                 for other in replicas:
                     if other.proc is not None and other.proc.poll() is None:
