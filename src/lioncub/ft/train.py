@@ -51,6 +51,7 @@ class FTPlan:
     restart_after: float = 5.0
     heartbeat_ms: int = 1000
     timeout_s: float = 10.0  # a collective's limit: the longest a death inside one stalls the others
+    warm_spare: bool = False  # keep a started spare per replica, activated at once when the replica is lost
     rejoin_margin_s: float = 15.0  # no kill later than this (plus restart_after) before the deadline
     link: Optional[str] = None  # a rate (testbed, root), or None: loopback
     faults: tuple = ()  # lioncub.ft.faults specs, REPLICA:ROUND:POINT[:ACTION], each armed in its replica's first life
@@ -84,11 +85,12 @@ def params_digest(params) -> str:
 
 def replica_main(config, replica: int, replicas: int, lighthouse: str, *, host: str = "127.0.0.1",
                  deadline: Optional[float] = None, min_replicas: int = 2, timeout_s: float = 10.0,
-                 faults=()) -> int:
+                 faults=(), standby: bool = False) -> int:
     """One replica's run (see the module docstring); returns the exit code. ``deadline``: the
     wall time after which it asks to stop; None: ``config.time_budget`` seconds after it joined
     (the replicas of a fresh start join at the same commit). ``faults``: the
-    :class:`~lioncub.ft.faults.Fault` s to arm (this replica's only fire)."""
+    :class:`~lioncub.ft.faults.Fault` s to arm (this replica's only fire). ``standby``: a warm spare
+    (:mod:`lioncub.ft.spare`): everything before the Manager is made, then wait to be activated."""
     import torch.distributed as dist
 
     from ..harness.models import build_model, param_groups
@@ -104,6 +106,10 @@ def replica_main(config, replica: int, replicas: int, lighthouse: str, *, host: 
     groups = param_groups(model, lr=config.lr, weight_decay=config.weight_decay, lr_embed=config.lr_embed,
                           lr_head=config.lr_head)
     base_lrs = [g["lr"] for g in groups]
+    if standby:  # a warm spare: ready up to its Manager, which would take the lost replica's place in the quorum
+        from .spare import wait_for_activation
+
+        deadline = wait_for_activation()
     manager = make_manager(str(replica), lighthouse, min_replicas=min_replicas, host=host, timeout_s=timeout_s,
                            quorum_timeout_s=max(60.0, 4 * timeout_s), device=device)
     if config.local_steps == 1:  # LionCub's vote every step, a quorum per step
@@ -174,6 +180,7 @@ class _Replica:
     proc: Optional[subprocess.Popen] = None
     lives: int = 0
     down_since: Optional[float] = None
+    spare: Optional[subprocess.Popen] = None  # its warm spare (lioncub.ft.spare), waiting
     kill_planned: bool = False  # a kill fault is armed in this life: its SIGKILL is a scheduled kill
 
 
@@ -251,7 +258,17 @@ def run_ft(config, plan: FTPlan, replica_argv: list[str], *, budget: float) -> F
             mine = [(spec, f) for spec, f in faults if f.replica == r.index]
             _start(r, [arg for spec, _ in mine for arg in ("--ft-fault", spec)])
             r.kill_planned = any(f.action == "kill" for _, f in mine)
-        _supervise(config, plan, replicas, run, budget)
+        if plan.warm_spare:
+            from .spare import start_spare
+
+            for r in replicas:
+                r.spare = start_spare(r.argv, r.env)
+        try:
+            _supervise(config, plan, replicas, run, budget)
+        finally:
+            for r in replicas:
+                if r.spare is not None:
+                    _kill(r.spare)
     finally:
         if lighthouse_proc is not None:
             _kill(lighthouse_proc)
@@ -278,6 +295,20 @@ def _start(r: _Replica, extra: tuple = ()) -> None:
     r.lives += 1
     r.down_since = None
     r.kill_planned = False
+
+
+def _replace(r: _Replica, deadline: Optional[float]) -> bool:
+    """Activate ``r``'s warm spare as its next life (:func:`lioncub.ft.spare.activate`); False when it has none
+    running."""
+    from .spare import activate
+
+    spare, r.spare = r.spare, None
+    if spare is None or not activate(spare, deadline):
+        if spare is not None:
+            _kill(spare)
+        return False
+    r.proc, r.lives, r.down_since, r.kill_planned = spare, r.lives + 1, None, False
+    return True
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -363,9 +394,15 @@ def _supervise(config, plan: FTPlan, replicas: list, run: FTRun, budget: float) 
             victim = (victim - 1) % plan.replicas
             next_kill += plan.kill_every
         for r in replicas:
-            if r.down_since is not None and now >= r.down_since + plan.restart_after:
+            if r.down_since is not None and _replace(r, deadline):  # a warm spare, at once
+                run.restarts.append(dict(replica=r.index, wall=time.time(), spare=True))
+            elif r.down_since is not None and now >= r.down_since + plan.restart_after:
                 _start(r, ["--ft-deadline", f"{deadline:.3f}"])
                 run.restarts.append(dict(replica=r.index, wall=time.time()))
+            elif plan.warm_spare and r.spare is None and r.proc is not None and _joined_since(config.out, r):
+                from .spare import start_spare
+
+                r.spare = start_spare(r.argv, r.env)  # the next spare, once this life has joined
         if now > hard_stop:
             for r in alive:
                 _kill(r.proc)
@@ -373,93 +410,7 @@ def _supervise(config, plan: FTPlan, replicas: list, run: FTRun, budget: float) 
         time.sleep(0.05)
 
 
-# ---------------------------------------------------------------------- the summary
-def read_logs(out: str, replicas: int) -> list[list[dict]]:
-    logs = []
-    for k in range(replicas):
-        path = os.path.join(out, f"replica_{k}.jsonl")
-        with open(path) as f:
-            logs.append([json.loads(line) for line in f if line.strip()])
-    return logs
-
-
-def summarize(out: str, plan: FTPlan, run: FTRun, *, budget: float) -> dict:
-    """Throughput, stalls per failure, rounds lost or repeated, the end state (see the module docstring)."""
-    logs = read_logs(out, plan.replicas)
-    commits: dict[int, float] = {}  # round -> its earliest commit time on any replica
-    lost_or_repeated, healed_over = 0, 0
-    for log in logs:
-        life: list[tuple[int, int]] = []  # (round, heals) of each commit of this life
-        for rec in log + [dict(kind="start")]:
-            if rec["kind"] == "start":  # a life's rounds must follow one another: none skipped, none twice
-                for (a, heals_a), (b, heals_b) in zip(life, life[1:]):
-                    if b > a + 1 and heals_b > heals_a:  # it did not commit a round its peers did, then healed
-                        healed_over += b - a - 1
-                    elif b != a + 1:
-                        lost_or_repeated += 1
-                life = []
-            elif rec["kind"] == "round":
-                life.append((rec["round"], rec.get("heals", 0)))
-                commits[rec["round"]] = min(commits.get(rec["round"], rec["wall"]), rec["wall"])
-    finals = [next((r for r in reversed(log) if r["kind"] == "final"), None) for log in logs]
-    rounds = sorted(commits)
-    walls = [commits[k] for k in rounds]
-    gaps = [b - a for a, b in zip(walls, walls[1:])]
-    typical = statistics.median(gaps) if gaps else 0.0
-    records = sorted((r for log in logs for r in log if r["kind"] == "round"), key=lambda r: r["wall"])
-    agree = statistics.median([r["stall"] for r in records]) if records else 0.0  # a round's end to its commit
-    contributors = {r["round"]: r["contributors"] for r in records}
-
-    def excess_after(wall: float, skip: Optional[int] = None) -> Optional[float]:
-        """The first commit after ``wall`` (on a replica other than ``skip``): its wait less a typical one."""
-        later = [r for r in records if r["wall"] > wall and r["replica"] != skip]
-        return max(0.0, later[0]["stall"] - agree) if later else None
-
-    stalls = []
-    for kill in run.kills:  # detection (the survivors' wait at the next round end) + the rejoin's commit
-        lost = excess_after(kill["wall"], skip=kill["replica"])
-        joined = [r for r in logs[kill["replica"]] if r["kind"] == "joined" and r["wall"] > kill["wall"]]
-        back = excess_after(joined[0]["wall"] - 1e-6, skip=kill["replica"]) if joined else None
-        stalls.append(None if lost is None else lost + (back or 0.0))
-    rejoin = []
-    for restart in run.restarts:  # from the restart to the commit at which the replica joined
-        joined = [r for r in logs[restart["replica"]] if r["kind"] == "joined" and r["wall"] >= restart["wall"]]
-        rejoin.append(joined[0]["wall"] - restart["wall"] if joined else None)
-    done = [f for f in finals if f is not None]
-    span = walls[-1] - walls[0] if len(walls) > 1 else 0.0
-    summary = dict(
-        rounds=rounds[-1] if rounds else 0, span_s=span, rounds_per_s=(len(walls) - 1) / span if span else 0.0,
-        # the replicas' inner steps that went into committed rounds, per second (a lost replica's are missing)
-        replica_rounds_per_s=sum(contributors.get(k, 0) for k in rounds[1:]) / span if span else 0.0,
-        round_s_median=typical, agree_s_median=agree, kills=len(run.kills), restarts=len(run.restarts),
-        stall_s=stalls, stall_mean_s=statistics.mean([s for s in stalls if s is not None])
-        if any(s is not None for s in stalls) else None,
-        stall_max_s=max([s for s in stalls if s is not None], default=None),
-        rejoin_s=rejoin, uncommitted=max((r.get("uncommitted", 0) for log in logs for r in log), default=0),
-        heals=sum(1 for log in logs for r in log if r["kind"] == "joined" and r.get("heals", 0)),
-        lost_or_repeated_rounds=lost_or_repeated, healed_over_rounds=healed_over,
-        finished=len(done), identical=len({f["digest"] for f in done}) == 1 if done else False,
-        final_round=done[0]["round"] if done else None,
-        val_loss=done[0].get("val_loss") if done else None, budget_s=budget)
-    return summary
-
-
-def format_summary(summary: dict, plan: FTPlan, H: int) -> str:
-    s = summary
-    what = "LionCub (the vote every step)" if H == 1 else "LocalCub"
-    lines = [f"fault-tolerant {what}: {plan.replicas} replicas, kill every {plan.kill_every:g} s "
-             f"(restart after {plan.restart_after:g} s), link {plan.link or 'loopback'}",
-             f"  committed rounds {s['rounds']} in {s['span_s']:.1f} s: {s['rounds_per_s'] * H:.2f} steps/s "
-             f"(H={H}; median round {s['round_s_median']:.2f} s, of which {s['agree_s_median']:.2f} s agreeing), "
-             f"{s['replica_rounds_per_s'] * H:.2f} replica-steps/s",
-             f"  kills {s['kills']}, restarts {s['restarts']}, uncommitted agreements {s['uncommitted']}, "
-             f"lost or repeated rounds {s['lost_or_repeated_rounds']}, rounds taken from a peer by a heal after "
-             f"an uncommitted agreement {s['healed_over_rounds']}"]
-    if s["stall_mean_s"] is not None:
-        lines.append(f"  stall per failure: mean {s['stall_mean_s']:.2f} s, max {s['stall_max_s']:.2f} s")
-    lines.append(f"  replicas finished {s['finished']}, identical at the end: {s['identical']}, "
-                 f"val loss {s['val_loss'] if s['val_loss'] is None else round(s['val_loss'], 4)}")
-    return "\n".join(lines)
+from .summary import format_summary, read_logs, summarize  # noqa: E402  (the run's summary, re-exported)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,58 @@
+"""Warm spares: a replica's replacement, started before it is needed.
+
+A restarted replica spends most of its way back before it can join: a new interpreter imports torch and
+torchft, reads its data and builds its model and optimizer (~10 s on a loaded 2-core host), while the heal
+itself (the quorum and the state from a peer) takes about a second. A warm spare does the first part ahead of
+time: the supervisor (``lioncub train --ft --warm-spare``) keeps, for every replica, a process that has
+done everything up to making its torchft Manager and then waits on its standard input. When the replica is
+lost the supervisor writes one line to its spare (the run's deadline, JSON), and the spare makes its Manager
+under the lost replica's id, joins the next quorum and heals from a peer at once; the supervisor starts the
+next spare for that replica once the replacement has joined (not before: on a small host its start would
+take the CPU the heal needs).
+
+A spare holds no state of the run before it is activated (its model is the seed's initial one; the heal
+replaces it, and its data shard is sought to the healed round), so it can wait any length of time. A spare
+whose standard input closes exits 0 (the run ended without needing it). On a real cluster the spare is a
+process on a spare machine started with the same ``--ft-replica K`` options plus ``--ft-standby``, and
+whatever starts the replacement writes the line.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Optional
+
+__all__ = ["STANDBY_FLAG", "start_spare", "activate", "wait_for_activation"]
+
+STANDBY_FLAG = "--ft-standby"
+"""The replica option that makes it a spare (``lioncub train --ft-replica K --ft-standby``)."""
+
+
+def start_spare(argv: list, env: dict) -> subprocess.Popen:
+    """Start a spare of the replica ``argv`` runs (its options with no faults: a spare's life is not a first life)."""
+    return subprocess.Popen(list(argv) + [STANDBY_FLAG], env=env, start_new_session=True, stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def activate(proc: subprocess.Popen, deadline: Optional[float]) -> bool:
+    """Tell the spare ``proc`` to join now, with the run's ``deadline`` (wall time; None: not yet known). False
+    when the spare is no longer running (the caller then starts a replica the slow way)."""
+    if proc.poll() is not None:
+        return False
+    try:
+        proc.stdin.write(json.dumps({"deadline": deadline}) + "\n")
+        proc.stdin.flush()
+    except (BrokenPipeError, OSError):
+        return False
+    return True
+
+
+def wait_for_activation(stdin=None) -> Optional[float]:
+    """In a spare: block until the supervisor's line arrives; the run's deadline it carries (None: not yet known).
+    Exits the process (status 0) when standard input closes with no line: the spare was not needed."""
+    line = (stdin or sys.stdin).readline()
+    if not line.strip():
+        raise SystemExit(0)
+    deadline = json.loads(line).get("deadline")
+    return None if deadline is None else float(deadline)
