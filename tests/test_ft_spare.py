@@ -10,9 +10,12 @@ import sys
 
 import pytest
 
-pytest.importorskip("torchft")
+from lioncub.ft.spare import activate, wait_for_activation
+from tests.conftest import require
 
-from lioncub.ft.spare import activate, wait_for_activation  # noqa: E402
+# Probed, not imported: torchft imports triton, and a triton imported at collection without TRITON_INTERPRET
+# breaks the kernel tests' interpreter (tests/triton_cases.py).
+require("torchft")
 
 
 def test_a_spare_waits_for_its_line_and_takes_the_deadline_from_it():

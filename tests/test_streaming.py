@@ -267,7 +267,8 @@ def _resume(rank, world):
                 p.grad = g
             opt.step()
             if step in (4, 5):  # 4: mid-round; 5: a round's end, its agreement just launched
-                in_flight = opt._pending is not None and not any(a.pending.done for a in opt._pending)
+                # (an exchange whose collective completed may already have been read between steps: Agreement.advance)
+                in_flight = opt._pending is not None and any(a.d is None for a in opt._pending)
                 saved[step] = (copy.deepcopy(opt.state_dict()), in_flight)
         opt.flush()  # step 11 ends no round: each replica keeps its 2 steps of progress on the new θ_s
         final = [p.detach().clone() for p in params]

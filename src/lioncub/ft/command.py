@@ -70,7 +70,8 @@ def cmd_train_ft(args) -> int:
         except (ConnectionError, QuorumError) as exc:  # what a user fixes: one line, not a traceback
             print(f"lioncub train --ft-replica {args.ft_replica}: {exc}", file=sys.stderr)
             return 1
-    from .train import FTPlan, format_summary, run_ft
+    from .summary import format_summary
+    from .train import FTPlan, run_ft
 
     link = None if args.link is None or args.link.lower() == "none" else args.link.lower()
     plan = FTPlan(replicas=args.replicas, min_replicas=args.min_replicas, kill_every=args.kill_every,

@@ -6,10 +6,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
-from typing import TYPE_CHECKING, Optional
-
-if TYPE_CHECKING:
-    from .train import FTPlan, FTRun
+from typing import Optional
 
 __all__ = ["read_logs", "summarize", "format_summary"]
 
@@ -23,8 +20,9 @@ def read_logs(out: str, replicas: int) -> list[list[dict]]:
     return logs
 
 
-def summarize(out: str, plan: FTPlan, run: FTRun, *, budget: float) -> dict:
-    """Throughput, stalls per failure, rounds lost or repeated, the end state (see the module docstring)."""
+def summarize(out: str, plan, run, *, budget: float) -> dict:
+    """Throughput, stalls per failure, rounds lost or repeated, the end state (see the module docstring);
+    ``plan``: the run's :class:`~lioncub.ft.train.FTPlan`, ``run``: its :class:`~lioncub.ft.train.FTRun`."""
     logs = read_logs(out, plan.replicas)
     commits: dict[int, float] = {}  # round -> its earliest commit time on any replica
     lost_or_repeated, healed_over = 0, 0
@@ -88,7 +86,8 @@ def summarize(out: str, plan: FTPlan, run: FTRun, *, budget: float) -> dict:
     return summary
 
 
-def format_summary(summary: dict, plan: FTPlan, H: int) -> str:
+def format_summary(summary: dict, plan, H: int) -> str:
+    """The summary's lines for the terminal (``plan``: the run's :class:`~lioncub.ft.train.FTPlan`)."""
     s = summary
     what = "LionCub (the vote every step)" if H == 1 else "LocalCub"
     lines = [f"fault-tolerant {what}: {plan.replicas} replicas, kill every {plan.kill_every:g} s "

@@ -25,7 +25,6 @@ import hashlib
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -33,6 +32,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 import torch
+
+from .summary import summarize
 
 LIGHTHOUSE_PORT = 29510
 JOIN_TIMEOUT_MS = 10_000
@@ -408,9 +409,6 @@ def _supervise(config, plan: FTPlan, replicas: list, run: FTRun, budget: float) 
                 _kill(r.proc)
             raise RuntimeError("the replicas did not stop within 2 minutes of the deadline")
         time.sleep(0.05)
-
-
-from .summary import format_summary, read_logs, summarize  # noqa: E402  (the run's summary, re-exported)
 
 
 if __name__ == "__main__":

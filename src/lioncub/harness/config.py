@@ -43,10 +43,9 @@ class TrainConfig:
     model: str = "gpt-mini"
     """Model name, one of ``MODELS``."""
     data: str | None = None
-    """Data set: ``shakespeare`` (text), ``digits`` (images), a directory holding
-    nanoGPT-style ``train.bin``/``val.bin``, a ``.txt`` file (tokenised to bytes), an
-    ``.npz`` image array file (x, y[, x_val, y_val]) or an image folder (class
-    sub-folders). None picks ``shakespeare`` for GPT models and ``digits`` otherwise."""
+    """Data set: ``shakespeare`` (text), ``digits`` (images), a directory of nanoGPT-style ``train.bin``/``val.bin``,
+    a ``.txt`` file (tokenised to bytes), an ``.npz`` image array file (x, y[, x_val, y_val]) or an image folder
+    (class sub-folders). None: ``shakespeare`` for GPT models, ``digits`` otherwise."""
     cache_dir: str = field(default_factory=default_cache_dir)
     """Where ``prepare`` writes train.bin/val.bin for text corpora."""
     steps: int = 250
@@ -107,8 +106,7 @@ class TrainConfig:
     """LionCub every step: the vote's error feedback, ``none``, ``worker``, ``server`` or ``both`` (LionCub's
     ``error_feedback``; ``error_feedback`` above is LocalCub's residual of a round)."""
     stochastic_signs: bool | float = False
-    """LionCub every step: draw each sign with probability by magnitude (a float k: M = k * mean|v|;
-    LionCub's ``stochastic_signs``)."""
+    """LionCub every step: signs drawn by magnitude (a float k: M = k·mean|v|; LionCub's ``stochastic_signs``)."""
     mean_adapt: float = MEAN_DEFAULTS["mean_adapt"]
     """``aggregate='mean'`` every step: the magnitudes' adaptation factor gamma (LionCub's ``mean_adapt``)."""
     mean_range: float = MEAN_DEFAULTS["mean_range"]
@@ -146,8 +144,7 @@ class TrainConfig:
     """Local steps: 1 streams rounds (``LocalCub(delay=1)``: each round's exchange overlapped with the
     next round's inner steps; evaluations run on the agreed start θ_s)."""
     fragments: int = 1
-    """Local steps with ``delay=1``: stream the model in this many fragments, their rounds staggered every
-    H/fragments steps, each exchange in flight for H/fragments steps (``LocalCub(fragments=...)``)."""
+    """Local steps with ``delay=1``: stream the model in this many fragments (``LocalCub(fragments=...)``)."""
     nodes: int = 1
     """LionCub: split the workers into this many nodes of consecutive ranks (equal sizes):
     gradients are averaged inside a node, the vote runs across nodes (``lioncub.NodeCub``).
@@ -275,8 +272,7 @@ class TrainConfig:
             quant = f"-{self.quantizer}" if self.quantizer else ""
             local = f"-h{self.local_steps}-{self.aggregate}" if self.local else ""
             local += f"-{self.aggregate}" if not self.local and self.aggregate != "vote" else ""
-            local += "-streaming" if self.delay else ""
-            local += f"-f{self.fragments}" if self.fragments > 1 else ""
+            local += ("-streaming" if self.delay else "") + (f"-f{self.fragments}" if self.fragments > 1 else "")
             nodes = f"-{self.nodes}nodes{'' if self.shard else '-unsharded'}" if self.nodes > 1 else ""
             return f"lioncub-{self.vote}{bits}{quant}{local}{nodes}"
         return self.optimizer

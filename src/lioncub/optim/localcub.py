@@ -85,7 +85,7 @@ from ..lion import Lion
 from ..validate import check_bool, check_hyperparameters, check_int
 from ..votes.pbit import MEAN_CLIP
 from ..votes.rounds import ROUND_AGGREGATES as AGGREGATES
-from ..votes.rounds import Agreement, check_round_aggregate, round_aggregation, round_bits
+from ..votes.rounds import check_round_aggregate, round_aggregation, round_bits
 from .outer import OUTER_RULES, make_outer
 from .checkpoint import RoundCheckpoint
 from .auto_steps import AutoSteps
@@ -166,9 +166,8 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
             round k+1's inner steps and applied at its end (see the module docstring). For
             ``vote='grad'``, ``aggregate='mean'`` and the one-all-reduce votes
             (``'sign_allreduce'``, ``'pbit'``).
-        fragments: F >= 1 (default 1); with ``delay=1``, the model streamed in F fragments whose rounds end
-            staggered, every H/F steps, each agreement applied H/F steps after its launch (the module
-            docstring). ``local_steps`` a multiple of F; not with ``'auto'``.
+        fragments: F >= 1 (default 1); with ``delay=1``, the model streamed in F fragments, a fragment's round ending
+            every H/F steps, its agreement applied H/F steps later (module docstring); F divides an int H.
         model: the module, to name parameters in errors.
 
     Attributes: ``synced`` (the last ``step()`` ended a round: replicas are identical; with
@@ -235,7 +234,6 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
         self.delay = check_int("delay", delay, min(DELAYS), max(DELAYS), what="rounds an outer step is applied late")
         if delay and vote == "auto":
             raise ValueError("delay=1 needs a fixed vote, got vote='auto' (it may pick a vote of several collectives)")
-        self.fragments = self._check_fragments(fragments, local_steps)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
         self.inner = _make_inner(inner, self.param_groups, tuple(betas))
         self._restore_weight_decay()
@@ -256,19 +254,7 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
             self.round_costs = {k: dict(v, per_step_s=v["total_s"] / self.H) for k, v in costs.items()}
             config = config.resolved(picked, picked_bits)
         self._set_config(config)
-        if self.delay and not self.aggregation.streams:
-            raise ValueError(f"delay=1 keeps the round's exchange in flight: vote must be 'grad', one of "
-                             f"{votes.STREAMING_VOTES}, or 'onebit' with aggregate='mean', got vote={vote!r}")
-        if self.fragments > 1 and not self.aggregation.per_tensor:
-            raise ValueError(f"fragments={self.fragments} needs an aggregation that decides each tensor alone: "
-                             f"vote={vote!r} with quantizer={quantizer!r} scales the whole model at once")
-        if self.fragments > 1:
-            self._plan()  # refuses more fragments than the parameters can be cut into
-        self.stream_group = comm.own_group(self.group, self.device) if self.delay and self.world_size > 1 else None
-        """delay=1: the process group the round's agreements run on (:func:`lioncub.comm.own_group`)."""
-        self._pending: Optional[list[Agreement]] = None
-        self._pending_fragment = 0
-        """delay=1: the fragment whose agreements are in flight (0 with one fragment)."""
+        self._open_streaming(fragments, vote, quantizer)
         self.owner_residuals: dict[int, Tensor] = {}
         """The aggregation's state per chunk of the round, kept from round to round (the scatter mean's owner
         residuals: :meth:`Rounds._owner_state`)."""
@@ -282,22 +268,6 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
         self.last_round_stats = self.last_step_stats = CommStats()
 
     # ------------------------------------------------------------------ settings
-    def _check_fragments(self, fragments, local_steps) -> int:
-        """``fragments``, refused where it cannot stagger: without ``delay=1``, with ``local_steps='auto'``, or
-        when H is not a multiple of it."""
-        fragments = check_int("fragments", fragments, 1, None, what="parts of the model streamed in turn")
-        if fragments == 1:
-            return 1
-        if not self.delay:
-            raise ValueError(f"fragments={fragments} staggers streaming rounds: it needs delay=1")
-        if self.steps_pick is not None:
-            raise ValueError(f"fragments={fragments} needs a fixed local_steps (a round's fragments end every H/F "
-                             "steps), got local_steps='auto'")
-        if self.H % fragments:
-            raise ValueError(f"fragments must divide local_steps={self.H} (a fragment's round ends every H/F steps), "
-                             f"got {fragments}")
-        return fragments
-
     def _set_config(self, config: VoteConfig) -> None:
         """The vote settings and the one vote method object every round uses (None: ``'grad'``)."""
         self.config = config
@@ -348,16 +318,7 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
         self.local_step += 1
         self.synced = self.local_step == self.H
         self.last_step_stats = comm.step_stats(self.device)
-        if self._pending is not None:  # a later stage of the exchange in flight, launched once the first is done
-            self._advance()
-        ending = self._fragment_ending()
-        if ending is not None:
-            with comm.step_context(self.rounds):  # a failed collective names this round
-                self._fragment_round(ending)
-            self.last_step_stats = self.last_round_stats
-        elif self.synced:
-            with comm.step_context(self.rounds):  # a failed collective names this round
-                self._round()
+        self._round_ends()
         if self.synced:
             self.local_step = 0
             if self.steps_pick is not None and self.steps_pick["H"] is None:

@@ -14,17 +14,69 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from typing import Optional
+
 from .. import comm
 from ..chunks import Piece
 from ..comm import CommStats
 from ..engine import guard
+from ..validate import check_int
+from ..votes import STREAMING_VOTES
+from ..votes.rounds import Agreement
 from .rounds import _slot
 
-__all__ = ["StreamingRounds"]
+__all__ = ["StreamingRounds", "check_fragments"]
+
+
+def check_fragments(fragments, delay: int, auto: bool, H: int) -> int:
+    """``fragments``, refused where it cannot stagger: without ``delay=1``, with ``local_steps='auto'`` (``auto``),
+    or when it does not divide ``H``."""
+    fragments = check_int("fragments", fragments, 1, None, what="parts of the model streamed in turn")
+    if fragments == 1:
+        return 1
+    if not delay:
+        raise ValueError(f"fragments={fragments} staggers streaming rounds: it needs delay=1")
+    if auto:
+        raise ValueError(f"fragments={fragments} needs a fixed local_steps (a round's fragments end every H/F "
+                         "steps), got local_steps='auto'")
+    if H % fragments:
+        raise ValueError(f"fragments must divide local_steps={H} (a fragment's round ends every H/F steps), "
+                         f"got {fragments}")
+    return fragments
 
 
 class StreamingRounds:
     """The ``delay=1`` half of LocalCub's round: :meth:`_stream_round`, :meth:`flush` and their helpers."""
+
+    def _open_streaming(self, fragments: int, vote: str, quantizer) -> None:
+        """Set-up: the fragments (:func:`check_fragments`) and the refusals of what cannot stream; the process group
+        the agreements run on (:func:`lioncub.comm.own_group`; with ``delay=1``); nothing in flight."""
+        self.fragments = check_fragments(fragments, self.delay, self.steps_pick is not None, self.H)
+        if self.delay and not self.aggregation.streams:
+            raise ValueError(f"delay=1 keeps the round's exchange in flight: vote must be 'grad', one of "
+                             f"{STREAMING_VOTES}, or 'onebit' with aggregate='mean', got vote={vote!r}")
+        if self.fragments > 1 and not self.aggregation.per_tensor:
+            raise ValueError(f"fragments={self.fragments} needs an aggregation that decides each tensor alone: "
+                             f"vote={vote!r} with quantizer={quantizer!r} scales the whole model at once")
+        if self.fragments > 1:
+            self._plan()  # refuses more fragments than the parameters can be cut into
+        self.stream_group = comm.own_group(self.group, self.device) if self.delay and self.world_size > 1 else None
+        self._pending: Optional[list[Agreement]] = None  # the agreements in flight (one per chunk)
+        self._pending_fragment = 0  # the fragment they are of (0 with one fragment)
+
+    def _round_ends(self) -> None:
+        """After an inner step: a later stage of an exchange in flight launched once its first is done; the end of
+        a fragment's round (every H/F steps) or of a round (every H)."""
+        if self._pending is not None:
+            self._advance()
+        ending = self._fragment_ending()
+        if ending is not None:
+            with comm.step_context(self.rounds):  # a failed collective names this round
+                self._fragment_round(ending)
+            self.last_step_stats = self.last_round_stats
+        elif self.synced:
+            with comm.step_context(self.rounds):
+                self._round()
 
     def _stream_round(self) -> None:
         """The end of a streaming round: per chunk, the previous round's outer step, the rebase and this
