@@ -7,7 +7,6 @@ d); θ_i ← θ_s + θ_i − o_i), then fragment j's Δ_i = θ_s − θ_i is lau
 element."""
 from __future__ import annotations
 
-import copy
 import time
 
 import pytest
@@ -19,7 +18,7 @@ from lioncub.chunks import Piece, plan_chunks, plan_fragments
 from lioncub.votes.rounds import ScatterMean
 from lioncub.votes.scatter import owner_span
 from tests.dist import run_workers
-from tests.test_streaming import _flat, _grads, _params, _sgd
+from tests.test_streaming import _flat, _grads, _params, _resume, _sgd
 
 LR = 2 ** -6  # SHAPES: 35, 13 and 27 elements, so that with F = 3 each tensor is one fragment
 
@@ -140,46 +139,14 @@ CONFIGS = [
 ]
 
 
-def _resume(rank, world):
-    out = []
-    for cfg in CONFIGS:
-        params = _params(seed=rank)  # different starts: the set-up broadcast aligns them
-        opt = LocalCub(params, lr=1e-2, weight_decay=0.1, local_steps=6, check_every=1, delay=1, **cfg)
-        saved, identical = {}, True
-        for step in range(20):
-            for p, g in zip(params, _grads(params, rank, step)):
-                p.grad = g
-            opt.step()
-            starts = _flat(opt.state[p]["start"] for p in params)
-            everyone = [torch.empty_like(starts) for _ in range(world)]
-            dist.all_gather(everyone, starts)
-            identical &= all(torch.equal(x, everyone[0]) for x in everyone)
-            if step in (6, 7, 11):  # 6, 7: a fragment in flight (its all-gather maybe not launched); 11: a round's end
-                saved[step] = copy.deepcopy(opt.state_dict())
-        opt.flush()
-        final = [p.detach().clone() for p in params]
-        resumed = {}
-        for at, sd in saved.items():
-            params2 = _params(seed=rank)
-            opt2 = LocalCub(params2, lr=1e-2, weight_decay=0.1, local_steps=6, check_every=1, delay=1, **cfg)
-            opt2.load_state_dict(sd)
-            for step in range(at + 1, 20):
-                for p, g in zip(params2, _grads(params2, rank, step)):
-                    p.grad = g
-                opt2.step()
-            opt2.flush()
-            resumed[at] = all(torch.equal(a, b) for a, b in zip(final, params2))
-        out.append((cfg, resumed, opt.rounds, identical, bool(opt.owner_residuals)))
-    return out
-
-
 def test_the_scatter_mean_streams_in_fragments_keeps_replicas_agreed_and_resumes_mid_flight_bit_exact():
-    for res in run_workers(_resume, 3):
+    # steps 6, 7: a fragment in flight (its all-gather maybe not launched yet); 11: a round's end
+    for res in run_workers(_resume, 3, CONFIGS, 6, 20, (6, 7, 11)):
         for cfg, resumed, rounds, identical, owners in res:
             assert identical, f"θ_s differs between ranks: {cfg}"
             assert rounds == 3, cfg  # 20 steps of H = 6: three rounds complete (the last by flush)
             assert owners == (cfg["vote"] == "onebit"), cfg
-            for at, same in resumed.items():
+            for at, (_, same) in resumed.items():
                 assert same, f"resumed from step {at} differs for {cfg}"
 
 

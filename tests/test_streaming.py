@@ -256,44 +256,49 @@ RESUME_CONFIGS = [
 ]
 
 
-def _resume(rank, world):
+def _resume(rank, world, configs=RESUME_CONFIGS, H: int = 3, steps: int = 11, saves=(4, 5)):
+    """Per configuration: a run of ``steps`` streaming steps (H = ``H``) saved after each step of ``saves``, each
+    checkpoint resumed to the end; (cfg, {step: (an agreement in flight when saved, the resumed run's parameters
+    equal the uninterrupted run's)}, rounds, θ_s identical on every rank after every step, owner residuals kept)."""
     out = []
-    for cfg in RESUME_CONFIGS:
+    for cfg in configs:
         params = _params(seed=rank)  # different starts: the broadcast aligns them
-        opt = LocalCub(params, lr=1e-2, weight_decay=0.1, local_steps=3, check_every=1, delay=1, **cfg)
-        saved = {}
-        for step in range(11):
+        opt = LocalCub(params, lr=1e-2, weight_decay=0.1, local_steps=H, check_every=1, delay=1, **cfg)
+        saved, identical = {}, True
+        for step in range(steps):
             for p, g in zip(params, _grads(params, rank, step)):
                 p.grad = g
             opt.step()
-            if step in (4, 5):  # 4: mid-round; 5: a round's end, its agreement just launched
+            starts = _flat(opt.state[p]["start"] for p in params)
+            everyone = [torch.empty_like(starts) for _ in range(world)]
+            dist.all_gather(everyone, starts)
+            identical &= all(torch.equal(x, everyone[0]) for x in everyone)
+            if step in saves:
                 # (an exchange whose collective completed may already have been read between steps: Agreement.advance)
                 in_flight = opt._pending is not None and any(a.d is None for a in opt._pending)
                 saved[step] = (copy.deepcopy(opt.state_dict()), in_flight)
-        opt.flush()  # step 11 ends no round: each replica keeps its 2 steps of progress on the new θ_s
+        opt.flush()
         final = [p.detach().clone() for p in params]
-        starts = _flat(opt.state[p]["start"] for p in params)
         resumed = {}
         for at, (sd, in_flight) in saved.items():
             params2 = _params(seed=rank)
-            opt2 = LocalCub(params2, lr=1e-2, weight_decay=0.1, local_steps=3, check_every=1, delay=1, **cfg)
+            opt2 = LocalCub(params2, lr=1e-2, weight_decay=0.1, local_steps=H, check_every=1, delay=1, **cfg)
             opt2.load_state_dict(sd)
-            for step in range(at + 1, 11):
+            for step in range(at + 1, steps):
                 for p, g in zip(params2, _grads(params2, rank, step)):
                     p.grad = g
                 opt2.step()
             opt2.flush()
             resumed[at] = (in_flight, all(torch.equal(a, b) for a, b in zip(final, params2)))
-        sums = starts.double().sum().reshape(1)
-        everyone = [torch.empty_like(sums) for _ in range(world)]
-        dist.all_gather(everyone, sums)
-        out.append((cfg, resumed, opt.rounds, all(torch.equal(s, everyone[0]) for s in everyone)))
+        out.append((cfg, resumed, opt.rounds, identical, bool(opt.owner_residuals)))
     return out
 
 
 def test_resume_mid_round_and_mid_flight_is_bit_exact():
+    # step 4: mid-round; 5: a round's end, its agreement just launched; step 11 ends no round (flush: each replica
+    # keeps its 2 steps of progress on the new θ_s)
     for res in run_workers(_resume, 3):
-        for cfg, resumed, rounds, identical in res:
+        for cfg, resumed, rounds, identical, _ in res:
             assert rounds == 3 and identical, cfg  # 3 round ends, each applied (the last by flush)
             for at, (in_flight, same) in resumed.items():
                 assert same, f"resumed from step {at} differs for {cfg}"

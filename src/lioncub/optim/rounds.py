@@ -97,9 +97,7 @@ class Rounds:
                      index: int = 0) -> None:
         """Chunk ``index`` of a ``delay=0`` round (its buffers freed on return, before the next chunk's are made)."""
         delta, v = seen.kept or self._pseudo_gradient("start", pieces)
-        agreement, sent = self._launch(v, pieces, head, seen.scales, self.world_size, stats,
-                                       owner=self._owner_state(index, v.numel()))
-        self._keep_residuals(v, sent, pieces)
+        agreement = self._send(v, pieces, head, seen.scales, stats, index)
         self._outer_step(agreement.result(stats), pieces)
 
     def _plan(self) -> list[list[Piece]]:
@@ -198,6 +196,15 @@ class Rounds:
                                   scales=None if scales is None else scales[idx], count=count, step=self.rounds,
                                   generator=self.generator, group=self.group if group is None else group,
                                   stats=stats, feedback=self.error_feedback, owner=owner, abstain=abstain)
+
+    def _send(self, v: Tensor, pieces: list[Piece], head: list[float], scales: Optional[Tensor], stats: CommStats,
+              index: int, group=None) -> Agreement:
+        """Chunk ``index``'s exchange over every rank (:meth:`_launch`, with the chunk's owner state) started, and
+        this rank's residual of it kept (:meth:`_keep_residuals`); its agreement."""
+        agreement, sent = self._launch(v, pieces, head, scales, self.world_size, stats, group=group,
+                                       owner=self._owner_state(index, v.numel()))
+        self._keep_residuals(v, sent, pieces)
+        return agreement
 
     def _owner_state(self, index: int, n: int) -> Optional[Tensor]:
         """This rank's state for chunk ``index`` (``n`` elements) that the aggregation keeps from round to round

@@ -113,10 +113,7 @@ class StreamingRounds:
         else:  # nothing in flight (the first round, after a skip or a flush): θ_i stays
             for pc in pieces:
                 _slot(self.local_state[self.params[pc.index]]["origin"], pc).copy_(_slot(self.params[pc.index], pc))
-        agreement, sent = self._launch(v, pieces, verdict.extra, seen.scales, self.world_size, stats,
-                                       group=self.stream_group, owner=self._owner_state(index, v.numel()))
-        self._keep_residuals(v, sent, pieces)
-        return agreement
+        return self._send(v, pieces, verdict.extra, seen.scales, stats, index, group=self.stream_group)
 
     # ------------------------------------------------------------------ fragments
     def _fragment_ending(self):
@@ -127,7 +124,7 @@ class StreamingRounds:
         return self.local_step // every - 1 if self.local_step % every == 0 else None
 
     def _fragment_round(self, j: int) -> None:
-        """The end of fragment ``j``'s round: the fragment in flight received (:meth:`_receive`), then fragment
+        """The end of fragment ``j``'s round: the fragment in flight received (:meth:`_receive_pending`), then fragment
         ``j``'s finite check and head agreed, its Δ_i = θ_s − θ_i over H steps measured and its agreement launched
         (o_i ← θ_i there, where its progress in flight begins)."""
         stats = comm.step_stats(self.device)
@@ -143,13 +140,10 @@ class StreamingRounds:
         for index in range(lo, hi):
             pieces = plan[index]
             _, v = seen.kept or self._pseudo_gradient("start", pieces)
-            agreement, sent = self._launch(v, pieces, verdict.extra, seen.scales, self.world_size, stats,
-                                           group=self.stream_group, owner=self._owner_state(index, v.numel()))
-            self._keep_residuals(v, sent, pieces)
+            launched.append(self._send(v, pieces, verdict.extra, seen.scales, stats, index, group=self.stream_group))
             for pc in pieces:
                 _slot(self.local_state[self.params[pc.index]]["origin"], pc).copy_(_slot(self.params[pc.index], pc))
-            launched.append(agreement)
-            v = sent = None
+            v = None
         self._pending, self._pending_fragment = launched, j
         self.last_round_stats = stats
 
