@@ -11,6 +11,7 @@ them and gathers their ``ft_summary.json`` into one JSON with the comparison::
      "compare": {"steps_per_s_kept", "replica_steps_per_s_kept", "val_loss": {...}, ...}}
 
     sudo OMP_NUM_THREADS=1 PYTHONPATH=src python3 -m bench.fault_tolerance            # ~4 min a run
+    ... -m bench.fault_tolerance --method vote --warm-spare 2 --out bench/results/fault_tolerance_vote_spares.json
     ... -m bench.fault_tolerance --seeds 0 --budget 30 --model gpt-tiny --link none --out /tmp/ft.json
 
 Writes bench/results/fault_tolerance.json (bench/README.md, "A lost replica").
@@ -29,10 +30,25 @@ import tempfile
 from bench import _runner
 
 
+METHODS = {
+    "localcub": [],  # lioncub train --ft's default: the comparison's LocalCub (H = 50)
+    "vote": ["--optimizer", "lioncub", "--vote", "pbit", "--local-steps", "1"],  # LionCub's vote every step
+}
+"""``--method``: the training options each adds to ``lioncub train --ft``."""
+
+
+def local_steps(method: str) -> int:
+    from lioncub.harness.compare import LOCALCUB
+
+    return 1 if method == "vote" else LOCALCUB["local_steps"]
+
+
 def run_argv(args, seed: int, kill_every: float, out: str) -> list[str]:
-    argv = ["lioncub", "train", "--ft", "--model", args.model, "--budget", str(args.budget), "--seed", str(seed),
-            "--replicas", str(args.replicas), "--kill-every", f"{kill_every:g}", "--restart-after",
+    argv = ["lioncub", "train", "--ft", *METHODS[args.method], "--model", args.model, "--budget", str(args.budget),
+            "--seed", str(seed), "--replicas", str(args.replicas), "--kill-every", f"{kill_every:g}", "--restart-after",
             f"{args.restart_after:g}", "--heartbeat-ms", str(args.heartbeat_ms), "--out", out, "--no-progress"]
+    if args.warm_spare:
+        argv += ["--warm-spare", str(args.warm_spare)]
     if args.link != "none":
         argv += ["--link", args.link]
     return argv
@@ -41,10 +57,9 @@ def run_argv(args, seed: int, kill_every: float, out: str) -> list[str]:
 def r_estimate(summary: dict, args, n_params: int) -> dict:
     """The regime r: a ring fp32 all-reduce of the gradient on this link over one inner step's compute
     (a round's time less its agreement, over H)."""
-    from lioncub.harness.compare import LOCALCUB
     from lioncub.testbed import parse_rate
 
-    H = LOCALCUB["local_steps"]
+    H = local_steps(args.method)
     compute = (summary["round_s_median"] - summary["agree_s_median"]) / H
     if args.link in ("none", "unshaped"):
         return dict(compute_s=compute, allreduce_s=None, r=None)
@@ -60,18 +75,26 @@ def mean_std(xs):
     return dict(mean=statistics.mean(xs), std=statistics.stdev(xs) if len(xs) > 1 else 0.0, n=len(xs))
 
 
+def kill_to_join(run: dict) -> list:
+    """Each kill to the commit at which that replica's next life joined (older records: its restart's delay plus
+    the restart to that commit)."""
+    s = run["summary"]
+    if "kill_to_join_s" in s:
+        return s["kill_to_join_s"]
+    return [None if back is None else back + r["wall"] - k["wall"]
+            for k, r, back in zip(run["kills"], run["restarts"], s["rejoin_s"])]
+
+
 def table(result: dict) -> str:
     """The runs and their comparison as markdown (bench/README.md, "A lost replica")."""
-    from lioncub.harness.compare import LOCALCUB
-
-    H = LOCALCUB["local_steps"]
+    H = result.get("local_steps", 50)
     lines = ["| seed | kills | steps/s | replica-steps/s | round (agree) s | stall per failure mean / max s "
-             "| rejoin s | uncommitted | lost/repeated rounds | identical | val loss |",
+             "| kill to join s | uncommitted | lost/repeated rounds | identical | val loss |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in result["runs"]:
         s = run["summary"]
         stall = (f"{s['stall_mean_s']:.2f} / {s['stall_max_s']:.2f}" if s["stall_mean_s"] is not None else "-")
-        rejoin = [x for x in s["rejoin_s"] if x is not None]
+        rejoin = [x for x in kill_to_join(run) if x is not None]
         rejoin = f"{statistics.mean(rejoin):.1f}" if rejoin else "-"
         lines.append(f"| {run['seed']} | {s['kills']} | {s['rounds_per_s'] * H:.2f} | {s['replica_rounds_per_s'] * H:.2f} "
                      f"| {s['round_s_median']:.2f} ({s['agree_s_median']:.2f}) | {stall} | {rejoin} | {s['uncommitted']} "
@@ -99,6 +122,10 @@ def main(argv=None) -> None:
     ap.add_argument("--heartbeat-ms", type=int, default=1000, help="the lighthouse's heartbeat timeout")
     ap.add_argument("--replicas", type=int, default=3, help="replica groups of one worker")
     ap.add_argument("--model", default="gpt-mini")
+    ap.add_argument("--method", choices=sorted(METHODS), default="localcub",
+                    help="localcub: the comparison's LocalCub (H = 50); vote: LionCub's every-step vote (pbit)")
+    ap.add_argument("--warm-spare", type=int, default=0, metavar="N",
+                    help="warm spares per replica (lioncub train --ft --warm-spare N; 0: a killed replica restarts)")
     ap.add_argument("--link", default="100mbit", help="a rate, 'unshaped', or 'none' (loopback)")
     ap.add_argument("--out", default=os.path.join(_runner.RESULTS, "fault_tolerance.json"))
     ap.add_argument("--report-only", metavar="JSON", help="print the table of an earlier run's JSON; run nothing")
@@ -124,6 +151,7 @@ def main(argv=None) -> None:
                     record = json.load(f)
                 runs.append(dict(seed=seed, kill_every=kill, **record))
                 result = dict(command=" ".join(run_argv(args, 0, args.kill_every, "OUT")), host=host_note(), runs=runs,
+                              method=args.method, local_steps=local_steps(args.method), warm_spare=args.warm_spare,
                               compare=compare(runs, args))
                 _runner.write_json(args.out, result)
     print(table(result))

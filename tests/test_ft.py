@@ -390,6 +390,28 @@ def test_the_supervisor_summary_on_hand_made_logs(tmp_path):
     assert s["heals"] == 1 and s["identical"] and s["val_loss"] == 2.0 and s["finished"] == 3
 
 
+def test_a_kill_whose_replica_is_back_by_the_next_commit_stalls_once(tmp_path):
+    """A replica back (a warm spare) before the survivors' next commit: that commit is both the first after the kill
+    and the rejoin's; its excess wait counts once in stall_s, not twice."""
+    from lioncub.ft.train import FTPlan, FTRun, summarize
+
+    def rnd(replica, k, wall, stall=0.1, c=3):
+        return dict(kind="round", replica=replica, round=k, wall=wall, stall=stall, contributors=c, participants=3,
+                    uncommitted=0)
+
+    final = dict(kind="final", round=3, digest="abc", val_loss=2.0)
+    for k in (0, 1):
+        _write_log(tmp_path / f"replica_{k}.jsonl", [dict(kind="start"), dict(kind="joined", wall=0.0),
+                   rnd(k, 1, 1.0), rnd(k, 2, 3.6, stall=1.6, c=2), rnd(k, 3, 4.6), dict(final, wall=5.0)])
+    _write_log(tmp_path / "replica_2.jsonl", [dict(kind="start"), dict(kind="joined", wall=0.0), rnd(2, 1, 1.0),
+                                              dict(kind="start"), dict(kind="joined", wall=3.5, heals=1),
+                                              rnd(2, 3, 4.6), dict(final, wall=5.0)])
+    run = FTRun(kills=[dict(replica=2, wall=2.0)], restarts=[dict(replica=2, wall=2.0, spare=True)])
+    s = summarize(str(tmp_path), FTPlan(kill_every=30, warm_spare=1), run, budget=4)
+    assert s["stall_s"] == [pytest.approx(1.5)]  # round 2 waited 1.6 (1.5 extra), once
+    assert s["kill_to_join_s"] == [pytest.approx(1.5)] and s["lost_or_repeated_rounds"] == 0
+
+
 def test_the_summary_counts_a_heal_after_an_uncommitted_round_not_a_loss(tmp_path):
     """A replica that did not commit round 2 while its peers did, then healed (its log: 1, 3 with heals up
     by one), has taken round 2 from a peer: healed_over_rounds 1, lost_or_repeated_rounds 0. The same jump

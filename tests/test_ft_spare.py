@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from lioncub.ft.spare import activate, wait_for_activation
+from lioncub.ft.spare import READY, activate, wait_for_activation, wait_ready
 from tests.conftest import require
 
 # Probed, not imported: torchft imports triton, and a triton imported at collection without TRITON_INTERPRET
@@ -32,6 +32,45 @@ def test_a_spare_that_died_is_not_activated():
     assert activate(proc, 1.0) is False
 
 
+def _printer(code: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+
+
+def test_a_spare_is_ready_once_it_prints_its_line_and_not_before():
+    """wait_ready: the ready line after other output (one pipe read may hold both) is seen; a spare that exits
+    without it, or says nothing in time, is not ready."""
+    proc = _printer(f"import sys, time; sys.stdout.write('a warning\\n{READY}\\n'); sys.stdout.flush(); time.sleep(5)")
+    assert wait_ready(proc, 20) is True
+    proc.kill(), proc.wait()
+    proc = _printer("print('something else')")
+    assert wait_ready(proc, 20) is False
+    proc.wait()
+    proc = _printer("import time; time.sleep(5)")
+    assert wait_ready(proc, 0.3) is False
+    proc.kill(), proc.wait()
+
+
+def test_a_spare_prints_ready_then_nothing_more_on_its_stdout():
+    """After its ready line a spare's standard output goes nowhere: once activated it is a replica whose output no
+    one reads, and a full pipe would block it."""
+    code = ("import sys; from lioncub.ft.spare import wait_for_activation; d = wait_for_activation(); "
+            "print('x' * 200000); print(d)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert wait_ready(proc, 60) is True
+    assert activate(proc, 7.0)
+    assert proc.wait(timeout=60) == 0  # 200 kB after the line did not fill the unread pipe
+    assert proc.stdout.read() == ""
+
+
+def test_bad_spare_counts_are_refused():
+    from lioncub.ft.train import FTPlan
+
+    with pytest.raises(ValueError, match="--warm-spare must be 0..8"):
+        FTPlan(warm_spare=-1).check()
+    with pytest.raises(ValueError, match="--warm-spare must be 0..8"):
+        FTPlan(warm_spare=9).check()
+
+
 @pytest.mark.slow  # ~60 s: three replicas of gpt-tiny and their spares
 def test_a_killed_replica_is_replaced_by_its_warm_spare_long_before_its_restart(tmp_path):
     """Replica 2 is killed inside round 20's exchange; its restart would come 30 s later, its warm spare takes
@@ -40,7 +79,7 @@ def test_a_killed_replica_is_replaced_by_its_warm_spare_long_before_its_restart(
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "lioncub.cli", "train", "--ft", "--model", "gpt-tiny", "--local-steps", "5",
            "--batch-size", "2", "--block-size", "32", "--budget", "40", "--ft-fault", "2:20:lanes",
-           "--restart-after", "30", "--warm-spare", "--out", str(out)]
+           "--restart-after", "30", "--warm-spare", "2", "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "identical at the end: True" in done.stdout and "warm spares" in done.stdout

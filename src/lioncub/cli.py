@@ -152,9 +152,10 @@ def _add_train(sub) -> None:
                     "error: docs/fault_tolerance.md)")
     ft.add_argument("--restart-after", type=float, default=5.0, metavar="SECONDS",
                     help="--ft: restart a killed replica after SECONDS (default: %(default)s)")
-    ft.add_argument("--warm-spare", action="store_true",
-                    help="--ft: keep a started spare per replica (imports, data, model done; waiting) that takes a "
-                    "lost replica's place at once, instead of a restart --restart-after seconds later (lioncub.ft.spare)")
+    ft.add_argument("--warm-spare", type=int, nargs="?", const=1, default=0, metavar="N",
+                    help="--ft: keep N started spares per replica (imports, data, model done; waiting; N=1 when "
+                    "not given), set up before the run; one takes a lost replica's place at once, instead of a "
+                    "restart --restart-after seconds later; one more starts when the last is used (lioncub.ft.spare)")
     ft.add_argument("--ft-standby", action="store_true",
                     help="--ft-replica: start as a warm spare, waiting on standard input to be activated")
     ft.add_argument("--heartbeat-ms", type=int, default=1000,

@@ -23,16 +23,37 @@ import subprocess
 import sys
 from typing import Optional
 
-__all__ = ["STANDBY_FLAG", "start_spare", "activate", "wait_for_activation"]
+__all__ = ["STANDBY_FLAG", "READY", "start_spare", "wait_ready", "activate", "wait_for_activation"]
 
 STANDBY_FLAG = "--ft-standby"
 """The replica option that makes it a spare (``lioncub train --ft-replica K --ft-standby``)."""
+READY = "ready"
+"""The line a spare prints on its standard output once it waits to be activated."""
 
 
 def start_spare(argv: list, env: dict) -> subprocess.Popen:
     """Start a spare of the replica ``argv`` runs (its options with no faults: a spare's life is not a first life)."""
     return subprocess.Popen(list(argv) + [STANDBY_FLAG], env=env, start_new_session=True, stdin=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_ready(proc: subprocess.Popen, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for the spare ``proc`` to print :data:`READY` (its set-up done); False when it
+    exits or does not in time. Reads the pipe's bytes itself (a buffered reader could hold the line unseen)."""
+    import os
+    import select
+    import time
+
+    fd, seen, end = proc.stdout.fileno(), b"", time.monotonic() + timeout_s
+    while (READY + "\n").encode() not in seen:
+        left = end - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return False
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            return False
+        seen += chunk
+    return True
 
 
 def activate(proc: subprocess.Popen, deadline: Optional[float]) -> bool:
@@ -51,8 +72,19 @@ def activate(proc: subprocess.Popen, deadline: Optional[float]) -> bool:
 def wait_for_activation(stdin=None) -> Optional[float]:
     """In a spare: block until the supervisor's line arrives; the run's deadline it carries (None: not yet known).
     Exits the process (status 0) when standard input closes with no line: the spare was not needed."""
+    print(READY, flush=True)
+    _quiet_stdout()  # the pipe carried the ready line only: nothing reads it after
     line = (stdin or sys.stdin).readline()
     if not line.strip():
         raise SystemExit(0)
     deadline = json.loads(line).get("deadline")
     return None if deadline is None else float(deadline)
+
+
+def _quiet_stdout() -> None:
+    import os
+
+    sys.stdout.flush()
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.close(null)

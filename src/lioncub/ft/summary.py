@@ -48,17 +48,18 @@ def summarize(out: str, plan, run, *, budget: float) -> dict:
     agree = statistics.median([r["stall"] for r in records]) if records else 0.0  # a round's end to its commit
     contributors = {r["round"]: r["contributors"] for r in records}
 
-    def excess_after(wall: float, skip: Optional[int] = None) -> Optional[float]:
-        """The first commit after ``wall`` (on a replica other than ``skip``): its wait less a typical one."""
-        later = [r for r in records if r["wall"] > wall and r["replica"] != skip]
-        return max(0.0, later[0]["stall"] - agree) if later else None
+    def first_after(wall: float, skip: int) -> Optional[dict]:
+        """The first commit after ``wall`` on a replica other than ``skip``."""
+        return next((r for r in records if r["wall"] > wall and r["replica"] != skip), None)
 
     stalls = []
     for kill in run.kills:  # detection (the survivors' wait at the next round end) + the rejoin's commit
-        lost = excess_after(kill["wall"], skip=kill["replica"])
+        lost = first_after(kill["wall"], kill["replica"])
         joined = [r for r in logs[kill["replica"]] if r["kind"] == "joined" and r["wall"] > kill["wall"]]
-        back = excess_after(joined[0]["wall"] - 1e-6, skip=kill["replica"]) if joined else None
-        stalls.append(None if lost is None else lost + (back or 0.0))
+        back = first_after(joined[0]["wall"] - 1e-6, kill["replica"]) if joined else None
+        if back is not None and lost is not None and back["round"] == lost["round"]:
+            back = None  # the replica was back by the survivors' next commit: one wait, counted once
+        stalls.append(None if lost is None else sum(max(0.0, r["stall"] - agree) for r in (lost, back) if r))
     rejoin = []
     for restart in run.restarts:  # from the restart to the commit at which the replica joined
         joined = [r for r in logs[restart["replica"]] if r["kind"] == "joined" and r["wall"] >= restart["wall"]]

@@ -52,7 +52,7 @@ class FTPlan:
     restart_after: float = 5.0
     heartbeat_ms: int = 1000
     timeout_s: float = 10.0  # a collective's limit: the longest a death inside one stalls the others
-    warm_spare: bool = False  # keep a started spare per replica, activated at once when the replica is lost
+    warm_spare: int = 0  # spares per replica, started before the run and activated at once when it is lost
     rejoin_margin_s: float = 15.0  # no kill later than this (plus restart_after) before the deadline
     link: Optional[str] = None  # a rate (testbed, root), or None: loopback
     faults: tuple = ()  # lioncub.ft.faults specs, REPLICA:ROUND:POINT[:ACTION], each armed in its replica's first life
@@ -73,6 +73,8 @@ class FTPlan:
             fault = parse_fault(spec)
             if fault.replica >= self.replicas:
                 raise ValueError(f"--ft-fault {spec}: replica must be < --replicas ({self.replicas})")
+        if not 0 <= self.warm_spare <= 8:
+            raise ValueError(f"--warm-spare must be 0..8 spares per replica, got {self.warm_spare}")
         if self.faults and self.kill_every:
             raise ValueError("--ft-fault and --kill-every are two schedules of failures: give one")
         return self
@@ -92,6 +94,8 @@ def replica_main(config, replica: int, replicas: int, lighthouse: str, *, host: 
     (the replicas of a fresh start join at the same commit). ``faults``: the
     :class:`~lioncub.ft.faults.Fault` s to arm (this replica's only fire). ``standby``: a warm spare
     (:mod:`lioncub.ft.spare`): everything before the Manager is made, then wait to be activated."""
+    import importlib
+
     import torch.distributed as dist
 
     from ..harness.models import build_model, param_groups
@@ -109,6 +113,8 @@ def replica_main(config, replica: int, replicas: int, lighthouse: str, *, host: 
     base_lrs = [g["lr"] for g in groups]
     if standby:  # a warm spare: ready up to its Manager, which would take the lost replica's place in the quorum
         from .spare import wait_for_activation
+
+        importlib.import_module("torch._dynamo")  # the first torch Optimizer() imports it: ~2 s, spent before the wait
 
         deadline = wait_for_activation()
     manager = make_manager(str(replica), lighthouse, min_replicas=min_replicas, host=host, timeout_s=timeout_s,
@@ -181,7 +187,7 @@ class _Replica:
     proc: Optional[subprocess.Popen] = None
     lives: int = 0
     down_since: Optional[float] = None
-    spare: Optional[subprocess.Popen] = None  # its warm spare (lioncub.ft.spare), waiting
+    spares: list = field(default_factory=list)  # its warm spares (lioncub.ft.spare), waiting, first used first
     kill_planned: bool = False  # a kill fault is armed in this life: its SIGKILL is a scheduled kill
 
 
@@ -255,21 +261,18 @@ def run_ft(config, plan: FTPlan, replica_argv: list[str], *, budget: float) -> F
         from .faults import parse_fault
 
         faults = [(spec, parse_fault(spec)) for spec in plan.faults]
+        if plan.warm_spare:  # every spare set up before the replicas start: none takes their CPU once the clock runs
+            _start_spares(replicas, plan.warm_spare)
         for r in replicas:  # each replica's faults, armed in its first life only
             mine = [(spec, f) for spec, f in faults if f.replica == r.index]
             _start(r, [arg for spec, _ in mine for arg in ("--ft-fault", spec)])
             r.kill_planned = any(f.action == "kill" for _, f in mine)
-        if plan.warm_spare:
-            from .spare import start_spare
-
-            for r in replicas:
-                r.spare = start_spare(r.argv, r.env)
         try:
             _supervise(config, plan, replicas, run, budget)
         finally:
             for r in replicas:
-                if r.spare is not None:
-                    _kill(r.spare)
+                for spare in r.spares:
+                    _kill(spare)
     finally:
         if lighthouse_proc is not None:
             _kill(lighthouse_proc)
@@ -298,18 +301,35 @@ def _start(r: _Replica, extra: tuple = ()) -> None:
     r.kill_planned = False
 
 
+def _start_spares(replicas: list, count: int) -> None:
+    """Start ``count`` warm spares for every replica and wait until each is set up (:func:`lioncub.ft.spare.wait_ready`)."""
+    from .spare import start_spare, wait_ready
+
+    for r in replicas:
+        r.spares += [start_spare(r.argv, r.env) for _ in range(count)]
+    for r in replicas:
+        for spare in r.spares:
+            if not wait_ready(spare, STARTUP_S * len(replicas) * count):
+                try:
+                    spare.wait(timeout=5)
+                    err = spare.stderr.read()[-3000:]
+                except subprocess.TimeoutExpired:
+                    err = "not ready in time"
+                raise RuntimeError(f"a warm spare of replica {r.index} did not start:\n{err}")
+
+
 def _replace(r: _Replica, deadline: Optional[float]) -> bool:
-    """Activate ``r``'s warm spare as its next life (:func:`lioncub.ft.spare.activate`); False when it has none
-    running."""
+    """Activate ``r``'s first waiting warm spare as its next life (:func:`lioncub.ft.spare.activate`); False when
+    none is running."""
     from .spare import activate
 
-    spare, r.spare = r.spare, None
-    if spare is None or not activate(spare, deadline):
-        if spare is not None:
-            _kill(spare)
-        return False
-    r.proc, r.lives, r.down_since, r.kill_planned = spare, r.lives + 1, None, False
-    return True
+    while r.spares:
+        spare = r.spares.pop(0)
+        if activate(spare, deadline):
+            r.proc, r.lives, r.down_since, r.kill_planned = spare, r.lives + 1, None, False
+            return True
+        _kill(spare)
+    return False
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -400,10 +420,10 @@ def _supervise(config, plan: FTPlan, replicas: list, run: FTRun, budget: float) 
             elif r.down_since is not None and now >= r.down_since + plan.restart_after:
                 _start(r, ["--ft-deadline", f"{deadline:.3f}"])
                 run.restarts.append(dict(replica=r.index, wall=time.time()))
-            elif plan.warm_spare and r.spare is None and r.proc is not None and _joined_since(config.out, r):
+            elif plan.warm_spare and not r.spares and r.proc is not None and _joined_since(config.out, r):
                 from .spare import start_spare
 
-                r.spare = start_spare(r.argv, r.env)  # the next spare, once this life has joined
+                r.spares.append(start_spare(r.argv, r.env))  # a spare again once this life has joined
         if now > hard_stop:
             for r in alive:
                 _kill(r.proc)
