@@ -147,6 +147,13 @@ def test_local_cub_names_build_the_configuration_they_spell():
     assert type(opt.inner).__name__ == "Lion" and baselines.family("lcub-onebit-h10-nest3") == "lion"
 
 
+def test_auto_names_spell_the_floor_of_h():
+    cls, kw = baselines.options("lcub-mean8-hauto50-nest0.7-ef-adamw")
+    assert cls is baselines.cub.LocalCubMethod and (kw["H"], kw["min_local_steps"]) == ("auto", 50)
+    _, kw = baselines.options("lcub-smean4-hauto-nest0.7-ef-adamw")
+    assert kw["H"] == "auto" and "min_local_steps" not in kw  # LocalCub's own floor
+
+
 def test_family_is_per_instance_and_never_changes_the_class():
     adamw = baselines.build("lcub-onebit-h3-sgd1-adamw", _tiny_gpt(0), lr=1e-3)
     lion = baselines.build("lcub-onebit-h3-sgd1", _tiny_gpt(0), lr=1e-4)

@@ -320,6 +320,13 @@ def test_bad_settings_are_refused():
         FTLocalCub(p, NoManager(), vote="grad", max_attempts=0)
 
 
+def test_a_stop_round_below_one_is_refused():
+    from lioncub.ft.train import FTPlan
+
+    with pytest.raises(ValueError, match="--ft-stop-round must be a round >= 1, got 0"):
+        FTPlan(stop_round=0).check()
+
+
 def test_bad_fault_specs_are_refused_in_one_line():
     from lioncub.ft.faults import Fault, parse_fault
     from lioncub.ft.train import FTPlan
@@ -441,12 +448,13 @@ def test_lioncub_train_ft_survives_faults_at_chosen_points(tmp_path):
     """`lioncub train --ft --ft-fault`: replica 1's own commit of round 20 fails while its peers commit (it heals
     at round 21), and replica 2 is killed inside round 30's lane all-reduce and restarted 2 s later. The
     summary counts exactly that: one kill and restart, one round healed over, none lost or repeated, the
-    survivors' round 30 on a quorum of 2, the three replicas identical at the end."""
+    survivors' round 30 on a quorum of 2, the three replicas identical at the end. The run ends on events, not
+    the clock (--ft-stop-round: round 40 or later with all three back), so a slow host changes nothing."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "lioncub.cli", "train", "--ft", "--model", "gpt-tiny", "--local-steps", "5",
-           "--batch-size", "2", "--block-size", "32", "--budget", "30", "--ft-fault", "1:20:commit:error",
-           "--ft-fault", "2:30:lanes", "--restart-after", "2", "--out", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=dict(os.environ, OMP_NUM_THREADS="1"))
+           "--batch-size", "2", "--block-size", "32", "--budget", "300", "--ft-stop-round", "40",
+           "--ft-fault", "1:20:commit:error", "--ft-fault", "2:30:lanes", "--restart-after", "2", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "identical at the end: True" in done.stdout
     record = json.loads((out / "ft_summary.json").read_text())
@@ -474,6 +482,8 @@ def test_lioncub_train_ft_survives_faults_at_chosen_points(tmp_path):
     for _ in range(joins[1]["round"] * 5):
         never_stopped.next_batch()
     assert joins[1]["round"] > 0 and joins[1]["data"] == never_stopped.state_dict()
+    ends = [next(rec for rec in log if rec["kind"] == "final")["round"] for log in logs]
+    assert len(set(ends)) == 1 and ends[0] >= 40 and summary["span_s"] < 250  # the stop round's, not the budget's
 
 
 def test_no_lighthouse_reachable_is_a_clear_error():

@@ -62,6 +62,48 @@ def test_a_spare_prints_ready_then_nothing_more_on_its_stdout():
     assert proc.stdout.read() == ""
 
 
+def test_a_spares_warm_up_leaves_no_trace():
+    """The spare's forward and backward before it waits: the gradients dropped, a norm's running statistics, the
+    loader's position and torch's random state as they were (a dropout layer draws from it)."""
+    import torch
+
+    from lioncub.ft.train import _warm_up
+
+    class Loader:
+        def __init__(self):
+            self.pos = 3
+
+        def next_batch(self):
+            self.pos += 1
+            return torch.randn(8, 4), None
+
+        def state_dict(self):
+            return {"pos": self.pos}
+
+        def load_state_dict(self, state):
+            self.pos = state["pos"]
+
+    class Data:
+        loader = Loader()
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.5))
+    stats = [b.clone() for b in model.buffers()]
+    ran = []
+
+    def loss_of(x, _):
+        ran.append(x.shape)
+        return model(x).square().sum()
+
+    torch.manual_seed(1)
+    expected = torch.rand(3)
+    torch.manual_seed(1)
+    _warm_up(model, Data, loss_of)
+    assert ran == [(8, 4)] and all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), stats)) and Data.loader.pos == 3
+    assert torch.equal(torch.rand(3), expected)
+
+
 def test_bad_spare_counts_are_refused():
     from lioncub.ft.train import FTPlan
 
@@ -78,9 +120,9 @@ def test_a_killed_replica_is_replaced_by_its_warm_spare_long_before_its_restart(
     its life after the heal commits every round in order, and the three replicas end identical."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "lioncub.cli", "train", "--ft", "--model", "gpt-tiny", "--local-steps", "5",
-           "--batch-size", "2", "--block-size", "32", "--budget", "40", "--ft-fault", "2:20:lanes",
+           "--batch-size", "2", "--block-size", "32", "--budget", "300", "--ft-stop-round", "40", "--ft-fault", "2:20:lanes",
            "--restart-after", "30", "--warm-spare", "2", "--out", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "identical at the end: True" in done.stdout and "warm spares" in done.stdout
     record = json.loads((out / "ft_summary.json").read_text())

@@ -196,7 +196,7 @@ def test_round_seconds_and_the_pick_follow_the_alpha_beta_model():
 def _auto_steps(rank, world):
     import time
 
-    from lioncub.optim.auto_steps import FIRST_ROUND, pick_local_steps, round_seconds
+    from lioncub.optim.auto_steps import FIRST_ROUND, ROUND_SHARE, pick_local_steps, round_seconds
 
     ps = [torch.nn.Parameter(torch.zeros(n)) for n in SIZES]
     opt = LocalCub(ps, lr=1e-2, local_steps="auto", vote="onebit", aggregate="mean", bits=2, error_feedback=True,
@@ -211,7 +211,7 @@ def _auto_steps(rank, world):
             synced_at.append(step + 1)
     pick = dict(opt.steps_pick)
     chunks = [(sum(SIZES), len(SIZES))]
-    expected = pick_local_steps(round_seconds(opt.aggregation, chunks, world, 1e-2, 1e-6), pick["step_s"], 0.1, 500)
+    expected = pick_local_steps(round_seconds(opt.aggregation, chunks, world, 1e-2, 1e-6), pick["step_s"], ROUND_SHARE, 500)
     sd = opt.state_dict()
     again = LocalCub([torch.nn.Parameter(p.detach().clone()) for p in ps], lr=1e-2, local_steps="auto", vote="onebit",
                      aggregate="mean", bits=2, error_feedback=True, alpha=1e-2, beta=1e-6)

@@ -158,6 +158,9 @@ def _add_train(sub) -> None:
                     "restart --restart-after seconds later; one more starts when the last is used (lioncub.ft.spare)")
     ft.add_argument("--ft-standby", action="store_true",
                     help="--ft-replica: start as a warm spare, waiting on standard input to be activated")
+    ft.add_argument("--ft-stop-round", type=int, default=None, metavar="R",
+                    help="--ft: stop at the first commit from round R on with every replica in its quorum (a run "
+                    "that ends on events, not the clock; --budget stays the limit)")
     ft.add_argument("--heartbeat-ms", type=int, default=1000,
                     help="--ft: the lighthouse's heartbeat timeout, after which a silent replica leaves the quorum")
     ft.add_argument("--ft-replica", type=int, default=None, metavar="K",

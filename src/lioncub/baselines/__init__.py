@@ -28,7 +28,9 @@ makes one; see :class:`Adapter`.
                             grad, mean4/mean8 (lane sums as a quantized
                             mean), smean1/2/4/8 (the scatter mean in 1-8
                             bits, with -ef); outer: sgd, nest(erov), lion with
-                            outer_lr <lr>, e.g. lcub-onebit-h10-nest2-ef
+                            outer_lr <lr>, e.g. lcub-onebit-h10-nest2-ef;
+                            H = auto: from the measured link,
+                            auto50: the same, never below 50
 
 Example (every rank, inside an initialised gloo group)::
 
@@ -77,9 +79,9 @@ METHODS = {
 
 
 # lcub-<vote>-h<H>-<outer><outer_lr>[-ef][-adamw][-stream]: a LocalCub configuration by name (H: an int, or
-# auto: local_steps='auto', H from the measured link)
+# auto: local_steps='auto', H from the measured link; auto<N>: the same, never below N, min_local_steps=N)
 # (-stream: delay=1, the round's agreement in flight during the next round; -stream-f<F>: in F fragments)
-_LOCAL = re.compile(r"lcub-(onebit|gather|pbit4|pbit8l1|mean4|mean8|smean1|smean2|smean4|smean8|grad)-h(\d+|auto)-(sgd|nest|lion)(\d+(?:\.\d+)?)(-ef)?(-adamw)?"
+_LOCAL = re.compile(r"lcub-(onebit|gather|pbit4|pbit8l1|mean4|mean8|smean1|smean2|smean4|smean8|grad)-h(\d+|auto\d*)-(sgd|nest|lion)(\d+(?:\.\d+)?)(-ef)?(-adamw)?"
                     r"(-stream(?:-f(\d+))?)?")
 _LOCAL_VOTES = {"onebit": dict(vote="onebit"), "gather": dict(vote="gather"), "pbit4": dict(vote="pbit", bits=4),
                 "pbit8l1": dict(vote="pbit", bits=8, quantizer="l1"), "grad": dict(vote="grad"),
@@ -95,7 +97,8 @@ def _local_builder(name: str):
     if m is None:
         return None
     vote, H, outer, outer_lr, ef, adamw, stream, fragments = m.groups()
-    return partial(cub.LocalCubMethod, H=H if H == "auto" else int(H), outer={"nest": "nesterov"}.get(outer, outer),
+    floor = {"min_local_steps": int(H[4:])} if H.startswith("auto") and H != "auto" else {}
+    return partial(cub.LocalCubMethod, H="auto" if H.startswith("auto") else int(H), **floor, outer={"nest": "nesterov"}.get(outer, outer),
                    outer_lr=float(outer_lr), error_feedback=ef is not None, inner="adamw" if adamw else "lion",
                    delay=1 if stream else 0, **({"fragments": int(fragments)} if fragments else {}), **_LOCAL_VOTES[vote])
 

@@ -9,7 +9,8 @@ from ..harness.config import TrainConfig
 
 FT_DEFAULT_BUDGET_S = 60.0
 _FT_KEYS = ("ft", "replicas", "min_replicas", "kill_every", "restart_after", "heartbeat_ms", "ft_replica", "lighthouse",
-            "ft_host", "ft_deadline", "ft_config", "ft_timeout", "ft_fault", "warm_spare", "ft_standby")
+            "ft_host", "ft_deadline", "ft_config", "ft_timeout", "ft_fault", "warm_spare", "ft_standby",
+            "ft_stop_round")
 
 
 def cmd_train_ft(args) -> int:
@@ -66,7 +67,7 @@ def cmd_train_ft(args) -> int:
             faults = [parse_fault(spec) for spec in args.ft_fault]
             return replica_main(config, args.ft_replica, args.replicas, lighthouse, host=args.ft_host,
                                 deadline=args.ft_deadline, min_replicas=args.min_replicas, timeout_s=args.ft_timeout,
-                                faults=faults, standby=args.ft_standby)
+                                faults=faults, standby=args.ft_standby, stop_round=args.ft_stop_round)
         except (ConnectionError, QuorumError) as exc:  # what a user fixes: one line, not a traceback
             print(f"lioncub train --ft-replica {args.ft_replica}: {exc}", file=sys.stderr)
             return 1
@@ -76,7 +77,8 @@ def cmd_train_ft(args) -> int:
     link = None if args.link is None or args.link.lower() == "none" else args.link.lower()
     plan = FTPlan(replicas=args.replicas, min_replicas=args.min_replicas, kill_every=args.kill_every,
                   restart_after=args.restart_after, heartbeat_ms=args.heartbeat_ms, timeout_s=args.ft_timeout,
-                  link=link, faults=tuple(args.ft_fault), warm_spare=args.warm_spare)
+                  link=link, faults=tuple(args.ft_fault), warm_spare=args.warm_spare,
+                  stop_round=args.ft_stop_round)
     try:
         plan.check()
         check_inputs(config, args.replicas)

@@ -17,7 +17,9 @@ Two roles, both reached from the CLI:
   final loss and whether the replicas ended identical.
 
 The replicas stop together: each asks to stop once the run's deadline passed
-(``FTLocalCub.stop_requested``), and all stop at the commit that carries the first request.
+(``FTLocalCub.stop_requested``), or, with ``--ft-stop-round R``, at a commit of round R or later whose quorum
+holds every replica (an end set by events, not the clock: what the failure tests use), and all stop at the
+commit that carries the first request.
 """
 from __future__ import annotations
 
@@ -56,6 +58,7 @@ class FTPlan:
     rejoin_margin_s: float = 15.0  # no kill later than this (plus restart_after) before the deadline
     link: Optional[str] = None  # a rate (testbed, root), or None: loopback
     faults: tuple = ()  # lioncub.ft.faults specs, REPLICA:ROUND:POINT[:ACTION], each armed in its replica's first life
+    stop_round: Optional[int] = None  # stop at a commit of this round or later with every replica in it
 
     def check(self) -> "FTPlan":
         if self.replicas < 2:
@@ -73,6 +76,8 @@ class FTPlan:
             fault = parse_fault(spec)
             if fault.replica >= self.replicas:
                 raise ValueError(f"--ft-fault {spec}: replica must be < --replicas ({self.replicas})")
+        if self.stop_round is not None and self.stop_round < 1:
+            raise ValueError(f"--ft-stop-round must be a round >= 1, got {self.stop_round}")
         if not 0 <= self.warm_spare <= 8:
             raise ValueError(f"--warm-spare must be 0..8 spares per replica, got {self.warm_spare}")
         if self.faults and self.kill_every:
@@ -88,12 +93,13 @@ def params_digest(params) -> str:
 
 def replica_main(config, replica: int, replicas: int, lighthouse: str, *, host: str = "127.0.0.1",
                  deadline: Optional[float] = None, min_replicas: int = 2, timeout_s: float = 10.0,
-                 faults=(), standby: bool = False) -> int:
+                 faults=(), standby: bool = False, stop_round: Optional[int] = None) -> int:
     """One replica's run (see the module docstring); returns the exit code. ``deadline``: the
     wall time after which it asks to stop; None: ``config.time_budget`` seconds after it joined
     (the replicas of a fresh start join at the same commit). ``faults``: the
     :class:`~lioncub.ft.faults.Fault` s to arm (this replica's only fire). ``standby``: a warm spare
-    (:mod:`lioncub.ft.spare`): everything before the Manager is made, then wait to be activated."""
+    (:mod:`lioncub.ft.spare`): everything before the Manager is made, then wait to be activated. ``stop_round``:
+    also ask to stop at a commit of that round or later whose quorum holds all ``replicas``."""
     import importlib
 
     import torch.distributed as dist
@@ -115,7 +121,7 @@ def replica_main(config, replica: int, replicas: int, lighthouse: str, *, host: 
         from .spare import wait_for_activation
 
         importlib.import_module("torch._dynamo")  # the first torch Optimizer() imports it: ~2 s, spent before the wait
-
+        _warm_up(model, data, lambda x, y: batch_loss(model, x.to(device), y.to(device), config.is_gpt)[0])
         deadline = wait_for_activation()
     manager = make_manager(str(replica), lighthouse, min_replicas=min_replicas, host=host, timeout_s=timeout_s,
                            quorum_timeout_s=max(60.0, 4 * timeout_s), device=device)
@@ -143,7 +149,8 @@ def replica_main(config, replica: int, replicas: int, lighthouse: str, *, host: 
         write("round", round=opt.rounds, participants=opt.participants, contributors=opt.contributors,
               uncommitted=opt.uncommitted, heals=opt.heals, stall=opt.last_stall_s, loss=loss,
               bytes_sent=s.bytes_sent)
-        if time.time() >= stop_at:
+        everyone = stop_round is not None and opt.rounds >= stop_round and opt.participants == replicas
+        if everyone or time.time() >= stop_at:
             opt.stop_requested = True
 
     write("start")
@@ -176,6 +183,21 @@ def replica_main(config, replica: int, replicas: int, lighthouse: str, *, host: 
     dist.destroy_process_group()
     return 0
 
+
+
+def _warm_up(model, data, loss_of) -> None:
+    """A spare's forward and backward on its first batch before it waits (the first step's allocations and
+    one-time set-up, off the path back), leaving no trace: the gradients dropped, the buffers (a norm's running
+    statistics), the loader and torch's random state as they were."""
+    rng, position = torch.get_rng_state(), data.loader.state_dict()
+    buffers = [b.detach().clone() for b in model.buffers()]
+    loss_of(*data.loader.next_batch()).backward()
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for b, kept in zip(model.buffers(), buffers):
+            b.copy_(kept)
+    data.loader.load_state_dict(position)
+    torch.set_rng_state(rng)
 
 
 # ---------------------------------------------------------------------- the supervisor
@@ -252,6 +274,8 @@ def run_ft(config, plan: FTPlan, replica_argv: list[str], *, budget: float) -> F
             argv = [sys.executable, "-m", "lioncub.cli", "train", *replica_argv, "--ft-replica", str(k),
                     "--replicas", str(plan.replicas), "--min-replicas", str(plan.min_replicas),
                     "--lighthouse", address, "--ft-host", hosts[k], "--ft-timeout", str(plan.timeout_s)]
+            if plan.stop_round is not None:
+                argv += ["--ft-stop-round", str(plan.stop_round)]
             env = dict(os.environ, OMP_NUM_THREADS="1", RUST_LOG="error")
             env.pop("TORCHFT_LIGHTHOUSE", None)
             if testbed is not None:

@@ -35,14 +35,14 @@ DESCRIPTIONS = {
     "cub-mean": "LionCub: the 1-bit mean every step (1 bit per element each way, Lion on the decoded mean)",
     "local": "LocalCub: {H} local AdamW steps (lr 1e-3), then the deltas' 8-bit L1 lane mean, error feedback, "
              "Nesterov outer lr 0.7 (bench/README.md, race_local: first to Lion's loss at 100 Mbit/s; 'auto': H from "
-             "the measured link: 50, more where a round would cost more than a tenth of its compute)",
+             "the measured link: 50, more where a round would cost more than half its compute)",
 }
 
 
 def local_period(config: TrainConfig) -> int | str | None:
     """LocalCub's H in the comparison: ``'auto'`` (picked from the measured link and compute:
     :mod:`lioncub.optim.auto_steps`; at least 50, the H its Nesterov 0.7 was tuned at, more where a round would
-    cost more than a tenth of its compute), or with a step-matched run the largest H <= 50 (the race's setting) that
+    cost more than half its compute), or with a step-matched run the largest H <= 50 (the race's setting) that
     divides ``steps`` and ``eval_every`` (None when only H = 1 would: no LocalCub row)."""
     if config.nodes > 1:  # LocalCub runs flat
         return None

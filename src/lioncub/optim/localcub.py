@@ -129,7 +129,7 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
             agreement costs at most ``round_share`` of the round's compute on the link's α-β model
             (:mod:`lioncub.optim.auto_steps`; ``alpha``/``beta`` given, or measured at construction), at most
             ``max_local_steps``; the pick is in ``steps_pick`` and in checkpoints.
-        round_share, min_local_steps, max_local_steps: ``local_steps='auto'`` only (defaults 0.1, 10 and 500).
+        round_share, min_local_steps, max_local_steps: ``local_steps='auto'`` only (defaults 0.5, 10 and 500).
         inner: ``'lion'`` (default), ``'adamw'``, or ``callable(param_groups) -> Optimizer``.
         vote: ``'grad'`` (fp32 all-reduce of Δ, no compression), or a vote method of
             :func:`lioncub.majority_vote`: ``'sign_allreduce'``, ``'gather'``, ``'onebit'``,
