@@ -49,6 +49,8 @@ def run_argv(args, seed: int, kill_every: float, out: str) -> list[str]:
             f"{args.restart_after:g}", "--heartbeat-ms", str(args.heartbeat_ms), "--out", out, "--no-progress"]
     if args.warm_spare:
         argv += ["--warm-spare", str(args.warm_spare)]
+    if args.ft_timeout is not None:
+        argv += ["--ft-timeout", f"{args.ft_timeout:g}"]
     if args.link != "none":
         argv += ["--link", args.link]
     return argv
@@ -124,6 +126,8 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="gpt-mini")
     ap.add_argument("--method", choices=sorted(METHODS), default="localcub",
                     help="localcub: the comparison's LocalCub (H = 50); vote: LionCub's every-step vote (pbit)")
+    ap.add_argument("--ft-timeout", type=float, default=None, metavar="SECONDS",
+                    help="a collective's time limit (lioncub train --ft-timeout; default: its own, 10 s)")
     ap.add_argument("--warm-spare", type=int, default=0, metavar="N",
                     help="warm spares per replica (lioncub train --ft --warm-spare N; 0: a killed replica restarts)")
     ap.add_argument("--link", default="100mbit", help="a rate, 'unshaped', or 'none' (loopback)")
