@@ -32,6 +32,9 @@ from bench import _runner
 
 METHODS = {
     "localcub": [],  # lioncub train --ft's default: the comparison's LocalCub (H = 50)
+    # LocalCub's short-round setting, the races' best up to r ≈ 20: H = 10, the 8-bit lane mean averaged in (outer
+    # SGD at lr 1), AdamW at 4e-3 (bench/README, "The race by regime")
+    "localcub-h10": ["--local-steps", "10", "--outer", "sgd", "--outer-lr", "1", "--lr", "4e-3"],
     "vote": ["--optimizer", "lioncub", "--vote", "pbit", "--local-steps", "1"],  # LionCub's vote every step
 }
 """``--method``: the training options each adds to ``lioncub train --ft``."""
@@ -40,7 +43,10 @@ METHODS = {
 def local_steps(method: str) -> int:
     from lioncub.harness.compare import LOCALCUB
 
-    return 1 if method == "vote" else LOCALCUB["local_steps"]
+    options = METHODS[method]
+    if "--local-steps" in options:
+        return int(options[options.index("--local-steps") + 1])
+    return LOCALCUB["local_steps"]
 
 
 def run_argv(args, seed: int, kill_every: float, out: str) -> list[str]:
@@ -125,7 +131,8 @@ def main(argv=None) -> None:
     ap.add_argument("--replicas", type=int, default=3, help="replica groups of one worker")
     ap.add_argument("--model", default="gpt-mini")
     ap.add_argument("--method", choices=sorted(METHODS), default="localcub",
-                    help="localcub: the comparison's LocalCub (H = 50); vote: LionCub's every-step vote (pbit)")
+                    help="localcub: the comparison's LocalCub (H = 50); localcub-h10: its short-round setting "
+                         "(H = 10, outer SGD lr 1, AdamW 4e-3); vote: LionCub's every-step vote (pbit)")
     ap.add_argument("--ft-timeout", type=float, default=None, metavar="SECONDS",
                     help="a collective's time limit (lioncub train --ft-timeout; default: its own, 10 s)")
     ap.add_argument("--warm-spare", type=int, default=0, metavar="N",
