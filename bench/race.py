@@ -51,7 +51,12 @@ DEFAULT_METHODS = ("adamw-ddp,adamw-bf16,adamw-psgd-r1,adamw-psgd-r4,local-adamw
                    "lion-ddp,lioncub-pbit4,lioncub-pbit4-overlap")
 
 
-def _runs(args) -> list[tuple[str, float, int]]:
+LINK = "lcub-link"
+"""LocalCub's whole setting picked from the link measured in the run (:mod:`lioncub.optim.regime`): H, the outer
+rule, the round's code and the inner lr. Named without ``@LR``: the run's lr is the setting's."""
+
+
+def _runs(args) -> list[tuple[str, float | None, int]]:
     from lioncub import baselines
 
     grids = {"adamw": [float(v) for v in args.lr_adamw.split(",")],
@@ -61,6 +66,11 @@ def _runs(args) -> list[tuple[str, float, int]]:
     for seed in seeds:
         for m in args.methods.split(","):
             name, _, own = m.partition("@")  # name@lr: this method at its own lr, not its family's grid
+            if name == LINK:
+                if own:
+                    raise ValueError(f"--methods: {LINK} takes its lr from the setting it picks; drop '@{own}'")
+                out.append((name, None, seed))
+                continue
             for lr in ([float(own)] if own else grids[baselines.family(name)]):
                 out.append((name, lr, seed))
     return out
@@ -80,17 +90,22 @@ def _evaluate(model, val) -> float:
     return evaluate(model, val, is_gpt=True)["val_loss"]
 
 
-def cub_config(name: str, lr: float, seed: int):
+def cub_config(name: str, lr: float, seed: int, setting=None):
     """The harness configuration (:class:`~lioncub.harness.config.TrainConfig`) of a Lion Cub race row, so that
     the row is built by the harness's factory (what ``lioncub train`` runs); None for a peer, and for the
-    ``-overlap`` rows, whose buckets of 2 MiB the harness does not set (they stay on ``lioncub.baselines``)."""
+    ``-overlap`` rows, whose buckets of 2 MiB the harness does not set (they stay on ``lioncub.baselines``).
+    ``setting``: :data:`LINK`'s pick (:class:`~lioncub.optim.regime.SettingPick`)."""
     from lioncub import baselines
     from lioncub.baselines import cub
     from lioncub.baselines.ddp import BETAS
     from lioncub.harness.config import TrainConfig
 
-    cls, kw = baselines.options(name)
     common = dict(optimizer="lioncub", lr=lr, betas=BETAS, weight_decay=0.0, seed=seed)
+    if name == LINK:
+        from lioncub.harness.regime import apply_setting
+
+        return apply_setting(TrainConfig(steps=10, eval_every=0, **common), setting)
+    cls, kw = baselines.options(name)
     if cls is cub.CubMethod and not kw.get("overlap"):
         return TrainConfig(vote=kw["vote"], bits=kw.get("bits"), **common)
     if cls is cub.LocalCubMethod:  # steps and eval_every: multiples of H, unused by the factory
@@ -99,14 +114,14 @@ def cub_config(name: str, lr: float, seed: int):
     return None
 
 
-def build_method(name: str, model, lr: float, seed: int):
+def build_method(name: str, model, lr: float, seed: int, setting=None):
     """The race's method ``name``: a Lion Cub row from the harness's factory (:func:`cub_config`), a peer from
     :func:`lioncub.baselines.build`."""
     from lioncub import baselines
     from lioncub.harness.method import make_method
     from lioncub.harness.models import param_groups
 
-    config = cub_config(name, lr, seed)
+    config = cub_config(name, lr, seed, setting)
     if config is None:
         return baselines.build(name, model, lr=lr)
     method = make_method(config, model, param_groups(model, lr=lr, weight_decay=0.0))
@@ -148,7 +163,14 @@ def train_one(args, name: str, lr: float, seed: int, data_dir: str, first: bool 
     n_params = sum(p.numel() for p in model.parameters())
     regime = measure_regime(model, loader, n_params) if name == REFERENCE or (first and args.regime) else None
     compute_s = measure_compute(model, loader)  # every run: the compute-bound step rate it is held against
-    method = build_method(name, model, lr, seed)
+    setting = None
+    if name == LINK:  # the setting from the link: its lr is the run's
+        from lioncub.harness.regime import setting_from_link
+
+        setting = setting_from_link(model, loader)
+        print(f"seed {seed}: {setting.text()}", flush=True)
+        lr = setting.options["lr"]
+    method = build_method(name, model, lr, seed, setting)
     dist.barrier()
     tx0 = iface_bytes(dev)["tx"]
     evals, recent, status = [], [], "ok"
@@ -176,7 +198,8 @@ def train_one(args, name: str, lr: float, seed: int, data_dir: str, first: bool 
     del method
     dist.barrier()
     return dict(method=name, lr=lr, seed=seed, status=status, n_params=n_params, steps=evals[-1]["step"], evals=evals,
-                compute_s=compute_s, **({"regime": regime} if regime else {}), **({"steps_pick": pick} if pick else {}))
+                compute_s=compute_s, **({"regime": regime} if regime else {}), **({"steps_pick": pick} if pick else {}),
+                **({"setting": setting.as_dict()} if setting else {}))
 
 
 def worker(args) -> None:

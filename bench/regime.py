@@ -8,35 +8,13 @@ REFERENCE = "lion-ddp"
 
 
 def measure_compute(model, loader, repeats: int = 8) -> float:
-    """Seconds of one step of local AdamW with no communication: forward + backward of a batch and an AdamW step,
-    on a copy of the model (the run's own model, gradients and loader are left as they were), after one untimed
-    step that makes AdamW's state; the median over ``repeats``, the slowest rank's (one 8-byte MAX all-reduce).
-    1 / this is a run's compute-bound step rate, against which its steps per second are held (issue 48's
-    definition: the steps per second of local AdamW with no communication, same host, same run)."""
-    import copy
-    import statistics
+    """Seconds of one step of local AdamW with no communication, the slowest rank's
+    (:func:`lioncub.harness.regime.measure_step`). 1 / this is a run's compute-bound step rate, against which its
+    steps per second are held (issue 48's definition: the steps per second of local AdamW with no communication,
+    same host, same run)."""
+    from lioncub.harness.regime import measure_step
 
-    import torch
-    import torch.distributed as dist
-
-    state = loader.state_dict()
-    local = copy.deepcopy(model)
-    opt = torch.optim.AdamW(local.parameters(), lr=1e-6)
-    times = []
-    dist.barrier()  # every rank computes at once, as in a run (ranks may share the host's cores)
-    for i in range(repeats + 1):
-        x, y = loader.next_batch()
-        t0 = time.perf_counter()
-        local(x, y)[1].backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if i:
-            times.append(time.perf_counter() - t0)
-    del local, opt
-    loader.load_state_dict(state)
-    slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return float(slowest.item())
+    return measure_step(model, loader, repeats=repeats)
 
 
 def measure_regime(model, loader, n_params: int, repeats: int = 3) -> dict:

@@ -87,6 +87,10 @@ def _add_train(sub) -> None:
     p.add_argument("--local-steps", type=_local_steps, default=d.local_steps, metavar="H",
                    help="LionCub: H inner steps per voted outer step (LocalCub; default: %(default)s = every step), "
                         "or 'auto': H picked from the measured link and compute (printed)")
+    p.add_argument("--local-setting", choices=("given", "link"), default=d.local_setting,
+                   help="local steps: 'link' picks LocalCub's whole setting (H, outer rule, round code, inner lr) from "
+                        "the measured link and step, short rounds or long ones (needs --local-steps auto; printed, kept "
+                        "on resume); 'given': the flags (default: %(default)s)")
     p.add_argument("--inner", choices=("lion", "adamw"), default=d.inner, help="local steps: inner optimizer")
     p.add_argument("--outer", choices=tuple(OUTER_RULES), default=d.outer, help="local steps: outer rule")
     p.add_argument("--outer-lr", type=float, default=d.outer_lr, help="local steps: outer lr (default: %(default)s)")

@@ -51,10 +51,9 @@ class TrainConfig:
     steps: int = 250
     """Optimizer steps to train (a resumed run continues up to this step; with ``time_budget``: at most)."""
     time_budget: float | None = None
-    """Train for this many seconds of training time instead of to ``steps`` (which then caps it): the
-    agreed clock is the slowest rank's sum of step times, every rank stops at the same step (for local
-    steps: at the end of a round). The lr is constant after the warm-up (the race's schedule,
-    bench/README.md), since the number of steps is not known in advance."""
+    """Train for this many seconds of training time instead of to ``steps`` (which then caps it): the agreed clock
+    is the slowest rank's sum of step times, every rank stops at the same step (for local steps: at a round's
+    end). The lr is constant after the warm-up, since the number of steps is not known in advance."""
     eval_every_s: float = 0.0
     """With ``time_budget``: also evaluate every this many seconds of the agreed clock (0: never)."""
     batch_size: int = 8
@@ -84,8 +83,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of the peak."""
     optimizer: str = "lioncub"
-    """``lion`` (single-process Lion + fp32 gradient allreduce done by the harness),
-    ``lioncub`` (LionCub with ``vote``) or ``adamw`` (AdamW + gradient allreduce)."""
+    """``lion`` or ``adamw`` (one process's optimizer after the harness's fp32 gradient allreduce), ``lioncub``."""
     vote: str = "pbit"
     """LionCub vote: ``grad`` is the gradient-allreduce baseline; see ``VOTES``."""
     bits: int | None = None
@@ -130,6 +128,8 @@ class TrainConfig:
     run stops at the first round's end at or after ``steps``, evaluations by the clock, not ``eval_every``)."""
     min_local_steps: int = 10
     """``local_steps='auto'``: the smallest H it picks (the H the outer rule's rate was tuned at)."""
+    local_setting: str = "given"
+    """``given`` (these fields) or ``link``: LocalCub's setting from the measured link (:mod:`lioncub.harness.regime`)."""
     inner: str = "lion"
     """Local steps: the inner optimizer, ``lion`` or ``adamw``."""
     outer: str = "nesterov"
@@ -290,7 +290,7 @@ class TrainConfig:
 
 
 _LOCAL_ONLY = {"inner": "lion", "outer": "nesterov", "outer_lr": 1.0, "error_feedback": False, "aggregate": "vote",
-               "delay": 0, "fragments": 1}
+               "delay": 0, "fragments": 1, "local_setting": "given"}
 _STEP_ONLY = {"tie": "alternate", "vote_error_feedback": "none", "stochastic_signs": False, **MEAN_DEFAULTS}
 _LIONCUB_ONLY = {**_STEP_ONLY, "bits": None, "quantizer": None, "momentum_sync": "none", "nonfinite": "raise", "check_every": 0,
                  "overlap": False, "local_steps": 1, "nodes": 1, "shard": True, **_LOCAL_ONLY}
@@ -312,6 +312,7 @@ def _check_local_steps(config: TrainConfig) -> None:
     _choice("inner", config.inner, INNER_OPTIMIZERS)
     _choice("outer", config.outer, OUTER_RULES)
     _choice("aggregate", config.aggregate, AGGREGATES)
+    _choice("local_setting", config.local_setting, ("given", "link"))
     if config.local_steps != "auto" and (isinstance(config.local_steps, bool) or not isinstance(config.local_steps, int)
                                          or config.local_steps < 1):
         raise ValueError(f"local_steps must be >= 1 or 'auto', got {config.local_steps!r}")
@@ -339,6 +340,14 @@ def _check_local_steps(config: TrainConfig) -> None:
     for name, default in (("momentum_sync", "none"), ("overlap", False), ("grad_dtype", "fp32")):
         if getattr(config, name) != default:
             raise ValueError(f"{name}={getattr(config, name)!r} is not supported with local_steps > 1")
+    if config.local_setting == "link":
+        from ..optim.regime import SHORT_H
+
+        if config.local_steps != "auto":
+            raise ValueError(f"local_setting='link' picks H too: give local_steps='auto', got {config.local_steps!r}")
+        if config.steps % SHORT_H:
+            raise ValueError(f"local_setting='link' may pick H = {SHORT_H}: steps must be a multiple of it, "
+                             f"got {config.steps}")
     if config.local_steps != "auto" and config.min_local_steps != 10:
         raise ValueError(f"min_local_steps={config.min_local_steps} applies to local_steps='auto' only")
     if config.local_steps == "auto":

@@ -41,6 +41,7 @@ from .loop import Loop, StepClock, StepInfo
 from .metrics import MetricsWriter, ProgressBar, TensorBoardWriter, progress_enabled, write_csv
 from .method import batch_loss, lane_options, make_method, make_optimizer, vote_method
 from .models import build_model, param_groups
+from .regime import resolve_setting
 from .schedule import lr_at, warmup_factor
 
 
@@ -191,13 +192,17 @@ def train_worker(config: TrainConfig) -> dict:
     if config.optimizer != "lioncub":
         for t in model.state_dict().values():  # on ``device``, as the model is
             comm.broadcast(t, src=0)
+    resume_from = _resume_path(config, device)
+    config, setting = resolve_setting(config, model, data.loader, resume_from, device)  # --local-setting link
+    if setting is not None and rank == 0:
+        print(f"[{config.label}] {setting.text()}", flush=True)
     groups = param_groups(model, lr=config.lr, weight_decay=config.weight_decay,
                           lr_embed=config.lr_embed, lr_head=config.lr_head)
     cuda = device.type == "cuda"
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
     method = make_method(config, model, groups, autocast=autocast)
     opt = method.opt
-    start, resume_from = 0, _resume_path(config, device)
+    start = 0
     if resume_from:
         meta = checkpoint.load_checkpoint(resume_from, model=model, optimizer=opt, loader=data.loader,
                                           device=device, seed=config.seed)
@@ -239,7 +244,8 @@ def train_worker(config: TrainConfig) -> dict:
     def after_step(done: int) -> None:
         if config.ckpt_every and done % config.ckpt_every == 0:
             checkpoint.save_checkpoint(config.out, done, model=model, optimizer=opt, loader=data.loader,
-                                       meta={"label": config.label, "config": config.as_dict()},
+                                       meta={"label": config.label, "config": config.as_dict(),
+                                             **({"local_setting": setting.as_dict()} if setting else {})},
                                        keep=config.keep_ckpts)
 
     model.train()
@@ -252,7 +258,7 @@ def train_worker(config: TrainConfig) -> dict:
     bar.close()
     board.close()
     summary = summarize(config, steps, evals, world=world, n_params=n_params,
-                        wall_s=time.perf_counter() - t_begin, device=str(device), optimizer=opt)
+                        wall_s=time.perf_counter() - t_begin, device=str(device), optimizer=opt, setting=setting)
     if rank == 0:
         write_csv([summary], os.path.join(config.out, "summary.csv"))
         if "local_steps_picked" in summary:
@@ -276,11 +282,12 @@ def _resume_path(config: TrainConfig, device: torch.device | None = None) -> str
 
 
 def summarize(config: TrainConfig, steps: list[dict], evals: list[dict], *, world: int, n_params: int,
-              wall_s: float, device: str, optimizer=None) -> dict:
+              wall_s: float, device: str, optimizer=None, setting=None) -> dict:
     """One row per run: final losses and mean per-step costs (first 3 steps skipped as warm-up).
 
     With a LionCub ``optimizer``: ``vote_chosen`` (the method run, e.g. ``pbit/2b``; what
-    ``vote='auto'`` picked) and ``skipped_steps`` (non-finite steps skipped)."""
+    ``vote='auto'`` picked) and ``skipped_steps`` (non-finite steps skipped). With ``setting`` (``--local-setting
+    link``'s :class:`~lioncub.optim.regime.SettingPick`): ``local_setting`` and the regime ``r`` it was picked at."""
     timed = steps[3:] if len(steps) > 6 else steps
 
     def mean(key):
@@ -301,6 +308,8 @@ def summarize(config: TrainConfig, steps: list[dict], evals: list[dict], *, worl
             row.update(nodes=config.nodes, shard=config.shard)
         row.update(vote_chosen=f"{vote}/{bits}b" if bits else vote, skipped_steps=optimizer.skipped_steps,
                    momentum_sync=config.momentum_sync)
+    if setting is not None:
+        row.update(local_setting=setting.name, regime_r=setting.r)
     pick = getattr(optimizer, "steps_pick", None)
     if pick and pick.get("H") is not None:  # LocalCub(local_steps='auto'): what it picked, from what
         row.update(local_steps_picked=pick["H"], round_s=pick["round_s"], step_s=pick["step_s"],
