@@ -13,7 +13,9 @@ of the peak over the budget (``--schedule cosine``: over the agreed training sec
 With several seeds a method's best lr is the one with the lowest mean final loss over the seeds
 all its lrs ran (the tuning seed, when later seeds ran at the best lr only); its row
 gives the mean ± std over seeds of the final loss and of the time and bytes to each target
-(and how many seeds reached it), and the plot its mean curve with a band of ± one std.
+(and how many seeds reached it), and the plot its mean curve with a band of ± one std. ``lcub-link`` (no
+``@LR``) is LocalCub at the setting it picks from the link it measures before its run
+(:mod:`lioncub.optim.regime`), at that setting's lr; each run's pick is in the JSON (``setting``).
 
 Each run is the harness's training loop (:class:`lioncub.harness.loop.Loop`, what ``lioncub train``
 runs); the Lion Cub rows are built by the harness's optimizer factory (``cub_config``), the peers by
