@@ -218,3 +218,24 @@ def test_live_two_workers_calibrate_and_vote_bytes():
         want = predicted_bytes(method, n, P, bits=bits, quantizer=quantizer)
         assert nbytes == pytest.approx(want["bytes_sent"]), (method, bits, quantizer, n)
         assert ncoll == want["n_collectives"], (method, bits, quantizer, n)
+
+
+def _probe_count(rank, world, max_probe_s):
+    from lioncub.testing.audit import DeviceAudit
+
+    with DeviceAudit("cpu") as audit:
+        ab = cost.calibrate(sizes=(1 << 24, 1 << 10, 1 << 16), repeats=1, warmup=0, max_probe_s=max_probe_s)
+    return ab, sum("allreduce" in c.name for c in audit.collectives)
+
+
+def test_calibrate_skips_the_larger_probes_once_one_is_slow_on_every_rank_alike():
+    """Each size probed costs one timed all-reduce and one agreement; a stop after two sizes leaves the 16 MiB
+    probe out on both ranks (a rank that went on alone would hang the group), and the fit still comes out."""
+    from tests.dist import run_workers
+
+    stopped = run_workers(_probe_count, 2, 0.0)  # every probe is "slow": stop after the two smallest sizes
+    assert [n for _, n in stopped] == [4, 4] and stopped[0][0] == stopped[1][0]
+    full = run_workers(_probe_count, 2, math.inf)
+    assert [n for _, n in full] == [6, 6] and full[0][0] == full[1][0]
+    with pytest.raises(ValueError, match="max_probe_s"):
+        cost.calibrate(sizes=(1, 2), max_probe_s=-1.0)

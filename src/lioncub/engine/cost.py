@@ -42,6 +42,8 @@ METHODS = ("grad",) + VOTE_METHODS
 GRAD_DTYPES = {"fp32": 4, "bf16": 2}
 GRAD_PLAN = "one all-reduce of the gradients: n·4 (fp32) or n·2 (bf16) bytes."
 DEFAULT_PROBE_SIZES = (4 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
+PROBE_STOP_S = 0.5
+"""``calibrate``'s default ``max_probe_s``: larger probes are skipped once one takes longer than this."""
 
 __all__ = [
     "METHODS",
@@ -198,17 +200,20 @@ def fit_alpha_beta(nbytes: Sequence[int], seconds: Sequence[float], world_size: 
 
 
 def calibrate(group=None, sizes: Sequence[int] = DEFAULT_PROBE_SIZES, *, repeats: int = 3,
-              warmup: int = 1, device=None) -> tuple[float, float]:
+              warmup: int = 1, device=None, max_probe_s: float = PROBE_STOP_S) -> tuple[float, float]:
     """Measure (α, β) on a live process group with uint8 SUM allreduces of ``sizes`` bytes.
 
-    Each size runs ``warmup`` + ``repeats`` times after a barrier; a rank keeps its
-    median; a MAX allreduce makes every rank fit the same (slowest-rank) times, so
-    all ranks get identical (α, β) and hence pick the same method. Collective: every
-    rank of ``group`` must call it. One rank: returns (0.0, 0.0).
+    The sizes run smallest first, each ``warmup`` + ``repeats`` times after a barrier; a rank
+    keeps its median, and a MAX allreduce makes every rank hold the same (slowest-rank) time, so
+    all ranks fit identical (α, β) and hence pick the same method. Once a size's agreed time passes
+    ``max_probe_s`` (after at least two sizes) the larger sizes are skipped, on every rank alike: on
+    a slow link they would take minutes (16 MiB at 10 Mbit/s: ~20 s an all-reduce, five times over)
+    and add nothing to the fit that a probe of half a second has not. Collective: every rank of
+    ``group`` must call it. One rank: returns (0.0, 0.0).
 
     ``device``: where the probe buffers live (the optimizer's communication device;
     default CPU). On CUDA each timed all-reduce is bracketed by device synchronises, so
-    the times are of finished transfers, not of NCCL's launch.
+    the times are of finished transfers, not of NCCL's launch. One host read per size (set-up).
     """
     import torch
     import torch.distributed as dist
@@ -219,15 +224,17 @@ def calibrate(group=None, sizes: Sequence[int] = DEFAULT_PROBE_SIZES, *, repeats
         raise ValueError(f"sizes must hold >= 2 distinct positive byte counts; got {sizes!r}")
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0; got {repeats}, {warmup}")
+    if not max_probe_s >= 0:
+        raise ValueError(f"max_probe_s must be >= 0 seconds; got {max_probe_s!r}")
     P = dist.get_world_size(group)
     if P == 1:
         return 0.0, 0.0
     device = torch.device("cpu") if device is None else torch.device(device)
     timed = comm.CommStats()
     timed.sync = device  # comm.clock synchronises a CUDA device before reading the clock
-    medians = []
-    for size in sizes:
-        buf = torch.zeros(int(size), dtype=torch.uint8, device=device)
+    probed, times = [], []
+    for size in sorted({int(s) for s in sizes}):
+        buf = torch.zeros(size, dtype=torch.uint8, device=device)
         runs = []
         for i in range(warmup + repeats):
             comm.barrier(group, device)
@@ -235,7 +242,10 @@ def calibrate(group=None, sizes: Sequence[int] = DEFAULT_PROBE_SIZES, *, repeats
             comm.all_reduce(buf, group)
             if i >= warmup:
                 runs.append(comm.clock(timed) - t0)
-        medians.append(sorted(runs)[len(runs) // 2])
-    agreed = torch.tensor(medians, dtype=torch.float64).to(device)
-    comm.all_reduce(agreed, group, op="max")
-    return fit_alpha_beta([int(s) for s in sizes], agreed.tolist(), P)
+        agreed = torch.tensor([sorted(runs)[len(runs) // 2]], dtype=torch.float64).to(device)
+        comm.all_reduce(agreed, group, op="max")
+        probed.append(size)
+        times.append(float(agreed.item()))  # the same on every rank: every rank stops at the same size
+        if len(times) >= 2 and times[-1] > max_probe_s:
+            break
+    return fit_alpha_beta(probed, times, P)
