@@ -30,11 +30,21 @@ import tempfile
 from bench import _runner
 
 
+def _short_options() -> list[str]:
+    from lioncub.harness.compare import LOCALCUB
+    from lioncub.optim.regime import SETTINGS
+
+    short = SETTINGS["short"]
+    assert all(short[k] == LOCALCUB[k] for k in ("inner", "vote", "bits", "quantizer", "aggregate", "error_feedback"))
+    return ["--local-steps", str(short["local_steps"]), "--outer", short["outer"], "--outer-lr",
+            f"{short['outer_lr']:g}", "--lr", f"{short['lr']:g}"]
+
+
 METHODS = {
     "localcub": [],  # lioncub train --ft's default: the comparison's LocalCub (H = 50)
-    # LocalCub's short-round setting, the races' best up to r ≈ 20: H = 10, the 8-bit lane mean averaged in (outer
-    # SGD at lr 1), AdamW at 4e-3 (bench/README, "The race by regime")
-    "localcub-h10": ["--local-steps", "10", "--outer", "sgd", "--outer-lr", "1", "--lr", "4e-3"],
+    # LocalCub's short-round setting (lioncub.optim.regime.SETTINGS['short'], what --local-setting link picks up to
+    # r ≈ 20): H = 10 and its outer rule and lr; the round's 8-bit lane mean, EF and AdamW are the default's too
+    "localcub-h10": _short_options(),
     "vote": ["--optimizer", "lioncub", "--vote", "pbit", "--local-steps", "1"],  # LionCub's vote every step
 }
 """``--method``: the training options each adds to ``lioncub train --ft``."""

@@ -28,10 +28,11 @@ def _gpt_loss(model, x, y):
 def measure_step(model: torch.nn.Module, loader, group=None, *, repeats: int = 8,
                  device: torch.device | None = None, loss=_gpt_loss) -> float:
     """Seconds of one step of local AdamW with no communication: forward + backward of a batch (``loss(model, x,
-    y)``; default a GPT's, ``model(x, y)`` returning ``(logits, loss)``) and an AdamW step, on a copy of the model (the run's own model, gradients and
-    loader are left as they were: ``loader`` has ``next_batch``, ``state_dict`` and ``load_state_dict``), after one
-    untimed step that makes AdamW's state; the median over ``repeats``, the slowest rank's (one float64 MAX
-    all-reduce on ``device``, default the model's). Collective; set-up only."""
+    y)``; default a GPT's, ``model(x, y)`` returning ``(logits, loss)``) and an AdamW step, on a copy of the model
+    (the run's own model, gradients and loader are left as they were: ``loader`` has ``next_batch``,
+    ``state_dict`` and ``load_state_dict``), after one untimed step that makes AdamW's state; the median over
+    ``repeats``, the slowest rank's (one float64 MAX all-reduce on ``device``, default the model's). Collective;
+    set-up only."""
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     device = next(model.parameters()).device if device is None else device
@@ -59,16 +60,15 @@ def measure_step(model: torch.nn.Module, loader, group=None, *, repeats: int = 8
     return float(slowest.item())
 
 
-def setting_from_link(model: torch.nn.Module, loader, group=None, *, world_size: int | None = None,
-                      round_share: float | None = None, device: torch.device | None = None,
-                      loss=_gpt_loss) -> SettingPick:
+def setting_from_link(model: torch.nn.Module, loader, group=None, *, round_share: float | None = None,
+                      device: torch.device | None = None, loss=_gpt_loss) -> SettingPick:
     """LocalCub's setting for this model on this link (:mod:`lioncub.optim.regime`): the step timed
     (:func:`measure_step`), α and β calibrated on ``group``, then :func:`~lioncub.optim.regime.pick_setting`.
     Collective; set-up only (a second or two, plus the probe's all-reduces)."""
     import torch.distributed as dist
 
     device = next(model.parameters()).device if device is None else device
-    world = dist.get_world_size(group) if world_size is None else world_size
+    world = dist.get_world_size(group)
     step_s = measure_step(model, loader, group, device=device, loss=loss)
     alpha, beta = (0.0, 0.0) if world == 1 else calibrate(group, device=device)
     n = sum(p.numel() for p in model.parameters())
@@ -84,7 +84,7 @@ def apply_setting(config, pick: SettingPick):
 
     fields = TrainConfig.__dataclass_fields__
     cleared = {name: fields[name].default for name in ("quantizer", "min_local_steps", "delay", "fragments")}
-    return config.replace(**{**cleared, **pick.options}, optimizer="lioncub", local_setting="given")  # now given
+    return config.replace(**{**cleared, **pick.options}, local_setting="given")  # the pick is made
 
 
 def resolve_setting(config, model: torch.nn.Module, loader, resume_from: str | None = None,
