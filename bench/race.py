@@ -24,7 +24,8 @@ local SGD, DiLoCo and SparseLoCo) the ranks agree on the elapsed time (one 8-byt
 rank's seconds of steps since the last such point, evaluations not counted) and, every
 ``--eval-every`` seconds, evaluate the agreed model on fixed validation batches. Each
 evaluation records: training seconds, steps, validation loss, bytes this rank's veth
-sent so far (mean over ranks). The target is the loss Lion + DDP fp32 (best LR) reaches
+sent so far (mean over ranks). Each run also records every step's seconds on rank 0 (``step_s``, evaluations
+taken out): where a method's time goes (a round's step against an inner one). The target is the loss Lion + DDP fp32 (best LR) reaches
 at the end of its budget; the table gives each method's time and bytes to reach it.
 
     sudo OMP_NUM_THREADS=1 PYTHONPATH=src python3 -m bench.race                  # ~21 min
@@ -44,6 +45,7 @@ import json
 import math
 import os
 import sys
+import time
 
 from bench import _runner
 from bench.regime import REFERENCE, measure_compute, measure_regime, regime_text
@@ -176,9 +178,19 @@ def train_one(args, name: str, lr: float, seed: int, data_dir: str, first: bool 
     dist.barrier()
     tx0 = iface_bytes(dev)["tx"]
     evals, recent, status = [], [], "ok"
+    step_s, clock = [], dict(last=time.perf_counter(), held=0.0)  # each step's seconds, evaluations taken out
 
     def scores() -> dict:  # the bytes sent so far, read before the evaluation's own all-reduce
-        return {"tx": iface_bytes(dev)["tx"] - tx0, "val": _evaluate(model, val)}
+        t0 = time.perf_counter()
+        out = {"tx": iface_bytes(dev)["tx"] - tx0, "val": _evaluate(model, val)}
+        clock["held"] += time.perf_counter() - t0
+        return out
+
+    def on_step(info) -> None:
+        now = time.perf_counter()
+        step_s.append(round(now - clock["last"] - clock["held"], 5))
+        clock.update(last=now, held=0.0)
+        recent.append(float(info.loss))
 
     def on_eval(rec: dict) -> bool:
         nonlocal status
@@ -194,13 +206,14 @@ def train_one(args, name: str, lr: float, seed: int, data_dir: str, first: bool 
         return lr * lr_factor(step, progress, args.warmup, args.schedule, args.min_lr_ratio)
 
     loop = Loop(lr=lr_at, steps=args.steps, budget=args.budget, eval_every_s=args.eval_every, eval_at_start=True,
-                on_step=lambda info: recent.append(float(info.loss)), on_eval=on_eval)
+                on_step=on_step, on_eval=on_eval)
+    clock["last"] = time.perf_counter()
     loop.run(method, loader, scores)
     pick = getattr(getattr(method, "opt", None), "steps_pick", None)  # local_steps='auto': the H it picked
     del method
     dist.barrier()
     return dict(method=name, lr=lr, seed=seed, status=status, n_params=n_params, steps=evals[-1]["step"], evals=evals,
-                compute_s=compute_s, **({"regime": regime} if regime else {}), **({"steps_pick": pick} if pick else {}),
+                compute_s=compute_s, step_s=step_s, **({"regime": regime} if regime else {}), **({"steps_pick": pick} if pick else {}),
                 **({"setting": setting.as_dict()} if setting else {}))
 
 
