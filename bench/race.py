@@ -24,9 +24,10 @@ local SGD, DiLoCo and SparseLoCo) the ranks agree on the elapsed time (one 8-byt
 rank's seconds of steps since the last such point, evaluations not counted) and, every
 ``--eval-every`` seconds, evaluate the agreed model on fixed validation batches. Each
 evaluation records: training seconds, steps, validation loss, bytes this rank's veth
-sent so far (mean over ranks). Each run also records every step's seconds on rank 0 (``step_s``, evaluations
-taken out): where a method's time goes (a round's step against an inner one). The target is the loss Lion + DDP fp32 (best LR) reaches
-at the end of its budget; the table gives each method's time and bytes to reach it.
+sent so far (mean over ranks). Each run also records every step's seconds on rank 0 (``step_s``,
+evaluations taken out): where a method's time goes (a round's step against an inner one). The target
+is the loss Lion + DDP fp32 (best LR) reaches at the end of its budget; the table gives each method's
+time and bytes to reach it.
 
     sudo OMP_NUM_THREADS=1 PYTHONPATH=src python3 -m bench.race                  # ~21 min
     ... -m bench.race --methods lioncub-onebit,lioncub-onebit-overlap --append bench/results/race.json
