@@ -403,3 +403,41 @@ def test_auto_picks_the_cheapest_vote_of_a_round_and_resumes_with_it():
         assert synced
         for got, expected, priced in picks:
             assert got == expected and priced
+
+
+def test_a_fused_adamw_inner_decides_a_non_finite_step_on_the_device():
+    """An inner torch AdamW built with ``fused=True`` (what ``inner='adamw'`` builds on CUDA) takes the skip as its
+    ``found_inf``: the same parameters, moments, step counts and skipped round as the host-read path through the same
+    kernel, and no host read in any inner step (the round's end reads once)."""
+    from unittest import mock
+
+    from lioncub import fused
+
+    def run(device_path: bool):
+        g = torch.Generator().manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in (37, 5)]
+        opt = LocalCub(ps, lr=1e-2, local_steps=3, nonfinite="skip",
+                       inner=lambda groups: torch.optim.AdamW(groups, fused=True))
+        reads = []
+        for step in range(9):  # rounds 0-2; a NaN in step 4 (round 1): that round is dropped
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g)
+            if step == 4:
+                ps[0].grad[3] = float("nan")
+            real_bool, real_item = torch.Tensor.__bool__, torch.Tensor.item
+            with mock.patch.object(torch.Tensor, "__bool__", lambda t: (reads.append(step), real_bool(t))[1]), \
+                    mock.patch.object(torch.Tensor, "item", lambda t: (reads.append(step), real_item(t))[1]), \
+                    mock.patch.object(fused, "STEP_UNLESS", fused.STEP_UNLESS if device_path else ()):
+                opt.step()
+        return ps, opt, reads
+
+    host_ps, host, host_reads = run(False)
+    dev_ps, dev, dev_reads = run(True)
+    assert host.skipped_rounds == dev.skipped_rounds == 1 and host.rounds == dev.rounds == 2
+    state = lambda opt, ps: [opt.inner.state[p][k] for p in ps for k in ("exp_avg", "exp_avg_sq", "step")]
+    assert all(torch.equal(a, b) for a, b in zip(dev_ps + state(dev, dev_ps), host_ps + state(host, host_ps)))
+    assert dev.inner.state[dev_ps[0]]["step"].item() == 8  # 9 steps, the NaN one not counted
+    inner_steps = [s for s in range(9) if (s + 1) % 3]
+    assert all(s in host_reads for s in inner_steps)  # the host path reads every inner step's verdict
+    assert not any(s in dev_reads for s in inner_steps)  # the device path reads none of them
+    assert not hasattr(dev.inner, "found_inf")  # (torch's newer scaler contract sees nothing left behind)

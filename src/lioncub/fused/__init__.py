@@ -345,6 +345,23 @@ def _update_args(k: int, lr, beta2, weight_decay, maximize) -> list:
             _per_tensor(b2, k), _per_tensor([-(1.0 - b) if x else 1.0 - b for b, x in zip(b2, mx)], k)]
 
 
+def adam_step_unless(optimizer, skip: Tensor) -> bool:
+    """One step of a torch ``Adam``/``AdamW`` built with ``fused=True`` that the 0-dim ``skip`` flag cancels on the
+    device: torch's fused kernel reads it as its ``found_inf`` (the parameters, moments and step counts stay as they
+    were), no host read. Returns False, having done nothing, for any other optimizer: the caller then reads
+    ``skip`` on the host."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return False
+    if not all(g.get("fused") for g in optimizer.param_groups) or hasattr(optimizer, "found_inf"):
+        return False  # (a found_inf already set is the loss scaler's, under torch's newer contract)
+    optimizer.found_inf = skip.to(torch.float32)
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
+    return True
+
+
 def lion_step_unless(optimizer, skip: Tensor) -> bool:
     """One step of :class:`lioncub.lion.Lion` ``optimizer`` that the 0-dim ``skip`` flag (on the parameters' device)
     cancels on the device, when the Triton kernels take every tensor (contiguous fp32 CUDA): one launch per param
@@ -368,3 +385,7 @@ def lion_step_unless(optimizer, skip: Tensor) -> bool:
             kernels.lion_step(params, exp_avgs, grads, lr=group["lr"], beta1=beta1, beta2=beta2,
                                  weight_decay=group["weight_decay"], maximize=group["maximize"], skip=skip)
     return True
+
+
+STEP_UNLESS = (lion_step_unless, adam_step_unless)
+"""The inner steps a 0-dim skip flag can cancel on the device (each returns False where it cannot)."""

@@ -105,8 +105,9 @@ def _make_inner(inner, groups: list[dict], betas) -> torch.optim.Optimizer:
     groups = [dict(g, weight_decay=0.0) for g in groups]
     if inner == "lion":
         return Lion(groups, betas=betas)
-    if inner == "adamw":
-        return torch.optim.AdamW(groups, betas=betas)
+    if inner == "adamw":  # fused on CUDA: it skips a non-finite step on the device (fused.adam_step_unless)
+        cuda = all(p.device.type == "cuda" for g in groups for p in g["params"])
+        return torch.optim.AdamW(groups, betas=betas, fused=True if cuda else None)
     if callable(inner):
         opt = inner(groups)
         if not isinstance(opt, torch.optim.Optimizer):
@@ -328,8 +329,8 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
 
     def _inner_step(self, grad_scaler) -> None:
         """This rank's inner step, unless its gradients (or the scaler) say non-finite: a NaN must not reach the
-        inner optimizer's state (the round's end then decides on every rank at once). Lion on CUDA decides on the
-        device (:func:`lioncub.fused.lion_step_unless`); otherwise one host read (free on CPU)."""
+        inner optimizer's state (the round's end then decides on every rank at once). Lion on CUDA and a fused AdamW
+        decide on the device (:mod:`lioncub.fused`'s ``*_step_unless``); otherwise one host read (free on CPU)."""
         present = [p for p in self.params if p.grad is not None]
         scaler_inf = amp.unscale(self, grad_scaler, self.params)
         if scaler_inf is not None:  # an overflow skips this rank's inner step only; update() backs off its scale
@@ -337,7 +338,7 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
         else:
             finite = guard.grads_finite(present)
             skip = None if finite is True else torch.logical_not(finite) if isinstance(finite, Tensor) else True
-        if isinstance(skip, Tensor) and fused.lion_step_unless(self.inner, skip):
+        if isinstance(skip, Tensor) and any(decide(self.inner, skip) for decide in fused.STEP_UNLESS):
             if scaler_inf is None:  # the round is marked on the device, read at its end
                 self._bad_round = skip if self._bad_round is False else torch.logical_or(self._bad_round, skip)
         elif skip is None or not bool(skip):
