@@ -39,13 +39,13 @@ def test_plan_fragments_cuts_at_tensor_ends_nearest_equal_shares_and_one_part_is
 
 
 # ------------------------------------------------------------------ the schedule by hand
-def _fragments_by_hand(rank, world, H, F, steps):
+def _fragments_by_hand(rank, world, H, F, steps, alpha=1.0, eager=False):
     """Each step: (θ_i, θ_s, o_i equal the schedule by hand, exactly; θ_s the same on every rank). The fp32
-    mean (``vote='grad'``) and ``outer='sgd'`` with α = 1: θ_s ← θ_s − d, d the ranks' mean of v (one SUM
-    all-reduce, as the optimizer's, then / P)."""
+    mean (``vote='grad'``) and ``outer='sgd'`` with α = ``alpha``: θ_s ← θ_s − α·d, d the ranks' mean of v (one
+    SUM all-reduce, as the optimizer's, then / P). ``eager``: at a fragment's launch θ_i ← θ_s − α·Δ_i."""
     params = _params()
-    opt = LocalCub(params, lr=LR, local_steps=H, inner=_sgd, vote="grad", outer="sgd", outer_lr=1.0, delay=1,
-                   fragments=F)
+    opt = LocalCub(params, lr=LR, local_steps=H, inner=_sgd, vote="grad", outer="sgd", outer_lr=alpha, delay=1,
+                   fragments=F, eager=eager)
     theta = [p.detach().clone() for p in params]  # θ_i by hand, per tensor (fragment j = tensor j)
     start = [t.clone() for t in theta]
     origin = [t.clone() for t in theta]
@@ -65,9 +65,11 @@ def _fragments_by_hand(rank, world, H, F, steps):
                 total = v.clone()
                 dist.all_reduce(total)
                 progress = theta[k].float() - origin[k].float()
-                start[k].add_(total.div_(world).view(start[k].shape), alpha=-1.0)
+                start[k].add_(total.div_(world).view(start[k].shape), alpha=-alpha)
                 theta[k] = start[k].float() + progress
             v = (start[j] - theta[j]).reshape(-1)
+            if eager:  # the rule's step by this worker's own Δ_i stands in while the fragment flies
+                theta[j] = start[j].add(v.view(start[j].shape), alpha=-alpha)
             origin[j] = theta[j].clone()
             flight = (j, v)
         starts = _flat(opt.state[p]["start"] for p in params)
@@ -80,9 +82,9 @@ def _fragments_by_hand(rank, world, H, F, steps):
     return checks, opt.rounds, opt._pending_fragment
 
 
-@pytest.mark.parametrize("H, F", [(6, 3), (3, 3)])
-def test_each_fragment_is_received_h_over_f_steps_after_its_launch_and_carries_its_progress(H, F):
-    for checks, rounds, in_flight in run_workers(_fragments_by_hand, 2, H, F, 4 * H):
+@pytest.mark.parametrize("H, F, alpha, eager", [(6, 3, 1.0, False), (3, 3, 1.0, False), (6, 3, 0.5, True)])
+def test_each_fragment_is_received_h_over_f_steps_after_its_launch_and_carries_its_progress(H, F, alpha, eager):
+    for checks, rounds, in_flight in run_workers(_fragments_by_hand, 2, H, F, 4 * H, alpha, eager):
         for t, (theta, start, origin, same) in enumerate(checks, 1):
             assert theta, f"step {t}: θ_i is not the schedule by hand"
             assert start, f"step {t}: θ_s is not the schedule by hand"
@@ -136,6 +138,8 @@ CONFIGS = [
     dict(vote="onebit", aggregate="mean", bits=4, error_feedback=True, outer="nesterov", outer_lr=0.7, fragments=3),
     dict(vote="onebit", aggregate="mean", bits=2, error_feedback=True, outer="nesterov", outer_lr=0.7),
     dict(vote="pbit", bits=8, quantizer="l1", aggregate="mean", error_feedback=True, inner="adamw", fragments=3),
+    dict(vote="onebit", aggregate="mean", bits=4, error_feedback=True, outer="nesterov", outer_lr=0.7, fragments=3,
+         eager=True),
 ]
 
 

@@ -103,21 +103,22 @@ OUTER = {"sgd": dict(outer_lr=ALPHA), "nesterov": dict(outer_lr=0.7, outer_momen
          "lion": dict(outer_lr=4.0, outer_betas=(0.9, 0.99))}
 
 
-def _rounds_by_hand(rank, world, delay: int, outer: str, names, nan_step: int = -1):
+def _rounds_by_hand(rank, world, delay: int, outer: str, names, nan_step: int = -1, eager: bool = False):
     """Per aggregation of ``names``, at each round's end: (θ_s equals the outer rule by hand applied to
     the agreed d of this round's v (delay=0) or of the previous round's (delay=1); θ_i equals θ_s
     (delay=0), θ_s − Δ_i (delay=1, rebased) or, after a skipped round, θ_s; θ_s identical on every
     rank; the residual e_i equals v_i − C(v_i) by hand (the mean, sign_allreduce) or, after a skipped
     round, the one before it (None: not checked); max |d − float64 mean Δ| for 'grad'). ``nan_step``:
     rank 1's gradient is NaN there, which skips that inner step on rank 1 and the round on every rank
-    (nonfinite='skip_round')."""
+    (nonfinite='skip_round'). ``eager``: θ_i is the outer rule's step from θ_s by Δ_i instead of θ_s − Δ_i,
+    on a copy of the rule's momentum."""
     H, out = 2, {}
     for name in names:
         cfg = AGGREGATIONS[name]
         params = _params()
         sizes = [p.numel() for p in params]
         opt = LocalCub(params, lr=LR, local_steps=H, inner=_sgd, outer=outer, delay=delay, nonfinite="skip_round",
-                       **OUTER[outer], **cfg)
+                       eager=eager, **OUTER[outer], **cfg)
         m = torch.zeros(sum(sizes))  # the outer rule's momentum, by hand
         flight, checks = None, []  # flight: (v, Δ, rounds) of the round in flight (delay=1)
         began = _flat(params)  # where this worker's round began
@@ -148,6 +149,8 @@ def _rounds_by_hand(rank, world, delay: int, outer: str, names, nan_step: int = 
                 d, expected = None, start
             if skipped or delay == 0:
                 want = expected  # every replica at θ_s
+            elif eager:  # the rule's step by this worker's own Δ_i stands in (θ_s and m stay)
+                want = _outer_by_hand(outer, expected, delta, False, m.clone())
             else:
                 want = expected - delta if flight is not None else after  # rebased; or its own progress
             # e_i ← v_i − C(v_i) when the round launched its agreement; a skipped round leaves e_i as it was
@@ -202,6 +205,16 @@ def test_nesterov_and_lion_outer_rules_by_hand_under_each_delay(delay):
             _check(res, rounds=4 - delay)
 
 
+@pytest.mark.parametrize("outer", ["nesterov", "lion"])  # (sgd with α = 1: the stand-in is the rebase itself)
+def test_eager_stand_ins_put_the_rules_step_by_the_own_delta_in_flight_by_hand(outer):
+    """``eager=True``: at each round's end θ_i ← outer(θ_s, Δ_i) on a copy of the rule's state; θ_s and the
+    rule's momentum follow the agreed d exactly as without it (a skipped round too)."""
+    for res in run_workers(_rounds_by_hand, 3, 1, outer, ["grad", "mean"], -1, True):
+        _check(res, rounds=3)
+    for res in run_workers(_rounds_by_hand, 3, 1, outer, ["mean"], 2, True):
+        _check(res, rounds=2, skipped=1)
+
+
 @pytest.mark.parametrize("delay", [0, 1])
 def test_a_nonfinite_round_is_skipped_on_every_rank_by_hand(delay):
     """Rank 1's NaN at the first inner step of round 1: that inner step is skipped on rank 1, the round on
@@ -253,6 +266,7 @@ RESUME_CONFIGS = [
     dict(vote="pbit", bits=8, quantizer="l1", aggregate="mean", error_feedback=True, outer="nesterov", outer_lr=0.7),
     dict(vote="pbit", outer="sgd", outer_lr=3.0, error_feedback=True),
     dict(vote="sign_allreduce", outer="lion", outer_lr=4.0),
+    dict(vote="onebit", aggregate="mean", bits=4, error_feedback=True, outer="nesterov", outer_lr=0.7, eager=True),
 ]
 
 
@@ -340,10 +354,17 @@ def test_one_process_streams_without_a_process_group():
     (dict(delay=1, vote="onebit"), r"delay=1 keeps the round's exchange in flight: vote must be 'grad', one of"),
     (dict(delay=1, vote="gather"), "got vote='gather'"),
     (dict(delay=1, vote="auto"), "delay=1 needs a fixed vote"),
+    (dict(vote="grad", eager=True), "eager=True stands in for an agreement in flight: it needs delay=1"),
+    (dict(delay=1, vote="sign_allreduce", eager=True), r"eager=True .* needs a mean .*got vote='sign_allreduce'"),
 ])
 def test_bad_streaming_arguments_are_named(kw, match):
     with pytest.raises(ValueError, match=match):
         LocalCub(_params(), **kw)
+
+
+def test_eager_must_be_a_bool():
+    with pytest.raises(TypeError, match="eager must be"):
+        LocalCub(_params(), delay=1, vote="grad", eager=1)
 
 
 def test_a_checkpoint_of_the_other_delay_is_refused():

@@ -56,6 +56,16 @@ process group of their own (:func:`lioncub.comm.own_group`), so the caller's col
 one in flight; an exchange of two collectives (the scatter mean) launches its second between inner steps, as
 soon as its first is complete (:meth:`~lioncub.votes.rounds.Agreement.advance`).
 
+Eager stand-ins (``eager=True``, with ``delay=1`` and a mean): where the rounds above set θ_i to θ_s − Δ_i (the
+rebase) or leave it at θ_i (a fragment's launch), each worker instead takes the outer rule's step from θ_s by its
+own Δ_i, on a copy (θ_s and the rule's momentum stay as they were)::
+
+    θ_i ← outer(θ_s, Δ_i);  o_i ← θ_i                  (then, as above, launch the agreement of v_i)
+
+so that while the agreed d is in flight the replica already holds the rule's step, its momentum included, with
+its own Δ_i standing in for the mean (the eager updates of overlapped DiLoCo). The agreed step replaces the
+stand-in when it lands (θ_i ← θ_s + θ_i − o_i), exactly as it replaces the worker's own progress without it.
+
 Example (every rank, inside an initialised process group)::
 
     opt = LocalCub(model.parameters(), lr=1e-4, local_steps=10, vote="onebit",
@@ -69,8 +79,7 @@ Example (every rank, inside an initialised process group)::
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator, Optional, Union
+from typing import Callable, Iterable, Optional, Union
 
 import torch
 from torch import Tensor
@@ -169,6 +178,8 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
             (``'sign_allreduce'``, ``'pbit'``).
         fragments: F >= 1 (default 1); with ``delay=1``, the model streamed in F fragments, a fragment's round ending
             every H/F steps, its agreement applied H/F steps later (module docstring); F divides an int H.
+        eager: with ``delay=1`` and a mean, the outer rule's step by this worker's own Δ_i stands in for the agreed
+            one while it is in flight (module docstring); default False.
         model: the module, to name parameters in errors.
 
     Attributes: ``synced`` (the last ``step()`` ended a round: replicas are identical; with
@@ -209,6 +220,7 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
         check_every: int = 0,
         delay: int = 0,
         fragments: int = 1,
+        eager: bool = False,
         model: Optional[torch.nn.Module] = None,
         alpha: Optional[float] = None,
         beta: Optional[float] = None,
@@ -255,7 +267,7 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
             self.round_costs = {k: dict(v, per_step_s=v["total_s"] / self.H) for k, v in costs.items()}
             config = config.resolved(picked, picked_bits)
         self._set_config(config)
-        self._open_streaming(fragments, vote, quantizer)
+        self._open_streaming(fragments, vote, quantizer, eager)
         self.owner_residuals: dict[int, Tensor] = {}
         """The aggregation's state per chunk of the round, kept from round to round (the scatter mean's owner
         residuals: :meth:`Rounds._owner_state`)."""
@@ -346,24 +358,8 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
         elif scaler_inf is None:
             self._bad_round = True
 
-    @contextmanager
-    def agreed(self) -> Iterator[None]:
-        """Inside the block every parameter holds θ_s, the start the ranks agreed on (the same
-        model on every rank: with ``delay=1`` a replica otherwise holds θ_s plus its own round in
-        flight); each rank's own values come back after it. For evaluation; no collective."""
-        own = [p.detach().clone() for p in self.params]
-        with torch.no_grad():
-            for p in self.params:
-                p.copy_(self.local_state[p]["start"])
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for p, mine in zip(self.params, own):
-                    p.copy_(mine)
-
     # ------------------------------------------------------------------ state
     def fingerprint(self) -> dict:
         return dict(local_steps="auto" if self.steps_pick else self.H, vote=self.vote, bits=self.bits, quantizer=self.quantizer, tie=self.tie,
                     outer=self.outer, error_feedback=self.error_feedback, aggregate=self.aggregate, delay=self.delay,
-                    fragments=self.fragments)
+                    fragments=self.fragments, **({"eager": True} if self.eager else {}))

@@ -236,16 +236,22 @@ class Rounds:
         d, signed = result
         groups = [g for g in self.param_groups for _ in g["params"]]
         for pc, dp in zip(pieces, d.split([pc.size for pc in pieces])):
-            group, p = groups[pc.index], self.params[pc.index]
-            lr, wd = group["lr"], group["outer_weight_decay"]
-            s = self.local_state[p]
-            start = _slot(s["start"], pc)
-            if wd != 0:
-                start.mul_(1.0 - self.rule.lr * lr * wd)
-            self.rule.step(start, dp.view(start.shape), {k: _slot(s[k], pc) for k in self.rule.state_keys},
-                           lr=lr, signed=signed)
+            start = self._moved_start(pc, dp, signed, groups[pc.index])
             if replicas:
-                _slot(p, pc).copy_(start)
+                _slot(self.params[pc.index], pc).copy_(start)
+
+    def _moved_start(self, pc: Piece, dp: Tensor, signed: bool, group: dict, preview: bool = False) -> Tensor:
+        """θ_s over ``pc`` moved by the decoupled decay and the outer rule by ``dp``, in place; with ``preview``,
+        a copy moved instead (θ_s and the rule's state stay as they were: a streaming round's stand-in)."""
+        s = self.local_state[self.params[pc.index]]
+        start, state = _slot(s["start"], pc), {k: _slot(s[k], pc) for k in self.rule.state_keys}
+        if preview:
+            start, state = start.clone(), {k: v.clone() for k, v in state.items()}
+        lr, wd = group["lr"], group["outer_weight_decay"]
+        if wd != 0:
+            start.mul_(1.0 - self.rule.lr * lr * wd)
+        self.rule.step(start, dp.view(start.shape), state, lr=lr, signed=signed)
+        return start
 
     def _nonfinite(self, bad_ranks: int) -> None:
         if self.nonfinite == "raise":

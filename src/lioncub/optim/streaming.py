@@ -14,13 +14,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 from .. import comm
 from ..chunks import Piece
 from ..comm import CommStats
 from ..engine import guard
-from ..validate import check_int
+from ..validate import check_bool, check_int
 from ..votes import STREAMING_VOTES
 from ..votes.rounds import Agreement
 from .rounds import _slot
@@ -46,12 +47,19 @@ def check_fragments(fragments, delay: int, auto: bool, H: int) -> int:
 
 
 class StreamingRounds:
-    """The ``delay=1`` half of LocalCub's round: :meth:`_stream_round`, :meth:`flush` and their helpers."""
+    """The ``delay=1`` half of LocalCub's round: :meth:`_stream_round`, :meth:`flush`, :meth:`agreed` and their
+    helpers."""
 
-    def _open_streaming(self, fragments: int, vote: str, quantizer) -> None:
-        """Set-up: the fragments (:func:`check_fragments`) and the refusals of what cannot stream; the process group
-        the agreements run on (:func:`lioncub.comm.own_group`; with ``delay=1``); nothing in flight."""
+    def _open_streaming(self, fragments: int, vote: str, quantizer, eager) -> None:
+        """Set-up: the fragments (:func:`check_fragments`), ``eager`` and the refusals of what cannot stream; the
+        process group the agreements run on (:func:`lioncub.comm.own_group`; with ``delay=1``); nothing in flight."""
         self.fragments = check_fragments(fragments, self.delay, self.steps_pick is not None, self.H)
+        self.eager = check_bool("eager", eager)
+        if self.eager and not self.delay:
+            raise ValueError("eager=True stands in for an agreement in flight: it needs delay=1")
+        if self.eager and self.aggregation.signed:
+            raise ValueError(f"eager=True stands in this worker's own Δ for the agreed mean: it needs a mean "
+                             f"(vote='grad' or aggregate='mean'), got vote={vote!r}, aggregate={self.aggregate!r}")
         if self.delay and not self.aggregation.streams:
             raise ValueError(f"delay=1 keeps the round's exchange in flight: vote must be 'grad', one of "
                              f"{STREAMING_VOTES}, or 'onebit' with aggregate='mean', got vote={vote!r}")
@@ -108,7 +116,9 @@ class StreamingRounds:
             self._outer_step(previous.result(stats), pieces, replicas=False)
         if verdict.bad_ranks:
             return None
-        if previous is not None:
+        if self.eager:  # (before the send, which may overwrite v: Δ itself without error feedback)
+            self._stand_in(delta, pieces)
+        elif previous is not None:
             self._rebase(delta, pieces)
         else:  # nothing in flight (the first round, after a skip or a flush): θ_i stays
             for pc in pieces:
@@ -139,11 +149,13 @@ class StreamingRounds:
         launched = []
         for index in range(lo, hi):
             pieces = plan[index]
-            _, v = seen.kept or self._pseudo_gradient("start", pieces)
+            delta, v = seen.kept or self._pseudo_gradient("start", pieces)
+            if self.eager:  # (before the send, which may overwrite v: Δ itself without error feedback)
+                self._stand_in(delta, pieces)
             launched.append(self._send(v, pieces, verdict.extra, seen.scales, stats, index, group=self.stream_group))
-            for pc in pieces:
+            for pc in pieces if not self.eager else ():
                 _slot(self.local_state[self.params[pc.index]]["origin"], pc).copy_(_slot(self.params[pc.index], pc))
-            v = None
+            delta = v = None
         self._pending, self._pending_fragment = launched, j
         self.last_round_stats = stats
 
@@ -180,6 +192,15 @@ class StreamingRounds:
             guard.check_replicas([self.local_state[p]["start"] for p in self.params], self.group, self.world_size,
                                  step=self.rounds, names=self._param_names)
 
+    def _stand_in(self, delta: Tensor, pieces: list[Piece]) -> None:
+        """``eager``: θ_i ← the outer rule's step from θ_s by this worker's own Δ_i (``delta``, over ``pieces``),
+        standing in for the agreed d while that is in flight (θ_s and the rule's state unchanged); o_i ← θ_i."""
+        groups = [g for g in self.param_groups for _ in g["params"]]
+        for pc, piece in zip(pieces, delta.split([pc.size for pc in pieces])):
+            mine = _slot(self.params[pc.index], pc)
+            mine.copy_(self._moved_start(pc, piece, False, groups[pc.index], preview=True))
+            _slot(self.local_state[self.params[pc.index]]["origin"], pc).copy_(mine)
+
     def _rebase(self, delta: Tensor, pieces: list[Piece]) -> None:
         """θ_i ← θ_s − Δ_i (``delta``: this worker's progress since o_i over ``pieces``, negated);
         o_i ← θ_i."""
@@ -189,6 +210,22 @@ class StreamingRounds:
             mine = _slot(p, pc)
             mine.copy_(_slot(s["start"], pc).float() - piece.view(mine.shape))
             _slot(s["origin"], pc).copy_(mine)
+
+    @contextmanager
+    def agreed(self) -> Iterator[None]:
+        """Inside the block every parameter holds θ_s, the start the ranks agreed on (the same
+        model on every rank: with ``delay=1`` a replica otherwise holds θ_s plus its own round in
+        flight); each rank's own values come back after it. For evaluation; no collective."""
+        own = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for p in self.params:
+                p.copy_(self.local_state[p]["start"])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, mine in zip(self.params, own):
+                    p.copy_(mine)
 
     @torch.no_grad()
     def flush(self) -> None:
