@@ -104,6 +104,9 @@ def _add_train(sub) -> None:
     p.add_argument("--fragments", type=int, default=d.fragments,
                    help="local steps with --delay 1: stream the model in this many fragments, their rounds staggered "
                    "every H/fragments steps (default: %(default)s)")
+    p.add_argument("--eager", action="store_true", default=d.eager,
+                   help="local steps with --delay 1 and a mean: while a round (or fragment) is in flight, the outer step "
+                   "by the worker's own pseudo-gradient stands in for the agreed one")
     p.add_argument("--nodes", type=int, default=d.nodes,
                    help="LionCub: the workers form this many nodes of consecutive ranks; average inside a node, "
                    "vote across nodes (NodeCub; with --link, each node is one namespace behind one shaped link)")

@@ -51,9 +51,8 @@ class TrainConfig:
     steps: int = 250
     """Optimizer steps to train (a resumed run continues up to this step; with ``time_budget``: at most)."""
     time_budget: float | None = None
-    """Train for this many seconds of training time instead of to ``steps`` (which then caps it): the agreed clock
-    is the slowest rank's sum of step times, every rank stops at the same step (for local steps: at a round's
-    end). The lr is constant after the warm-up, since the number of steps is not known in advance."""
+    """Train for this many seconds of training time instead of to ``steps`` (then a cap): every rank stops at the
+    same step (local steps: a round's end) of the agreed clock, the slowest rank's; a constant lr after warm-up."""
     eval_every_s: float = 0.0
     """With ``time_budget``: also evaluate every this many seconds of the agreed clock (0: never)."""
     batch_size: int = 8
@@ -141,10 +140,11 @@ class TrainConfig:
     aggregate: str = "vote"
     """Local steps: ``vote`` (a sign step) or ``mean`` (summed L1 lanes: needs vote='pbit', quantizer='l1')."""
     delay: int = 0
-    """Local steps: 1 streams rounds (``LocalCub(delay=1)``: each round's exchange overlapped with the
-    next round's inner steps; evaluations run on the agreed start θ_s)."""
+    """Local steps: 1 streams rounds (``LocalCub(delay=1)``: a round's exchange overlaps the next round's steps)."""
     fragments: int = 1
     """Local steps with ``delay=1``: stream the model in this many fragments (``LocalCub(fragments=...)``)."""
+    eager: bool = False
+    """Local steps with ``delay=1`` and a mean: the outer step by the worker's own Δ stands in (``LocalCub(eager=)``)."""
     nodes: int = 1
     """LionCub: split the workers into this many nodes of consecutive ranks (equal sizes):
     gradients are averaged inside a node, the vote runs across nodes (``lioncub.NodeCub``).
@@ -153,8 +153,8 @@ class TrainConfig:
     """Nodes: each rank of a node votes on its own share of the parameters, then the node
     all-gathers the update (False: every rank of a node votes on all of them)."""
     timeout: float = 600.0
-    """Process-group timeout in seconds: how long a collective waits for a dead or stuck
-    rank before failing (then the process exits; torchrun may restart it)."""
+    """Process-group timeout in seconds: how long a collective waits for a dead or stuck rank before failing (then
+    the process exits; torchrun may restart it)."""
     nproc: int = 4
     """Local workers to spawn when not under torchrun."""
     device: str = "auto"
@@ -175,9 +175,8 @@ class TrainConfig:
     """Checkpoint directory, or a run directory (its latest checkpoint), to continue from.
     The world size may differ from the saved one (see ``checkpoint.load_checkpoint``)."""
     auto_resume: bool = False
-    """Continue from ``out``'s latest checkpoint when there is one, else start afresh:
-    a job restarted with the same arguments (``torchrun --max-restarts=N``) picks up
-    where it stopped."""
+    """Continue from ``out``'s latest checkpoint when there is one, else start afresh: a job restarted with the same
+    arguments (``torchrun --max-restarts=N``) picks up where it stopped."""
     out: str = "runs/lioncub"
     """Run directory: metrics.jsonl, summary.csv, ckpt/."""
     name: str | None = None
@@ -265,14 +264,15 @@ class TrainConfig:
         if self.name:
             return self.name
         if self.optimizer == "lioncub":
+            stream = (("-streaming" if self.delay else "") + (f"-f{self.fragments}" if self.fragments > 1 else "")
+                      + ("-eager" if self.eager else ""))
             if self.vote == "grad":  # with local steps: the mean of the pseudo-gradients (DiLoCo's)
-                return (f"lion-grad-{self.grad_dtype}" + (f"-h{self.local_steps}" if self.local else "")
-                        + ("-streaming" if self.delay else "") + (f"-f{self.fragments}" if self.fragments > 1 else ""))
+                return f"lion-grad-{self.grad_dtype}" + (f"-h{self.local_steps}" if self.local else "") + stream
             bits = f"-{self.bits}b" if self.bits else ""
             quant = f"-{self.quantizer}" if self.quantizer else ""
             local = f"-h{self.local_steps}-{self.aggregate}" if self.local else ""
             local += f"-{self.aggregate}" if not self.local and self.aggregate != "vote" else ""
-            local += ("-streaming" if self.delay else "") + (f"-f{self.fragments}" if self.fragments > 1 else "")
+            local += stream
             nodes = f"-{self.nodes}nodes{'' if self.shard else '-unsharded'}" if self.nodes > 1 else ""
             return f"lioncub-{self.vote}{bits}{quant}{local}{nodes}"
         return self.optimizer
@@ -290,7 +290,7 @@ class TrainConfig:
 
 
 _LOCAL_ONLY = {"inner": "lion", "outer": "nesterov", "outer_lr": 1.0, "error_feedback": False, "aggregate": "vote",
-               "delay": 0, "fragments": 1, "local_setting": "given"}
+               "delay": 0, "fragments": 1, "eager": False, "local_setting": "given"}
 _STEP_ONLY = {"tie": "alternate", "vote_error_feedback": "none", "stochastic_signs": False, **MEAN_DEFAULTS}
 _LIONCUB_ONLY = {**_STEP_ONLY, "bits": None, "quantizer": None, "momentum_sync": "none", "nonfinite": "raise", "check_every": 0,
                  "overlap": False, "local_steps": 1, "nodes": 1, "shard": True, **_LOCAL_ONLY}

@@ -55,7 +55,7 @@ def make_optimizer(config: TrainConfig, groups: list[dict], model=None):
         return LocalCub(groups, lr=config.lr, betas=config.betas, local_steps=config.local_steps, inner=config.inner,
                         vote=config.vote, outer=config.outer, outer_lr=config.outer_lr,
                         error_feedback=config.error_feedback, aggregate=config.aggregate, delay=config.delay,
-                        fragments=config.fragments, model=model,
+                        fragments=config.fragments, eager=config.eager, model=model,
                         nonfinite=config.nonfinite, check_every=config.check_every,
                         **(dict(min_local_steps=config.min_local_steps) if config.local_steps == "auto" else {}),
                         **extra)

@@ -83,7 +83,7 @@ def apply_setting(config, pick: SettingPick):
     from .config import TrainConfig
 
     fields = TrainConfig.__dataclass_fields__
-    cleared = {name: fields[name].default for name in ("quantizer", "min_local_steps", "delay", "fragments")}
+    cleared = {name: fields[name].default for name in ("quantizer", "min_local_steps", "delay", "fragments", "eager")}
     return config.replace(**{**cleared, **pick.options}, local_setting="given")  # the pick is made
 
 
