@@ -263,6 +263,9 @@ def _paths() -> dict[str, Callable]:
                                      error_feedback=True, delay=1)
     out["localcub scatter mean fragments"] = p(localcub, steps=8, local_steps=4, vote="onebit", aggregate="mean",
                                                bits=4, error_feedback=True, delay=1, fragments=2)
+    out["localcub scatter mean fragments eager"] = p(localcub, steps=8, local_steps=4, vote="onebit", aggregate="mean",
+                                                     bits=4, error_feedback=True, delay=1, fragments=2, eager=True,
+                                                     outer="nesterov")
     out["localcub auto skip check"] = p(localcub, vote="auto", alpha=1e-4, beta=1e-9, gamma={"pbit": (1e-9, 0.0)},
                                         nonfinite="skip", check_every=1)
     out["nodecub pbit"] = p(nodecub, vote="pbit")
