@@ -179,7 +179,7 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
         fragments: F >= 1 (default 1); with ``delay=1``, the model streamed in F fragments, a fragment's round ending
             every H/F steps, its agreement applied H/F steps later (module docstring); F divides an int H.
         eager: with ``delay=1`` and a mean, the outer rule's step by this worker's own Δ_i stands in for the agreed
-            one while it is in flight (module docstring); default False.
+            one while it is in flight (module docstring; measured to help with fragments, to hurt whole rounds).
         model: the module, to name parameters in errors.
 
     Attributes: ``synced`` (the last ``step()`` ended a round: replicas are identical; with
