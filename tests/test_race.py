@@ -1,11 +1,11 @@
-"""bench/race.py's schedule and its report over seeds (pure functions; the race itself needs root and minutes)."""
+"""bench/race.py's schedule and its report over seeds, bench/race_report.py (pure functions; the race needs root)."""
 from __future__ import annotations
 
 import math
 
 import pytest
 
-from bench import race
+from bench import race, race_report
 
 
 def _run(method, lr, seed, vals, every=10.0, mb_per_s=1e6):
@@ -31,7 +31,7 @@ def test_summary_picks_the_best_lr_by_mean_over_seeds_and_reports_mean_and_std()
         _run("fast", 1e-3, 0, [3.0, 1.9, 1.8]), _run("fast", 1e-3, 1, [3.0, 2.3, 2.1]),
         _run("slow", 1e-3, 0, [3.0, 2.8, 2.7]),
     ]
-    s = race.summarize(runs, budget=20.0)
+    s = race_report.summarize(runs, budget=20.0)
     assert s["target"] == pytest.approx(2.1) and s["target_half"] == pytest.approx((2.5 + 2.6) / 2)
     rows = {r["method"]: r for r in s["rows"]}
     ref = rows["lion-ddp"]
@@ -45,7 +45,7 @@ def test_summary_picks_the_best_lr_by_mean_over_seeds_and_reports_mean_and_std()
     assert fast["time_to_target_std"] == pytest.approx(abs(t1 - t0) / math.sqrt(2))
     assert fast["bytes_to_target"] == pytest.approx((t0 + t1) / 2 * 1e6)
     assert rows["slow"]["reached_target"] == 0 and rows["slow"]["time_to_target"] is None
-    table = race.table(s)
+    table = race_report.table(s)
     assert "2.100 ± 0.141" in table and "(2/2)" in table and "not reached" in table
 
 
@@ -54,7 +54,7 @@ def test_best_lr_is_chosen_on_the_seeds_every_lr_ran():
     # (worse here) must not hand the win to an lr that ran one seed
     runs = [_run("m", 1e-3, 0, [3.0, 2.0]), _run("m", 1e-3, 1, [3.0, 2.5]), _run("m", 1e-3, 2, [3.0, 2.5]),
             _run("m", 2e-3, 0, [3.0, 2.1])]
-    row = race.summarize(runs, budget=10.0)["rows"][0]
+    row = race_report.summarize(runs, budget=10.0)["rows"][0]
     assert row["lr"] == 1e-3 and row["seeds"] == 3
     assert row["final_val"] == pytest.approx(7.0 / 3)
     assert row["lrs_tried"] == {1e-3: pytest.approx(2.0), 2e-3: pytest.approx(2.1)}
@@ -62,7 +62,7 @@ def test_best_lr_is_chosen_on_the_seeds_every_lr_ran():
 
 def test_mean_curve_bands_the_seeds_on_a_common_grid():
     a, b = _run("m", 1e-3, 0, [3.0, 2.0, 1.0]), _run("m", 1e-3, 1, [3.0, 2.4, 1.4])
-    grid, mean, std, mb = race.mean_curve([a, b], budget=20.0, every=10.0)
+    grid, mean, std, mb = race_report.mean_curve([a, b], budget=20.0, every=10.0)
     assert list(grid) == [0.0, 5.0, 10.0, 15.0, 20.0]
     assert mean[2] == pytest.approx(2.2) and mean[3] == pytest.approx((1.5 + 1.9) / 2)
     assert std[0] == 0.0 and std[2] == pytest.approx(0.4 / math.sqrt(2))
