@@ -234,11 +234,15 @@ class Rounds:
         """θ_s ← decayed θ_s, then the outer rule by d (``result``: (d over ``pieces``, whether d holds u)),
         over ``pieces``; every replica ← θ_s (``replicas``)."""
         d, signed = result
-        groups = [g for g in self.param_groups for _ in g["params"]]
+        groups = self._groups_of_params()
         for pc, dp in zip(pieces, d.split([pc.size for pc in pieces])):
             start = self._moved_start(pc, dp, signed, groups[pc.index])
             if replicas:
                 _slot(self.params[pc.index], pc).copy_(start)
+
+    def _groups_of_params(self) -> list[dict]:
+        """Each parameter's group, in ``self.params``' order (what a piece's ``index`` points into)."""
+        return [g for g in self.param_groups for _ in g["params"]]
 
     def _moved_start(self, pc: Piece, dp: Tensor, signed: bool, group: dict, preview: bool = False) -> Tensor:
         """θ_s over ``pc`` moved by the decoupled decay and the outer rule by ``dp``, in place; with ``preview``,

@@ -195,7 +195,7 @@ class StreamingRounds:
     def _stand_in(self, delta: Tensor, pieces: list[Piece]) -> None:
         """``eager``: θ_i ← the outer rule's step from θ_s by this worker's own Δ_i (``delta``, over ``pieces``),
         standing in for the agreed d while that is in flight (θ_s and the rule's state unchanged); o_i ← θ_i."""
-        groups = [g for g in self.param_groups for _ in g["params"]]
+        groups = self._groups_of_params()
         for pc, piece in zip(pieces, delta.split([pc.size for pc in pieces])):
             mine = _slot(self.params[pc.index], pc)
             mine.copy_(self._moved_start(pc, piece, False, groups[pc.index], preview=True))
