@@ -65,7 +65,7 @@ def test_every_lioncub_step_reads_the_host_once(rows):
     for name in names:
         assert rows[name]["max_syncs_per_step"] == 1, rows[name]["worst_step_syncs"]
         (read,) = rows[name]["worst_step_syncs"]
-        assert read.startswith("copy to cpu at guard.py:") and read.endswith(" agree"), read  # the agreement
+        assert read.startswith("copy to cpu at guard.py:") and read.endswith(" _verdict"), read  # the agreement's verdict
 
 
 _CATCHES = r'''

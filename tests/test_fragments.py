@@ -79,7 +79,8 @@ def _fragments_by_hand(rank, world, H, F, steps, alpha=1.0, eager=False):
                        all(torch.equal(opt.state[p]["start"], x) for p, x in zip(params, start)),
                        all(torch.equal(opt.state[p]["origin"], x) for p, x in zip(params, origin)),
                        all(torch.equal(x, everyone[0]) for x in everyone)))
-    return checks, opt.rounds, opt._pending_fragment
+    # the fragment last ended: its exchange in flight, or (H/F > 1) its verdict, the exchange due at the next step
+    return checks, opt.rounds, opt._pending_fragment if opt._agreeing is None else opt._agreeing.fragment
 
 
 @pytest.mark.parametrize("H, F, alpha, eager", [(6, 3, 1.0, False), (3, 3, 1.0, False), (6, 3, 0.5, True)])
@@ -96,7 +97,8 @@ def test_each_fragment_is_received_h_over_f_steps_after_its_launch_and_carries_i
 # ------------------------------------------------------------------ a two-stage exchange kept in flight
 def _scatter_stages(rank, world, bits):
     """The scatter mean launched, advanced without waiting until its second stage (the all-gather) is in flight,
-    then read: equal, d and the owner's residual, to the same exchange run through at once."""
+    then read: equal, d and the owner's residual, to the same exchange run through at once. Streamed, the
+    all-gather counts in the stats of the step that launches it (``later``), not in the launching step's."""
     n, sizes = 75, [35, 13, 27]
     g = torch.Generator().manual_seed(7 + rank)
     v = torch.randn(n, generator=g)
@@ -112,15 +114,17 @@ def _scatter_stages(rank, world, bits):
         stats = comm.CommStats()
         agreement, sent = agg.launch(v.clone(), sizes, head=head.tolist(), count=world, step=3, generator=None,
                                      group=group, stats=stats, feedback=True, scales=scales, owner=owner)
+        later = comm.CommStats() if streamed else stats
         stages = [stats.n_collectives]
         if streamed:
             deadline = time.monotonic() + 60
-            while stats.n_collectives < 2 and time.monotonic() < deadline:  # only the all-to-all launched so far
-                agreement.advance()
+            while later.n_collectives < 1 and time.monotonic() < deadline:  # only the all-to-all launched so far
+                agreement.advance(later)
                 time.sleep(0.005)
-            stages.append(stats.n_collectives)
-        d, signed = agreement.result(stats)
-        out.append((d, owner, sent, stages, stats.n_collectives, signed))
+            stages.append(later.n_collectives)
+        d, signed = agreement.result(later)
+        out.append((d, owner, sent, stages, stats.n_collectives + (later.n_collectives if streamed else 0), signed,
+                    stats.n_collectives))
     return out
 
 
@@ -129,8 +133,8 @@ def test_the_scatter_means_all_gather_is_launched_between_steps_and_the_result_i
     for blocking, streamed in run_workers(_scatter_stages, 3, bits):
         assert torch.equal(blocking[0], streamed[0]) and torch.equal(blocking[1], streamed[1])
         assert torch.equal(blocking[2], streamed[2]) and blocking[5] is streamed[5] is False
-        assert blocking[3] == [1] and streamed[3] == [1, 2]  # launch: the all-to-all; advance: the all-gather
-        assert blocking[4] == streamed[4] == 2
+        assert blocking[3] == [1] and streamed[3] == [1, 1]  # launch: the all-to-all; advance: the all-gather
+        assert blocking[4] == streamed[4] == 2 and streamed[6] == 1  # the all-gather in the advancing step's stats
 
 
 # ------------------------------------------------------------------ the scatter mean in fragments, resumed
@@ -204,8 +208,9 @@ def test_a_checkpoint_of_other_fragments_is_refused():
 # ------------------------------------------------------------------ lioncub train --delay 1 --fragments F
 @pytest.mark.slow  # ~25 s: two 2-worker runs of gpt-tiny
 def test_lioncub_train_streams_fragments_and_resumes_mid_flight_bit_for_bit(tmp_path, corpus_cache):
-    """--local-steps 4 --delay 1 --fragments 2: a fragment's round ends every 2 steps (bytes sent there), and a
-    run resumed from the checkpoint at step 6 (fragment 0 in flight) reproduces the uninterrupted one's losses."""
+    """--local-steps 4 --delay 1 --fragments 2: a fragment's round ends every 2 steps (its exchange sent at the
+    next), and a run resumed from the checkpoint at step 6 (fragment 0's verdict read, its exchange due)
+    reproduces the uninterrupted one's losses."""
     from tests.test_harness_train import TINY, _losses, _resumed_from, lioncub, read_csv, read_jsonl
 
     common = [*TINY, "--vote", "onebit", "--bits", "4", "--local-steps", "4", "--inner", "adamw", "--aggregate",
@@ -214,6 +219,69 @@ def test_lioncub_train_streams_fragments_and_resumes_mid_flight_bit_for_bit(tmp_
     full = tmp_path / "full"
     lioncub("train", *common, "--ckpt-every", "6", "--out", str(full))
     records = read_jsonl(full / "metrics.jsonl")
-    assert [r["bytes_sent"] > 0 for r in records if r["kind"] == "step"] == [False, True] * 6
+    sent = [r["bytes_sent"] for r in records if r["kind"] == "step"]
+    # a fragment's end (steps 2, 4, ...) sends its verdict only; the step after, its exchange (then, once its
+    # all-to-all is done, the all-gather: counted in the step that launches it)
+    assert sent[0] == 0 and len(set(sent[1::2])) == 1 and 0 < sent[1] < 1000, sent
+    assert all(x > 10 * sent[1] for x in sent[2::2]), sent
     assert read_csv(full / "summary.csv")[0]["label"] == "lioncub-onebit-4b-h4-mean-streaming-f2"
     assert _resumed_from(full, 6, tmp_path / "resumed", common) == _losses(records)
+
+
+# ------------------------------------------------------------------ the fragment's verdict, read a step later
+def _slow_rank(rank, world, nap):
+    """Rank 1 arrives ``nap`` seconds late at step 6 (fragment 0's end, H = 4, F = 2); each rank's seconds in
+    ``step()`` at steps 6 and 7."""
+    params = _params()
+    opt = LocalCub(params, lr=LR, local_steps=4, inner=_sgd, vote="grad", outer="sgd", delay=1, fragments=2)
+    took = {}
+    for t in range(1, 9):
+        for p, g in zip(params, _grads(params, rank, t)):
+            p.grad = g
+        if rank == 1 and t == 6:
+            time.sleep(nap)
+        t0 = time.monotonic()
+        opt.step()
+        took[t] = time.monotonic() - t0
+    opt.flush()
+    return took[6], took[7], opt.rounds
+
+
+def test_a_fragments_end_does_not_wait_for_a_late_rank_the_next_step_reads_its_verdict():
+    (end0, next0, rounds0), (_, _, rounds1) = run_workers(_slow_rank, 2, 3.0)
+    assert end0 < 1.5, f"rank 0 waited {end0:.2f} s for the late rank at the fragment's end"
+    assert next0 > 1.5, f"rank 0 read the verdict at the next step after {next0:.2f} s: it cannot precede rank 1's"
+    assert rounds0 == rounds1 == 2
+
+
+def _nan_at_fragment_end(rank, world, nonfinite):
+    """H = 4, F = 2: rank 1's gradient is NaN at step 6 (fragment 0's end). Per step from 6: (θ_i == θ_s on
+    every tensor, a verdict due, skipped rounds); then θ_s the same on both ranks after 12 steps, and rounds."""
+    params = _params()
+    opt = LocalCub(params, lr=LR, local_steps=4, inner=_sgd, vote="grad", outer="sgd", delay=1, fragments=2,
+                   nonfinite=nonfinite)
+    seen = []
+    for t in range(1, 13):
+        for p, g in zip(params, _grads(params, rank, t)):
+            p.grad = torch.full_like(g, float("nan")) if (rank, t) == (1, 6) else g
+        try:
+            opt.step()
+        except FloatingPointError as e:
+            return str(e), t
+        if t >= 6:
+            seen.append((all(torch.equal(p, opt.state[p]["start"]) for p in params), opt._agreeing is not None,
+                         opt.skipped_rounds))
+    opt.flush()
+    starts = _flat(opt.state[p]["start"] for p in params)
+    everyone = [torch.empty_like(starts) for _ in range(world)]
+    dist.all_gather(everyone, starts)
+    return seen, torch.equal(everyone[0], everyone[1]), opt.rounds
+
+
+def test_a_nonfinite_fragment_is_dropped_on_every_rank_at_the_step_after_its_end():
+    for seen, same, rounds in run_workers(_nan_at_fragment_end, 2, "skip"):
+        assert seen[0] == (False, True, 0)  # step 6: the verdict launched, not read; θ_i moved on
+        assert seen[1] == (True, False, 1)  # step 7: read; every replica back to θ_s, the round dropped
+        assert seen[2][2] == 1 and same and rounds == 3  # the rounds go on (round 2 without fragment 0's agreement)
+    for message, t in run_workers(_nan_at_fragment_end, 2, "raise"):
+        assert t == 7 and "non-finite" in message and "nonfinite='skip'" in message

@@ -31,8 +31,8 @@ from torch import Tensor
 from .. import comm
 from ..comm import CommStats
 
-__all__ = ["param_names", "check_same_params", "grads_finite", "all_finite", "agree", "Verdict", "handle_nonfinite",
-           "replicas_differ", "check_replicas"]
+__all__ = ["param_names", "check_same_params", "grads_finite", "all_finite", "agree", "agree_async", "Agreeing",
+           "Verdict", "handle_nonfinite", "replicas_differ", "check_replicas"]
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHUNK = 1 << 20  # elements per checksum chunk: bounds the int64 temporaries to 8 MiB
@@ -173,6 +173,37 @@ def agree(params: list[Tensor], group, world_size: int, device: torch.device, st
     ``isfinite(Δ).all()``), else its gradients are checked here. ``scaler_inf``: the loss scaler's
     found-inf of this rank (counted with the non-finite ranks). The vector is integer (uint8, int32
     past 255 ranks) unless ``extra`` is floating point, then float64."""
+    counts = _counts(params, world_size, device, finite, extra, scaler_inf)
+    if world_size > 1:
+        comm.all_reduce(counts, group, stats)
+    return _verdict(counts, len(params), world_size)
+
+
+class Agreeing:
+    """:func:`agree_async`'s all-reduce in flight: :meth:`read` waits for it and gives the :class:`Verdict`."""
+
+    def __init__(self, counts: Tensor, pending: Optional[comm.Pending], n: int, world_size: int):
+        self._counts, self._pending, self._n, self._world_size = counts, pending, n, world_size
+
+    def read(self, stats: Optional[CommStats] = None) -> Verdict:
+        """Wait for the all-reduce (its blocked time added to ``stats``); the verdict (the one host read)."""
+        if self._pending is not None:
+            self._pending.wait(stats)
+        return _verdict(self._counts, self._n, self._world_size)
+
+
+def agree_async(params: list[Tensor], group, world_size: int, device: torch.device,
+                stats: Optional[CommStats] = None, *, finite=None, extra: Optional[Tensor] = None) -> Agreeing:
+    """:func:`agree` launched without waiting: the same vector and all-reduce, read later (:meth:`Agreeing.read`),
+    so that the ranks need not meet at the call. No host read here."""
+    counts = _counts(params, world_size, device, finite, extra, None)
+    pending = comm.all_reduce_async(counts, group, stats) if world_size > 1 else None
+    return Agreeing(counts, pending, len(params), world_size)
+
+
+def _counts(params: list[Tensor], world_size: int, device: torch.device, finite, extra: Optional[Tensor],
+            scaler_inf: Optional[Tensor]) -> Tensor:
+    """This rank's vector of :func:`agree` (before the all-reduce)."""
     n = len(params)
     if extra is not None and torch.is_floating_point(extra):
         dtype = torch.float64
@@ -194,8 +225,10 @@ def agree(params: list[Tensor], group, world_size: int, device: torch.device, st
         counts[n:n + 1].clamp_(max=1)
     if extra is not None:
         counts[n + 1:].copy_(extra.reshape(-1))
-    if world_size > 1:
-        comm.all_reduce(counts, group, stats)
+    return counts
+
+
+def _verdict(counts: Tensor, n: int, world_size: int) -> Verdict:
     host = counts.tolist()  # the one host sync
     return Verdict([c < world_size for c in host[:n]], int(host[n]), host[n + 1:])
 

@@ -147,18 +147,25 @@ class Rounds:
                 sizes[pc.index] += pc.size
         return Measured(finite, abs_means(blocks, sizes, self.device) if scaled else None, kept)
 
-    def _agree(self, head: Optional[Tensor], finite, stats: CommStats) -> guard.Verdict:
+    def _agree(self, head: Optional[Tensor], finite, stats: CommStats, late: bool = False):
         """The round's one small all-reduce and host read: how many ranks hold a non-finite value (``finite``:
-        this rank's verdict), and the aggregation's per-tensor sums (the lane mean's shared scale)."""
+        this rank's verdict), and the aggregation's per-tensor sums (the lane mean's shared scale). With
+        ``late``, launched only: a callable of the reading step's stats that waits for it and returns the verdict
+        (the ranks meet there, not here)."""
         sharded = self.sharding is not None and head is not None  # the world agrees; a shard's replicas sum
-        verdict = guard.agree([], self.agree_group, self.agree_size, self.device, stats,
-                              finite=self._marked(finite),
-                              extra=self.sharding.spread(head) if sharded else head)
+        how = dict(finite=self._marked(finite), extra=self.sharding.spread(head) if sharded else head)
         self._bad_round = False
         self.last_round_stats = stats
-        if sharded:
-            verdict = verdict._replace(extra=self.sharding.slot(verdict.extra, head.numel()))
-        return verdict
+
+        def unsharded(verdict: guard.Verdict) -> guard.Verdict:
+            if not sharded:
+                return verdict
+            return verdict._replace(extra=self.sharding.slot(verdict.extra, head.numel()))
+
+        if late:
+            agreeing = guard.agree_async([], self.agree_group, self.agree_size, self.device, stats, **how)
+            return lambda reading: unsharded(agreeing.read(reading))
+        return unsharded(guard.agree([], self.agree_group, self.agree_size, self.device, stats, **how))
 
     def _marked(self, finite):
         """This rank's verdict for the round: ``finite`` (its Δ), and no inner step marked non-finite (``_bad_round``:
@@ -167,9 +174,10 @@ class Rounds:
             return guard.all_finite(finite, torch.logical_not(self._bad_round))
         return False if self._bad_round else finite
 
-    def _pseudo_gradient(self, began: str, pieces: list[Piece]) -> tuple[Tensor, Tensor]:
-        """(Δ_i, v_i = Δ_i + e_i) flat fp32 over ``pieces``: this worker's progress since ``state[p][began]``,
-        written piece by piece into the two buffers (Δ's values those of ``start.float() - p.float()``)."""
+    def _pseudo_gradient(self, began: str, pieces: list[Piece], until: Optional[str] = None) -> tuple[Tensor, Tensor]:
+        """(Δ_i, v_i = Δ_i + e_i) flat fp32 over ``pieces``: this worker's progress since ``state[p][began]``
+        (to ``state[p][until]`` when given, else to the parameter), written piece by piece into the two buffers
+        (Δ's values those of ``start.float() - p.float()``)."""
         total = sum(pc.size for pc in pieces)
         delta = torch.empty(total, dtype=torch.float32, device=self.device)
         v = torch.empty_like(delta) if self.error_feedback else delta
@@ -178,7 +186,7 @@ class Rounds:
             p = self.params[pc.index]
             s = self.local_state[p]
             out = delta[offset:offset + pc.size]
-            out.copy_(s[began].reshape(-1)[pc.lo:pc.hi]).sub_(p.reshape(-1)[pc.lo:pc.hi])
+            out.copy_(s[began].reshape(-1)[pc.lo:pc.hi]).sub_((p if until is None else s[until]).reshape(-1)[pc.lo:pc.hi])
             if self.error_feedback:
                 torch.add(out, s["residual"].reshape(-1)[pc.lo:pc.hi], out=v[offset:offset + pc.size])
             offset += pc.size

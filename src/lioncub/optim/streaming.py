@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Callable, Iterator, NamedTuple, Optional
 
 from .. import comm
 from ..chunks import Piece
@@ -46,6 +46,16 @@ def check_fragments(fragments, delay: int, auto: bool, H: int) -> int:
     return fragments
 
 
+class LateFragment(NamedTuple):
+    """A fragment's round between its end and the next step (:meth:`StreamingRounds._send_late`): ``verdict``
+    (reads its finite check and head), the fragment, each tensor's mean |v| and, with ``eager``, each chunk's v."""
+
+    verdict: Callable[[Optional[CommStats]], guard.Verdict]
+    fragment: int
+    scales: Optional[Tensor]
+    kept: list[Tensor]
+
+
 class StreamingRounds:
     """The ``delay=1`` half of LocalCub's round: :meth:`_stream_round`, :meth:`flush`, :meth:`agreed` and their
     helpers."""
@@ -71,10 +81,14 @@ class StreamingRounds:
         self.stream_group = comm.own_group(self.group, self.device) if self.delay and self.world_size > 1 else None
         self._pending: Optional[list[Agreement]] = None  # the agreements in flight (one per chunk)
         self._pending_fragment = 0  # the fragment they are of (0 with one fragment)
+        self._agreeing: Optional[LateFragment] = None  # a fragment's finite check and head in flight (:meth:`_send_late`)
 
     def _round_ends(self) -> None:
         """After an inner step: a later stage of an exchange in flight launched once its first is done; the end of
         a fragment's round (every H/F steps) or of a round (every H)."""
+        if self._agreeing is not None:
+            with comm.step_context(self.rounds):
+                self._send_late(self.last_step_stats)
         if self._pending is not None:
             self._advance()
         ending = self._fragment_ending()
@@ -135,28 +149,48 @@ class StreamingRounds:
 
     def _fragment_round(self, j: int) -> None:
         """The end of fragment ``j``'s round: the fragment in flight received (:meth:`_receive_pending`), then fragment
-        ``j``'s finite check and head agreed, its Δ_i = θ_s − θ_i over H steps measured and its agreement launched
-        (o_i ← θ_i there, where its progress in flight begins)."""
+        ``j``'s Δ_i = θ_s − θ_i over H steps measured, o_i ← θ_i there (where its progress in flight begins), and its
+        finite check and head launched; its exchange is launched at the next step (:meth:`_send_late`), so that no
+        rank waits here for the others. With H/F = 1 the next step is the next fragment's end: all at once here."""
         stats = comm.step_stats(self.device)
         plan, spans = self._plan(), self._fragment_spans()
         self._receive_pending(stats)
         lo, hi = spans[j]
         seen = self._measure("start", plan[lo:hi])
-        verdict = self._agree(self.aggregation.head(seen.scales), seen.finite, stats)
+        agreeing = self._agree(self.aggregation.head(seen.scales), seen.finite, stats, late=True)
+        kept = []
+        for pieces in plan[lo:hi]:
+            if self.eager:  # (its v kept for the send: θ_i no longer tells Δ_i)
+                delta, v = seen.kept or self._pseudo_gradient("start", pieces)
+                self._stand_in(delta, pieces)  # (before the send, which may overwrite v: Δ itself without feedback)
+                kept.append(v)
+                delta = v = None
+            else:
+                for pc in pieces:
+                    _slot(self.local_state[self.params[pc.index]]["origin"], pc).copy_(_slot(self.params[pc.index], pc))
+        self._agreeing = LateFragment(agreeing, j, seen.scales, kept)
+        self.last_round_stats = stats
+        if self.H // self.fragments == 1:
+            self._send_late(stats)
+
+    def _send_late(self, stats: Optional[CommStats] = None) -> None:
+        """The step after fragment ``j``'s end: its verdict read (the all-reduce had a step to complete) and, when
+        every rank's Δ is finite, its exchange launched, each chunk's v = θ_s − o_i + e_i (o_i: θ_i at the
+        fragment's end; the eager stand-in's kept v); the bytes counted in ``stats`` (else this step's)."""
+        late, self._agreeing = self._agreeing, None
+        stats = comm.step_stats(self.device) if stats is None else stats
+        verdict = late.verdict(stats)
         if verdict.bad_ranks:
             self._nonfinite(verdict.bad_ranks)
             return
+        plan, (lo, hi) = self._plan(), self._fragment_spans()[late.fragment]
         launched = []
-        for index in range(lo, hi):
+        for n, index in enumerate(range(lo, hi)):
             pieces = plan[index]
-            delta, v = seen.kept or self._pseudo_gradient("start", pieces)
-            if self.eager:  # (before the send, which may overwrite v: Δ itself without error feedback)
-                self._stand_in(delta, pieces)
-            launched.append(self._send(v, pieces, verdict.extra, seen.scales, stats, index, group=self.stream_group))
-            for pc in pieces if not self.eager else ():
-                _slot(self.local_state[self.params[pc.index]]["origin"], pc).copy_(_slot(self.params[pc.index], pc))
-            delta = v = None
-        self._pending, self._pending_fragment = launched, j
+            v = late.kept[n] if late.kept else self._pseudo_gradient("start", pieces, until="origin")[1]
+            launched.append(self._send(v, pieces, verdict.extra, late.scales, stats, index, group=self.stream_group))
+            v = None
+        self._pending, self._pending_fragment = launched, late.fragment
         self.last_round_stats = stats
 
     def _receive_pending(self, stats: CommStats) -> None:
@@ -182,7 +216,7 @@ class StreamingRounds:
         """Between inner steps: launch the next stage of each exchange in flight whose first is complete, in the
         chunks' order (every rank issues a group's collectives in one order: a chunk waits for the one before)."""
         for agreement in self._pending:
-            if not agreement.advance():
+            if not agreement.advance(self.last_step_stats):
                 return
 
     def _applied(self) -> None:
@@ -234,9 +268,11 @@ class StreamingRounds:
         as with ``delay=0``). With fragments, the fragment in flight (every replica then holds θ_s plus its
         progress in the other fragments since their launches; :meth:`agreed` gives θ_s). Every rank calls it at
         the same step; nothing to do otherwise."""
+        stats = comm.step_stats(self.device)
+        if self._agreeing is not None:
+            self._send_late(stats)
         if self._pending is None:
             return
-        stats = comm.step_stats(self.device)
         if self.fragments > 1:  # the fragment in flight; the others keep each worker's progress since their launch
             self._receive_pending(stats)
             self.last_round_stats = stats

@@ -72,19 +72,22 @@ class Agreement:
         return done
 
     def _take(self, stats: Optional[CommStats]) -> None:
-        """The next stage: wait for the collective in flight and read it."""
+        """The next stage: wait for the collective in flight and read it. A read that returns a callable hands it
+        ``stats`` to launch the next stage: its bytes count in the step that launches it."""
         out = self.read(None if self.pending is None else self.pending.wait(stats))
+        if callable(out):
+            out = out(stats)
         if isinstance(out, Agreement):  # the next stage, its collective launched
             self.pending, self.read = out.pending, out.read
         else:
             self.d, self.pending, self.read = out, None, None
 
-    def advance(self) -> bool:
+    def advance(self, stats: Optional[CommStats] = None) -> bool:
         """Take every stage whose collective is complete (:meth:`comm.Pending.ready`: no wait); whether ``d``
-        is known. Called between a streaming round's steps, so that a later stage's collective is launched
-        while compute goes on."""
+        is known. Called between a streaming round's steps (``stats``: that step's), so that a later stage's
+        collective is launched while compute goes on."""
         while self.d is None and (self.pending is None or self.pending.ready()):
-            self._take(None)
+            self._take(stats)
         return self.d is not None
 
     def result(self, stats: Optional[CommStats] = None) -> tuple[Tensor, bool]:
@@ -333,9 +336,9 @@ class ScatterMean(RoundAggregation):
         me = dist.get_rank(group) if P > 1 else 0
         mine = spans_in(sizes, me * E, min(n, (me + 1) * E))
 
-        def owner_stage(got: Tensor) -> Agreement:
+        def owner_stage(got: Tensor):
             """On span ``me``'s owner: exact sums of the levels, their mean, its residual, its own levels; the
-            all-gather of every owner's levels and units launched."""
+            all-gather of every owner's levels and units, to launch (on the stats of the step that takes it)."""
             total = from_codes(got, P * E, bits).view(P, E).sum(0)
             x = torch.zeros(E, dtype=torch.float32, device=v.device)
             for t, lo, hi in mine:
@@ -350,7 +353,7 @@ class ScatterMean(RoundAggregation):
             reply = torch.cat([codes(w, bits, E), unit2.view(torch.uint8)])
             if P == 1:
                 return Agreement(None, lambda _: decode(reply.view(1, -1)), False)
-            return Agreement(comm.all_gather_async(reply, group, stats), decode, False)
+            return lambda now: Agreement(comm.all_gather_async(reply, group, now), decode, False)
 
         def decode(gathered: Tensor) -> Tensor:
             """d from every owner's levels and units: the same on every rank."""
