@@ -19,7 +19,7 @@ import time
 from collections import defaultdict
 
 _TOTAL, _CALLS = defaultdict(float), defaultdict(int)
-TIMED = {"StreamingRounds": ("_receive_pending", "_fragment_round", "_advance", "_stream_round"),
+TIMED = {"StreamingRounds": ("_receive_pending", "_fragment_round", "_send_late", "_advance", "_stream_round"),
          "Rounds": ("_agree", "_send", "_measure", "_round"), "LocalCub": ("_inner_step",)}
 
 
@@ -53,5 +53,6 @@ except ImportError:
 else:
     for module, cls in ((streaming, "StreamingRounds"), (rounds, "Rounds"), (localcub, "LocalCub")):
         for name in TIMED[cls]:
-            _wrap(getattr(module, cls), name)
+            if hasattr(getattr(module, cls), name):
+                _wrap(getattr(module, cls), name)
     atexit.register(_write)
