@@ -14,7 +14,7 @@ and each tensor's mean |v|: :func:`abs_means`); the second pass makes each chunk
 keeps its residual and takes its outer step. Nothing of the size of the model is allocated."""
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -147,25 +147,29 @@ class Rounds:
                 sizes[pc.index] += pc.size
         return Measured(finite, abs_means(blocks, sizes, self.device) if scaled else None, kept)
 
-    def _agree(self, head: Optional[Tensor], finite, stats: CommStats, late: bool = False):
+    def _agree(self, head: Optional[Tensor], finite, stats: CommStats) -> guard.Verdict:
         """The round's one small all-reduce and host read: how many ranks hold a non-finite value (``finite``:
-        this rank's verdict), and the aggregation's per-tensor sums (the lane mean's shared scale). With
-        ``late``, launched only: a callable of the reading step's stats that waits for it and returns the verdict
-        (the ranks meet there, not here)."""
+        this rank's verdict), and the aggregation's per-tensor sums (the lane mean's shared scale)."""
+        return self._agree_late(head, finite, stats)(stats)
+
+    def _agree_late(self, head: Optional[Tensor], finite, stats: CommStats
+                    ) -> Callable[[Optional[CommStats]], guard.Verdict]:
+        """:meth:`_agree` launched only: a callable of the reading step's stats that waits for the all-reduce and
+        returns the verdict (the ranks meet there, not here)."""
         sharded = self.sharding is not None and head is not None  # the world agrees; a shard's replicas sum
-        how = dict(finite=self._marked(finite), extra=self.sharding.spread(head) if sharded else head)
+        agreeing = guard.agree_async([], self.agree_group, self.agree_size, self.device, stats,
+                                     finite=self._marked(finite),
+                                     extra=self.sharding.spread(head) if sharded else head)
         self._bad_round = False
         self.last_round_stats = stats
 
-        def unsharded(verdict: guard.Verdict) -> guard.Verdict:
-            if not sharded:
-                return verdict
-            return verdict._replace(extra=self.sharding.slot(verdict.extra, head.numel()))
+        def read(reading: Optional[CommStats]) -> guard.Verdict:
+            verdict = agreeing.read(reading)
+            if sharded:
+                verdict = verdict._replace(extra=self.sharding.slot(verdict.extra, head.numel()))
+            return verdict
 
-        if late:
-            agreeing = guard.agree_async([], self.agree_group, self.agree_size, self.device, stats, **how)
-            return lambda reading: unsharded(agreeing.read(reading))
-        return unsharded(guard.agree([], self.agree_group, self.agree_size, self.device, stats, **how))
+        return read
 
     def _marked(self, finite):
         """This rank's verdict for the round: ``finite`` (its Δ), and no inner step marked non-finite (``_bad_round``:

@@ -157,7 +157,7 @@ class StreamingRounds:
         self._receive_pending(stats)
         lo, hi = spans[j]
         seen = self._measure("start", plan[lo:hi])
-        agreeing = self._agree(self.aggregation.head(seen.scales), seen.finite, stats, late=True)
+        agreeing = self._agree_late(self.aggregation.head(seen.scales), seen.finite, stats)
         kept = []
         for pieces in plan[lo:hi]:
             if self.eager:  # (its v kept for the send: θ_i no longer tells Δ_i)
@@ -173,12 +173,11 @@ class StreamingRounds:
         if self.H // self.fragments == 1:
             self._send_late(stats)
 
-    def _send_late(self, stats: Optional[CommStats] = None) -> None:
+    def _send_late(self, stats: CommStats) -> None:
         """The step after fragment ``j``'s end: its verdict read (the all-reduce had a step to complete) and, when
         every rank's Δ is finite, its exchange launched, each chunk's v = θ_s − o_i + e_i (o_i: θ_i at the
-        fragment's end; the eager stand-in's kept v); the bytes counted in ``stats`` (else this step's)."""
+        fragment's end; the eager stand-in's kept v); the bytes counted in ``stats`` (this step's)."""
         late, self._agreeing = self._agreeing, None
-        stats = comm.step_stats(self.device) if stats is None else stats
         verdict = late.verdict(stats)
         if verdict.bad_ranks:
             self._nonfinite(verdict.bad_ranks)
