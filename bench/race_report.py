@@ -67,7 +67,8 @@ def summarize(runs: list[dict], budget: float, target_method: str = REFERENCE) -
                             target=_crossing(ev, target) if target is not None and ok else None,
                             half=_crossing(ev, half) if half is not None and ok else None,
                             # the step rate over the compute-bound one (local AdamW, no communication, measured in the run)
-                            rate=r["compute_s"] * last["step"] / last["t"] if r.get("compute_s") and last["t"] else None))
+                            rate=r["compute_s"] * last["step"] / last["t"] if r.get("compute_s") and last["t"] else None,
+                            seed=r.get("seed", 0), per_s=last["step"] / last["t"] if last["t"] else None))
         final, final_std = _mean_std([p["final"] for p in per])
         row = dict(method=name, lr=key[1], seeds=len(rs), final_val=final, final_val_std=final_std,
                    steps=round(sum(p["steps"] for p in per) / len(per)),
@@ -84,8 +85,25 @@ def summarize(runs: list[dict], budget: float, target_method: str = REFERENCE) -
                 t = t_sd = b = b_sd = None
             row.update({f"time_to_{which}": t, f"time_to_{which}_std": t_sd, f"bytes_to_{which}": b,
                         f"bytes_to_{which}_std": b_sd})
+        row["per_seed_per_s"] = {p["seed"]: p["per_s"] for p in per}
         rows.append(row)
+    _of_compute_row(rows)
     return dict(target=target, target_half=half, target_method=target_method, rows=rows)
+
+
+COMPUTE_ROW = "compute-adamw-h50"
+"""The race's row of local AdamW with no communication (:class:`lioncub.baselines.local.ComputeOnly`)."""
+
+
+def _of_compute_row(rows: list[dict]) -> None:
+    """Where the race ran :data:`COMPUTE_ROW`: each row's steps per second over that row's, seed by seed (the same
+    loop, host and budget in one invocation), mean ± std over the seeds both ran, in ``of_compute_row``
+    (``of_compute_row_std``)."""
+    ref = next((r for r in rows if r["method"] == COMPUTE_ROW), None)
+    for row in rows:
+        ratios = [] if ref is None else [x / ref["per_seed_per_s"][seed] for seed, x in row["per_seed_per_s"].items()
+                                         if x and ref["per_seed_per_s"].get(seed)]
+        row["of_compute_row"], row["of_compute_row_std"] = _mean_std(ratios) if ratios else (None, None)
 
 
 def _crossing(evals: list[dict], target: float):
@@ -116,12 +134,15 @@ def table(summary: dict) -> str:
         return f"no run of the target's method ({setter})"
     lines = [f"A = {summary['target']:.3f}: {setter}'s (best lr, mean over seeds) val loss at the end of the budget; "
              f"B = {summary['target_half']:.3f}: its val loss at half the budget",
-             "| method | best lr | val @ budget | steps | s/step | of compute rate | MB/step sent | time to A | x "
-             "| MB to A | time to B | x | MB to B |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| method | best lr | val @ budget | steps | s/step | of compute rate | of no-comm row | MB/step sent "
+             "| time to A | x | MB to A | time to B | x | MB to B |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(summary["rows"], key=lambda r: r["final_val"]):
         final = f"{r['final_val']:.3f}" + (f" ± {r['final_val_std']:.3f}" if r.get("seeds", 1) > 1 else "")
         rate = f"{r['compute_rate']:.2f}" if r.get("compute_rate") else "-"  # (races before it: not measured)
-        lines.append(f"| {r['method']} | {r['lr']:g} | {final} | {r['steps']} | {r['step_s']:.3f} | {rate} | "
+        row_rate = (f"{r['of_compute_row']:.2f} ± {r['of_compute_row_std']:.2f}" if r.get("of_compute_row")
+                    else "-")  # (only where the race ran the no-communication row)
+        lines.append(f"| {r['method']} | {r['lr']:g} | {final} | {r['steps']} | {r['step_s']:.3f} | {rate} | {row_rate} | "
                      f"{r['bytes_per_step'] / 1e6:.2f} | {_hit(r, ref, 'target')} | {_hit(r, ref, 'half')} |")
     return "\n".join(lines)
 

@@ -84,3 +84,17 @@ def test_the_link_setting_row_takes_its_lr_from_its_pick():
     assert pick.name == "long" and config.local_setting == "given"  # the pick is applied, not picked again
     for key, value in SETTINGS["long"].items():
         assert getattr(config, key) == value, key
+
+
+def test_the_no_communication_row_sets_each_rows_step_rate_seed_by_seed():
+    runs = [_run("lion-ddp", 1e-4, 0, [3.0, 2.5, 2.0]), _run("lion-ddp", 1e-4, 1, [3.0, 2.6, 2.2])]
+    for seed, steps in ((0, 40), (1, 50)):  # 20 s each: 2.0 and 2.5 steps a second
+        runs.append(dict(_run(race_report.COMPUTE_ROW, 1e-3, seed, [3.0, 2.9, 2.8]), steps=steps))
+        runs[-1]["evals"][-1]["step"] = steps
+    rows = {r["method"]: r for r in race_report.summarize(runs, budget=20.0)["rows"]}
+    # lion-ddp: 20 steps in 20 s on both seeds: 1.0 / 2.0 and 1.0 / 2.5
+    assert rows["lion-ddp"]["of_compute_row"] == pytest.approx(0.45)
+    assert rows["lion-ddp"]["of_compute_row_std"] == pytest.approx(0.05 * math.sqrt(2))
+    assert rows[race_report.COMPUTE_ROW]["of_compute_row"] == 1.0
+    assert "0.45 ± 0.07" in race_report.table(race_report.summarize(runs, budget=20.0))
+    assert race_report.summarize(runs[:2], budget=20.0)["rows"][0]["of_compute_row"] is None  # not run: none

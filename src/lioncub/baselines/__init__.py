@@ -10,6 +10,8 @@ makes one; see :class:`Adapter`.
     adamw-bf16              bf16 gradients (DDP bf16 hook)           every step
     adamw-psgd-r1 / -r4     PowerSGD rank-1 / rank-4 factors         every step
     local-adamw-h10         fp32 parameters every 10 steps           after each average
+    compute-adamw-h50       nothing (the loop's clock every 50       never: the race's compute-bound
+                            steps, 8 bytes)                          step rate, not a method
     diloco-h10 / -h50       fp32 pseudo-gradient every H steps       after each outer step
     sparseloco-h10 / -h50   top-1.56% of an error-fed Δ per 4096-    after each outer step
                             chunk, 2-bit values + int16 indices
@@ -59,6 +61,7 @@ METHODS = {
     "adamw-psgd-r1": partial(ddp.AdamWDDP, compress="powersgd", rank=1),
     "adamw-psgd-r4": partial(ddp.AdamWDDP, compress="powersgd", rank=4),
     "local-adamw-h10": partial(local.LocalSGD, H=10),
+    "compute-adamw-h50": partial(local.ComputeOnly, H=50),  # no communication: the compute-bound step rate
     "diloco-h10": partial(local.DiLoCo, H=10),
     "diloco-h50": partial(local.DiLoCo, H=50),
     # Streaming DiLoCo's overlap (the fp32 exchange in flight during the next round), as LocalCub(delay=1)

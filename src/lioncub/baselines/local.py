@@ -29,7 +29,7 @@ from .base import Adapter, broadcast_module, set_lr
 from .cub import LocalCubMethod
 from .ddp import BETAS
 
-__all__ = ["LocalSGD", "DiLoCo", "Rounds"]
+__all__ = ["LocalSGD", "DiLoCo", "Rounds", "ComputeOnly"]
 
 
 def check_period(H) -> int:
@@ -59,6 +59,28 @@ class LocalSGD(Adapter):
         if self.world > 1:  # before zero_grad: the averager skips parameters whose grad is None
             self.averager.average_parameters(self.module.parameters())
         self.opt.zero_grad(set_to_none=True)
+        return self.steps % self.H == 0
+
+
+class ComputeOnly(Adapter):
+    """AdamW on each rank and no communication at all: a race's compute-bound step rate, measured as every other
+    row is (the same loop, host and budget, in the same invocation). ``step`` returns True every ``H`` steps only
+    so that the loop agrees on the clock there (8 bytes); the replicas never agree, so the row's loss is no
+    method's: it is the denominator of the others' step rates."""
+
+    family = "adamw"
+
+    def __init__(self, module: nn.Module, *, lr: float, H: int = 50, group=None, weight_decay: float = 0.0):
+        super().__init__(module, group=group)
+        self.H = check_period(H)
+        broadcast_module(module, group)
+        self.opt = torch.optim.AdamW(module.parameters(), lr=lr, betas=BETAS, weight_decay=weight_decay)
+
+    def step(self, lr: float) -> bool:
+        set_lr(self.opt, lr)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.steps += 1
         return self.steps % self.H == 0
 
 

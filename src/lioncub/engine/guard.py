@@ -23,7 +23,7 @@ with the same message.
 from __future__ import annotations
 
 import hashlib
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -180,25 +180,45 @@ def agree(params: list[Tensor], group, world_size: int, device: torch.device, st
 
 
 class Agreeing:
-    """:func:`agree_async`'s all-reduce in flight: :meth:`read` waits for it and gives the :class:`Verdict`."""
+    """:func:`agree_async`'s all-reduce in flight: :meth:`ready` asks whether it is complete (no wait), :meth:`read`
+    waits for it and gives the :class:`Verdict` (read once, then kept), passed through ``finish`` when given."""
 
-    def __init__(self, counts: Tensor, pending: Optional[comm.Pending], n: int, world_size: int):
+    def __init__(self, counts: Optional[Tensor], pending: Optional[comm.Pending], n: int, world_size: int,
+                 finish: Optional[Callable[[Verdict], Verdict]] = None):
         self._counts, self._pending, self._n, self._world_size = counts, pending, n, world_size
+        self._finish, self._known = finish, None
+
+    @classmethod
+    def known(cls, verdict: Verdict) -> "Agreeing":
+        """A verdict already read (restored from a checkpoint)."""
+        done = cls(None, None, 0, 0)
+        done._known = verdict
+        return done
+
+    def ready(self) -> bool:
+        """Whether :meth:`read` would return at once (:meth:`lioncub.comm.Pending.ready`: a query of the backend,
+        no wait and no device synchronisation)."""
+        return self._known is not None or self._pending is None or self._pending.ready()
 
     def read(self, stats: Optional[CommStats] = None) -> Verdict:
         """Wait for the all-reduce (its blocked time added to ``stats``); the verdict (the one host read)."""
-        if self._pending is not None:
-            self._pending.wait(stats)
-        return _verdict(self._counts, self._n, self._world_size)
+        if self._known is None:
+            if self._pending is not None:
+                self._pending.wait(stats)
+            verdict = _verdict(self._counts, self._n, self._world_size)
+            self._known = verdict if self._finish is None else self._finish(verdict)
+            self._counts = self._pending = None
+        return self._known
 
 
 def agree_async(params: list[Tensor], group, world_size: int, device: torch.device,
-                stats: Optional[CommStats] = None, *, finite=None, extra: Optional[Tensor] = None) -> Agreeing:
-    """:func:`agree` launched without waiting: the same vector and all-reduce, read later (:meth:`Agreeing.read`),
-    so that the ranks need not meet at the call. No host read here."""
+                stats: Optional[CommStats] = None, *, finite=None, extra: Optional[Tensor] = None,
+                finish: Optional[Callable[[Verdict], Verdict]] = None) -> Agreeing:
+    """:func:`agree` launched without waiting: the same vector and all-reduce, read later (:meth:`Agreeing.read`,
+    through ``finish`` when given), so that the ranks need not meet at the call. No host read here."""
     counts = _counts(params, world_size, device, finite, extra, None)
     pending = comm.all_reduce_async(counts, group, stats) if world_size > 1 else None
-    return Agreeing(counts, pending, len(params), world_size)
+    return Agreeing(counts, pending, len(params), world_size, finish)
 
 
 def _counts(params: list[Tensor], world_size: int, device: torch.device, finite, extra: Optional[Tensor],

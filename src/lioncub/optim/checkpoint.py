@@ -3,17 +3,15 @@ before it takes anything (:mod:`lioncub.engine.resume`: settings, rank, world, s
 from __future__ import annotations
 
 import copy
-from typing import Optional
 
 import torch
 
 from .. import comm
-from ..engine import guard, resume
+from ..engine import resume
 from ..engine.shards import local_of
 from ..votes.feedback import owner_state_what
 from ..engine.step import BucketPlan
 from ..votes.rounds import Agreement
-from .streaming import LateFragment
 
 __all__ = ["StepCheckpoint", "RoundCheckpoint"]
 
@@ -121,11 +119,12 @@ class RoundCheckpoint:
     def state_dict(self) -> dict:
         """The state (see docs/local_steps.md). With ``delay=1`` and an agreement in flight it
         waits for it (a collective in flight cannot be saved) and saves its ``d``, not yet applied."""
-        pending, agreeing = None, None
-        if self._agreeing is not None:  # a fragment's verdict, read; its exchange is the next step's
-            agreeing = self._read_agreeing()
+        pending, sent = None, comm.step_stats(self.device)  # (counted in the next step's record: self._unreported)
+        if self._agreeing is not None:  # a fragment's verdict due: every rank reads it and launches the exchange now
+            self._send_late(sent)  # (what it sends is the same at any step before it lands)
         if self._pending is not None:  # one agreement per chunk of the round (:meth:`Rounds._plan`)
-            results = [agreement.result() for agreement in self._pending]
+            results = [agreement.result(sent) for agreement in self._pending]
+            self._unreported = sent
             pending = dict(d=torch.cat([d for d, _ in results]) if results else torch.zeros(0, device=self.device),
                            signed=results[0][1] if results else False, fragment=self._pending_fragment)
         sd = super().state_dict()
@@ -136,7 +135,7 @@ class RoundCheckpoint:
             # inside a round (with fragments, always) every rank's parameters are its own (a model checkpoint holds
             # one rank's)
             params=[p.detach().clone() for p in self.params] if self.local_step or self.fragments > 1 else None,
-            pending=pending, agreeing=agreeing,
+            pending=pending,
             owner_residuals={str(k): r.clone() for k, r in self.owner_residuals.items()}, steps_pick=self.steps_pick)
         return sd
 
@@ -174,7 +173,9 @@ class RoundCheckpoint:
                 raise ValueError(f"state_dict's round in flight has {d.numel()} elements; these parameters have "
                                  f"{sum(sizes)}")
             self._pending = [Agreement.finished(part.clone(), pending["signed"]) for part in d.split(sizes)]
-        self._restore_agreeing(extra.get("agreeing"))
+        if extra.get("agreeing") is not None:
+            raise ValueError("state_dict holds a fragment's verdict without its exchange ('agreeing'), saved by a "
+                             "LocalCub before 2026-12-05 that this one cannot resume; resume from a checkpoint of another step")
         self._restore_steps(extra.get("steps_pick"))
         self._restore_owner_residuals(extra.get("owner_residuals") or {})
         if extra.get("params") is not None:
@@ -185,33 +186,6 @@ class RoundCheckpoint:
             with torch.no_grad():
                 for p in self.params:
                     p.copy_(self.local_state[p]["origin"])
-
-    def _read_agreeing(self) -> dict:
-        """A fragment between its end and its exchange (:meth:`~lioncub.optim.streaming.StreamingRounds._send_late`):
-        its verdict read now (the next step finds it read), and what the exchange needs, to save."""
-        late = self._agreeing
-        verdict = late.verdict(None)
-        self._agreeing = late._replace(verdict=lambda _: verdict)
-        return dict(fragment=late.fragment, bad_ranks=verdict.bad_ranks, extra=list(verdict.extra),
-                    scales=None if late.scales is None else late.scales.clone(), kept=[v.clone() for v in late.kept])
-
-    def _restore_agreeing(self, saved: Optional[dict]) -> None:
-        """The saved fragment between its end and its exchange, checked against this run's fragments."""
-        if saved is None:
-            return
-        j = int(saved["fragment"])
-        if not 0 <= j < self.fragments:
-            raise ValueError(f"state_dict's fragment between its end and its exchange is {j}; this run has "
-                             f"fragments={self.fragments}")
-        lo, hi = self._fragment_spans()[j]
-        sizes = [sum(pc.size for pc in pieces) for pieces in self._plan()[lo:hi]]
-        kept = [v.to(self.device, torch.float32).clone() for v in saved["kept"]]
-        if kept and [v.numel() for v in kept] != sizes:
-            raise ValueError(f"state_dict's kept Δ of fragment {j} has {[v.numel() for v in kept]} elements per "
-                             f"chunk; these parameters have {sizes}")
-        verdict = guard.Verdict([], int(saved["bad_ranks"]), [float(x) for x in saved["extra"]])
-        scales = None if saved["scales"] is None else saved["scales"].to(self.device)
-        self._agreeing = LateFragment(lambda _: verdict, j, scales, kept)
 
     def _restore_owner_residuals(self, saved: dict) -> None:
         """The aggregation's per-chunk state of a checkpoint, checked against this run's chunks."""

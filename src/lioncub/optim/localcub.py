@@ -337,6 +337,9 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
             if self.steps_pick is not None and self.steps_pick["H"] is None:
                 self._pick_steps()
             self.last_step_stats = self.last_round_stats
+        if self._unreported is not None:  # a checkpoint's collectives since the last step (RoundCheckpoint)
+            self.last_step_stats.add(self._unreported)
+            self._unreported = None
         return loss
 
     def _inner_step(self, grad_scaler) -> None:

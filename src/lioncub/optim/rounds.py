@@ -14,7 +14,7 @@ and each tensor's mean |v|: :func:`abs_means`); the second pass makes each chunk
 keeps its residual and takes its outer step. Nothing of the size of the model is allocated."""
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -150,26 +150,20 @@ class Rounds:
     def _agree(self, head: Optional[Tensor], finite, stats: CommStats) -> guard.Verdict:
         """The round's one small all-reduce and host read: how many ranks hold a non-finite value (``finite``:
         this rank's verdict), and the aggregation's per-tensor sums (the lane mean's shared scale)."""
-        return self._agree_late(head, finite, stats)(stats)
+        return self._agree_late(head, finite, stats).read(stats)
 
-    def _agree_late(self, head: Optional[Tensor], finite, stats: CommStats
-                    ) -> Callable[[Optional[CommStats]], guard.Verdict]:
-        """:meth:`_agree` launched only: a callable of the reading step's stats that waits for the all-reduce and
-        returns the verdict (the ranks meet there, not here)."""
+    def _agree_late(self, head: Optional[Tensor], finite, stats: CommStats) -> guard.Agreeing:
+        """:meth:`_agree` launched only; its :meth:`~lioncub.engine.guard.Agreeing.read` waits for the all-reduce
+        and returns the verdict (the ranks meet there, not here)."""
         sharded = self.sharding is not None and head is not None  # the world agrees; a shard's replicas sum
+        finish = (lambda verdict: verdict._replace(extra=self.sharding.slot(verdict.extra, head.numel()))) \
+            if sharded else None
         agreeing = guard.agree_async([], self.agree_group, self.agree_size, self.device, stats,
                                      finite=self._marked(finite),
-                                     extra=self.sharding.spread(head) if sharded else head)
+                                     extra=self.sharding.spread(head) if sharded else head, finish=finish)
         self._bad_round = False
         self.last_round_stats = stats
-
-        def read(reading: Optional[CommStats]) -> guard.Verdict:
-            verdict = agreeing.read(reading)
-            if sharded:
-                verdict = verdict._replace(extra=self.sharding.slot(verdict.extra, head.numel()))
-            return verdict
-
-        return read
+        return agreeing
 
     def _marked(self, finite):
         """This rank's verdict for the round: ``finite`` (its Δ), and no inner step marked non-finite (``_bad_round``:

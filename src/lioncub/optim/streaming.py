@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from contextlib import contextmanager
-from typing import Callable, Iterator, NamedTuple, Optional
+from typing import Iterator, NamedTuple, Optional
 
 from .. import comm
 from ..chunks import Piece
@@ -47,10 +47,10 @@ def check_fragments(fragments, delay: int, auto: bool, H: int) -> int:
 
 
 class LateFragment(NamedTuple):
-    """A fragment's round between its end and the next step (:meth:`StreamingRounds._send_late`): ``verdict``
-    (reads its finite check and head), the fragment, each tensor's mean |v| and, with ``eager``, each chunk's v."""
+    """A fragment's round between its end and its exchange's launch (:meth:`StreamingRounds._send_late`): ``verdict``
+    (its finite check and head in flight), the fragment, each tensor's mean |v| and, with ``eager``, each chunk's v."""
 
-    verdict: Callable[[Optional[CommStats]], guard.Verdict]
+    verdict: guard.Agreeing
     fragment: int
     scales: Optional[Tensor]
     kept: list[Tensor]
@@ -82,16 +82,17 @@ class StreamingRounds:
         self._pending: Optional[list[Agreement]] = None  # the agreements in flight (one per chunk)
         self._pending_fragment = 0  # the fragment they are of (0 with one fragment)
         self._agreeing: Optional[LateFragment] = None  # a fragment's finite check and head in flight (:meth:`_send_late`)
+        self._unreported: Optional[CommStats] = None  # what a checkpoint sent, added to the next step's record
 
     def _round_ends(self) -> None:
         """After an inner step: a later stage of an exchange in flight launched once its first is done; the end of
         a fragment's round (every H/F steps) or of a round (every H)."""
-        if self._agreeing is not None:
-            with comm.step_context(self.rounds):
+        ending = self._fragment_ending()
+        if self._agreeing is not None and ending is None and self._agreeing.verdict.ready():
+            with comm.step_context(self.rounds):  # at the first step its verdict is in (at the latest, the next end)
                 self._send_late(self.last_step_stats)
         if self._pending is not None:
             self._advance()
-        ending = self._fragment_ending()
         if ending is not None:
             with comm.step_context(self.rounds):  # a failed collective names this round
                 self._fragment_round(ending)
@@ -150,10 +151,14 @@ class StreamingRounds:
     def _fragment_round(self, j: int) -> None:
         """The end of fragment ``j``'s round: the fragment in flight received (:meth:`_receive_pending`), then fragment
         ``j``'s Δ_i = θ_s − θ_i over H steps measured, o_i ← θ_i there (where its progress in flight begins), and its
-        finite check and head launched; its exchange is launched at the next step (:meth:`_send_late`), so that no
-        rank waits here for the others. With H/F = 1 the next step is the next fragment's end: all at once here."""
+        finite check and head launched; its exchange is launched at the first later step whose inner step finds that
+        all-reduce complete (:meth:`_send_late`), at the latest at the next fragment's end, so that no rank waits for
+        the others here, nor after, unless it is H/F steps ahead. With H/F = 1 the next step is the next fragment's
+        end: all at once here."""
         stats = comm.step_stats(self.device)
         plan, spans = self._plan(), self._fragment_spans()
+        if self._agreeing is not None:  # the last fragment's verdict not yet in: read it, launch its exchange
+            self._send_late(stats)
         self._receive_pending(stats)
         lo, hi = spans[j]
         seen = self._measure("start", plan[lo:hi])
@@ -174,11 +179,12 @@ class StreamingRounds:
             self._send_late(stats)
 
     def _send_late(self, stats: CommStats) -> None:
-        """The step after fragment ``j``'s end: its verdict read (the all-reduce had a step to complete) and, when
+        """A step after fragment ``j``'s end: its verdict read (complete, or the next fragment's end is due) and, when
         every rank's Δ is finite, its exchange launched, each chunk's v = θ_s − o_i + e_i (o_i: θ_i at the
-        fragment's end; the eager stand-in's kept v); the bytes counted in ``stats`` (this step's)."""
+        fragment's end; the eager stand-in's kept v); the bytes counted in ``stats`` (this step's). What is sent
+        does not depend on the step: fragment j's θ_s, o_i and e_i change only at its own end and receive."""
         late, self._agreeing = self._agreeing, None
-        verdict = late.verdict(stats)
+        verdict = late.verdict.read(stats)
         if verdict.bad_ranks:
             self._nonfinite(verdict.bad_ranks)
             return
