@@ -68,7 +68,7 @@ def summarize(runs: list[dict], budget: float, target_method: str = REFERENCE) -
                             half=_crossing(ev, half) if half is not None and ok else None,
                             # the step rate over the compute-bound one (local AdamW, no communication, measured in the run)
                             rate=r["compute_s"] * last["step"] / last["t"] if r.get("compute_s") and last["t"] else None,
-                            seed=r.get("seed", 0), per_s=last["step"] / last["t"] if last["t"] else None))
+                            seed=r.get("seed", 0)))
         final, final_std = _mean_std([p["final"] for p in per])
         row = dict(method=name, lr=key[1], seeds=len(rs), final_val=final, final_val_std=final_std,
                    steps=round(sum(p["steps"] for p in per) / len(per)),
@@ -85,7 +85,7 @@ def summarize(runs: list[dict], budget: float, target_method: str = REFERENCE) -
                 t = t_sd = b = b_sd = None
             row.update({f"time_to_{which}": t, f"time_to_{which}_std": t_sd, f"bytes_to_{which}": b,
                         f"bytes_to_{which}_std": b_sd})
-        row["per_seed_per_s"] = {p["seed"]: p["per_s"] for p in per}
+        row["per_seed_step_s"] = {p["seed"]: p["step_s"] for p in per}
         rows.append(row)
     _of_compute_row(rows)
     return dict(target=target, target_half=half, target_method=target_method, rows=rows)
@@ -101,8 +101,8 @@ def _of_compute_row(rows: list[dict]) -> None:
     (``of_compute_row_std``)."""
     ref = next((r for r in rows if r["method"] == COMPUTE_ROW), None)
     for row in rows:
-        ratios = [] if ref is None else [x / ref["per_seed_per_s"][seed] for seed, x in row["per_seed_per_s"].items()
-                                         if x and ref["per_seed_per_s"].get(seed)]
+        ratios = [] if ref is None else [ref["per_seed_step_s"][seed] / x for seed, x in row["per_seed_step_s"].items()
+                                         if x and ref["per_seed_step_s"].get(seed)]
         row["of_compute_row"], row["of_compute_row_std"] = _mean_std(ratios) if ratios else (None, None)
 
 

@@ -77,10 +77,7 @@ class ComputeOnly(Adapter):
         self.opt = torch.optim.AdamW(module.parameters(), lr=lr, betas=BETAS, weight_decay=weight_decay)
 
     def step(self, lr: float) -> bool:
-        set_lr(self.opt, lr)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.steps += 1
+        super().step(lr)  # (the every-step default: set the lr, step, clear the gradients, count)
         return self.steps % self.H == 0
 
 

@@ -183,17 +183,10 @@ class Agreeing:
     """:func:`agree_async`'s all-reduce in flight: :meth:`ready` asks whether it is complete (no wait), :meth:`read`
     waits for it and gives the :class:`Verdict` (read once, then kept), passed through ``finish`` when given."""
 
-    def __init__(self, counts: Optional[Tensor], pending: Optional[comm.Pending], n: int, world_size: int,
+    def __init__(self, counts: Tensor, pending: Optional[comm.Pending], n: int, world_size: int,
                  finish: Optional[Callable[[Verdict], Verdict]] = None):
         self._counts, self._pending, self._n, self._world_size = counts, pending, n, world_size
         self._finish, self._known = finish, None
-
-    @classmethod
-    def known(cls, verdict: Verdict) -> "Agreeing":
-        """A verdict already read (restored from a checkpoint)."""
-        done = cls(None, None, 0, 0)
-        done._known = verdict
-        return done
 
     def ready(self) -> bool:
         """Whether :meth:`read` would return at once (:meth:`lioncub.comm.Pending.ready`: a query of the backend,
