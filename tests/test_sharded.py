@@ -4,7 +4,13 @@ The reference holds the whole model on every rank, each parameter as its FSDP2 r
 per-tensor scale, e.g. error feedback's, is taken over: each rank's local shard): its gradient is the
 sharded run's own (each rank's shard group's mean, gathered whole), and a plain LionCub votes it
 over the replicas' group. Every step, every sharded parameter gathered whole must equal the
-reference bit for bit."""
+reference bit for bit.
+
+That reference is the library's own LionCub / LocalCub: a check of the sharding (local shards, per-shard scales,
+the replicas' group), blind to a fault in the step or vote math both sides share (ties broken the wrong way pass
+it). tests/test_sharded_reference.py checks 2 x 2 runs against hand-written Lion and vote math, and LocalCub's
+scatter mean (``vote='onebit', aggregate='mean'``), which has no whole-model reference here (its owners' spans
+are of each shard's message), against a per-shard float64 one."""
 from __future__ import annotations
 
 import copy
