@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow  # ~15 s: every setup under FakeTensorMode in a subprocess; .ci/run runs it
+pytestmark = pytest.mark.slow  # ~25 s: every setup under FakeTensorMode in a subprocess; .ci/run runs it
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
@@ -28,6 +28,16 @@ SETUPS = ("adamw", "fsdp_adamw", "lioncub_onebit", "lioncub_pbit", "fsdp_lioncub
           "localcub_mean_delay1", "fsdp_localcub_mean", "nodecub")
 SLACK = 4096
 """Bytes allowed beyond a buffer's size for the small scalars an optimizer keeps beside it."""
+WIDE = 512
+"""The width of a second GPT (2 layers, 7.5M parameters: several of a round's chunks of 2^20 elements) on which
+the LocalCub setups run too: there a round must hold a chunk, not the model."""
+LOCAL = ("localcub", "localcub_mean", "localcub_mean_delay1", "fsdp_localcub_mean")
+ROUND_BYTES = {"localcub": 11, "localcub_mean": 17, "localcub_mean_delay1": 20, "fsdp_localcub_mean": 17}
+"""Bytes per element of a round's chunk at the round's peak (``rounds.py``'s ``Rounds.round_chunk``: "Δ, v, the
+message and d of one chunk"), as measured: onebit's Δ (4; v is Δ without error feedback) and the finite check's
+temporaries under the fake mode (7); the lane mean's Δ and v (8), q (4), the lanes (q + s, 4, and their bytes, 1);
+streamed, also the mean of the round in flight (4), less its lanes (1 byte an element, freed there). Nothing of
+the size of the model: one fp32 buffer of the model's size breaks every row's bound."""
 
 _SCRIPT = f"""
 import json, sys
@@ -44,6 +54,9 @@ def broken(model, mesh, cfg):  # a setup the library refuses: its row carries th
 memory.SETUPS["broken"] = (None, broken, "a vote that does not exist")
 rows = json.load(open(out))
 rows.append(memory.measure("tiny", "broken", layers={LAYERS}, d={D}, vocab={VOCAB}, seq={SEQ}))
+for name in {LOCAL!r}:  # the wide GPT: a round of several chunks
+    rows.append(memory.measure("{LAYERS}x{WIDE}", name, layers={LAYERS}, d={WIDE}, vocab={VOCAB}, seq={SEQ},
+                               world={WORLD}, replicas={REPLICAS}, shards={SHARDS}))
 json.dump(rows, open(out, "w"))
 """
 
@@ -54,7 +67,8 @@ def run(tmp_path_factory):
     proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(out)], env=ENV, cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return out, {r["optimizer"]: r for r in json.loads(out.read_text())}
+    wide = f"{LAYERS}x{WIDE}"  # the wide GPT's rows as "name@2x512"
+    return out, {r["optimizer"] + (f"@{wide}" if r["size"] == wide else ""): r for r in json.loads(out.read_text())}
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +169,7 @@ def test_localcub_and_nodecub_state(rows):
         assert row["bytes"]["state"] == per_param * row["local_params"], name
     streamed = rows["localcub_mean_delay1"]  # kept: the round's 8-bit lanes in flight, one byte an element
     assert streamed["local_params"] <= streamed["bytes"]["kept"] <= streamed["local_params"] + SLACK
-    assert rows["fsdp_localcub_mean"]["local_params"] * SHARDS >= rows["localcub_mean"]["local_params"]
+    assert rows["fsdp_localcub_mean"]["local_params"] * SHARDS == rows["localcub_mean"]["local_params"]  # no padding
     node = rows["nodecub"]
     n = node["local_params"]
     assert 4 * n // SHARDS <= node["bytes"]["state"] < 4 * n  # rank 0's share of the momenta: at least 1/S
@@ -169,6 +183,30 @@ def test_the_peak_holds_everything_kept(rows):
         assert math.isclose(rows[name]["per_param"]["peak"], b["peak"] / rows[name]["local_params"], abs_tol=1e-3)
 
 
+def test_a_rounds_transient_is_one_chunk_not_the_model(rows):
+    """LocalCub's step that ends a round, and the round alone, hold at most :data:`ROUND_BYTES` per element of
+    one chunk (a round's chunks: at most ``round_chunk`` elements and a 16th of the model, not below 2^20;
+    the whole model when it is smaller): on the small GPT (one chunk) and on the wide one (several). The
+    headroom under each bound is less than one fp32 buffer of the rank's parameters: a model-size temporary
+    in a round fails here (bench/_fakemem.py's peaks hold ``peak >= after`` by construction: these do not)."""
+    from lioncub import LocalCub
+    from lioncub.chunks import chunk_cap
+
+    for name in LOCAL:
+        for key in (name, f"{name}@{LAYERS}x{WIDE}"):
+            r = rows[key]
+            assert r["error"] is None, r
+            n = r["local_params"]
+            chunk = min(n, chunk_cap(n, LocalCub.round_chunk))
+            bound = ROUND_BYTES[name] * chunk + SLACK
+            assert 0 < r["round_transient"] <= bound, (key, r["round_transient"], bound, r["round_at"])
+            assert r["bytes"]["transient"] <= bound, (key, r["bytes"]["transient"], bound, r["transient_at"])
+            assert bound - r["round_transient"] < 4 * n, key  # (the bound is tight enough to see a model-size buffer)
+        wide = rows[f"{name}@{LAYERS}x{WIDE}"]["local_params"]
+        assert wide > chunk_cap(wide, LocalCub.round_chunk), name  # the wide GPT's round: more than one chunk
+    assert rows[f"localcub@{LAYERS}x{WIDE}"]["local_params"] >= 7 * (1 << 20)  # replicated: 7 chunks and more
+
+
 def test_report_only_rebuilds_the_table(run, tmp_path):
     out, rows = run
     memory, _ = _gpt()
@@ -177,7 +215,8 @@ def test_report_only_rebuilds_the_table(run, tmp_path):
     again = tmp_path / "again.md"
     assert memory.main(["--report-only", "--out", str(out), "--md", str(again)]) == 0
     table = again.read_text()
-    lines = [ln for ln in table.splitlines() if ln.startswith(f"| {LAYERS}x{D} |") or ln.startswith("| tiny |")]
+    sizes = (f"| {LAYERS}x{D} |", f"| {LAYERS}x{WIDE} |", "| tiny |")
+    lines = [ln for ln in table.splitlines() if ln.startswith(sizes)]
     assert len(lines) == len(rows)  # one line per row, the failed one (added after the script wrote) included
     assert {ln for ln in written.splitlines() if ln.startswith(f"| {LAYERS}x{D} |")} <= set(lines)
     assert "error at lioncub/" in table
