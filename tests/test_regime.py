@@ -3,6 +3,7 @@ long rounds, exact at its boundary, and the measurement agreed by real gloo work
 import doctest
 import inspect
 import math
+import time
 
 import pytest
 import torch
@@ -94,16 +95,26 @@ class _Batches:
         self.pos = sd["pos"]
 
 
+NAP = 0.1
+"""Seconds rank 1's every timed step sleeps: its step is the slowest by far (rank 0's own takes a few
+milliseconds: 2-8 ms measured on a loaded 2-core host, a twelfth of the nap or less)."""
+
+
 def _setting_from_link(rank, world):
     from lioncub.harness.models.gpt import GPT, GPTConfig
-    from lioncub.harness.regime import setting_from_link
+    from lioncub.harness.regime import _gpt_loss, setting_from_link
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, vocab_size=64, block_size=16))
     before = [p.detach().clone() for p in model.parameters()]
     loader = _Batches(rank)
     loader.next_batch()
-    pick = setting_from_link(model, loader)
+
+    def loss(m, x, y):  # rank 1 made slower on purpose: every rank must price the step by its time
+        if rank == 1:
+            time.sleep(NAP)
+        return _gpt_loss(m, x, y)
+    pick = setting_from_link(model, loader, loss=loss)
     untouched = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     no_grads = all(p.grad is None for p in model.parameters())
     return pick.as_dict(), loader.pos, untouched, no_grads, sum(p.numel() for p in model.parameters())
@@ -115,7 +126,8 @@ def test_every_rank_picks_the_same_setting_from_the_slowest_ranks_numbers():
     assert picks[0] == picks[1]  # the step and the link are the slowest rank's: one setting
     assert all(o[1] == 1 and o[2] and o[3] for o in out)  # loader position, parameters and gradients as they were
     p = picks[0]
-    assert p["step_s"] > 0 and p["beta"] >= 0
+    assert p["step_s"] >= NAP, p  # rank 1's step (the slowest), on rank 0 too: rank 0's own is milliseconds
+    assert p["beta"] >= 0
     again = pick_setting(out[0][4], 2, p["alpha"], p["beta"], p["step_s"])
     assert again.as_dict() == p  # the pick is the pure function of the agreed numbers
 
