@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import copy
 import time
+from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _get_default_store
 
 from lioncub import LocalCub, comm
 from lioncub.chunks import Piece, plan_chunks, plan_fragments
 from lioncub.votes.rounds import ScatterMean
 from lioncub.votes.scatter import owner_span
 from tests.dist import run_workers
-from tests.test_streaming import _flat, _grads, _params, _resume, _sgd
+from tests.test_streaming import _flat, _grads, _params, _resume, _sgd, in_flight
 
 LR = 2 ** -6  # SHAPES: 35, 13 and 27 elements, so that with F = 3 each tensor is one fragment
 
@@ -86,13 +88,13 @@ def _fragments_by_hand(rank, world, H, F, steps, alpha=1.0, eager=False):
 
 @pytest.mark.parametrize("H, F, alpha, eager", [(6, 3, 1.0, False), (3, 3, 1.0, False), (6, 3, 0.5, True)])
 def test_each_fragment_is_received_h_over_f_steps_after_its_launch_and_carries_its_progress(H, F, alpha, eager):
-    for checks, rounds, in_flight in run_workers(_fragments_by_hand, 2, H, F, 4 * H, alpha, eager):
+    for checks, rounds, flying in run_workers(_fragments_by_hand, 2, H, F, 4 * H, alpha, eager):
         for t, (theta, start, origin, same) in enumerate(checks, 1):
             assert theta, f"step {t}: θ_i is not the schedule by hand"
             assert start, f"step {t}: θ_s is not the schedule by hand"
             assert origin, f"step {t}: o_i is not where the fragment's launch put it"
             assert same, f"step {t}: θ_s differs between ranks"
-        assert rounds == 3 and in_flight == F - 1  # the last fragment's round 4 is in flight
+        assert rounds == 3 and flying == F - 1  # the last fragment's round 4 is in flight
 
 
 # ------------------------------------------------------------------ a two-stage exchange kept in flight
@@ -149,7 +151,9 @@ CONFIGS = [
 
 
 def test_the_scatter_mean_streams_in_fragments_keeps_replicas_agreed_and_resumes_mid_flight_bit_exact():
-    # steps 6, 7: a fragment in flight (its all-gather maybe not launched yet); 11: a round's end
+    # H = 6: with F = 3 fragments end at steps 5, 7, 9, 11 (0-based); step 6: fragment 2's verdict or exchange in
+    # flight; 7 and 11: a fragment's end, its verdict in flight (read at a later step). Without fragments: round
+    # 0's exchange in flight at steps 6 and 7 (read between steps or not); 11: round 1's end, just launched
     for res in run_workers(_resume, 3, CONFIGS, 6, 20, (6, 7, 11)):
         for cfg, resumed, rounds, identical, owners in res:
             assert identical, f"θ_s differs between ranks: {cfg}"
@@ -157,6 +161,11 @@ def test_the_scatter_mean_streams_in_fragments_keeps_replicas_agreed_and_resumes
             assert owners == (cfg["vote"] == "onebit"), cfg
             for at, (_, same) in resumed.items():
                 assert same, f"resumed from step {at} differs for {cfg}"
+            flying = {at: kind for at, (kind, _) in resumed.items()}  # each save was taken mid-flight
+            if cfg.get("fragments", 1) > 1:
+                assert flying[7] == flying[11] == "verdict" and flying[6] is not None, (cfg, flying)
+            else:
+                assert flying[11] == "exchange" and {flying[6], flying[7]} <= {"exchange", "agreed"}, (cfg, flying)
 
 
 # ------------------------------------------------------------------ two replica groups
@@ -232,48 +241,76 @@ def test_lioncub_train_streams_fragments_and_resumes_mid_flight_bit_for_bit(tmp_
 
 
 # ------------------------------------------------------------------ the fragment's verdict, read when it is in
-def _slow_rank(rank, world, nap):
-    """Rank 1 arrives ``nap`` seconds late at step 6 (fragment 0's end, H = 4, F = 2: the next end is step 8); each
-    rank's seconds in ``step()`` at steps 6, 7 and 8. (Steps here take microseconds: each rank waits for fragment
-    1's verdict after step 4, so that step 5 launches its exchange, as a step of a real model's compute would.)"""
+HELD_S = 30.0
+"""Seconds a rank held back (or waiting for a verdict) waits before the test fails: what it waits for comes in
+milliseconds unless the optimizer makes a rank wait for the held one (then never)."""
+NAP = 0.5
+"""Seconds the late rank sleeps between rank 0 starting a step that must wait for it and its own step: a step that
+did not wait returns in milliseconds, a hundredth of this or less."""
+
+
+def _await(key: str, what: str) -> None:
+    """Until ``key`` is set in the group's store by another rank; fails naming ``what`` after :data:`HELD_S`."""
+    try:
+        _get_default_store().wait([key], timedelta(seconds=HELD_S))
+    except Exception:  # (the store's timeout: DistStoreError)
+        raise AssertionError(f"rank {dist.get_rank()} waited {HELD_S:g} s for {what}") from None
+
+
+def _slow_rank(rank, world):
+    """H = 4, F = 2: fragment 0's round ends at step 6, fragment 1's at step 8. Rank 1 is held before its step 6
+    until rank 0 has taken steps 6 and 7 and begins step 8: a rank 0 that waited for rank 1 at the fragment's end
+    or at the next step would never get there (rank 1's wait fails). Then rank 1 sleeps :data:`NAP`, marks that it
+    sends, and steps; returns (rank 0: whether that mark was set when its step 8 returned, rounds). (Steps here take
+    microseconds: each rank waits for fragment 1's verdict after step 4, so that step 5 launches its exchange, as a
+    step of a real model's compute would.)"""
     params = _params()
     opt = LocalCub(params, lr=LR, local_steps=4, inner=_sgd, vote="grad", outer="sgd", delay=1, fragments=2)
-    took = {}
+    store, sent_first = _get_default_store(), None
     for t in range(1, 11):
         for p, g in zip(params, _grads(params, rank, t)):
             p.grad = g
         if rank == 1 and t == 6:
-            time.sleep(nap)
-        t0 = time.monotonic()
+            _await("rank 0 at step 8", "rank 0 to get through steps 6 and 7: it waited for the late rank there")
+            time.sleep(NAP)
+            store.set("rank 1 sends", "1")
+        if rank == 0 and t == 8:
+            store.set("rank 0 at step 8", "1")
         opt.step()
-        took[t] = time.monotonic() - t0
+        if rank == 0 and t == 8:
+            sent_first = store.check(["rank 1 sends"])
         if t == 4:  # fragment 1's verdict in before step 5, as a step of real compute gives it time to be
             _verdict_in(opt)
     opt.flush()
-    return took[6], took[7], took[8], opt.rounds
+    return sent_first, opt.rounds
 
 
 def test_a_late_rank_holds_the_others_only_at_the_next_fragments_end():
-    (end0, next0, due0, rounds0), (*_, rounds1) = run_workers(_slow_rank, 2, 3.0)
-    assert end0 < 1.5, f"rank 0 waited {end0:.2f} s for the late rank at the fragment's end"
-    assert next0 < 1.5, f"rank 0 waited {next0:.2f} s at the next step: the verdict is read only once it is in"
-    assert due0 > 1.5, f"rank 0 went on after {due0:.2f} s at the next end: it cannot receive before rank 1 sends"
+    (sent_first, rounds0), (_, rounds1) = run_workers(_slow_rank, 2)
+    assert sent_first, "rank 0 went on at the next fragment's end before rank 1 sent: it cannot have received"
     assert rounds0 == rounds1 == 2
 
 
-def _verdict_in(opt, timeout: float = 30.0) -> None:
-    """Until the fragment's verdict in flight is complete on this rank (its read then falls in the next step)."""
+def _verdict_in(opt, timeout: float = HELD_S) -> None:
+    """Until the fragment's verdict in flight is complete on this rank (its read then falls in the next step);
+    fails after ``timeout`` seconds (it takes milliseconds)."""
+    assert opt._agreeing is not None, f"rank {dist.get_rank()}: no fragment's verdict in flight to wait for"
     deadline = time.monotonic() + timeout
-    while not opt._agreeing.verdict.ready() and time.monotonic() < deadline:
+    while not opt._agreeing.verdict.ready():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"rank {dist.get_rank()}: the fragment's verdict was not in after {timeout:g} s")
         time.sleep(0.001)
 
 
-def _checkpoint_between(rank, world, nap):
-    """H = 4, F = 2, 12 steps; rank 0 arrives ``nap`` s late at step 6 (fragment 0's end) and waits until the
-    verdict is in, so that its step 7 launches the exchange, where rank 1's step 7 (taken during the nap) did not
-    (after step 4 both wait for fragment 1's verdict, so that rank 1's step 6 does not wait for rank 0).
-    Both save after step 7, then a world all-gather; (whether this rank's exchange was launched when it saved, the
-    uninterrupted run's parameters, those of the run resumed from that checkpoint)."""
+def _checkpoint_between(rank, world):
+    """H = 4, F = 2, 12 steps; rank 0 is held before its step 6 (fragment 0's end) until rank 1 has taken step 7,
+    then waits until the verdict is in, so that its step 7 launches the exchange, where rank 1's step 7 (taken
+    before rank 0 sent its verdict) cannot have (after step 4 both wait for fragment 1's verdict, so that rank 1's
+    steps 6 and 7 do not wait for rank 0). Both save after step 7, then a world all-gather; (what was in flight on
+    this rank when it saved: tests.test_streaming.in_flight, the uninterrupted run's parameters, those of the run
+    resumed from that checkpoint)."""
+    store = _get_default_store()
+
     def build():
         params = _params()
         return params, LocalCub(params, lr=LR, local_steps=4, inner=_sgd, vote="grad", outer="sgd", delay=1,
@@ -284,14 +321,16 @@ def _checkpoint_between(rank, world, nap):
             for p, g in zip(params, _grads(params, rank, t)):
                 p.grad = g
             if rank == 0 and t == 6:
-                time.sleep(nap)
+                _await("rank 1 took step 7", "rank 1 to take steps 6 and 7: it waited for rank 0 there")
             opt.step()
+            if rank == 1 and t == 7:
+                store.set("rank 1 took step 7", "1")
             if t == 4 or (rank == 0 and t == 6):
                 _verdict_in(opt)
 
     params, opt = build()
     steps(params, opt, 1, 7)
-    launched = opt._agreeing is None
+    flying = in_flight(opt)
     saved = copy.deepcopy(opt.state_dict())  # (state_dict holds the optimizer's own tensors)
     dist.all_gather([torch.zeros(1) for _ in range(world)], torch.ones(1))  # a caller's collective after the save
     steps(params, opt, 8, 12)
@@ -300,13 +339,13 @@ def _checkpoint_between(rank, world, nap):
     opt2.load_state_dict(saved)
     steps(params2, opt2, 8, 12)
     opt2.flush()
-    return launched, _flat(params), _flat(params2)
+    return flying, _flat(params), _flat(params2)
 
 
 def test_a_checkpoint_while_one_rank_has_launched_a_fragments_exchange_and_another_not():
-    (launched0, full0, resumed0), (launched1, full1, resumed1) = run_workers(_checkpoint_between, 2, 1.0,
-                                                                              timeout_s=30.0)
-    assert launched0 and not launched1  # the case: rank 0 in its exchange, rank 1 still before it
+    (flying0, full0, resumed0), (flying1, full1, resumed1) = run_workers(_checkpoint_between, 2, timeout_s=60.0)
+    # the case: rank 0 in its exchange, rank 1 still before it (its verdict in flight)
+    assert flying0 in ("exchange", "agreed") and flying1 == "verdict", (flying0, flying1)
     assert torch.equal(full0, resumed0) and torch.equal(full1, resumed1)
 
 

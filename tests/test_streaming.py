@@ -21,6 +21,8 @@ AGGREGATIONS = {  # each way a round agrees that delay=1 streams
     "vote": dict(vote="sign_allreduce", error_feedback=True),
     "pbit-vote": dict(vote="pbit", bits=8, quantizer="l1", error_feedback=True),
     "mean": dict(vote="pbit", bits=8, quantizer="l1", aggregate="mean", error_feedback=True),
+    # the scatter mean at 4 bits (the long rounds' code: lioncub.optim.regime.SETTINGS), both residuals by hand
+    "scatter": dict(vote="onebit", aggregate="mean", bits=4, error_feedback=True),
 }
 
 
@@ -61,9 +63,61 @@ def _lane_mean_by_hand(v: torch.Tensor, sizes: list[int], world: int, bits: int 
             torch.cat([piece * u for piece, u in zip(q.split(sizes), units)]))
 
 
+def _scatter_levels(v: torch.Tensor, sizes: list[int], world: int, bits: int) -> tuple[list[float], torch.Tensor]:
+    """The scatter mean's first half (lioncub.votes.rounds.ScatterMean's docstring, b >= 4 bits): s = 2^(b−1) − 1
+    levels a side, per tensor t the ranks' mean of mean|v_i| M_t (summed by one float64 all-reduce, as the
+    round's head carries it), unit_t = M_t·min(s, 4)/s, q_i = clamp(round(v_i / unit_t), −s, s). Returns
+    (the units, q_i); C(v_i) = unit_t·q_i."""
+    assert bits >= 4  # (the 1- and 2-bit codes, sign and half levels, are tests/test_round_scatter.py's)
+    s = 2 ** (bits - 1) - 1
+    norms = torch.stack([piece.abs().mean() for piece in v.split(sizes)]).double()
+    dist.all_reduce(norms)
+    units = [float(m) / world * (min(s, 4) / s) for m in norms]
+    q = torch.cat([torch.round(piece * (1.0 / u)).clamp(-s, s) if u > 0 else torch.zeros_like(piece)
+                   for piece, u in zip(v.split(sizes), units)])
+    return units, q
+
+
+def _scatter_mean_by_hand(v: torch.Tensor, sizes: list[int], world: int, bits: int,
+                          owner: torch.Tensor) -> torch.Tensor:
+    """The scatter mean's d from the ranks' v (collective), written from ScatterMean's docstring with gathers in
+    place of its codes: rank j owns the j-th span of E = ⌈⌈n/P⌉ / (8/b)⌉·(8/b) elements; there a = unit_t·Σ_i q_i
+    / P, x = a + r (``owner``: this rank's r, updated in place to x − unit'_t·w), unit'_t = mean|x| over tensor t's
+    part of the span·min(s, 4)/s, w = clamp(round(x / unit'_t), −s, s), d = unit'_t·w on every rank."""
+    s = 2 ** (bits - 1) - 1
+    units, q = _scatter_levels(v, sizes, world, bits)
+    everyone = [torch.empty_like(q) for _ in range(world)]
+    dist.all_gather(everyone, q)
+    total = torch.stack(everyone).sum(0)  # sums of levels: exact in any order
+    n, per = v.numel(), 8 // bits
+    E = -(-(-(-n // world)) // per) * per
+    lo, hi = dist.get_rank() * E, min(n, (dist.get_rank() + 1) * E)
+    mine = torch.zeros(E)
+    x = owner[:E].clone()
+    start = 0
+    for size, unit in zip(sizes, units):  # each tensor's part of this rank's span
+        a, b = max(start, lo), min(start + size, hi)
+        start += size
+        if a >= b:
+            continue
+        part = total[a:b] * (unit / world) + x[a - lo:b - lo]
+        unit2 = part.abs().mean() * (min(s, 4) / s)
+        w = (part / unit2.clamp_min(torch.finfo(torch.float32).tiny)).round().clamp(-s, s)
+        mine[a - lo:b - lo] = w * unit2
+        x[a - lo:b - lo] = part - w * unit2
+    owner[:E] = x
+    spans = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(spans, mine)
+    return torch.cat(spans)[:n]
+
+
 def _sent_by_hand(cfg: dict, v: torch.Tensor, sizes: list[int], world: int):
-    """C(v_i), what this rank's v contributes (collective for the mean), where the test writes it by hand:
-    the lane mean's unit_t·q_i, sign_allreduce's mean|v_t|·sign(v_t) per tensor; None otherwise."""
+    """C(v_i), what this rank's v contributes (collective for the means), where the test writes it by hand:
+    the lane mean's and the scatter mean's unit_t·q_i, sign_allreduce's mean|v_t|·sign(v_t) per tensor; None
+    otherwise."""
+    if cfg.get("aggregate") == "mean" and cfg["vote"] == "onebit":
+        units, q = _scatter_levels(v, sizes, world, cfg["bits"])
+        return torch.cat([piece * u for piece, u in zip(q.split(sizes), units)])
     if cfg.get("aggregate") == "mean":
         return _lane_mean_by_hand(v, sizes, world, cfg["bits"])[1]
     if cfg["vote"] == "sign_allreduce":
@@ -71,13 +125,17 @@ def _sent_by_hand(cfg: dict, v: torch.Tensor, sizes: list[int], world: int):
     return None
 
 
-def _agreed_d(cfg: dict, v: torch.Tensor, sizes: list[int], rounds: int, world: int) -> tuple[torch.Tensor, bool]:
-    """The round's d from the ranks' v (collective): the fp32 mean, the lane mean by hand, or the
-    exact reference vote (lioncub.majority_vote, checked against hand votes in tests/test_vote.py)."""
+def _agreed_d(cfg: dict, v: torch.Tensor, sizes: list[int], rounds: int, world: int,
+              owner: torch.Tensor = None) -> tuple[torch.Tensor, bool]:
+    """The round's d from the ranks' v (collective): the fp32 mean, the lane mean or the scatter mean by hand
+    (``owner``: the latter's owner residual, updated), or the exact reference vote (lioncub.majority_vote,
+    checked against hand votes in tests/test_vote.py)."""
     if cfg["vote"] == "grad":
         total = v.clone()
         dist.all_reduce(total)
         return total / world, False
+    if cfg.get("aggregate") == "mean" and cfg["vote"] == "onebit":
+        return _scatter_mean_by_hand(v, sizes, world, cfg["bits"], owner), False
     if cfg.get("aggregate") == "mean":
         return _lane_mean_by_hand(v, sizes, world, cfg["bits"])[0], False
     return majority_vote(v.clone(), method=cfg["vote"], bits=cfg.get("bits"), quantizer=cfg.get("quantizer"),
@@ -107,8 +165,9 @@ def _rounds_by_hand(rank, world, delay: int, outer: str, names, nan_step: int = 
     """Per aggregation of ``names``, at each round's end: (θ_s equals the outer rule by hand applied to
     the agreed d of this round's v (delay=0) or of the previous round's (delay=1); θ_i equals θ_s
     (delay=0), θ_s − Δ_i (delay=1, rebased) or, after a skipped round, θ_s; θ_s identical on every
-    rank; the residual e_i equals v_i − C(v_i) by hand (the mean, sign_allreduce) or, after a skipped
-    round, the one before it (None: not checked); max |d − float64 mean Δ| for 'grad'). ``nan_step``:
+    rank; the residual e_i equals v_i − C(v_i) by hand (the means, sign_allreduce) or, after a skipped
+    round, the one before it, and the scatter mean's owner residual its r by hand (None: not checked); max
+    |d − float64 mean Δ| for 'grad'). ``nan_step``:
     rank 1's gradient is NaN there, which skips that inner step on rank 1 and the round on every rank
     (nonfinite='skip_round'). ``eager``: θ_i is the outer rule's step from θ_s by Δ_i instead of θ_s − Δ_i,
     on a copy of the rule's momentum."""
@@ -120,6 +179,7 @@ def _rounds_by_hand(rank, world, delay: int, outer: str, names, nan_step: int = 
         opt = LocalCub(params, lr=LR, local_steps=H, inner=_sgd, outer=outer, delay=delay, nonfinite="skip_round",
                        eager=eager, **OUTER[outer], **cfg)
         m = torch.zeros(sum(sizes))  # the outer rule's momentum, by hand
+        owner = torch.zeros(sum(sizes))  # the scatter mean's owner residual, by hand (its span: the first E)
         flight, checks = None, []  # flight: (v, Δ, rounds) of the round in flight (delay=1)
         began = _flat(params)  # where this worker's round began
         for step in range(4 * H):
@@ -143,7 +203,7 @@ def _rounds_by_hand(rank, world, delay: int, outer: str, names, nan_step: int = 
             new_start = _flat(opt.state[p]["start"] for p in params)
             applied = v if delay == 0 else (flight[0] if flight is not None else None)
             if applied is not None and not (delay == 0 and skipped):
-                d, signed = _agreed_d(cfg, applied, sizes, opt.rounds - 1, world)
+                d, signed = _agreed_d(cfg, applied, sizes, opt.rounds - 1, world, owner)
                 expected = _outer_by_hand(outer, start, d, signed, m)
             else:
                 d, expected = None, start
@@ -157,6 +217,9 @@ def _rounds_by_hand(rank, world, delay: int, outer: str, names, nan_step: int = 
             sent = None if e is None or skipped else _sent_by_hand(cfg, v, sizes, world)
             want_e = e if skipped else None if sent is None else v - sent
             kept = None if want_e is None else torch.equal(_flat(opt.state[p]["residual"] for p in params), want_e)
+            if name == "scatter":  # the owner's residual r of its span: every round applied so far, by hand
+                r = opt.owner_residuals[0]
+                kept = kept is not False and torch.equal(r, owner[:r.numel()])
             err64 = None
             if name == "grad" and d is not None:
                 mine = (v if delay == 0 else flight[1]).double()
@@ -182,7 +245,7 @@ def _check(res, rounds: int, skipped: int = 0) -> None:
             assert placed, f"{name}, round {k}: θ_i is not where the rule puts it"
             assert identical, f"{name}, round {k}: θ_s differs between ranks"
             # the residual by hand: every round of the mean and sign_allreduce, a skipped round of any
-            assert kept if name in ("mean", "vote") else kept is not False, \
+            assert kept if name in ("mean", "vote", "scatter") else kept is not False, \
                 f"{name}, round {k}: the residual is not v − C(v) by hand (or not kept on a skip)"
             if err64 is not None:  # fp32 mean of 3 ranks' Δ (|Δ| ~ 2·2^-6) against float64: a few ulps
                 assert err64 < 1e-6, err64
@@ -200,7 +263,7 @@ def test_delay_zero_applies_each_rounds_own_agreement_by_hand():
 
 @pytest.mark.parametrize("delay", [0, 1])
 def test_nesterov_and_lion_outer_rules_by_hand_under_each_delay(delay):
-    for outer, names in (("nesterov", ["grad", "mean"]), ("lion", ["mean", "vote"])):
+    for outer, names in (("nesterov", ["grad", "mean", "scatter"]), ("lion", ["mean", "vote"])):
         for res in run_workers(_rounds_by_hand, 3, delay, outer, names):
             _check(res, rounds=4 - delay)
 
@@ -209,9 +272,9 @@ def test_nesterov_and_lion_outer_rules_by_hand_under_each_delay(delay):
 def test_eager_stand_ins_put_the_rules_step_by_the_own_delta_in_flight_by_hand(outer):
     """``eager=True``: at each round's end θ_i ← outer(θ_s, Δ_i) on a copy of the rule's state; θ_s and the
     rule's momentum follow the agreed d exactly as without it (a skipped round too)."""
-    for res in run_workers(_rounds_by_hand, 3, 1, outer, ["grad", "mean"], -1, True):
+    for res in run_workers(_rounds_by_hand, 3, 1, outer, ["grad", "mean", "scatter"], -1, True):
         _check(res, rounds=3)
-    for res in run_workers(_rounds_by_hand, 3, 1, outer, ["mean"], 2, True):
+    for res in run_workers(_rounds_by_hand, 3, 1, outer, ["mean", "scatter"], 2, True):
         _check(res, rounds=2, skipped=1)
 
 
@@ -220,7 +283,7 @@ def test_a_nonfinite_round_is_skipped_on_every_rank_by_hand(delay):
     """Rank 1's NaN at the first inner step of round 1: that inner step is skipped on rank 1, the round on
     every rank (θ_i ← θ_s; with delay=1 the agreement in flight is applied first and nothing is launched,
     so round 2 applies nothing and round 3 applies round 2's)."""
-    for res in run_workers(_rounds_by_hand, 3, delay, "sgd", ["grad", "mean"], 2):
+    for res in run_workers(_rounds_by_hand, 3, delay, "sgd", ["grad", "mean", "scatter"], 2):
         _check(res, rounds=3 if delay == 0 else 2, skipped=1)
 
 
@@ -270,10 +333,23 @@ RESUME_CONFIGS = [
 ]
 
 
+def in_flight(opt) -> str | None:
+    """What of a streaming round ``opt`` holds unapplied: ``'verdict'`` (a fragment's finite check and head in
+    flight, its exchange not launched yet), ``'exchange'`` (an exchange launched, a collective of it not yet read),
+    ``'agreed'`` (the exchange read between steps, its outer step not yet taken: :meth:`Agreement.advance`), or
+    None (nothing)."""
+    if opt._agreeing is not None:
+        return "verdict"
+    if opt._pending is None:
+        return None
+    return "exchange" if any(a.d is None for a in opt._pending) else "agreed"
+
+
 def _resume(rank, world, configs=RESUME_CONFIGS, H: int = 3, steps: int = 11, saves=(4, 5)):
     """Per configuration: a run of ``steps`` streaming steps (H = ``H``) saved after each step of ``saves``, each
-    checkpoint resumed to the end; (cfg, {step: (an agreement in flight when saved, the resumed run's parameters
-    equal the uninterrupted run's)}, rounds, θ_s identical on every rank after every step, owner residuals kept)."""
+    checkpoint resumed to the end; (cfg, {step: (what was in flight when saved: :func:`in_flight`, the resumed
+    run's parameters equal the uninterrupted run's)}, rounds, θ_s identical on every rank after every step, owner
+    residuals kept)."""
     out = []
     for cfg in configs:
         params = _params(seed=rank)  # different starts: the broadcast aligns them
@@ -288,13 +364,12 @@ def _resume(rank, world, configs=RESUME_CONFIGS, H: int = 3, steps: int = 11, sa
             dist.all_gather(everyone, starts)
             identical &= all(torch.equal(x, everyone[0]) for x in everyone)
             if step in saves:
-                # (an exchange whose collective completed may already have been read between steps: Agreement.advance)
-                in_flight = opt._pending is not None and any(a.d is None for a in opt._pending)
-                saved[step] = (copy.deepcopy(opt.state_dict()), in_flight)
+                flying = in_flight(opt)  # (before state_dict, which reads a verdict and waits for the exchange)
+                saved[step] = (copy.deepcopy(opt.state_dict()), flying)
         opt.flush()
         final = [p.detach().clone() for p in params]
         resumed = {}
-        for at, (sd, in_flight) in saved.items():
+        for at, (sd, flying) in saved.items():
             params2 = _params(seed=rank)
             opt2 = LocalCub(params2, lr=1e-2, weight_decay=0.1, local_steps=H, check_every=1, delay=1, **cfg)
             opt2.load_state_dict(sd)
@@ -303,7 +378,7 @@ def _resume(rank, world, configs=RESUME_CONFIGS, H: int = 3, steps: int = 11, sa
                     p.grad = g
                 opt2.step()
             opt2.flush()
-            resumed[at] = (in_flight, all(torch.equal(a, b) for a, b in zip(final, params2)))
+            resumed[at] = (flying, all(torch.equal(a, b) for a, b in zip(final, params2)))
         out.append((cfg, resumed, opt.rounds, identical, bool(opt.owner_residuals)))
     return out
 
@@ -314,9 +389,12 @@ def test_resume_mid_round_and_mid_flight_is_bit_exact():
     for res in run_workers(_resume, 3):
         for cfg, resumed, rounds, identical, _ in res:
             assert rounds == 3 and identical, cfg  # 3 round ends, each applied (the last by flush)
-            for at, (in_flight, same) in resumed.items():
+            for at, (_, same) in resumed.items():
                 assert same, f"resumed from step {at} differs for {cfg}"
-            assert resumed[5][0], "the checkpoint at a round's end was not taken with its agreement in flight"
+            # step 5: the round's exchange just launched (read only from the next step on); step 4: round 1's
+            # exchange launched at step 2, read or not by now, its outer step not yet taken
+            assert resumed[5][0] == "exchange", f"the save at a round's end had no exchange in flight: {resumed[5]}"
+            assert resumed[4][0] in ("exchange", "agreed"), f"the save mid-round had no round in flight: {resumed[4]}"
 
 
 def _flush_syncs(rank, world):
