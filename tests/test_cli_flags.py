@@ -54,6 +54,9 @@ RUNS = {
     "outer_sgd": ["--local-steps", "2", "--vote", "grad", "--outer", "sgd"],
     "outer_lion": ["--local-steps", "2", "--vote", "grad", "--outer", "lion"],
     "local_auto": ["--local-steps", "2", "--vote", "auto"],  # auto without alpha/beta: calibrates
+    # streamed rounds, with and without the eager stand-in (outer Nesterov: its step by Δ_i is not the rebase)
+    "stream": ["--local-steps", "2", "--vote", "grad", "--delay", "1", "--ckpt-every", "4"],
+    "eager": ["--local-steps", "2", "--vote", "grad", "--delay", "1", "--eager", "--ckpt-every", "4"],
     # H from the link (measured) and the first round's 10 timed steps; the scatter mean at 2 bits
     "steps_auto": ["--local-steps", "auto", "--vote", "onebit", "--aggregate", "mean", "--bits", "2",
                    "--error-feedback", "--steps", "16"],
@@ -230,6 +233,59 @@ def test_local_steps_auto_and_the_scatter_mean_through_the_cli(runs):
     rounds = [r["step"] for r in steps if r["bytes_sent"] > 0]  # the exchanges: round ends only
     assert rounds[0] == 10 and rounds == list(range(10, rounds[-1] + 1, H)) and steps[-1]["step"] >= 16
     assert steps[-1]["step"] == rounds[-1]  # the run stops at a round's end
+
+
+def test_eager_reaches_localcub_and_moves_each_replica_while_its_round_flies(runs):
+    """--eager: the LocalCub the run steps has eager=True (its own settings, saved in the checkpoint), and at the
+    first round's end each replica takes the outer rule's step by its own Δ_i where the plain streamed run keeps
+    θ_i (nothing in flight yet): the first two losses alike, the third not."""
+    import torch
+
+    d, _ = runs
+    assert summary(d, "stream")["label"] == "lion-grad-fp32-h2-streaming"
+    assert summary(d, "eager")["label"] == "lion-grad-fp32-h2-streaming-eager"
+    stream, eager = losses(d, "stream"), losses(d, "eager")
+    assert eager[:2] == stream[:2] and eager[2] != stream[2], (stream, eager)
+    for name, want in (("stream", None), ("eager", True)):
+        for rank in range(WORLD):
+            saved = torch.load(d / name / "ckpt" / "step_0000004" / f"rank{rank}.pt", weights_only=False)["optimizer"]
+            envelope = saved["local"]  # LocalCub.state_key: its kind and settings (fingerprint)
+            assert envelope["kind"] == "LocalCub" and envelope["config"]["delay"] == 1, envelope["config"]
+            assert envelope["config"].get("eager") is want, (name, envelope["config"])
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--vote", "grad", "--eager"], "eager=True apply to local_steps > 1 only"),
+    (["--local-steps", "2", "--vote", "grad", "--eager"],
+     "eager=True stands in for an agreement in flight: it needs delay=1"),
+    (["--local-steps", "2", "--vote", "sign_allreduce", "--error-feedback", "--delay", "1", "--eager"],
+     "eager=True stands in this worker's own Δ for the agreed mean: it needs a mean"),
+])
+def test_eager_where_it_cannot_apply_is_one_line_before_any_worker_starts(tmp_path, capsys, extra, message):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", *TINY, "--out", str(tmp_path / "run"), *extra])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err[-2000:]
+    assert not (tmp_path / "run").exists()  # refused before the run's directory (and any worker)
+
+
+def test_eager_race_rows_build_an_eager_localcub():
+    """bench/race.py's ``-eager`` rows (lioncub.baselines): the name reaches LocalCub(eager=True); ``-eager``
+    without a mean, or without ``-stream``, is refused."""
+    import torch
+
+    from lioncub import baselines
+
+    model = torch.nn.Linear(4, 4)
+    for name, eager in (("lcub-smean4-h4-nest0.7-ef-adamw-stream-f2-eager", True),
+                        ("lcub-grad-h2-nest0.7-stream-eager", True), ("lcub-grad-h2-nest0.7-stream", False)):
+        opt = baselines.build(name, model, lr=1e-3).opt
+        assert opt.eager is eager and opt.delay == 1, name
+    with pytest.raises(ValueError, match="eager=True stands in this worker's own Δ for the agreed mean"):
+        baselines.build("lcub-pbit4-h2-nest0.7-ef-stream-eager", model, lr=1e-3)  # a sign vote
+    with pytest.raises(ValueError, match="method must be one of"):
+        baselines.build("lcub-grad-h2-nest0.7-eager", model, lr=1e-3)  # -eager only after -stream
 
 
 def test_checkpoint_records_every_flag(runs):

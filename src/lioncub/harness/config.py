@@ -337,6 +337,15 @@ def _check_local_steps(config: TrainConfig) -> None:
     check_round_aggregate(config.aggregate, METHODS.get(config.vote), config.vote, config.quantizer,
                           error_feedback=config.error_feedback)
     round_bits(config.vote, config.aggregate, config.quantizer, config.bits)
+    if config.eager:  # (LocalCub refuses these too, but in every worker: here before any starts, in one line)
+        from ..votes.rounds import round_class
+
+        if config.delay != 1:
+            raise ValueError("eager=True stands in for an agreement in flight: it needs delay=1")
+        if config.vote != "auto" and round_class(config.vote, config.aggregate, config.quantizer).signed:
+            raise ValueError(f"eager=True stands in this worker's own Δ for the agreed mean: it needs a mean "
+                             f"(vote='grad' or aggregate='mean'), got vote={config.vote!r}, "
+                             f"aggregate={config.aggregate!r}")
     for name, default in (("momentum_sync", "none"), ("overlap", False), ("grad_dtype", "fp32")):
         if getattr(config, name) != default:
             raise ValueError(f"{name}={getattr(config, name)!r} is not supported with local_steps > 1")
