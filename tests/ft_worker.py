@@ -7,8 +7,16 @@ step t depends on (r, t) only), and appends a JSON line per committed round to `
 the round, the participants and contributors, and the parameters' float64 sum and a hash of
 their bytes. ``--fault REPLICA:ROUND:POINT[:ACTION]`` (repeatable): a failure at a chosen point of a
 round (lioncub.ft.faults; only this replica's apply). ``--nan-at REPLICA:K``: that replica's gradient
-is NaN at its inner step K (once). A QuorumError ends the process with exit code 3 and its message on
-stderr.
+is NaN at its inner step K (once).
+
+A plain run resumed from a torchft replica's state (the survivors' reference after a failure):
+``--save-at K:PATH`` (ft) saves the model and optimizer after the commit of round K (``{replica}`` in
+PATH: the replica's index); ``--load PATH --from-ft`` (plain) resumes that state with LocalCub on the
+plain group (θ_s, the outer, inner and error-feedback state as saved; only the envelope's kind, rank and
+world are rewritten), or with ``--vote every-...`` with LionCub (the parameters, each inner Lion momentum as
+LionCub's, the step count); ``--group 0,2`` (plain): the group is those replicas, each on its own batches.
+
+A QuorumError ends the process with exit code 3 and its message on stderr.
 """
 from __future__ import annotations
 
@@ -39,6 +47,7 @@ def main() -> None:
     ap.add_argument("--mode", choices=("ft", "plain"), required=True)
     ap.add_argument("--replica", type=int, required=True)
     ap.add_argument("--world", type=int, default=3)
+    ap.add_argument("--group", default="", help="plain: the replicas of the group, e.g. 0,2 (default: 0..world-1)")
     ap.add_argument("--lighthouse", default="")
     ap.add_argument("--master-port", type=int, default=0)
     ap.add_argument("--steps", type=int, default=24)
@@ -52,6 +61,8 @@ def main() -> None:
     ap.add_argument("--max-attempts", type=int, default=20)
     ap.add_argument("--save", default="", help="torch.save the optimizer state here after training")
     ap.add_argument("--load", default="", help="load the optimizer and model state from here first")
+    ap.add_argument("--from-ft", action="store_true", help="plain: --load holds an FTLocalCub replica's state")
+    ap.add_argument("--save-at", default="", help="ft: ROUND:PATH, the state saved after round ROUND's commit")
     ap.add_argument("--round-chunk", type=int, default=0, help="LocalCub.round_chunk (0: its default)")
     ap.add_argument("--scale-block", type=int, default=0, help="lioncub.optim.rounds.SCALE_BLOCK (0: its default)")
     ap.add_argument("--out", required=True)
@@ -72,8 +83,9 @@ def main() -> None:
         kw.update(vote="grad")
     if a.mode == "plain":
         import torch.distributed as dist
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.master_port}", rank=a.replica,
-                                world_size=a.world)
+        group = [int(r) for r in a.group.split(",")] if a.group else list(range(a.world))
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.master_port}",
+                                rank=group.index(a.replica), world_size=len(group))
         from lioncub import LionCub, LocalCub
 
         class EveryStep(LionCub):  # LionCub's counters under the names this loop reads
@@ -97,6 +109,16 @@ def main() -> None:
     if a.load:
         saved = torch.load(a.load, map_location="cpu", weights_only=True)
         model.load_state_dict(saved["model"])
+        if a.from_ft and every_step:  # FTLionCub's θ (the model) and inner Lion momenta are LionCub's state
+            ft = saved["opt"]["local"]
+            sd = opt.state_dict()
+            sd["state"] = {i: {"exp_avg": s["exp_avg"]} for i, s in ft["inner"]["state"].items()}
+            sd[opt.state_key]["counters"] = dict(steps=ft["counters"]["rounds"],
+                                                 skipped_steps=ft["counters"]["skipped_rounds"])
+            saved["opt"] = sd
+        elif a.from_ft:  # one replica group's state, now rank r of the plain group's LocalCub
+            saved["opt"].pop("ft")
+            saved["opt"][opt.state_key].update(kind=type(opt).__name__, rank=opt.rank, world_size=opt.world_size)
         opt.load_state_dict(saved["opt"])
 
     log = open(a.out, "a")
@@ -111,6 +133,9 @@ def main() -> None:
                        heals=opt.heals, stall=opt.last_stall_s, wall=time.time())
         log.write(json.dumps(rec) + "\n")
         log.flush()
+        if a.save_at and opt.rounds == int(a.save_at.split(":", 1)[0]):
+            path = a.save_at.split(":", 1)[1].replace("{replica}", str(a.replica))
+            torch.save(dict(model=model.state_dict(), opt=opt.state_dict()), path)
 
     if manager is not None:
         before = opt.rounds

@@ -109,21 +109,22 @@ KILLED = 8  # the round in which a fault strikes
 
 
 def run_faulted(tmp_path, rounds: int, *args: str, restart: int | None = None, exits=None,
-                setting: tuple = ()) -> list[dict]:
+                setting: tuple = (), save_at: int | None = None) -> list[dict]:
     """Three replicas on torchft for ``rounds`` committed rounds, each given ``args`` (a ``--fault``
     applies only to the replica it names). ``restart``: the replica killed by a fault, started again
     (without faults) once the survivors committed two rounds without it; they stop together at the
     first commit from round ``rounds`` on after it rejoined. ``exits``: {replica: exit code}
     expected instead of 0. Returns each replica's records by round, the restarted replica's first
     life by round under ``"first_life"`` and its second life's records under ``"after"``, and
-    stderr texts under ``"stderr"``. ``setting``: arguments every life of every replica gets (after COMMON's)."""
+    stderr texts under ``"stderr"``. ``setting``: arguments every life of every replica gets (after COMMON's).
+    ``save_at``: every replica's first life saves its state after round ``save_at``'s commit (:func:`saved_state`)."""
     lh = start_lighthouse(2, heartbeat_timeout_ms=HEARTBEAT_MS, join_timeout_ms=3000)
     outs = [tmp_path / f"faulted_{r}.jsonl" for r in range(3)]
     stop = tmp_path / "stop"
     if restart is None:
         stop.touch()
     common = ("--rounds", str(rounds), "--stop-file", str(stop), *COMMON, *setting)
-    args = common + args
+    args = common + args + (("--save-at", f"{save_at}:{saved_state(tmp_path, '{replica}')}") if save_at else ())
     exits = dict(exits or {})
     try:
         procs = [launch("ft", r, outs[r], *args, lighthouse=lh) for r in range(3)]
@@ -158,6 +159,37 @@ def run_faulted(tmp_path, rounds: int, *args: str, restart: int | None = None, e
     lines = records(outs[restart])
     first = {rec["round"]: rec for rec in lines[:before_restart] if "done" not in rec}
     return dict(enumerate(logs), first_life=first, after=lines[before_restart:], stderr=errs)
+
+
+def saved_state(tmp_path: Path, replica) -> Path:
+    return tmp_path / f"state_{replica}.pt"
+
+
+def assert_equals_a_run_resumed_without_the_failure(tmp_path, logs, resumed_from: int, survivors=(0, 1),
+                                                    setting: tuple = ()) -> list[int]:
+    """The survivors' rounds after ``resumed_from`` (the retried round first), up to the last before anyone
+    joins them, against the library's plain optimizer on a gloo group of the survivors (no torchft, no quorum,
+    nothing fails or is retried) resumed from each one's own state saved at ``resumed_from`` (run_faulted's
+    ``save_at``): LocalCub, or LionCub for the every-step vote (``setting`` ``--vote every-...``). Every round
+    bit for bit; returns the rounds compared."""
+    a = logs[survivors[0]]
+    compared = []
+    while resumed_from + len(compared) + 1 in a and \
+            a[resumed_from + len(compared) + 1]["participants"] == len(survivors):
+        compared.append(resumed_from + len(compared) + 1)
+    assert compared, f"no round after {resumed_from} on the survivors alone"
+    outs = [tmp_path / f"resumed_{r}.jsonl" for r in survivors]
+    common = ("--H", "4", "--vote", "mean8", *CHUNKS[2:], *setting, "--rounds", str(compared[-1]),
+              "--group", ",".join(str(r) for r in survivors), "--from-ft")
+    port = free_port()
+    finish([launch("plain", r, out, *common, "--load", str(saved_state(tmp_path, r)), port=port)
+            for r, out in zip(survivors, outs)])
+    for r, out in zip(survivors, outs):
+        resumed = rounds_of(out)
+        assert sorted(resumed) == compared, (r, sorted(resumed), compared)
+        for k in compared:
+            assert resumed[k]["digest"] == logs[r][k]["digest"], (r, k)
+    return compared
 
 
 def assert_survivors_identical(logs, survivors=(0, 1), rounds: int = 0) -> int:
@@ -198,14 +230,25 @@ def test_a_replica_killed_during_its_inner_steps(tmp_path):
 def test_a_replica_killed_inside_the_agreement(tmp_path, point):
     """Killed after round 8's quorum formed, before the head all-reduce or as the lane all-reduce starts:
     that agreement fails on both survivors (one uncommitted each, exactly), is retried with the same Δ on
-    a quorum of 2, and commits; the survivors stay identical; the restarted replica heals."""
+    a quorum of 2, and commits; the survivors stay identical; the restarted replica heals. The retried
+    round and every round after it on the two alone equal, bit for bit, LocalCub on a plain gloo group of
+    the two resumed from their own states at round 7: the retry is an ordinary 2-replica round from θ_s,
+    its outer state and residuals as round 7 left them (nothing of the failed attempt kept)."""
     rounds = 60
-    logs = run_faulted(tmp_path, rounds, "--fault", f"2:{KILLED}:{point}", restart=2)
+    logs = run_faulted(tmp_path, rounds, "--fault", f"2:{KILLED}:{point}", restart=2, save_at=KILLED - 1)
     last = assert_survivors_identical(logs, rounds=rounds)
+    compared = assert_equals_a_run_resumed_without_the_failure(tmp_path, logs, KILLED - 1)
+    assert compared[0] == KILLED
     for r in (0, 1):
-        assert logs[r][KILLED - 1]["participants"] == 3 and logs[r][KILLED - 1]["uncommitted"] == 0
-        assert (logs[r][KILLED]["participants"], logs[r][KILLED]["contributors"]) == (2, 2)
-        assert logs[r][KILLED]["uncommitted"] == logs[r][last]["uncommitted"] == 1
+        assert [(logs[r][k]["participants"], logs[r][k]["contributors"], logs[r][k]["uncommitted"])
+                for k in range(1, KILLED)] == [(3, 3, 0)] * (KILLED - 1)
+        assert [(logs[r][k]["participants"], logs[r][k]["contributors"]) for k in compared] == [(2, 2)] * len(compared)
+        assert {logs[r][k]["uncommitted"] for k in range(KILLED, last + 1)} == {1}  # the one failed attempt
+        assert {logs[r][k]["heals"] for k in logs[r]} == {logs[r][1]["heals"]}  # a survivor never heals
+        rejoined = compared[-1] + 1  # the restarted replica's heal round: P = 3, C = 2, then all three
+        assert (logs[r][rejoined]["participants"], logs[r][rejoined]["contributors"]) == (3, 2)
+        assert {(logs[r][k]["participants"], logs[r][k]["contributors"]) for k in range(rejoined + 1, last + 1)} \
+            == {(3, 3)}
     assert max(logs["first_life"]) == KILLED - 1
     assert_rejoined(logs)
 
@@ -247,14 +290,22 @@ def test_a_round_committed_by_one_survivor_and_not_another(tmp_path):
 @pytest.mark.slow
 def test_running_out_of_attempts_is_a_quorum_error(tmp_path):
     """max_attempts=2 and replica 1's commit failing in round 8 and again, healed, in round 9: it stops
-    with QuorumError naming max_attempts; the others commit on, identical, without it from round 10."""
+    with QuorumError naming max_attempts; the others commit on, identical, without it from round 10.
+    The survivors never fail an agreement (nothing uncommitted, no heal): round 8 has every Δ (C = 3),
+    round 9 all but replica 1's, void after its heal (P = 3, C = 2), then the two alone; and from round 10
+    on they equal LocalCub on a plain gloo group of the two resumed from their states at round 9."""
     rounds = 14
     logs = run_faulted(tmp_path, rounds, "--max-attempts", "2", "--fault", f"1:{KILLED}:commit:error",
-                       "--fault", f"1:{KILLED + 1}:commit:error", exits={1: 3})
+                       "--fault", f"1:{KILLED + 1}:commit:error", exits={1: 3}, save_at=KILLED + 1)
     assert "did not commit in 2 agreements (max_attempts)" in logs["stderr"][1]
     assert max(logs[1]) == KILLED - 1
-    assert_survivors_identical(logs, (0, 2), rounds=rounds)
-    assert logs[0][KILLED + 1]["participants"] == 3 and logs[0][KILLED + 2]["participants"] == 2
+    last = assert_survivors_identical(logs, (0, 2), rounds=rounds)
+    compared = assert_equals_a_run_resumed_without_the_failure(tmp_path, logs, KILLED + 1, survivors=(0, 2))
+    assert compared == list(range(KILLED + 2, last + 1))
+    for r in (0, 2):
+        assert [(logs[r][k]["participants"], logs[r][k]["contributors"]) for k in range(1, last + 1)] == \
+            [(3, 3)] * KILLED + [(3, 2)] + [(2, 2)] * (last - KILLED - 1)
+        assert {(logs[r][k]["uncommitted"], logs[r][k]["heals"]) for k in logs[r]} == {(0, logs[r][1]["heals"])}
 
 
 @pytest.mark.slow

@@ -113,26 +113,51 @@ def test_bad_spare_counts_are_refused():
         FTPlan(warm_spare=9).check()
 
 
-@pytest.mark.slow  # ~60 s: three replicas of gpt-tiny and their spares
+RESTART_S = 60.0
+"""The test's restart delay: the slow way back, which a spare that works never waits for (its replica is back in
+about a second, so the delay costs the test nothing); the spare must be back in a fifth of it."""
+
+
+@pytest.mark.slow  # ~20-40 s: three replicas of gpt-tiny and their spares
 def test_a_killed_replica_is_replaced_by_its_warm_spare_long_before_its_restart(tmp_path):
-    """Replica 2 is killed inside round 20's exchange; its restart would come 30 s later, its warm spare takes
-    its place at once: the replica is back (joined, healed) well within those 30 s, no round is lost or repeated,
-    its life after the heal commits every round in order, and the three replicas end identical."""
+    """Replica 2 is killed inside round 20's exchange; its restart would come RESTART_S later, its warm spare takes
+    its place at once: the replica is back (joined, healed) within a fifth of that (about a second on loopback: the
+    heartbeat timeout, a quorum and a heal), no round is lost, repeated or healed over, its life after the heal
+    commits every round in order, and the three replicas end identical. The counts are exact: the survivors' round-20
+    agreement fails once (one uncommitted each, the summary's 1, one stall), round 20 holds their two Δ only, the
+    spare's first commit has P = 3, C = 2 (healed: nothing to add) and every later one all three; a survivor never
+    heals, the spare never fails an agreement."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "lioncub.cli", "train", "--ft", "--model", "gpt-tiny", "--local-steps", "5",
            "--batch-size", "2", "--block-size", "32", "--budget", "300", "--ft-stop-round", "40", "--ft-fault", "2:20:lanes",
-           "--restart-after", "30", "--warm-spare", "2", "--out", str(out)]
+           "--restart-after", f"{RESTART_S:g}", "--warm-spare", "2", "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "identical at the end: True" in done.stdout and "warm spares" in done.stdout
     record = json.loads((out / "ft_summary.json").read_text())
     summary = record["summary"]
     assert [k["replica"] for k in record["kills"]] == [2]
-    assert [(r["replica"], r.get("spare")) for r in record["restarts"]] == [(2, True)]
-    assert summary["kill_to_join_s"][0] is not None and summary["kill_to_join_s"][0] < 30
-    assert summary["lost_or_repeated_rounds"] == 0 and summary["identical"] and summary["finished"] == 3
-    log = [json.loads(line) for line in (out / "replica_2.jsonl").read_text().splitlines()]
-    joins = [rec for rec in log if rec["kind"] == "joined"]
+    assert [(r["replica"], r.get("spare")) for r in record["restarts"]] == [(2, True)] and record["late"] == []
+    kill_to_join, stall = summary["kill_to_join_s"], summary["stall_s"]
+    assert len(kill_to_join) == 1 and kill_to_join[0] is not None and 0 < kill_to_join[0] < RESTART_S / 5
+    assert len(stall) == 1 and stall[0] is not None and 0 <= stall[0] < RESTART_S / 5
+    assert summary["kills"] == summary["restarts"] == 1 and summary["uncommitted"] == 1
+    assert summary["lost_or_repeated_rounds"] == 0 and summary["healed_over_rounds"] == 0
+    assert summary["identical"] and summary["finished"] == 3
+    logs = [[json.loads(line) for line in (out / f"replica_{r}.jsonl").read_text().splitlines()] for r in range(3)]
+    joins = [rec for rec in logs[2] if rec["kind"] == "joined"]
     assert len(joins) == 2 and joins[1]["heals"] == 1 and joins[1]["pid"] != joins[0]["pid"]
-    after = [rec["round"] for rec in log if rec["kind"] == "round" and rec["wall"] > joins[1]["wall"]]
-    assert after and after == list(range(after[0], after[0] + len(after)))
+    first_life = [(rec["round"], rec["participants"], rec["contributors"], rec["uncommitted"]) for rec in logs[2]
+                  if rec["kind"] == "round" and rec["pid"] == joins[0]["pid"]]
+    assert first_life == [(k, 3, 3, 0) for k in range(1, 20)]  # it never committed round 20
+    spare = [(rec["round"], rec["participants"], rec["contributors"], rec["uncommitted"]) for rec in logs[2]
+             if rec["kind"] == "round" and rec["pid"] == joins[1]["pid"]]
+    back, last = spare[0][0], spare[-1][0]
+    assert back >= 20 and last >= 40
+    assert spare == [(back, 3, 2, 0)] + [(k, 3, 3, 0) for k in range(back + 1, last + 1)]
+    for r in (0, 1):
+        rounds = [rec for rec in logs[r] if rec["kind"] == "round"]
+        assert [(rec["round"], rec["participants"], rec["contributors"], rec["uncommitted"]) for rec in rounds] == \
+            [(k, 3, 3, 0) for k in range(1, 20)] + [(k, 2, 2, 1) for k in range(20, back)] + [(back, 3, 2, 1)] + \
+            [(k, 3, 3, 1) for k in range(back + 1, last + 1)]
+        assert {rec["heals"] for rec in rounds} == {rounds[0]["heals"]}

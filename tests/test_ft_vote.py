@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_ft import (KILLED, assert_rejoined, assert_survivors_identical, rounds_of,  # (requires torchft)
-                           run_faulted, run_three)
+from tests.test_ft import (KILLED, assert_equals_a_run_resumed_without_the_failure,  # (requires torchft)
+                           assert_rejoined, assert_survivors_identical, rounds_of, run_faulted, run_three)
 
 
 @pytest.mark.slow
@@ -28,12 +28,21 @@ def test_the_every_step_vote_with_no_failure_equals_lioncub_on_a_plain_group(tmp
 def test_the_every_step_vote_survives_a_kill_inside_its_lanes_and_a_rejoin(tmp_path):
     """FTLionCub (binary pbit lanes every step): replica 2 killed inside step 8's lane all-reduce. The survivors
     retry step 8 on a quorum of 2 (the lanes then sized and decided for 2) with no step lost or repeated and stay
-    identical; the restarted replica heals (parameters and Lion momentum from a peer), abstains in its first step's
-    vote (P = 3, C = 2) and is bit-identical to the survivors at every commit after."""
+    identical: exactly one uncommitted agreement each, step 8 and every step on the two alone with P = C = 2, and
+    bit for bit LionCub on a plain gloo group of the two resumed from their own states at step 7. The
+    restarted replica heals (parameters and Lion momentum from a peer), abstains in its first step's vote (P = 3,
+    C = 2) and is bit-identical to the survivors at every commit after."""
     rounds = 60
-    logs = run_faulted(tmp_path, rounds, "--fault", f"2:{KILLED}:lanes", restart=2, setting=("--vote", "every-pbit"))
+    setting = ("--vote", "every-pbit")
+    logs = run_faulted(tmp_path, rounds, "--fault", f"2:{KILLED}:lanes", restart=2, setting=setting,
+                       save_at=KILLED - 1)
     last = assert_survivors_identical(logs, rounds=rounds)
+    compared = assert_equals_a_run_resumed_without_the_failure(tmp_path, logs, KILLED - 1, setting=setting)
+    assert compared[0] == KILLED
+    rejoined = compared[-1] + 1
     for r in (0, 1):
-        assert logs[r][KILLED]["participants"] == 2 and logs[r][last]["uncommitted"] >= 1
+        assert [(logs[r][k]["participants"], logs[r][k]["contributors"], logs[r][k]["uncommitted"])
+                for k in range(1, last + 1)] == \
+            [(3, 3, 0)] * (KILLED - 1) + [(2, 2, 1)] * len(compared) + [(3, 2, 1)] + [(3, 3, 1)] * (last - rejoined)
     assert max(logs["first_life"]) == KILLED - 1
     assert_rejoined(logs)
