@@ -91,8 +91,8 @@ class StreamingRounds:
         if self._agreeing is not None and ending is None and self._agreeing.verdict.ready():
             with comm.step_context(self.rounds):  # at the first step its verdict is in (at the latest, the next end)
                 self._send_late(self.last_step_stats)
-        if self._pending is not None:
-            self._advance()
+        if self._pending is not None and ending is None and not self.synced:
+            self._advance()  # (at an end the round takes the exchange itself, its bytes in the round's record)
         if ending is not None:
             with comm.step_context(self.rounds):  # a failed collective names this round
                 self._fragment_round(ending)
@@ -109,6 +109,8 @@ class StreamingRounds:
         seen = self._measure("origin", plan)
         verdict = self._agree(self.aggregation.head(seen.scales), seen.finite, stats)
         pending, self._pending, launched = self._pending, None, []
+        for agreement in pending or []:  # every last stage in flight before a new exchange: one order on every rank
+            agreement.launch(stats)
         for c, pieces in enumerate(plan):
             previous = None if pending is None else pending[c]
             if pending is not None:

@@ -59,10 +59,12 @@ class Agreement:
     next stage of an exchange of several collectives: another :class:`Agreement`, its collective launched
     (the scatter mean's all-gather after its all-to-all). :meth:`result` waits for every stage (once) and
     returns ``(d, signed)``; after it only ``d`` is kept. :meth:`advance` takes the stages whose collectives
-    are already complete, without waiting."""
+    are already complete, without waiting; :meth:`launch` takes them, waiting, until the last is in flight (``last``:
+    whether this stage is the exchange's last)."""
 
-    def __init__(self, pending: Optional[comm.Pending], read: Callable[[Optional[Tensor]], object], signed: bool):
-        self.pending, self.read, self.signed, self.d = pending, read, signed, None
+    def __init__(self, pending: Optional[comm.Pending], read: Callable[[Optional[Tensor]], object], signed: bool,
+                 last: bool = True):
+        self.pending, self.read, self.signed, self.d, self.last = pending, read, signed, None, last
 
     @classmethod
     def finished(cls, d: Tensor, signed: bool) -> "Agreement":
@@ -78,7 +80,7 @@ class Agreement:
         if callable(out):
             out = out(stats)
         if isinstance(out, Agreement):  # the next stage, its collective launched
-            self.pending, self.read = out.pending, out.read
+            self.pending, self.read, self.last = out.pending, out.read, out.last
         else:
             self.d, self.pending, self.read = out, None, None
 
@@ -89,6 +91,12 @@ class Agreement:
         while self.d is None and (self.pending is None or self.pending.ready()):
             self._take(stats)
         return self.d is not None
+
+    def launch(self, stats: Optional[CommStats] = None) -> None:
+        """Take every stage before the last, waiting: the last one's collective is then in flight on every rank,
+        whatever :meth:`advance` took on each (the collectives a caller issues next come after it everywhere)."""
+        while self.d is None and not self.last:
+            self._take(stats)
 
     def result(self, stats: Optional[CommStats] = None) -> tuple[Tensor, bool]:
         while self.d is None:
@@ -367,8 +375,8 @@ class ScatterMean(RoundAggregation):
             return d
 
         if P == 1:
-            return Agreement(None, lambda _: owner_stage(msg), False), q
-        return Agreement(comm.all_to_all_async(msg, group, stats), owner_stage, False), q
+            return Agreement(None, lambda _: owner_stage(msg), False, last=False), q
+        return Agreement(comm.all_to_all_async(msg, group, stats), owner_stage, False, last=False), q
 
 
 ROUND_AGGREGATIONS: dict[str, type[RoundAggregation]] = {cls.name: cls for cls in (Fp32Mean, SignVote, LaneMean,
