@@ -13,6 +13,10 @@ them and gathers their ``ft_summary.json`` into one JSON with the comparison::
     sudo OMP_NUM_THREADS=1 PYTHONPATH=src python3 -m bench.fault_tolerance            # ~4 min a run
     ... -m bench.fault_tolerance --method vote --warm-spare 2 --out bench/results/fault_tolerance_vote_spares.json
     ... -m bench.fault_tolerance --seeds 0 --budget 30 --model gpt-tiny --link none --out /tmp/ft.json
+    ... -m bench.fault_tolerance --slow-worker 2:1.5 --out /tmp/ft_slow.json      # replica 2 1.5x slower
+
+``--slow-worker`` / ``--pause-worker`` (docs/stragglers.md) go to every run; each run's summary holds every
+replica's compute and sleep (``straggler``).
 
 Writes bench/results/fault_tolerance.json (bench/README.md, "A lost replica").
 """
@@ -28,6 +32,7 @@ import sys
 import tempfile
 
 from bench import _runner
+from lioncub.testbed.straggler import add_arguments as add_straggler_arguments, format_specs, parse_flags
 
 
 def _short_options() -> list[str]:
@@ -69,6 +74,7 @@ def run_argv(args, seed: int, kill_every: float, out: str) -> list[str]:
         argv += ["--ft-timeout", f"{args.ft_timeout:g}"]
     if args.link != "none":
         argv += ["--link", args.link]
+    argv += format_specs(args.slow_workers, args.pause_workers).split()  # the same in both runs of a seed
     return argv
 
 
@@ -150,7 +156,12 @@ def main(argv=None) -> None:
     ap.add_argument("--link", default="100mbit", help="a rate, 'unshaped', or 'none' (loopback)")
     ap.add_argument("--out", default=os.path.join(_runner.RESULTS, "fault_tolerance.json"))
     ap.add_argument("--report-only", metavar="JSON", help="print the table of an earlier run's JSON; run nothing")
+    add_straggler_arguments(ap, rank="replica RANK")
     args = ap.parse_args(argv)
+    try:
+        args.slow_workers, args.pause_workers = parse_flags(args.slow_workers, args.pause_workers, world=args.replicas)
+    except ValueError as exc:
+        ap.error(str(exc))
     if args.report_only:
         with open(args.report_only) as f:
             print(table(json.load(f)))

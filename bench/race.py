@@ -32,6 +32,10 @@ time and bytes to reach it (the report: :mod:`bench.race_report`).
     sudo OMP_NUM_THREADS=1 PYTHONPATH=src python3 -m bench.race                  # ~21 min
     ... -m bench.race --methods lioncub-onebit,lioncub-onebit-overlap --append bench/results/race.json
     ... -m bench.race --budget 20 --methods lion-ddp,lioncub-pbit4 --lr-lion 3e-4   # a quick look
+    ... -m bench.race --rate 10mbit --budget 100 --methods lcub-link --slow-worker 1:1.5  # one worker 1.5x slower
+
+``--slow-worker RANK:FACTOR`` / ``--pause-worker RANK:S:T`` (:mod:`lioncub.testbed.straggler`, docs/stragglers.md)
+make one worker a straggler in every run; each run's record holds every rank's compute and sleep (``straggler``).
 
 Default model: GPT 2 layers x 192 wide (0.95M parameters), 1 sequence of 32 bytes per
 worker per step. Communication-bound at 1 Gbit/s on 2 CPU cores: an fp32 gradient
@@ -52,6 +56,7 @@ from bench import _runner
 from bench.race_report import report
 from bench.regime import REFERENCE, measure_compute, measure_regime
 from lioncub.harness.schedule import cosine_factor, warmup_factor
+from lioncub.testbed import straggler as stragglers
 
 DEFAULT_METHODS = ("adamw-ddp,adamw-bf16,adamw-psgd-r1,adamw-psgd-r4,local-adamw-h10,diloco-h10,diloco-h50,"
                    "lion-ddp,lioncub-pbit4,lioncub-pbit4-overlap")
@@ -181,6 +186,10 @@ def train_one(args, name: str, lr: float, seed: int, data_dir: str, first: bool 
     tx0 = iface_bytes(dev)["tx"]
     evals, recent, status = [], [], "ok"
     step_s, clock = [], dict(last=time.perf_counter(), held=0.0)  # each step's seconds, evaluations taken out
+    slow, pause = getattr(args, "slow_workers", ()), getattr(args, "pause_workers", ())  # (a caller's Namespace)
+    straggler = (stragglers.Straggler.for_rank(dist.get_rank(), slow, pause)
+                 if slow or pause else None)  # --slow-worker, --pause-worker
+    trained = dict(s=0.0)
 
     def scores() -> dict:  # the bytes sent so far, read before the evaluation's own all-reduce
         t0 = time.perf_counter()
@@ -193,6 +202,7 @@ def train_one(args, name: str, lr: float, seed: int, data_dir: str, first: bool 
         step_s.append(round(now - clock["last"] - clock["held"], 5))
         clock.update(last=now, held=0.0)
         recent.append(float(info.loss))
+        trained["s"] = info.train_time
 
     def on_eval(rec: dict) -> bool:
         nonlocal status
@@ -208,7 +218,7 @@ def train_one(args, name: str, lr: float, seed: int, data_dir: str, first: bool 
         return lr * lr_factor(step, progress, args.warmup, args.schedule, args.min_lr_ratio)
 
     loop = Loop(lr=lr_at, steps=args.steps, budget=args.budget, eval_every_s=args.eval_every, eval_at_start=True,
-                on_step=on_step, on_eval=on_eval)
+                on_step=on_step, on_eval=on_eval, straggler=straggler)
     clock["last"] = time.perf_counter()
     loop.run(method, loader, scores)
     pick = getattr(getattr(method, "opt", None), "steps_pick", None)  # local_steps='auto': the H it picked
@@ -216,7 +226,8 @@ def train_one(args, name: str, lr: float, seed: int, data_dir: str, first: bool 
     dist.barrier()
     return dict(method=name, lr=lr, seed=seed, status=status, n_params=n_params, steps=evals[-1]["step"], evals=evals,
                 compute_s=compute_s, step_s=step_s, **({"regime": regime} if regime else {}), **({"steps_pick": pick} if pick else {}),
-                **({"setting": setting.as_dict()} if setting else {}))
+                **({"setting": setting.as_dict()} if setting else {}),
+                **({"straggler": dict(straggler.totals(), train_s=trained["s"])} if straggler else {}))
 
 
 def worker(args) -> None:
@@ -233,12 +244,15 @@ def worker(args) -> None:
 
 # ---------------------------------------------------------------------- report
 def merge(per_rank: list[list[dict]]) -> list[dict]:
-    """Rank 0's records with ``tx`` replaced by the mean over ranks."""
+    """Rank 0's records with ``tx`` replaced by the mean over ranks (and ``straggler`` by every rank's, in rank
+    order)."""
     out = []
     for recs in zip(*per_rank):
         run = dict(recs[0])
         run["evals"] = [dict(e, tx=sum(r["evals"][i]["tx"] for r in recs) / len(recs))
                         for i, e in enumerate(recs[0]["evals"])]
+        if "straggler" in run:
+            run["straggler"] = [r["straggler"] for r in recs]
         out.append(run)
     return out
 
@@ -274,9 +288,15 @@ def main(argv=None) -> int:
     ap.add_argument("--append", metavar="JSON", help="keep the runs of an earlier race.json (a later run of the "
                     "same method and lr replaces it) and report them together")
     ap.add_argument("--report-only", metavar="JSON", help="re-make the table and plot of a race.json; run nothing")
+    stragglers.add_arguments(ap)
     _runner.add_worker_args(ap)
     ap.add_argument("--data-dir", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    try:
+        args.slow_workers, args.pause_workers = stragglers.parse_flags(args.slow_workers, args.pause_workers,
+                                                                       world=args.workers)
+    except ValueError as exc:
+        ap.error(str(exc))
     if args.steps is not None:
         if args.steps < 1:
             ap.error(f"--steps must be >= 1, got {args.steps}")

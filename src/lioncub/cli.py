@@ -24,6 +24,7 @@ from .optim.outer import OUTER_RULES
 from .votes.mean import AGGREGATES as STEP_AGGREGATES
 from .votes.rounds import ROUND_AGGREGATES
 from .testbed import TESTBED_SWITCH, testbed_unavailable
+from .testbed.straggler import add_arguments as add_straggler_arguments, parse_flags as parse_straggler_flags
 from .harness.config import RECOMMENDED, DEVICES, MODELS, MOMENTUM_SYNCS, NONFINITE, OPTIMIZERS, QUANTIZERS, VOTES, TrainConfig
 
 
@@ -115,6 +116,7 @@ def _add_train(sub) -> None:
     p.add_argument("--timeout", type=float, default=d.timeout, metavar="SECONDS",
                    help="process-group timeout: how long a collective waits for a dead worker (default: %(default)s)")
     p.add_argument("--nproc", type=int, default=d.nproc, help="local workers when not under torchrun")
+    add_straggler_arguments(p, rank="worker RANK (with --ft: replica RANK)")  # --slow-worker, --pause-worker
     p.add_argument("--device", choices=DEVICES, default=d.device)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--eval-every", type=int, default=None,
@@ -226,6 +228,10 @@ def _train_behind_link(args, link: str) -> int:
 
 
 def cmd_train(args) -> int:
+    try:  # the ranks are checked against the workers with the other inputs (check_inputs)
+        args.slow_workers, args.pause_workers = parse_straggler_flags(args.slow_workers, args.pause_workers)
+    except ValueError as exc:
+        args.parser.error(str(exc))
     if args.ft or args.ft_replica is not None:
         return cmd_train_ft(args)
     compare = args.compare if args.compare is not None else (args.optimizer is None and args.vote is None)

@@ -84,6 +84,8 @@ def summarize(out: str, plan, run, *, budget: float) -> dict:
         finished=len(done), identical=len({f["digest"] for f in done}) == 1 if done else False,
         final_round=done[0]["round"] if done else None,
         val_loss=done[0].get("val_loss") if done else None, budget_s=budget)
+    if any(f is not None and "straggler" in f for f in finals):  # --slow-worker/--pause-worker: each replica's
+        summary["straggler"] = [None if f is None else f.get("straggler") for f in finals]  # last life's record
     return summary
 
 
@@ -108,4 +110,8 @@ def format_summary(summary: dict, plan, H: int) -> str:
                      f"{statistics.mean(rejoin):.2f} s){', warm spares' if plan.warm_spare else ''}")
     lines.append(f"  replicas finished {s['finished']}, identical at the end: {s['identical']}, "
                  f"val loss {s['val_loss'] if s['val_loss'] is None else round(s['val_loss'], 4)}")
+    for k, w in enumerate(s.get("straggler", [])):
+        if w is not None and (w["factor"] != 1 or w["pause_s"]):
+            lines.append(f"  replica {k} slowed: compute {w['compute_s']:.1f} s, slept {w['slept_s']:.1f} s "
+                         f"(x{w['factor']:g}), paused {w['paused_s']:.1f} s in {w['pauses']} pauses")
     return "\n".join(lines)

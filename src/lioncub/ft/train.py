@@ -153,6 +153,11 @@ def replica_main(config, replica: int, replicas: int, lighthouse: str, *, host: 
         if everyone or time.time() >= stop_at:
             opt.stop_requested = True
 
+    straggler = None
+    if config.slow_workers or config.pause_workers:  # the testbed's slower replica (lioncub.testbed.straggler)
+        from ..testbed.straggler import Straggler
+
+        straggler = Straggler.for_rank(replica, config.slow_workers, config.pause_workers)
     write("start")
     model.train()
     before = opt.rounds
@@ -163,21 +168,27 @@ def replica_main(config, replica: int, replicas: int, lighthouse: str, *, host: 
     stop_at = deadline if deadline is not None else time.time() + config.time_budget
     if opt.rounds != before:
         committed(None)
+    began = time.perf_counter()  # a pause's clock: this life's seconds since it joined, its pauses taken out
     while not opt.stop_agreed:
         step = opt.rounds * opt.H + opt.local_step
         scale = lr_factor(step, config)
         for g, base in zip(opt.param_groups, base_lrs):
             g["lr"] = base * scale
         x, y = data.loader.next_batch()
+        t0 = time.perf_counter()
         loss, _ = batch_loss(model, x.to(device), y.to(device), config.is_gpt)
         loss.backward()
+        if straggler is not None:
+            now = time.perf_counter()
+            straggler.after_backward(now - t0, now - began)
         before = opt.rounds
         opt.step()
         opt.zero_grad(set_to_none=True)
         if opt.rounds != before:
             committed(float(loss.detach()))
     scores = evaluate(model, data.val, config.is_gpt, device)
-    write("final", round=opt.rounds, digest=params_digest(params), **scores)
+    write("final", round=opt.rounds, digest=params_digest(params), **scores,
+          **({"straggler": dict(straggler.totals(), train_s=time.perf_counter() - began)} if straggler else {}))
     log.close()
     manager.shutdown(wait=False)
     dist.destroy_process_group()

@@ -229,4 +229,8 @@ def format_table(summaries: list[dict]) -> str:
                 lines.append(f"{other['label']} sends {base['bytes_sent_per_step'] / other['bytes_sent_per_step']:.1f}x "
                              f"fewer bytes per step than {base['label']}; step time ratio "
                              f"{base['t_step_ms'] / other['t_step_ms']:.2f}x")
+    for s in summaries:  # a slower worker (the testbed's): what each worker computed and slept, in seconds
+        if s.get("stragglers"):
+            lines.append(f"{s['label']} ({s['stragglers']}), per worker: compute {s['worker_compute_s']} s, "
+                         f"slept {s['worker_slept_s']} s, paused {s['worker_paused_s']} s")
     return "\n".join(lines)

@@ -9,6 +9,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
+from ..testbed.straggler import check_workers
 from ..votes import check_lane_options
 from ..votes.base import TIE_RULES
 from ..votes.feedback import ERROR_FEEDBACK
@@ -157,6 +158,14 @@ class TrainConfig:
     the process exits; torchrun may restart it)."""
     nproc: int = 4
     """Local workers to spawn when not under torchrun."""
+    slow_workers: tuple[tuple[int, float], ...] = ()
+    """Testbed: ``(rank, factor)`` pairs, one per rank (``--slow-worker RANK:FACTOR``): that worker's compute takes
+    ``factor``× as long (>= 1): after each backward it sleeps ``(factor - 1)`` × the step's measured forward +
+    backward, freeing its cores as a slower GPU would (:mod:`lioncub.testbed.straggler`, docs/stragglers.md).
+    Under ``--ft`` the rank is the replica."""
+    pause_workers: tuple[tuple[int, float, float], ...] = ()
+    """Testbed: ``(rank, seconds, every)`` triples, one per rank (``--pause-worker RANK:S:T``): that worker pauses
+    ``seconds`` every ``every`` seconds of its training time (its pauses not counted), after a backward."""
     device: str = "auto"
     """``auto`` (CUDA when present), ``cpu`` or ``cuda``."""
     seed: int = 0
@@ -200,24 +209,8 @@ class TrainConfig:
         _choice("nonfinite", self.nonfinite, NONFINITE)
         _choice("tie", self.tie, TIE_RULES)
         _choice("vote_error_feedback", self.vote_error_feedback, ERROR_FEEDBACK)
-        for name in ("steps", "batch_size", "block_size", "width", "nproc", "eval_batches", "log_every", "keep_ckpts", "sync_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("eval_every", "ckpt_every", "warmup_steps", "check_every"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("lr", "lr_embed", "lr_head"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be > 0, got {value}")
-        if self.time_budget is not None and not self.time_budget > 0:
-            raise ValueError(f"time_budget must be > 0 seconds (or None), got {self.time_budget}")
-        if not self.eval_every_s >= 0:
-            raise ValueError(f"eval_every_s must be >= 0, got {self.eval_every_s}")
-        if self.eval_every_s and self.time_budget is None:
-            raise ValueError("eval_every_s applies to a time_budget run only")
-        if not self.timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")
+        _check_numbers(self)
+        self.slow_workers, self.pause_workers = check_workers(self.slow_workers, self.pause_workers)
         if self.optimizer != "lioncub":
             changed = [f"{n}={getattr(self, n)!r}" for n, d in _LIONCUB_ONLY.items() if getattr(self, n) != d]
             if changed:
@@ -300,6 +293,28 @@ def _choice(name: str, value, allowed: tuple) -> None:
     if value not in allowed:
         shown = ", ".join(repr(a) for a in allowed)
         raise ValueError(f"{name} must be one of {shown}; got {value!r}")
+
+
+def _check_numbers(config: TrainConfig) -> None:
+    """Refuse counts, rates and durations out of their range."""
+    for name in ("steps", "batch_size", "block_size", "width", "nproc", "eval_batches", "log_every", "keep_ckpts", "sync_every"):
+        if getattr(config, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(config, name)}")
+    for name in ("eval_every", "ckpt_every", "warmup_steps", "check_every"):
+        if getattr(config, name) < 0:
+            raise ValueError(f"{name} must be >= 0, got {getattr(config, name)}")
+    for name in ("lr", "lr_embed", "lr_head"):
+        value = getattr(config, name)
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+    if config.time_budget is not None and not config.time_budget > 0:
+        raise ValueError(f"time_budget must be > 0 seconds (or None), got {config.time_budget}")
+    if not config.eval_every_s >= 0:
+        raise ValueError(f"eval_every_s must be >= 0, got {config.eval_every_s}")
+    if config.eval_every_s and config.time_budget is None:
+        raise ValueError("eval_every_s applies to a time_budget run only")
+    if not config.timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {config.timeout}")
 
 
 def _check_local_steps(config: TrainConfig) -> None:

@@ -12,8 +12,9 @@ Per step, on every rank (``Loop.run``)::
     lr     = loop.lr(step, clock)       # clock: the agreed training seconds at the last sync point
     x, y   = loader.next_batch()        # this rank's own shard                      } t_step: "start" to "end";
     loss   = method.backward(x, y)      # t_compute                                  } evaluations, logging and
-    loop.probe(step, method)            # an instrument (the study's), before the update } the clock's own
-    synced = method.step(lr)                                                         } all-reduce not counted
+    loop.straggler.after_backward(...)  # a slower worker's sleep (the testbed's)    } the clock's own
+    loop.probe(step, method)            # an instrument (the study's), before the update } all-reduce not counted
+    synced = method.step(lr)                                                         }
 
 and at a sync point only (``synced``): the agreed clock (every rank's seconds of steps since the
 last sync point, the slowest rank's by a MAX all-reduce, added to the clock: every rank stops and
@@ -76,6 +77,8 @@ class StepInfo:
     """The replicas agree after this step."""
     train_time: float
     """This rank's seconds of steps so far (``t_step`` summed; not agreed)."""
+    t_slept: float = 0.0
+    """Seconds the straggler slept in this step (:attr:`Loop.straggler`; in ``t_step``, not in ``t_compute``)."""
 
 
 @dataclass(kw_only=True)
@@ -108,6 +111,10 @@ class Loop:
     agrees)."""
     after_step: Callable[[int], None] | None = None
     """Called with the step count after each step's evaluation (the harness's checkpoints)."""
+    straggler: Any = None
+    """This rank's :class:`lioncub.testbed.straggler.Straggler` (``--slow-worker``, ``--pause-worker``): after
+    each backward, ``straggler.after_backward(t_compute, train_time)`` sleeps what this rank owes (inside the
+    step's time, as a slower device's compute would be); None: no call."""
 
     @property
     def agrees_clock(self) -> bool:
@@ -145,6 +152,9 @@ class Loop:
             timer.mark("batch")
             loss = method.backward(x, y)
             timer.mark("backward")
+            slept = 0.0
+            if self.straggler is not None:  # (on CUDA this read waits for the backward: only when it is needed)
+                slept = self.straggler.after_backward(timer.seconds("batch", "backward"), train_time)
             if self.probe is not None:
                 self.probe(step, method)
             synced = method.step(lr)
@@ -156,7 +166,7 @@ class Loop:
             if self.on_step is not None:
                 self.on_step(StepInfo(step=step, loss=loss, lr=lr, t_step=t_step,
                                       t_compute=timer.seconds("batch", "backward"), synced=synced,
-                                      train_time=train_time))
+                                      train_time=train_time, t_slept=slept))
             finished = due = False
             if synced:
                 if self.agrees_clock:  # the slowest rank's seconds since the last sync point

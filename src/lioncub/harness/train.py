@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .. import LionCub, NodeCub, comm
+from ..testbed.straggler import PAUSE_FLAG, SLOW_FLAG, Straggler, check_workers, format_specs
 from . import checkpoint
 from .config import TrainConfig
 from .data import (ImageLoader, TokenLoader, ensure_prepared, eval_batches, image_eval_batches,
@@ -63,6 +64,8 @@ def check_inputs(config: TrainConfig, world: int, *, prepare: bool = True) -> No
         resolve_device(config.device)
     except ValueError as exc:
         raise ValueError(f"--device: {exc}") from None
+    # the ranks a slowdown names must be workers (the form and the numbers are TrainConfig's to check)
+    check_workers(config.slow_workers, config.pause_workers, world, names=(SLOW_FLAG, PAUSE_FLAG))
     if config.nodes > 1 and world % config.nodes:
         raise ValueError(f"--nodes {config.nodes} must divide the number of workers, {world} (nodes of equal size)")
     voters = config.nodes if config.nodes > 1 else world  # NodeCub: one voter per node
@@ -216,18 +219,21 @@ def train_worker(config: TrainConfig) -> dict:
                       enabled=rank == 0 and progress_enabled(config.progress))
     n_params = sum(p.numel() for g in groups for p in g["params"])
     steps, evals, t_begin = [], [], time.perf_counter()
+    trained = dict(s=0.0)  # this rank's training seconds (every step's, logged or not)
 
     def on_step(info: StepInfo) -> None:
         done = info.step
+        trained["s"] = info.train_time
         if done % config.log_every and done != config.steps:
             return
         mean_loss = info.loss.float().clone()
         comm.all_reduce(mean_loss)
         record = {"kind": "step", "step": done, "loss": mean_loss.item() / world, "lr": info.lr * method.shares[-1],
                   "t_step": info.t_step, "t_compute": info.t_compute, "t_vote": method.t_vote,
-                  "t_other": info.t_step - info.t_compute - method.t_vote, **method.traffic,
+                  "t_other": info.t_step - info.t_compute - method.t_vote - info.t_slept, **method.traffic,
                   "tokens_per_s" if config.is_gpt else "images_per_s": data.items_per_step / info.t_step,
-                  "train_time": info.train_time, "elapsed": time.perf_counter() - t_begin}
+                  "train_time": info.train_time, "elapsed": time.perf_counter() - t_begin,
+                  **({"t_slept": info.t_slept} if straggler is not None else {})}
         steps.append(record)
         writer.write(record)
         board.write(record)
@@ -249,16 +255,22 @@ def train_worker(config: TrainConfig) -> dict:
                                        keep=config.keep_ckpts)
 
     model.train()
+    straggler = (Straggler.for_rank(rank, config.slow_workers, config.pause_workers)
+                 if config.slow_workers or config.pause_workers else None)  # the testbed's slower worker
     loop = Loop(lr=lambda step, clock: config.lr * lr_factor(step, config), steps=config.steps, budget=budget,
                 eval_every=config.eval_every, eval_every_s=config.eval_every_s, device=device,
-                on_step=on_step, on_eval=on_eval, after_step=after_step)
+                on_step=on_step, on_eval=on_eval, after_step=after_step, straggler=straggler)
     if start < config.steps:
         loop.run(method, data.loader, lambda: evaluate(model, data.val, config.is_gpt, device, autocast),
                  start=start, cuda=cuda)
     bar.close()
     board.close()
+    workers = straggler_totals(straggler, trained["s"], device)
+    if workers is not None:
+        writer.write({"kind": "straggler", "workers": workers})
     summary = summarize(config, steps, evals, world=world, n_params=n_params,
-                        wall_s=time.perf_counter() - t_begin, device=str(device), optimizer=opt, setting=setting)
+                        wall_s=time.perf_counter() - t_begin, device=str(device), optimizer=opt, setting=setting,
+                        workers=workers)
     if rank == 0:
         write_csv([summary], os.path.join(config.out, "summary.csv"))
         if "local_steps_picked" in summary:
@@ -267,6 +279,24 @@ def train_worker(config: TrainConfig) -> dict:
                   f"beta {summary['link_beta_s_per_bit']:.2e} s/bit), a step's compute {1e3 * summary['step_s']:.1f} ms, "
                   f"round_share {summary['round_share']}", flush=True)
     return summary
+
+
+STRAGGLER_KEYS = ("factor", "pause_s", "every_s", "compute_s", "slept_s", "paused_s", "pauses", "train_s")
+"""A worker's record of ``--slow-worker``/``--pause-worker``: :meth:`Straggler.totals` and its training seconds."""
+
+
+def straggler_totals(straggler: Straggler | None, train_s: float, device=None) -> list[dict] | None:
+    """Every rank's :meth:`Straggler.totals` and its training seconds ``train_s`` (an all-reduce: every rank calls
+    it), in rank order; None without a straggler (no collective: the run's config is every rank's)."""
+    if straggler is None:
+        return None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    table = torch.zeros(world, len(STRAGGLER_KEYS), dtype=torch.float64, device=device)
+    table[rank] = torch.tensor([float({**straggler.totals(), "train_s": train_s}[k]) for k in STRAGGLER_KEYS],
+                               dtype=torch.float64)
+    comm.all_reduce(table)
+    return [{"rank": r, **{k: (int(v) if k == "pauses" else v) for k, v in zip(STRAGGLER_KEYS, row)}}
+            for r, row in enumerate(table.tolist())]
 
 
 def _resume_path(config: TrainConfig, device: torch.device | None = None) -> str | None:
@@ -282,12 +312,15 @@ def _resume_path(config: TrainConfig, device: torch.device | None = None) -> str
 
 
 def summarize(config: TrainConfig, steps: list[dict], evals: list[dict], *, world: int, n_params: int,
-              wall_s: float, device: str, optimizer=None, setting=None) -> dict:
+              wall_s: float, device: str, optimizer=None, setting=None, workers: list[dict] | None = None) -> dict:
     """One row per run: final losses and mean per-step costs (first 3 steps skipped as warm-up).
 
     With a LionCub ``optimizer``: ``vote_chosen`` (the method run, e.g. ``pbit/2b``; what
     ``vote='auto'`` picked) and ``skipped_steps`` (non-finite steps skipped). With ``setting`` (``--local-setting
-    link``'s :class:`~lioncub.optim.regime.SettingPick`): ``local_setting`` and the regime ``r`` it was picked at."""
+    link``'s :class:`~lioncub.optim.regime.SettingPick`): ``local_setting`` and the regime ``r`` it was picked at.
+    With ``workers`` (:func:`straggler_totals`, a run with ``--slow-worker``/``--pause-worker``): ``stragglers`` (the
+    flags) and per rank, ``;``-separated, ``worker_compute_s``, ``worker_slept_s`` (the slowdown) and
+    ``worker_paused_s``."""
     timed = steps[3:] if len(steps) > 6 else steps
 
     def mean(key):
@@ -319,4 +352,8 @@ def summarize(config: TrainConfig, steps: list[dict], evals: list[dict], *, worl
                 "t_vote_ms": 1e3 * mean("t_vote"), "t_other_ms": 1e3 * mean("t_other"),
                 rate_key: mean(rate_key), "train_time_s": steps[-1]["train_time"] if steps else 0.0,
                 "wall_s": wall_s, "run_dir": config.out})
+    if workers is not None:
+        row["stragglers"] = format_specs(config.slow_workers, config.pause_workers)
+        for key in ("compute_s", "slept_s", "paused_s"):
+            row[f"worker_{key}"] = ";".join(f"{w[key]:.3f}" for w in workers)
     return row

@@ -5,6 +5,8 @@
 - :mod:`lioncub.testbed.launch`: the one local launcher (``spawn``): a free loopback port,
   ``nproc`` spawned workers in a process group, every rank's result or the failing rank's
   traceback. The tests, the harness and the benchmarks all start their workers through it.
+- :mod:`lioncub.testbed.straggler`: a slower worker (``--slow-worker``, ``--pause-worker``): the sleep each
+  step owes, called by the harness's loop (docs/stragglers.md).
 
 Nothing in the optimizer imports this package; the harness (``--link``), the CLI's
 ``env`` report, the benchmarks and the tests do.
