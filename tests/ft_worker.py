@@ -7,7 +7,7 @@ step t depends on (r, t) only), and appends a JSON line per committed round to `
 the round, the participants and contributors, and the parameters' float64 sum and a hash of
 their bytes. ``--fault REPLICA:ROUND:POINT[:ACTION]`` (repeatable): a failure at a chosen point of a
 round (lioncub.ft.faults; only this replica's apply). ``--nan-at REPLICA:K``: that replica's gradient
-is NaN at its inner step K (once).
+is NaN at its inner step K (once). ``--outer-state host``: LocalCub's outer state on the host (both modes).
 
 A plain run resumed from a torchft replica's state (the survivors' reference after a failure):
 ``--save-at K:PATH`` (ft) saves the model and optimizer after the commit of round K (``{replica}`` in
@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--save-at", default="", help="ft: ROUND:PATH, the state saved after round ROUND's commit")
     ap.add_argument("--round-chunk", type=int, default=0, help="LocalCub.round_chunk (0: its default)")
     ap.add_argument("--scale-block", type=int, default=0, help="lioncub.optim.rounds.SCALE_BLOCK (0: its default)")
+    ap.add_argument("--outer-state", default="device", help="LocalCub's outer_state: 'device' or 'host'")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     from lioncub.ft import QuorumError  # (importable without torchft: only FTLocalCub needs it)
@@ -81,6 +82,8 @@ def main() -> None:
         kw.update(vote="pbit", bits=8, quantizer="l1", aggregate="mean", error_feedback=True)
     else:
         kw.update(vote="grad")
+    if not every_step:
+        kw.update(outer_state=a.outer_state)
     if a.mode == "plain":
         import torch.distributed as dist
         group = [int(r) for r in a.group.split(",")] if a.group else list(range(a.world))

@@ -87,6 +87,7 @@ def run(key, fn, drive=None):
     out[key + " syncs"] = a.syncs_per_phase()
     out[key + " backward"] = len(a.syncs_in_backward())
     out[key + " dtypes"] = [d for c in a.collectives for _, d in c.tensors]
+    out[key + " copies"] = [c.name for c in a.copies]
 run("cpu tensor", lambda: dist.all_reduce(torch.zeros(3)))
 run("band", lambda: dist.all_reduce(torch.zeros(3, dtype=torch.uint8, device=meta), op=dist.ReduceOp.BAND))
 run("bool", lambda: dist.all_reduce(torch.zeros(3, dtype=torch.bool, device=meta)))
@@ -94,6 +95,11 @@ run("ok", lambda: dist.all_reduce(torch.zeros(3, dtype=torch.uint8, device=meta)
 run("item", lambda: torch.ones(2, device=meta).sum().item())
 run("tolist", lambda: torch.ones(2, device=meta).tolist())
 run("h2d", lambda: torch.tensor([1.0, 2.0]).to(meta))
+host = torch.zeros(3)  # (LocalCub's host state: pinned where the parameters are on CUDA; meta takes non_blocking at its word)
+run("into host, non_blocking", lambda: host.copy_(torch.ones(3, device=meta), non_blocking=True))
+run("into host, blocking", lambda: host.copy_(torch.ones(3, device=meta)))
+run("to cpu, non_blocking", lambda: torch.ones(3, device=meta).to("cpu", non_blocking=True))
+run("from host, non_blocking", lambda: host.to(meta, non_blocking=True))
 ones = lambda phase, t: torch.ones(t.shape, dtype=t.dtype)  # a norm of 1: the draw happens (0 skips it)
 run("global rng", lambda: quantize(torch.ones(8, device=meta), "linf", bits=4), drive=ones)
 run("barrier in step", lambda: dist.barrier())
@@ -121,6 +127,11 @@ def test_the_audit_catches_each_kind_of_violation():
     assert out["ok"] == [] and out["ok syncs"] == {}, out
     assert out["item syncs"] == {"step 0": 1} and out["tolist syncs"] == {"step 0": 1}, out
     assert out["h2d syncs"] == {"step 0": 1}, out
+    # a non_blocking copy_ into (pinned) host memory or from it waits for nothing: a copy, not a sync; a blocking one,
+    # or a .to("cpu") whose result the host is about to read, is a sync
+    assert out["into host, non_blocking syncs"] == {} and out["into host, non_blocking copies"] == ["to host"], out
+    assert out["from host, non_blocking syncs"] == {} and out["from host, non_blocking copies"] == ["from host"], out
+    assert out["into host, blocking syncs"] == {"step 0": 1} and out["to cpu, non_blocking syncs"] == {"step 0": 1}, out
     assert any("global RNG" in v for v in out["global rng"]), out
     assert any("barrier inside a step" in v for v in out["barrier in step"]), out
     assert out["in backward backward"] == 1, out

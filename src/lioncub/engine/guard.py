@@ -268,17 +268,19 @@ def handle_nonfinite(policy: str, params: list[Tensor], bad_ranks: int, *, step:
         )
 
 
-def _checksums(params: Sequence[Tensor]) -> Tensor:
-    """(n_params, 2) int64: Σ bits and Σ bits·(position+1) of each parameter's raw bits.
+def _checksums(params: Sequence[Tensor], device=None) -> Tensor:
+    """(n_params, 2) int64: Σ bits and Σ bits·(position+1) of each parameter's raw bits, made on ``device``
+    (default: the tensors'; tensors elsewhere are copied there a chunk at a time, non_blocking).
 
     Integer sums wrap around identically everywhere, so equal tensors give equal
     checksums; the position weight catches swapped elements.
     """
-    out = torch.zeros(len(params), 2, dtype=torch.int64, device=comm.device_of(params))
+    device = comm.device_of(params) if device is None else device
+    out = torch.zeros(len(params), 2, dtype=torch.int64, device=device)
     for i, p in enumerate(params):
         bits = p.detach().reshape(-1).view(_INT_OF_SIZE[p.element_size()])  # same bytes, integer view
         for start in range(0, bits.numel(), _CHUNK):
-            chunk = bits[start:start + _CHUNK].to(torch.int64)
+            chunk = bits[start:start + _CHUNK].to(device, non_blocking=True).to(torch.int64)
             pos = torch.arange(start + 1, start + 1 + chunk.numel(), dtype=torch.int64, device=chunk.device)
             out[i, 0] += chunk.sum()  # on the device: no host read per chunk
             out[i, 1] += (chunk * pos).sum()
@@ -286,15 +288,16 @@ def _checksums(params: Sequence[Tensor]) -> Tensor:
 
 
 def replicas_differ(params: list[Tensor], group, world_size: int, *, step: int,
-                    stats: Optional[CommStats] = None) -> Optional[tuple[Tensor, Tensor]]:
+                    stats: Optional[CommStats] = None, device=None) -> Optional[tuple[Tensor, Tensor]]:
     """The collective half of :func:`check_replicas`, with no host read: one all-gather of
     16 bytes per parameter per rank. Returns ``(flag, gathered)``: ``flag`` a 1-element uint8
     tensor on the device, 1 when some rank's parameters differ from rank 0's (the same on
     every rank: all see the same gathered checksums), and the gathered ``(P, n_params, 2)``
-    checksums for :func:`report_replicas`. None on one rank."""
+    checksums for :func:`report_replicas`. None on one rank. ``device``: where the checksums are made and
+    gathered (default: the tensors'; the one to give for tensors kept on the host)."""
     if world_size == 1:
         return None
-    everyone = _gather_bytes(_checksums(params), group, stats, step=step)  # (P, n_params, 2)
+    everyone = _gather_bytes(_checksums(params, device), group, stats, step=step)  # (P, n_params, 2)
     return (everyone != everyone[0]).any().to(torch.uint8).reshape(1), everyone
 
 
@@ -315,13 +318,13 @@ def report_replicas(everyone: Tensor, params: list[Tensor], *, step: int, names=
 
 
 def check_replicas(params: list[Tensor], group, world_size: int, *, step: int, names=None,
-                   stats: Optional[CommStats] = None) -> None:
+                   stats: Optional[CommStats] = None, device=None) -> None:
     """Collective check that every rank holds bit-identical parameters.
 
     One all-gather of 16 bytes per parameter per rank and one host read. Raises
     ``RuntimeError`` on every rank naming the first parameter (and the ranks) that differ
     from rank 0. (LionCub's step folds the read into its one agreement: see
     :func:`replicas_differ`.)"""
-    out = replicas_differ(params, group, world_size, step=step, stats=stats)
+    out = replicas_differ(params, group, world_size, step=step, stats=stats, device=device)
     if out is not None:
         report_replicas(out[1], params, step=step, names=names)

@@ -191,7 +191,10 @@ class _LocalEntry(MutableMapping):
         return local_of(self.entry[key])
 
     def __setitem__(self, key, value):
-        if torch.is_tensor(value) and not is_dtensor(value) and value.shape == self.local_param.shape:
+        # (state kept on another device, LocalCub's host state, stays a plain tensor: DTensor.from_local would move
+        # it onto the mesh's device)
+        if torch.is_tensor(value) and not is_dtensor(value) and value.shape == self.local_param.shape \
+                and value.device == self.local_param.device:
             value = self.sharding.wrap(self.local_param, value)
         self.entry[key] = value
 

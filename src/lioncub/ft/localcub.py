@@ -287,6 +287,7 @@ class FTLocalCub(LocalCub):
     # ------------------------------------------------------------------ healing
     def _heal_state(self) -> dict:
         """What a joining replica copies from this one (called by torchft at this replica's round end)."""
+        self._settle()  # (host state: the round's copies into it landed)
         keys = self.rule.state_keys
         return dict(start=[self.local_state[p]["start"].detach().clone() for p in self.params],
                     outer=[{k: self.local_state[p][k].clone() for k in keys} for p in self.params],
@@ -296,6 +297,7 @@ class FTLocalCub(LocalCub):
     def _load_heal(self, sd: dict) -> None:
         """Become the peer's replica at its round's end: θ_s, outer and inner state, counters;
         this replica's own residual is zero and its parameters are θ_s."""
+        self._settle()  # (host state: written here by the host, nothing in flight may read or write it after)
         with torch.no_grad():
             for p, start, outer in zip(self.params, sd["start"], sd["outer"]):
                 s = self.local_state[p]

@@ -127,6 +127,7 @@ class RoundCheckpoint:
             self._unreported = sent
             pending = dict(d=torch.cat([d for d, _ in results]) if results else torch.zeros(0, device=self.device),
                            signed=results[0][1] if results else False, fragment=self._pending_fragment)
+        self._settle()  # (host state: the copies into it in flight landed, before it is handed out)
         sd = super().state_dict()
         counters = dict(rounds=self.rounds, local_step=self.local_step, skipped_rounds=self.skipped_rounds,
                         bad_round=bool(self._bad_round))
@@ -154,7 +155,12 @@ class RoundCheckpoint:
             self._set_config(self.config.resolved(saved["vote"], saved["bits"]))
         extra = self.open_envelope(state_dict)  # kind, settings, rank and world size
         base = copy.deepcopy({k: v for k, v in state_dict.items() if k != self.state_key})
+        self._settle()  # (host state: nothing in flight reads or writes what is replaced)
+        if self.outer_state == "host":  # torch would cast the state onto the parameters' device, whole: ours instead
+            saved, base["state"] = base.get("state", {}), {}
         super().load_state_dict(base)
+        if self.outer_state == "host":
+            self._load_host_state(saved, [i for g in base["param_groups"] for i in g["params"]])
         self.inner.load_state_dict(copy.deepcopy(extra["inner"]))
         self.param_groups = self.inner.param_groups
         counters = extra["counters"]
@@ -185,7 +191,19 @@ class RoundCheckpoint:
         elif self.delay:  # at a round's end a streaming replica is its origin o_i
             with torch.no_grad():
                 for p in self.params:
-                    p.copy_(self.local_state[p]["origin"])
+                    p.copy_(self.local_state[p]["origin"], non_blocking=True)
+
+    def _load_host_state(self, saved: dict, ids: list) -> None:
+        """The outer state of a checkpoint (torch's ``state``, by the saved parameter ids ``ids`` in the parameters'
+        order) copied onto the host, as saved, a tensor at a time (from a checkpoint of either ``outer_state``)."""
+        for n, (p, i) in enumerate(zip(self.params, ids)):
+            entry = self.local_state[p]
+            for key, value in saved.get(i, {}).items():
+                value = local_of(value)
+                if value.shape != p.shape:
+                    raise ValueError(f"state_dict's {key!r} of parameter {n} has shape {tuple(value.shape)}, the "
+                                     f"parameter {tuple(p.shape)}")
+                entry[key] = torch.empty_like(p, dtype=value.dtype, **self._placed()).copy_(value)
 
     def _restore_owner_residuals(self, saved: dict) -> None:
         """The aggregation's per-chunk state of a checkpoint, checked against this run's chunks."""
@@ -197,4 +215,4 @@ class RoundCheckpoint:
             if r.numel() != size:
                 raise ValueError(f"state_dict's owner residual of chunk {index} has {r.numel()} elements; this run's "
                                  f"round keeps {size} there (another round_chunk or aggregation)")
-            self.owner_residuals[index] = r.to(self.device, torch.float32).clone()
+            self.owner_residuals[index] = torch.zeros(size, dtype=torch.float32, **self._placed()).copy_(r)

@@ -98,10 +98,10 @@ from ..votes.rounds import check_round_aggregate, round_aggregation, round_bits
 from .outer import OUTER_RULES, make_outer
 from .checkpoint import RoundCheckpoint
 from .auto_steps import AutoSteps
-from .rounds import Rounds
+from .rounds import OUTER_STATES, Rounds
 from .streaming import StreamingRounds
 
-__all__ = ["LocalCub", "INNER_OPTIMIZERS", "OUTER_RULES", "LOCAL_VOTES", "AGGREGATES", "MEAN_CLIP"]
+__all__ = ["LocalCub", "INNER_OPTIMIZERS", "OUTER_RULES", "OUTER_STATES", "LOCAL_VOTES", "AGGREGATES", "MEAN_CLIP"]
 
 INNER_OPTIMIZERS = ("lion", "adamw")
 LOCAL_VOTES = ("grad",) + votes.VOTE_METHODS
@@ -180,6 +180,13 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
             every H/F steps, its agreement applied H/F steps later (module docstring); F divides an int H.
         eager: with ``delay=1`` and a mean, the outer rule's step by this worker's own Δ_i stands in for the agreed
             one while it is in flight (module docstring; measured to help with fragments, to hurt whole rounds).
+        outer_state: where θ_s, o_i, e_i, the outer rule's momentum and the scatter mean's owner residuals live:
+            ``'device'`` (default: with the parameters) or ``'host'`` (CPU memory, pinned when the parameters are on
+            CUDA), from where each round copies one chunk at a time to the device and back (non_blocking, on the
+            current stream): the same rounds bit for bit, 4-16 fewer bytes a parameter on the device, and the
+            copies' bytes over PCIe each round (docs/local_steps.md, "Outer state on the host"). The default
+            because on the CPU both are the same memory, and on a GPU the copies cost time that only a device
+            short of memory should pay.
         model: the module, to name parameters in errors.
 
     Attributes: ``synced`` (the last ``step()`` ended a round: replicas are identical; with
@@ -190,7 +197,8 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
 
     Memory per parameter: θ_s, plus e_i with error feedback, plus the outer momentum
     for ``'nesterov'``/``'lion'``, plus the inner optimizer's state; with ``delay=1`` also o_i
-    and the message in flight.
+    and the message in flight. With ``outer_state='host'`` the device keeps only the inner optimizer's
+    state and the message in flight (and a round's chunk of the rest while it runs).
     """
 
     state_key = "local"
@@ -228,8 +236,12 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
         round_share: Optional[float] = None,
         min_local_steps: Optional[int] = None,
         max_local_steps: Optional[int] = None,
+        outer_state: str = "device",
     ):
         check_hyperparameters(lr, betas, weight_decay)
+        if outer_state not in OUTER_STATES:
+            raise ValueError(f"outer_state must be one of {OUTER_STATES}, got {outer_state!r}")
+        self.outer_state = outer_state
         self.steps_pick, self.H = self._init_steps(local_steps, round_share, max_local_steps, vote, alpha, beta, gamma,
                                                    min_local_steps)
         if tie == "hold":
@@ -304,12 +316,13 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
     def _outer_state(self, p: Tensor) -> dict:
         state = self.local_state[p]
         if not state:
-            state["start"] = p.detach().clone()
+            placed = self._placed()  # (made there: the host state never passes through the device whole)
+            state["start"] = torch.empty_like(p, **placed).copy_(p.detach())
             if self.delay:  # o_i: where this worker's round in flight began (fragments: its last launch)
-                state["origin"] = p.detach().clone()
+                state["origin"] = torch.empty_like(p, **placed).copy_(p.detach())
             if self.error_feedback:
-                state["residual"] = torch.zeros_like(p, dtype=torch.float32)
-            self.rule.init_state(p, state)
+                state["residual"] = torch.zeros_like(p, dtype=torch.float32, **placed)
+            self.rule.init_state(p, state, **placed)
         return state
 
     # ------------------------------------------------------------------ step

@@ -41,9 +41,11 @@ class OuterRule:
         """The rule from :class:`~lioncub.LocalCub`'s arguments (each rule takes what it uses)."""
         return cls(lr)
 
-    def init_state(self, p: Tensor, state: dict) -> None:
+    def init_state(self, p: Tensor, state: dict, **where) -> None:
+        """Zeros for each of :attr:`state_keys` in ``state``, shaped as ``p``; ``where``: ``zeros_like``'s
+        ``device`` and ``pin_memory`` when the state lives elsewhere than ``p`` (LocalCub's ``outer_state``)."""
         for key in self.state_keys:
-            state[key] = torch.zeros_like(p, dtype=torch.float32)
+            state[key] = torch.zeros_like(p, dtype=torch.float32, **where)
 
     def step(self, start: Tensor, d: Tensor, state: dict, *, lr: float, signed: bool) -> None:
         """``start`` ← the rule's update by ``d`` (in place); ``lr``: the group's η."""

@@ -3,15 +3,23 @@
 outer step, a chunk of the model at a time. Streaming rounds (:mod:`.streaming`) and torchft's rounds
 (:class:`~lioncub.ft.FTLocalCub`) reuse every piece; they differ only in when the agreement is read, and on
 which group and count. Uses what LocalCub defines: ``params``, ``state`` (``start`` = θ_s, ``origin`` = o_i,
-``residual`` = e_i), ``aggregation``, ``rule``, ``error_feedback``, ``delay``, ``world_size``, ``group``,
-``generator``, ``rounds``, ``nonfinite``.
+``residual`` = e_i), ``outer_state``, ``aggregation``, ``rule``, ``error_feedback``, ``delay``, ``world_size``,
+``group``, ``generator``, ``rounds``, ``nonfinite``.
 
 How a round stays within a chunk of memory: :meth:`Rounds._plan` cuts the model into chunks
 (:func:`lioncub.chunks.plan_chunks`: whole tensors together, a larger tensor in slices cut on the blocks of
 :data:`SCALE_BLOCK`) of at most :attr:`Rounds.round_chunk` elements and a 16th of the model. The first pass
 reads every chunk's Δ once for what the round must agree on before any message is made (the finite check,
 and each tensor's mean |v|: :func:`abs_means`); the second pass makes each chunk's Δ again, exchanges it,
-keeps its residual and takes its outer step. Nothing of the size of the model is allocated."""
+keeps its residual and takes its outer step. Nothing of the size of the model is allocated.
+
+Where the outer state lives (``outer_state``): a round reads it through :meth:`Rounds._held` and writes it
+through :meth:`Rounds._keep` (a held piece changed in place) or :meth:`Rounds._store` (a new value), a piece of a
+chunk at a time. On the device a held piece is the state's own slot; on the host (``'host'``) it is a device copy,
+and the writes copy back, all non_blocking on the current stream, which orders them against the round's arithmetic
+(no side stream: a chunk needs its state before its arithmetic starts, and the next round reads what this one
+wrote). So the device holds a chunk's copy at a time, and nothing waits for the host until the host itself reads or
+writes the state (:meth:`Rounds._settle`: a checkpoint, a heal)."""
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
@@ -25,7 +33,10 @@ from ..comm import CommStats
 from ..engine import guard
 from ..votes.rounds import Agreement
 
-__all__ = ["Rounds", "block_sums", "abs_means", "SCALE_BLOCK"]
+__all__ = ["Rounds", "block_sums", "abs_means", "SCALE_BLOCK", "OUTER_STATES"]
+
+OUTER_STATES = ("device", "host")
+"""LocalCub's ``outer_state=``: where θ_s, o_i, e_i, the outer rule's state and the owner residuals live."""
 
 SCALE_BLOCK = 1 << 20
 """Elements per block of a tensor's mean |v| (:func:`abs_means`); a tensor is sliced on these blocks."""
@@ -89,7 +100,7 @@ class Rounds:
         for index, pieces in enumerate(plan):  # second pass: each chunk's Δ again, its exchange, residuals, outer step
             self._chunk_round(pieces, seen, verdict.extra, stats, index)
         self.rounds += 1
-        if self.check_due(self.rounds):
+        if self.check_due(self.rounds):  # (the replicas, on the device, whatever outer_state)
             guard.check_replicas(self.params, self.group, self.world_size, step=self.rounds,
                                  names=self._param_names)
 
@@ -181,14 +192,46 @@ class Rounds:
         v = torch.empty_like(delta) if self.error_feedback else delta
         offset = 0
         for pc in pieces:
-            p = self.params[pc.index]
-            s = self.local_state[p]
             out = delta[offset:offset + pc.size]
-            out.copy_(s[began].reshape(-1)[pc.lo:pc.hi]).sub_((p if until is None else s[until]).reshape(-1)[pc.lo:pc.hi])
+            now = _slot(self.params[pc.index], pc) if until is None else self._held(pc, until)
+            out.copy_(self._held(pc, began).reshape(-1)).sub_(now.reshape(-1))
             if self.error_feedback:
-                torch.add(out, s["residual"].reshape(-1)[pc.lo:pc.hi], out=v[offset:offset + pc.size])
+                torch.add(out, self._held(pc, "residual").reshape(-1), out=v[offset:offset + pc.size])
             offset += pc.size
         return delta, v
+
+    # ------------------------------------------------------------------ where the outer state lives
+    def _placed(self) -> dict:
+        """Where the outer state is made, as a tensor factory's keywords: the parameters' device, or with
+        ``outer_state='host'`` the host, pinned when the parameters are on CUDA (a copy to or from pageable memory
+        waits for it; and pinning needs CUDA)."""
+        if self.outer_state == "host":
+            return dict(device="cpu", pin_memory=self.device.type == "cuda")
+        return dict(device=self.device)
+
+    def _held(self, pc: Piece, key: str) -> Tensor:
+        """``state[key]`` over ``pc`` where the round computes: the state's own slot, or with the state on the host a
+        device copy of it (non_blocking: ordered before the ops that read it on the current stream). A copy that
+        the round changes in place goes back through :meth:`_keep`."""
+        slot = _slot(self.local_state[self.params[pc.index]][key], pc)
+        return slot.to(self.device, non_blocking=True, copy=True) if self.outer_state == "host" else slot
+
+    def _keep(self, pc: Piece, key: str, held: Tensor) -> None:
+        """:meth:`_held`'s ``held``, changed in place, kept: stored when it is a copy (on the device it is the slot)."""
+        if self.outer_state == "host":
+            self._store(pc, key, held)
+
+    def _store(self, pc: Piece, key: str, value: Tensor) -> None:
+        """``state[key]`` over ``pc`` ← ``value`` (on the device); into host state a non_blocking copy, which nothing
+        waits for (:meth:`_settle`)."""
+        slot = _slot(self.local_state[self.params[pc.index]][key], pc)
+        slot.copy_(value.view(slot.shape), non_blocking=True)
+
+    def _settle(self) -> None:
+        """Before the host reads or writes the outer state itself (a checkpoint, a heal): wait for the copies
+        to and from it in flight. Nothing to wait for on the CPU, nor with the state on the device."""
+        if self.outer_state == "host" and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _launch(self, v: Tensor, pieces: list[Piece], head: list[float], scales: Optional[Tensor], count: int,
                 stats: CommStats, *, aggregation=None, group=None, owner: Optional[Tensor] = None,
@@ -220,8 +263,8 @@ class Rounds:
         if not size:
             return None
         kept = self.owner_residuals.get(index)
-        if kept is None or kept.numel() != size:
-            kept = self.owner_residuals[index] = torch.zeros(size, dtype=torch.float32, device=self.device)
+        if kept is None or kept.numel() != size:  # (the aggregation reads and writes it where it lives)
+            kept = self.owner_residuals[index] = torch.zeros(size, dtype=torch.float32, **self._placed())
         return kept
 
     def _keep_residuals(self, v: Tensor, sent: Optional[Tensor], pieces: list[Piece]) -> None:
@@ -233,34 +276,39 @@ class Rounds:
     def _write_residuals(self, e: Tensor, pieces: list[Piece]) -> None:
         """The residuals of ``pieces`` ← ``e`` (flat, in their order)."""
         for pc, value in zip(pieces, e.split([pc.size for pc in pieces])):
-            slot = _slot(self.local_state[self.params[pc.index]]["residual"], pc)
-            slot.copy_(value.view(slot.shape))
+            self._store(pc, "residual", value)
 
-    def _outer_step(self, result: tuple[Tensor, bool], pieces: list[Piece], replicas: bool = True) -> None:
+    def _outer_step(self, result: tuple[Tensor, bool], pieces: list[Piece], replicas: bool = True) -> list[Tensor]:
         """θ_s ← decayed θ_s, then the outer rule by d (``result``: (d over ``pieces``, whether d holds u)),
-        over ``pieces``; every replica ← θ_s (``replicas``)."""
+        over ``pieces``; every replica ← θ_s (``replicas``). Returns the new θ_s of each piece, on the device."""
         d, signed = result
         groups = self._groups_of_params()
+        starts = []
         for pc, dp in zip(pieces, d.split([pc.size for pc in pieces])):
-            start = self._moved_start(pc, dp, signed, groups[pc.index])
+            starts.append(self._moved_start(pc, dp, signed, groups[pc.index]))
             if replicas:
-                _slot(self.params[pc.index], pc).copy_(start)
+                _slot(self.params[pc.index], pc).copy_(starts[-1])
+        return starts
 
     def _groups_of_params(self) -> list[dict]:
         """Each parameter's group, in ``self.params``' order (what a piece's ``index`` points into)."""
         return [g for g in self.param_groups for _ in g["params"]]
 
     def _moved_start(self, pc: Piece, dp: Tensor, signed: bool, group: dict, preview: bool = False) -> Tensor:
-        """θ_s over ``pc`` moved by the decoupled decay and the outer rule by ``dp``, in place; with ``preview``,
-        a copy moved instead (θ_s and the rule's state stay as they were: a streaming round's stand-in)."""
-        s = self.local_state[self.params[pc.index]]
-        start, state = _slot(s["start"], pc), {k: _slot(s[k], pc) for k in self.rule.state_keys}
+        """θ_s over ``pc`` moved by the decoupled decay and the outer rule by ``dp`` (and stored, the rule's state
+        too), returned on the device; with ``preview``, a copy moved instead (θ_s and the rule's state stay as they
+        were: a streaming round's stand-in)."""
+        start, state = self._held(pc, "start"), {k: self._held(pc, k) for k in self.rule.state_keys}
         if preview:
             start, state = start.clone(), {k: v.clone() for k, v in state.items()}
         lr, wd = group["lr"], group["outer_weight_decay"]
         if wd != 0:
             start.mul_(1.0 - self.rule.lr * lr * wd)
         self.rule.step(start, dp.view(start.shape), state, lr=lr, signed=signed)
+        if not preview:
+            self._keep(pc, "start", start)
+            for key, value in state.items():
+                self._keep(pc, key, value)
         return start
 
     def _nonfinite(self, bad_ranks: int) -> None:
@@ -269,7 +317,7 @@ class Rounds:
                 f"non-finite gradients or parameters in round {self.rounds} on {bad_ranks} rank(s); "
                 "pass nonfinite='skip' to drop such rounds")
         for p in self.params:  # every rank drops the round's local progress
-            p.copy_(self.local_state[p]["start"])
+            p.copy_(self.local_state[p]["start"], non_blocking=True)
             if self.delay:
-                self.local_state[p]["origin"].copy_(p)
+                self.local_state[p]["origin"].copy_(p, non_blocking=True)
         self.skipped_rounds += 1

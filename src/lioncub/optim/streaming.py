@@ -130,16 +130,16 @@ class StreamingRounds:
         when the round is not finite everywhere)."""
         delta, v = seen.kept or self._pseudo_gradient("origin", pieces)
         if previous is not None:
-            self._outer_step(previous.result(stats), pieces, replicas=False)
+            starts = self._outer_step(previous.result(stats), pieces, replicas=False)
         if verdict.bad_ranks:
             return None
         if self.eager:  # (before the send, which may overwrite v: Δ itself without error feedback)
             self._stand_in(delta, pieces)
         elif previous is not None:
-            self._rebase(delta, pieces)
+            self._rebase(delta, pieces, starts)
         else:  # nothing in flight (the first round, after a skip or a flush): θ_i stays
             for pc in pieces:
-                _slot(self.local_state[self.params[pc.index]]["origin"], pc).copy_(_slot(self.params[pc.index], pc))
+                self._store(pc, "origin", _slot(self.params[pc.index], pc))
         return self._send(v, pieces, verdict.extra, seen.scales, stats, index, group=self.stream_group)
 
     # ------------------------------------------------------------------ fragments
@@ -174,7 +174,7 @@ class StreamingRounds:
                 delta = v = None
             else:
                 for pc in pieces:
-                    _slot(self.local_state[self.params[pc.index]]["origin"], pc).copy_(_slot(self.params[pc.index], pc))
+                    self._store(pc, "origin", _slot(self.params[pc.index], pc))
         self._agreeing = LateFragment(agreeing, j, seen.scales, kept)
         self.last_round_stats = stats
         if self.H // self.fragments == 1:
@@ -210,12 +210,10 @@ class StreamingRounds:
         plan, (lo, hi) = self._plan(), self._fragment_spans()[self._pending_fragment]
         for index, agreement in zip(range(lo, hi), pending):
             pieces = plan[index]
-            progress = [_slot(self.params[pc.index], pc).float() - _slot(self.local_state[self.params[pc.index]]["origin"],
-                                                                            pc).float() for pc in pieces]
-            self._outer_step(agreement.result(stats), pieces, replicas=False)
-            for pc, moved in zip(pieces, progress):
-                _slot(self.params[pc.index], pc).copy_(_slot(self.local_state[self.params[pc.index]]["start"],
-                                                             pc).float() + moved)
+            progress = [_slot(self.params[pc.index], pc).float() - self._held(pc, "origin").float() for pc in pieces]
+            starts = self._outer_step(agreement.result(stats), pieces, replicas=False)
+            for pc, start, moved in zip(pieces, starts, progress):
+                _slot(self.params[pc.index], pc).copy_(start.float() + moved)
         if self._pending_fragment == self.fragments - 1:
             self._applied()
 
@@ -227,11 +225,13 @@ class StreamingRounds:
                 return
 
     def _applied(self) -> None:
-        """A round's outer step is complete: count it, and check the replicas' θ_s when due."""
+        """A round's outer step is complete: count it, and check the replicas' θ_s when due (checksummed on the
+        device, where host state goes a slice at a time)."""
         self.rounds += 1
         if self.check_due(self.rounds):
+            self._settle()  # (a strided θ_s on the host is read there, by its reshape)
             guard.check_replicas([self.local_state[p]["start"] for p in self.params], self.group, self.world_size,
-                                 step=self.rounds, names=self._param_names)
+                                 step=self.rounds, names=self._param_names, device=self.device)
 
     def _stand_in(self, delta: Tensor, pieces: list[Piece]) -> None:
         """``eager``: θ_i ← the outer rule's step from θ_s by this worker's own Δ_i (``delta``, over ``pieces``),
@@ -240,17 +240,15 @@ class StreamingRounds:
         for pc, piece in zip(pieces, delta.split([pc.size for pc in pieces])):
             mine = _slot(self.params[pc.index], pc)
             mine.copy_(self._moved_start(pc, piece, False, groups[pc.index], preview=True))
-            _slot(self.local_state[self.params[pc.index]]["origin"], pc).copy_(mine)
+            self._store(pc, "origin", mine)
 
-    def _rebase(self, delta: Tensor, pieces: list[Piece]) -> None:
-        """θ_i ← θ_s − Δ_i (``delta``: this worker's progress since o_i over ``pieces``, negated);
-        o_i ← θ_i."""
-        for pc, piece in zip(pieces, delta.split([pc.size for pc in pieces])):
-            p = self.params[pc.index]
-            s = self.local_state[p]
-            mine = _slot(p, pc)
-            mine.copy_(_slot(s["start"], pc).float() - piece.view(mine.shape))
-            _slot(s["origin"], pc).copy_(mine)
+    def _rebase(self, delta: Tensor, pieces: list[Piece], starts: list[Tensor]) -> None:
+        """θ_i ← θ_s − Δ_i (``delta``: this worker's progress since o_i over ``pieces``, negated; ``starts``: θ_s of
+        each piece, as :meth:`_outer_step` returned it); o_i ← θ_i."""
+        for pc, start, piece in zip(pieces, starts, delta.split([pc.size for pc in pieces])):
+            mine = _slot(self.params[pc.index], pc)
+            mine.copy_(start.float() - piece.view(mine.shape))
+            self._store(pc, "origin", mine)
 
     @contextmanager
     def agreed(self) -> Iterator[None]:
@@ -260,7 +258,7 @@ class StreamingRounds:
         own = [p.detach().clone() for p in self.params]
         with torch.no_grad():
             for p in self.params:
-                p.copy_(self.local_state[p]["start"])
+                p.copy_(self.local_state[p]["start"], non_blocking=True)
         try:
             yield
         finally:
@@ -287,10 +285,9 @@ class StreamingRounds:
         pending, self._pending = self._pending, None
         for c, pieces in enumerate(self._plan()):
             agreement, pending[c] = pending[c], None  # (its d is freed with this chunk)
-            delta = torch.cat([_slot(self.local_state[self.params[pc.index]]["origin"], pc).float().reshape(-1)
+            delta = torch.cat([self._held(pc, "origin").float().reshape(-1)
                                - _slot(self.params[pc.index], pc).float().reshape(-1) for pc in pieces])
-            self._outer_step(agreement.result(stats), pieces, replicas=False)
-            self._rebase(delta, pieces)
+            self._rebase(delta, pieces, self._outer_step(agreement.result(stats), pieces, replicas=False))
             agreement = delta = None
         self._applied()
         self.last_round_stats = stats

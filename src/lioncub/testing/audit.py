@@ -14,8 +14,10 @@ that sees every ATen and c10d operator:
   *violation*;
 * every host sync: a read of a device scalar (``aten._local_scalar_dense``: ``item``,
   ``bool``, ``int``), a copy from the device to the CPU (``.cpu()``, ``.tolist()``,
-  ``.numpy()``), a blocking copy of a CPU tensor onto the device (``torch.tensor(list,
-  device=cuda)``: torch waits for the stream after a pageable copy), and ops whose output
+  ``.numpy()``; not a non_blocking ``copy_`` into pinned memory, which nobody waits for:
+  LocalCub's host state, :meth:`DeviceAudit._into_pinned`), a blocking copy of a CPU tensor
+  onto the device (``torch.tensor(list, device=cuda)``: torch waits for the stream after a
+  pageable copy), and ops whose output
   size depends on the data (``nonzero``, ...), each
   under the current *phase* (:meth:`DeviceAudit.phase`: e.g. one optimizer step) and
   flagged when it happens inside backward (an autograd hook);
@@ -71,6 +73,11 @@ _DATA_DEPENDENT = {"nonzero", "masked_select", "unique", "_unique2", "unique_con
                    "equal", "is_nonzero", "allclose", "repeat_interleave"}
 
 
+def _non_blocking(name: str, args, kwargs) -> bool:
+    """Whether a ``_to_copy`` / ``copy_`` was asked not to block (``copy_``'s flag may come positionally)."""
+    return bool(kwargs.get("non_blocking") or (name == "copy_" and len(args) > 2 and args[2]))
+
+
 @dataclass
 class Collective:
     name: str
@@ -98,6 +105,9 @@ class DeviceAudit(TorchDispatchMode):
     drive: Optional[Callable[[str, torch.Tensor], Optional[torch.Tensor]]] = None
     collectives: list[Collective] = field(default_factory=list)
     syncs: list[Sync] = field(default_factory=list)
+    copies: list[Sync] = field(default_factory=list)
+    """Non-blocking copies between the host and the device (``'to host'``, ``'from host'``): no host sync, but
+    bytes over PCIe, recorded per phase (LocalCub's host state moves at a round's end only)."""
     violations: list[str] = field(default_factory=list)
     current: str = "setup"
 
@@ -152,6 +162,10 @@ class DeviceAudit(TorchDispatchMode):
         in_bw = torch._C._current_graph_task_id() != -1
         self.syncs.append(Sync(name, self.current, in_bw, self._where()))
 
+    def _copy(self, name: str) -> None:
+        in_bw = torch._C._current_graph_task_id() != -1
+        self.copies.append(Sync(name, self.current, in_bw, self._where()))
+
     def _answer(self, t: torch.Tensor) -> Optional[torch.Tensor]:
         if self.drive is not None:
             value = self.drive(self.current, t)
@@ -167,7 +181,10 @@ class DeviceAudit(TorchDispatchMode):
             return func(*args, **kwargs)
         tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         if name in ("_to_copy", "copy_") and self.device.type != "cpu" and self._from_cpu(name, args, kwargs):
-            self._sync("copy from cpu")  # a pageable host-to-device copy waits for the stream
+            if _non_blocking(name, args, kwargs):
+                self._copy("from host")
+            else:
+                self._sync("copy from cpu")  # a pageable host-to-device copy waits for the stream
         dev = [t for t in tensors if self._on_device(t)]
         if dev and self.device.type != "cpu":
             if name == "_local_scalar_dense":
@@ -175,7 +192,10 @@ class DeviceAudit(TorchDispatchMode):
                 if dev[0].device.type == "meta":
                     return self._answer(dev[0]).item()
             elif name in ("_to_copy", "copy_") and self._to_cpu(name, args, kwargs):
-                self._sync("copy to cpu")
+                if self._into_pinned(name, args, kwargs):
+                    self._copy("to host")
+                else:
+                    self._sync("copy to cpu")
                 if dev[0].device.type == "meta":
                     host = self._answer(dev[0]).to(kwargs.get("dtype") or dev[0].dtype)
                     if name == "copy_":
@@ -192,18 +212,25 @@ class DeviceAudit(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def _from_cpu(self, name, args, kwargs) -> bool:
-        """A blocking copy of a CPU tensor onto the device (a 0-dim CPU tensor taken as an operand
-        of a device op is passed as a scalar, with no copy: that is not counted). Non-blocking
-        copies are not counted: from pinned memory they do not wait; from pageable memory they
-        may (the library uses them only for tensors already on the device)."""
-        if kwargs.get("non_blocking") or (name == "copy_" and len(args) > 2 and args[2]):
-            return False
+        """A copy of a CPU tensor onto the device (a 0-dim CPU tensor taken as an operand of a
+        device op is passed as a scalar, with no copy: that is not counted). A blocking one is a
+        sync; a non-blocking one is not: from pinned memory it does not wait; from pageable memory
+        it may (the library's come from pinned memory, LocalCub's host state, or from the device)."""
         if name == "copy_":
             src, on = args[1], self._on_device(args[0])
         else:
             dst = kwargs.get("device")
             src, on = args[0], dst is not None and torch.device(dst).type == self.device.type
         return on and isinstance(src, torch.Tensor) and src.device.type == "cpu"
+
+    def _into_pinned(self, name, args, kwargs) -> bool:
+        """A non_blocking ``copy_`` into pinned host memory: the stream writes it when it gets there and nothing
+        waits (the host must not read it before a sync: LocalCub waits at a checkpoint). On ``meta`` the flag is
+        taken at its word: nothing is pinned without a GPU, and the library pins exactly when its parameters are
+        on CUDA, where the audit of a real device (``make gpu-check``) sees the pinning itself."""
+        if name != "copy_" or not _non_blocking(name, args, kwargs):
+            return False
+        return self.device.type == "meta" or args[0].is_pinned()
 
     def _to_cpu(self, name, args, kwargs) -> bool:
         if name == "copy_":

@@ -85,19 +85,24 @@ def lioncub_skip(device, audit, steps: int = 3, **kw) -> None:
     assert opt.skipped_steps == 1, f"the NaN step was not skipped ({opt.skipped_steps} skipped)"
 
 
-def lioncub_resume(device, audit, steps: int = 3, **kw) -> None:
-    """state_dict after two steps, a fresh optimizer loads it (through a CPU copy, as a
-    checkpoint loaded with map_location='cpu' is), and steps on."""
-    import lioncub as lc
+def _resume(make, device, audit, first: int, steps: int) -> None:
+    """``make(model)``'s optimizer saved after ``first`` steps; a fresh one loads it (through a CPU copy, as a
+    checkpoint loaded with map_location='cpu' is) and takes ``steps`` more."""
     model = _model(device)
-    opt = lc.LionCub(model.parameters(), lr=1e-3, bucket_mb=0.001, **kw)
-    _train(opt, model, device, audit, 2)
+    opt = make(model)
+    _train(opt, model, device, audit, first)
     with audit.phase("save"):
         state = _to_cpu(opt.state_dict())
-    opt2 = lc.LionCub(model.parameters(), lr=1e-3, bucket_mb=0.001, **kw)
+    opt2 = make(model)
     with audit.phase("load"):
         opt2.load_state_dict(state)
-    _train(opt2, model, device, audit, steps, first=2)
+    _train(opt2, model, device, audit, steps, first=first)
+
+
+def lioncub_resume(device, audit, steps: int = 3, **kw) -> None:
+    """LionCub saved after two steps, resumed (:func:`_resume`)."""
+    import lioncub as lc
+    _resume(lambda model: lc.LionCub(model.parameters(), lr=1e-3, bucket_mb=0.001, **kw), device, audit, 2, steps)
 
 
 def _to_cpu(obj):
@@ -150,6 +155,12 @@ def localcub(device, audit, steps: int = 4, **kw) -> None:
     model = _model(device)
     opt = lc.LocalCub(model.parameters(), lr=1e-3, local_steps=kw.pop("local_steps", 2), model=model, **kw)
     _train(opt, model, device, audit, steps)
+
+
+def localcub_resume(device, audit, steps: int = 4, **kw) -> None:
+    """LocalCub saved mid-round (with ``delay=1``, a round in flight), resumed (:func:`_resume`)."""
+    import lioncub as lc
+    _resume(lambda model: lc.LocalCub(model.parameters(), lr=1e-3, local_steps=2, **kw), device, audit, 3, steps)
 
 
 def nodecub(device, audit, steps: int = 3, **kw) -> None:
@@ -268,6 +279,17 @@ def _paths() -> dict[str, Callable]:
                                                      outer="nesterov")
     out["localcub auto skip check"] = p(localcub, vote="auto", alpha=1e-4, beta=1e-9, gamma={"pbit": (1e-9, 0.0)},
                                         nonfinite="skip", check_every=1)
+    # the outer state on the host: every copy to and from it non_blocking, no collective on it (issue 68)
+    out["localcub host state"] = p(localcub, vote="onebit", error_feedback=True, outer="nesterov", outer_state="host")
+    out["localcub host state scatter mean fragments"] = p(localcub, steps=8, local_steps=4, vote="onebit",
+                                                          aggregate="mean", bits=4, error_feedback=True, delay=1,
+                                                          fragments=2, outer="lion", outer_state="host")
+    out["localcub host state mean delay 1 skip check"] = p(localcub, vote="pbit", bits=8, quantizer="l1",
+                                                           aggregate="mean", error_feedback=True, delay=1,
+                                                           nonfinite="skip", check_every=1, outer="nesterov",
+                                                           outer_state="host")
+    out["localcub host state resume"] = p(localcub_resume, vote="onebit", aggregate="mean", bits=4,
+                                          error_feedback=True, delay=1, outer="nesterov", outer_state="host")
     out["nodecub pbit"] = p(nodecub, vote="pbit")
     out["nodecub onebit"] = p(nodecub, vote="onebit")
     out["nodecub unsharded skip check, mean"] = p(nodecub, shard=False, nonfinite="skip", check_every=1,
@@ -280,6 +302,9 @@ def _paths() -> dict[str, Callable]:
     out["lioncub fsdp2 pbit l1"] = p(lioncub_fsdp2, vote="pbit", bits=8, quantizer="l1", bucket_mb=0.001)
     out["localcub fsdp2 lane mean"] = p(lioncub_fsdp2, optimizer="LocalCub", local_steps=2, vote="pbit", bits=8,
                                         quantizer="l1", aggregate="mean", error_feedback=True, steps=4)
+    out["localcub fsdp2 lane mean host state"] = p(lioncub_fsdp2, optimizer="LocalCub", local_steps=2, vote="pbit",
+                                                   bits=8, quantizer="l1", aggregate="mean", error_feedback=True,
+                                                   steps=4, outer_state="host")
     out["sparseloco"] = p(baseline, name="sparseloco-h10", steps=11)
     out["demo"] = p(baseline, name="demo")
     return out
@@ -298,7 +323,7 @@ for _name in PATHS:
         SYNC_BUDGET[_name] = 2  # the node mean's gradient presence, the world's agreement (its vote reads none)
     if _name == "nodecub unsharded skip check, mean":
         SYNC_BUDGET[_name] = 3  # + check_every=1's replica check on each step
-    if _name == "localcub auto skip check":
+    if _name in ("localcub auto skip check", "localcub host state mean delay 1 skip check"):
         SYNC_BUDGET[_name] = 3  # + check_every=1's replica check after each round
     if _name == "localcub local_steps auto":
         SYNC_BUDGET[_name] = 3  # + once, at the first round's end, the slowest rank's timed iteration (the pick)
@@ -311,10 +336,10 @@ META_SKIP: dict[str, str] = {name: "DDP's C++ reducer cannot run on meta tensors
 
 # ---------------------------------------------------------------------- coverage of the options
 _OPTIMIZER_OF = {lioncub: "LionCub", lioncub_skip: "LionCub", lioncub_resume: "LionCub", lioncub_scaler: "LionCub",
-                 ddp_hook: "LionCub", localcub: "LocalCub", nodecub: "NodeCub"}
+                 ddp_hook: "LionCub", localcub: "LocalCub", localcub_resume: "LocalCub", nodecub: "NodeCub"}
 _SET_INSIDE = {lioncub: {"bucket_mb", "model"}, lioncub_skip: {"bucket_mb", "nonfinite"},
                lioncub_resume: {"bucket_mb"}, lioncub_scaler: {"bucket_mb"}, ddp_hook: {"model"},
-               localcub: {"local_steps", "model"}, nodecub: {"layout", "model"}}
+               localcub: {"local_steps", "model"}, localcub_resume: {"local_steps"}, nodecub: {"layout", "model"}}
 """The options a path function passes its optimizer itself (beyond its keyword arguments)."""
 
 NOT_PATH_CHANGING: dict[str, str] = {

@@ -183,7 +183,8 @@ class RoundAggregation:
         ``sizes``: the pieces of tensors ``v`` holds; ``head``: :meth:`head` summed over the ranks, one per
         piece; ``scales``: this rank's mean |v| of each piece's tensor (None: of the piece itself, when it is
         a whole tensor); ``count``: the ranks whose ``v`` counts; ``step``: the round (the tie rule's parity);
-        ``owner``: this rank's state of :meth:`owner_elements` for the message (updated in place); ``abstain``:
+        ``owner``: this rank's state of :meth:`owner_elements` for the message (updated in place, on the
+        device or on the host: read and written with non_blocking copies); ``abstain``:
         this rank has nothing to contribute (``v`` is zeros) and is not among the ``count``: a :attr:`partial`
         aggregation sends what adds nothing.
         Returns the agreement and, with ``feedback``, ``C(v)``. Collective: every rank of ``group``."""
@@ -351,13 +352,13 @@ class ScatterMean(RoundAggregation):
             x = torch.zeros(E, dtype=torch.float32, device=v.device)
             for t, lo, hi in mine:
                 torch.mul(total[lo:hi], units[t] / count, out=x[lo:hi])
-            x.add_(owner)
+            x.add_(owner.to(x.device, non_blocking=True))  # (LocalCub may keep it on the host)
             unit2 = unit_of(piece_scales(x, mine, len(sizes), v.device), bits)
             w = torch.zeros(E, dtype=torch.float32, device=v.device)
             for t, lo, hi in mine:
                 to_levels(x[lo:hi], unit2[t], bits, parity, w[lo:hi])
                 x[lo:hi].sub_(w[lo:hi] * unit2[t])
-            owner.copy_(x)  # r ← x − unit'·w (0 beyond the message's end)
+            owner.copy_(x, non_blocking=True)  # r ← x − unit'·w (0 beyond the message's end)
             reply = torch.cat([codes(w, bits, E), unit2.view(torch.uint8)])
             if P == 1:
                 return Agreement(None, lambda _: decode(reply.view(1, -1)), False)
