@@ -259,6 +259,22 @@ def storage_bytes(tensors) -> int:
     return total
 
 
+def host_tensors(opt) -> list[torch.Tensor]:
+    """The tensors ``opt`` keeps in host memory: LocalCub's outer state with ``outer_state='host'`` (every tensor of
+    its ``state``, and the owner residuals); none otherwise. Under the fake mode they are ``cpu`` tensors like the
+    device's, so ``bench/memory.py`` counts them apart."""
+    if getattr(opt, "outer_state", "device") != "host":
+        return []
+    return [v for entry in opt.state.values() for v in entry.values() if isinstance(v, torch.Tensor)] \
+        + list(opt.owner_residuals.values())
+
+
+def storage_ids(tensors) -> set:
+    """The distinct storages under ``tensors`` (a DTensor's: its local tensor's), as :func:`storage_bytes` tells
+    them apart."""
+    return {_local(t).untyped_storage()._cdata for t in tensors if isinstance(t, torch.Tensor)}
+
+
 def state_tensors(opt) -> list[torch.Tensor]:
     """Every tensor of ``opt.state`` and of the optimizers it drives (LocalCub's ``inner``, NodeCub's
     ``voter``)."""

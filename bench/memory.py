@@ -24,6 +24,11 @@ made state exists before it; ``zero_grad(set_to_none=True)`` between them. Bytes
 * ``fwd/bw``: the same for forward + backward: activations, logits, FSDP2's all-gathered parameters,
   and the gradients backward allocates;
 * ``peak``: the highest total during the measured step (forward, backward, ``opt.step()``);
+* ``host``: what the optimizer keeps in host memory (LocalCub's ``outer_state='host'``: θ_s, e_i), left out of
+  every other column. Under the fake mode host and device tensors are both ``cpu``; the optimizer says which are
+  its host tensors (``bench/_fakemem.py``'s ``host_tensors``), made at construction and written in place, so they
+  are the same storages and bytes through the measured step (checked: the row fails otherwise) and the device's
+  peak is the tracked one less them;
 * ``per_param``: each divided by the rank's local parameter count (bytes per parameter).
 
 The JSON rows add ``kept_at`` and ``transient_at`` (bytes per allocating line of src/lioncub or
@@ -32,7 +37,7 @@ torch/optim, after the step and at the step's peak; lines holding over 1 MiB),
 peak: FSDP2 + AdamW's first step counts DTensor's sharding propagation, which runs its ops on fake
 tensors of the global shape inside this fake mode and allocates nothing on a real run),
 ``host_reads_at`` (the reads :class:`HostReads` answered, per library line; a ``.tolist()`` of k
-elements is k reads), ``source`` (the commit measured; the ``file:line`` refer to it), and for LocalCub
+elements is k reads), ``host_at`` (the host bytes per allocating line), ``source`` (the commit measured; the ``file:line`` refer to it), and for LocalCub
 ``round_transient`` and ``round_at``: the round's own peak over what was allocated when it began (the
 step's transient may be its inner optimizer's).
 
@@ -66,7 +71,7 @@ everywhere), heads of 64. Setups (``--optimizers``), world W = R replicas x S sh
   quantizer='l1', aggregate='mean', error_feedback=True``), replicated; ``localcub_mean_delay1`` the same
   streamed (``delay=1``: the second round's end, which applies the first's agreement and launches its
   own); ``fsdp_localcub_mean`` the lane mean on FSDP2's shards (``fully_shard`` on ``mesh['shard']``,
-  R replicas agree);
+  R replicas agree); ``localcub_mean_host``, ``fsdp_localcub_mean_host``: the same with ``outer_state='host'``;
 * ``nodecub``: ``lioncub.NodeCub(vote='onebit')``, W/S nodes of S ranks (``node_groups(S)``); rank 0
   is local rank 0, which the shard plan gives the largest tensor first (the most loaded).
 
@@ -97,7 +102,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench._fakemem import (SRC, HostReads, _local, _trackers, clear_library_caches, fake_world,  # noqa: E402
-                            library_frame, state_tensors, storage_bytes, stub_fused_loops)
+                            host_tensors, library_frame, state_tensors, storage_bytes, storage_ids, stub_fused_loops)
 
 VOCAB = 50304
 POSITIONS = 2048
@@ -105,8 +110,9 @@ HEAD = 64
 SIZES = {"125M": (12, 768), "1.3B": (24, 2048), "7B": (32, 4096), "70B": (80, 8192)}
 """Name -> (layers, width d)."""
 OPTIMIZERS = ("adamw", "fsdp_adamw", "lioncub_onebit", "lioncub_pbit", "fsdp_lioncub_onebit", "localcub",
-              "localcub_mean", "localcub_mean_delay1", "fsdp_localcub_mean", "nodecub")
-COLUMNS = ("params", "grads", "state", "kept", "transient", "fwd_bw", "peak")
+              "localcub_mean", "localcub_mean_host", "localcub_mean_delay1", "fsdp_localcub_mean",
+              "fsdp_localcub_mean_host", "nodecub")
+COLUMNS = ("params", "grads", "state", "kept", "transient", "fwd_bw", "peak", "host")
 DEVICE = "cpu (FakeTensorMode)"
 
 
@@ -203,12 +209,13 @@ def _localcub(model, mesh, cfg):
     return lioncub.LocalCub(model.parameters(), lr=1e-4, local_steps=cfg.local_steps, vote="onebit")
 
 
-def _localcub_mean(delay):
+def _localcub_mean(delay, outer_state="device"):
     def make(model, mesh, cfg):
         import lioncub
 
         return lioncub.LocalCub(model.parameters(), lr=1e-4, local_steps=cfg.local_steps, vote="pbit", bits=8,
-                                quantizer="l1", aggregate="mean", error_feedback=True, delay=delay)
+                                quantizer="l1", aggregate="mean", error_feedback=True, delay=delay,
+                                outer_state=outer_state)
     return make
 
 
@@ -228,8 +235,10 @@ SETUPS: dict[str, tuple[Optional[str], Callable, str]] = {
     "fsdp_lioncub_onebit_bf16": ("shard", _lioncub("onebit"), "as fsdp_lioncub_onebit, bf16 parameters"),
     "localcub": (None, _localcub, "replicated + LocalCub(onebit, H): the step that ends a round"),
     "localcub_mean": (None, _localcub_mean(0), "replicated + LocalCub(8-bit lane mean, EF, H): a round's end"),
+    "localcub_mean_host": (None, _localcub_mean(0, "host"), "as localcub_mean, outer_state='host' (θ_s, e_i)"),
     "localcub_mean_delay1": (None, _localcub_mean(1), "as localcub_mean, delay=1: the second round's end"),
     "fsdp_localcub_mean": ("shard", _localcub_mean(0), "FSDP2 on mesh['shard'] + LocalCub(lane mean), R agree"),
+    "fsdp_localcub_mean_host": ("shard", _localcub_mean(0, "host"), "as fsdp_localcub_mean, outer_state='host'"),
     "nodecub": (None, _nodecub, "replicated + NodeCub(onebit), W/S nodes of S ranks"),
 }
 """Name -> (FSDP2 layout: None replicated, ``'hsdp'`` the 2-D mesh, ``'shard'`` its shard dimension;
@@ -309,6 +318,7 @@ def _steps(cfg: Config, mesh) -> dict:
         if hasattr(opt, "_round"):  # LocalCub: the round's own numbers too (its step's peak may be the inner step's)
             _measure_rounds(opt, tracker)
         for step in range(cfg.steps):
+            hosted = storage_ids(host_tensors(opt))  # (the last step's: counted apart, the same storages after it)
             tracker.reset_mod_stats()  # MemTracker refuses a second iteration otherwise
             with tracker.phase("fwd_bw"):
                 loss = model(tokens, targets)
@@ -320,24 +330,31 @@ def _steps(cfg: Config, mesh) -> dict:
                 opt.step()
             if step < cfg.steps - 1:
                 opt.zero_grad(set_to_none=True)
-        state = storage_bytes(state_tensors(opt))
+        if storage_ids(host_tensors(opt)) != hosted:
+            raise RuntimeError("the optimizer's host tensors changed during the measured step: its device peak is "
+                               "not the tracked one less them")
+        host = storage_bytes(host_tensors(opt))
+        state = storage_bytes([t for t in state_tensors(opt) if not storage_ids([t]) & hosted])
         param_bytes = storage_bytes(params)
-        end = tracker.total()
+        end = tracker.total() - host
         before_fwd, fwd_bw_peak, _ = tracker.phases["fwd_bw"]
         before_step, step_peak, _ = tracker.phases["step"]
     small = 2**20  # sites holding less than 1 MiB are left out
     out = dict(local_params=local_params, voters=getattr(getattr(opt, "voter", opt), "world_size", None),
                build_kept=tracker.phases["build"][2] - tracker.phases["build"][0],
-               build_transient=tracker.phases["build"][1] - tracker.phases["build"][0], run_peak=tracker.overall_peak(),
+               build_transient=tracker.phases["build"][1] - tracker.phases["build"][0],
+               run_peak=tracker.overall_peak() - host,
                host_reads_per_step=reads.reads - reads_before, host_reads_at=dict(reads.where),
-               kept_at=_largest(tracker.alive, small), transient_at=_largest(tracker.at_peak["step"], small))
+               kept_at=_largest(_less(tracker.alive, _sites(tracker, host_tensors(opt))), small),
+               transient_at=_largest(tracker.at_peak["step"], small),
+               host_at=_largest(_sites(tracker, host_tensors(opt)), small))
     if "round" in tracker.phases:
         before, peak, _ = tracker.phases["round"]
         out.update(round_transient=peak - before, round_at=_largest(tracker.at_peak["round"], small))
     out["bytes"] = dict(params=param_bytes, grads=grads, state=state,
                         kept=end - param_bytes - grads - state - storage_bytes([tokens, targets]),
                         transient=step_peak - before_step, fwd_bw=fwd_bw_peak - before_fwd,
-                        peak=max(fwd_bw_peak, step_peak))
+                        peak=max(fwd_bw_peak, step_peak) - host, host=host)
     out["per_param"] = {k: round(v / local_params, 3) for k, v in out["bytes"].items()}
     return out
 
@@ -350,6 +367,22 @@ def _measure_rounds(opt, tracker) -> None:
         with tracker.phase("round", sites=True):
             return round_()
     opt._round = measured
+
+
+def _sites(tracker, tensors) -> dict[str, int]:
+    """Bytes of the distinct storages under ``tensors`` per allocating line (as the tracker labelled them)."""
+    out, seen = {}, set()
+    for t in tensors:
+        st = _local(t).untyped_storage()
+        if st._cdata not in seen:
+            seen.add(st._cdata)
+            site = getattr(tracker._WINFO.get(st, (None, None))[0], "site", "?")
+            out[site] = out.get(site, 0) + st.nbytes()
+    return out
+
+
+def _less(by_site: dict[str, int], minus: dict[str, int]) -> dict[str, int]:
+    return {k: v - minus.get(k, 0) for k, v in by_site.items()}
 
 
 def _largest(by_site: dict[str, int], least: int) -> dict[str, int]:
@@ -380,19 +413,20 @@ def _gib(n) -> str:
 def table(rows: list[dict]) -> str:
     """The markdown table of ``rows``: GiB per rank (``Mi``: MiB), then bytes per local parameter."""
     head = ("| size | setup | W (R x S) | voters | local params | params | grads | state | kept | transient | "
-            "fwd/bw | peak | B/param: state, kept, transient, peak |")
+            "fwd/bw | peak | host | B/param: state, kept, transient, peak(, host) |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         shape = f"{r['world']} ({r['replicas']} x {r['shards']})"
         name = r["optimizer"] + ("" if r.get("fused") in (None, "stub") else f" (fused={r['fused']})")
         if r.get("error"):
-            out.append(f"| {r['size']} | {name} | {shape} | | | | | | | | | | error at {r.get('raised_at')}: "
+            out.append(f"| {r['size']} | {name} | {shape} | | | | | | | | | | | error at {r.get('raised_at')}: "
                        f"{r['error'][:160]} |")
             continue
         b, pp = r["bytes"], r["per_param"]
-        cells = " | ".join(_gib(b[k]) for k in COLUMNS)
+        cells = " | ".join("" if k == "host" and not b.get(k) else _gib(b[k]) for k in COLUMNS)  # (none: no host)
+        host = f", {pp['host']:.2f}" if b.get("host") else ""
         out.append(f"| {r['size']} | {name} | {shape} | {r.get('voters') or ''} | {r['local_params'] / 1e6:,.1f}M | "
-                   f"{cells} | {pp['state']:.2f}, {pp['kept']:.2f}, {pp['transient']:.2f}, {pp['peak']:.2f} |")
+                   f"{cells} | {pp['state']:.2f}, {pp['kept']:.2f}, {pp['transient']:.2f}, {pp['peak']:.2f}{host} |")
     return "\n".join(out) + "\n"
 
 
@@ -433,7 +467,8 @@ def report(rows: list[dict]) -> str:
             f"batch {first.get('batch')} x {first.get('seq')} tokens; the last of 2 steps measured (LocalCub: the "
             "step that ends a round). state: the optimizer's `state`; kept: what else stays allocated after the "
             "step; transient: the peak during `opt.step()` minus what was allocated before it; fwd/bw: the same "
-            "for forward + backward (the gradients included); peak: the highest total of the measured step. "
+            "for forward + backward (the gradients included); peak: the highest total of the measured step; host: "
+            "what the optimizer keeps in host memory (`outer_state='host'`), in no other column. "
             "LionCub's fused loops run as no-op stand-ins (their buffers are torch allocations) unless a row says "
             f"fused=off. Source: commit {', '.join(trees)}"
             + (f" with uncommitted changes in {', '.join(changed)}" if changed else "")

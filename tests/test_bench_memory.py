@@ -25,19 +25,23 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
 LAYERS, D, VOCAB, SEQ, WORLD, REPLICAS, SHARDS = 2, 64, 256, 16, 8, 2, 4
 SETUPS = ("adamw", "fsdp_adamw", "lioncub_onebit", "lioncub_pbit", "fsdp_lioncub_onebit", "localcub", "localcub_mean",
-          "localcub_mean_delay1", "fsdp_localcub_mean", "nodecub")
+          "localcub_mean_host", "localcub_mean_delay1", "fsdp_localcub_mean", "fsdp_localcub_mean_host", "nodecub")
 SLACK = 4096
 """Bytes allowed beyond a buffer's size for the small scalars an optimizer keeps beside it."""
 WIDE = 512
 """The width of a second GPT (2 layers, 7.5M parameters: several of a round's chunks of 2^20 elements) on which
 the LocalCub setups run too: there a round must hold a chunk, not the model."""
-LOCAL = ("localcub", "localcub_mean", "localcub_mean_delay1", "fsdp_localcub_mean")
-ROUND_BYTES = {"localcub": 11, "localcub_mean": 17, "localcub_mean_delay1": 20, "fsdp_localcub_mean": 17}
+LOCAL = ("localcub", "localcub_mean", "localcub_mean_host", "localcub_mean_delay1", "fsdp_localcub_mean",
+         "fsdp_localcub_mean_host")
+ROUND_BYTES = {"localcub": 11, "localcub_mean": 17, "localcub_mean_host": 17, "localcub_mean_delay1": 20,
+               "fsdp_localcub_mean": 17, "fsdp_localcub_mean_host": 17}
 """Bytes per element of a round's chunk at the round's peak (``rounds.py``'s ``Rounds.round_chunk``: "Δ, v, the
 message and d of one chunk"), as measured: onebit's Δ (4; v is Δ without error feedback) and the finite check's
 temporaries under the fake mode (7); the lane mean's Δ and v (8), q (4), the lanes (q + s, 4, and their bytes, 1);
 streamed, also the mean of the round in flight (4), less its lanes (1 byte an element, freed there). Nothing of
-the size of the model: one fp32 buffer of the model's size breaks every row's bound."""
+the size of the model: one fp32 buffer of the model's size breaks every row's bound. With the outer state on the
+host (``_host``) the same: a piece's copy of θ_s or e_i on the device is smaller than a chunk's buffers and freed
+first."""
 
 _SCRIPT = f"""
 import json, sys
@@ -170,6 +174,11 @@ def test_localcub_and_nodecub_state(rows):
     streamed = rows["localcub_mean_delay1"]  # kept: the round's 8-bit lanes in flight, one byte an element
     assert streamed["local_params"] <= streamed["bytes"]["kept"] <= streamed["local_params"] + SLACK
     assert rows["fsdp_localcub_mean"]["local_params"] * SHARDS == rows["localcub_mean"]["local_params"]  # no padding
+    for name in ("localcub_mean", "fsdp_localcub_mean"):  # outer_state='host': θ_s and e_i off the device
+        device, host = rows[name], rows[f"{name}_host"]
+        n = host["local_params"]
+        assert host["bytes"]["state"] == 4 * n and host["bytes"]["host"] == 8 * n, name  # the inner Lion's momentum
+        assert device["bytes"]["host"] == 0 and host["bytes"]["peak"] <= device["bytes"]["peak"] - 8 * n + SLACK, name
     node = rows["nodecub"]
     n = node["local_params"]
     assert 4 * n // SHARDS <= node["bytes"]["state"] < 4 * n  # rank 0's share of the momenta: at least 1/S
