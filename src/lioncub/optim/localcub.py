@@ -183,10 +183,10 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
         outer_state: where θ_s, o_i, e_i, the outer rule's momentum and the scatter mean's owner residuals live:
             ``'device'`` (default: with the parameters) or ``'host'`` (CPU memory, pinned when the parameters are on
             CUDA), from where each round copies one chunk at a time to the device and back (non_blocking, on the
-            current stream): the same rounds bit for bit, 4-16 fewer bytes a parameter on the device, and the
-            copies' bytes over PCIe each round (docs/local_steps.md, "Outer state on the host"). The default
-            because on the CPU both are the same memory, and on a GPU the copies cost time that only a device
-            short of memory should pay.
+            current stream): the same rounds bit for bit, up to 16 bytes a parameter (fp32) off the device, and
+            28-40 bytes a parameter over PCIe each round (docs/local_steps.md, "Outer state on the host").
+            ``'device'`` is the default because on the CPU both are the same memory, and on a GPU the copies cost
+            time at every round's end that only a device short of memory should pay.
         model: the module, to name parameters in errors.
 
     Attributes: ``synced`` (the last ``step()`` ended a round: replicas are identical; with
