@@ -142,8 +142,7 @@ def _check(results, runs):
         for name, kw in runs:
             same, whole, compared, rounds, host_rounds, skipped = out[name]
             assert same == [True] * len(same) and len(same) >= STEPS, (rank, name, same)
-            assert whole >= 3, (rank, name, whole)  # comparisons with every residual in (the first step, the save,
-            # flush at least)
+            assert whole >= 3, (rank, name, whole)  # with every residual in: the first step, the save, flush...
             assert compared == 5 and rounds == host_rounds > 0, (rank, name, compared, rounds, host_rounds)
             assert skipped == (kw.get("nonfinite") == "skip"), (rank, name, skipped)
 
@@ -178,8 +177,9 @@ SHARDED = [
 
 
 def test_host_state_rounds_equal_device_state_rounds_on_fsdp2_shards():
-    """FSDP2 2 x 2 (the shards' outer state on the host, plain tensors beside DTensor parameters): the lane mean
-    with a skipped round, the streamed scatter mean with θ_s checked, fragments; mid-round resumes as above."""
+    """FSDP2 2 x 2, the shards' outer state on the host (on a GPU plain tensors beside the DTensor parameters; on this
+    CPU mesh DTensors like them): the lane mean with a skipped round, the streamed scatter mean with θ_s checked,
+    fragments; mid-round resumes as above."""
     _check(run_workers(_sharded_worker, 4, SHARDED), SHARDED)
 
 
