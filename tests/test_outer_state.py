@@ -308,3 +308,34 @@ def test_host_state_stays_on_the_host_when_made_stepped_and_loaded(audit_rows):
     placed = audit_rows["placed"]
     assert placed["audit"]["error"] is None and placed["audit"]["violations"] == [], placed["audit"]
     assert placed["where"] == {k: ["cpu"] for k in ("made", "stepped", "loaded", "stepped after the load")}, placed
+
+
+@pytest.mark.parametrize("outer_state", ["device", "host"])
+def test_a_bf16_model_resumes_bit_exact_with_its_fp32_outer_state(outer_state):
+    """bf16 parameters, fp32 residual and Nesterov momentum: a resume keeps them fp32 and continues as the
+    uninterrupted run, bit for bit (torch's own load casts state to the parameter's dtype: the residual and the
+    momentum would come back bf16, and the resumed run would drift)."""
+    def build():
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(37, 5).bfloat16()), nn.Parameter(torch.randn(11).bfloat16())]
+        return params, LocalCub(params, lr=1e-2, local_steps=2, inner=lambda groups: torch.optim.SGD(groups),
+                                vote="onebit", error_feedback=True, outer="nesterov", outer_lr=0.7,
+                                outer_state=outer_state)
+
+    def steps(params, opt, first, last):
+        for t in range(first, last):
+            g = torch.Generator().manual_seed(t)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g).bfloat16()
+            opt.step()
+
+    params, opt = build()
+    steps(params, opt, 0, 5)  # two rounds and a step into the third
+    saved = copy.deepcopy(opt.state_dict())
+    steps(params, opt, 5, 10)
+    again, opt2 = build()
+    opt2.load_state_dict(saved)
+    for p in again:
+        assert opt2.state[p]["residual"].dtype == opt2.state[p]["outer_m"].dtype == torch.float32
+    steps(again, opt2, 5, 10)
+    assert all(torch.equal(a, b) for a, b in zip(params, again))

@@ -156,11 +156,11 @@ class RoundCheckpoint:
         extra = self.open_envelope(state_dict)  # kind, settings, rank and world size
         base = copy.deepcopy({k: v for k, v in state_dict.items() if k != self.state_key})
         self._settle()  # (host state: nothing in flight reads or writes what is replaced)
-        if self.outer_state == "host":  # torch would cast the state onto the parameters' device, whole: ours instead
-            saved, base["state"] = base.get("state", {}), {}
+        # torch would cast the state to the parameters' dtype (a bf16 parameter's fp32 residual and momentum to bf16)
+        # and onto their device, whole: ours instead, as saved, where it lives
+        saved, base["state"] = base.get("state", {}), {}
         super().load_state_dict(base)
-        if self.outer_state == "host":
-            self._load_host_state(saved, [i for g in base["param_groups"] for i in g["params"]])
+        self._load_outer_state(saved, [i for g in base["param_groups"] for i in g["params"]])
         self.inner.load_state_dict(copy.deepcopy(extra["inner"]))
         self.param_groups = self.inner.param_groups
         counters = extra["counters"]
@@ -193,9 +193,10 @@ class RoundCheckpoint:
                 for p in self.params:
                     p.copy_(self.local_state[p]["origin"], non_blocking=True)
 
-    def _load_host_state(self, saved: dict, ids: list) -> None:
+    def _load_outer_state(self, saved: dict, ids: list) -> None:
         """The outer state of a checkpoint (torch's ``state``, by the saved parameter ids ``ids`` in the parameters'
-        order) copied onto the host, as saved, a tensor at a time (from a checkpoint of either ``outer_state``)."""
+        order) copied where this run keeps it (:meth:`~lioncub.optim.rounds.Rounds._placed`), in the dtype it was
+        saved in, a tensor at a time (from a checkpoint of either ``outer_state``)."""
         for n, (p, i) in enumerate(zip(self.params, ids)):
             entry = self.local_state[p]
             for key, value in saved.get(i, {}).items():

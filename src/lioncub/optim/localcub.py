@@ -180,13 +180,10 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
             every H/F steps, its agreement applied H/F steps later (module docstring); F divides an int H.
         eager: with ``delay=1`` and a mean, the outer rule's step by this worker's own Δ_i stands in for the agreed
             one while it is in flight (module docstring; measured to help with fragments, to hurt whole rounds).
-        outer_state: where θ_s, o_i, e_i, the outer rule's momentum and the scatter mean's owner residuals live:
-            ``'device'`` (default: with the parameters) or ``'host'`` (CPU memory, pinned when the parameters are on
-            CUDA), from where each round copies one chunk at a time to the device and back (non_blocking, on the
-            current stream): the same rounds bit for bit, up to 16 bytes a parameter (fp32) off the device, and
-            28-40 bytes a parameter over PCIe each round (docs/local_steps.md, "Outer state on the host").
-            ``'device'`` is the default because on the CPU both are the same memory, and on a GPU the copies cost
-            time at every round's end that only a device short of memory should pay.
+        outer_state: where θ_s, o_i, e_i, the outer momentum and the owner residuals live: ``'device'`` (default)
+            or ``'host'`` (CPU memory, pinned for CUDA parameters), each round copying a chunk at a time to the
+            device and back: the same rounds bit for bit, up to 16 bytes a parameter off the device, 28-40 over PCIe
+            each round (docs/local_steps.md, "Outer state on the host", says why 'device' is the default).
         model: the module, to name parameters in errors.
 
     Attributes: ``synced`` (the last ``step()`` ended a round: replicas are identical; with
