@@ -61,9 +61,10 @@ def test_report_only_remakes_the_table_from_the_committed_json(tmp_path, capsys,
 
 def test_every_table_script_has_a_report_only():
     """Every bench script that writes a JSON of results takes --report-only (the ones that do not: the
-    shared helpers, the study's plan and its report and the race's report, which only read)."""
+    shared helpers, the study's plan and its report and the race's and memory's reports, which only read)."""
     bench = RESULTS.parent
-    helpers = {"__init__", "_runner", "_fakemem", "regime", "study_plan", "study_report", "race_report"}
+    helpers = {"__init__", "_runner", "_fakemem", "regime", "study_plan", "study_report", "race_report",
+               "memory_report"}
     scripts = {p.stem for p in bench.glob("*.py")} - helpers
     assert scripts == {_script(c) for c in CASES}
     assert all("--report-only" in (bench / f"{s}.py").read_text() for s in scripts)
