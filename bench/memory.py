@@ -66,13 +66,13 @@ everywhere), heads of 64. Setups (``--optimizers``), world W = R replicas x S sh
 * ``fsdp_lioncub_onebit``: ``fully_shard(block, mesh=mesh['shard'])`` per block, then the root; LionCub
   infers the replicas' group (R voters) from the mesh; ``--bf16`` sizes add the same with bf16
   parameters (``fsdp_lioncub_onebit_bf16``);
-* ``localcub``: ``lioncub.LocalCub(local_steps=H, vote='onebit')``, replicated; the step ends a round;
+* ``localcub``: ``flat_localcub(local_steps=H, vote='onebit')``, replicated; the step ends a round;
 * ``localcub_mean``: LocalCub's 8-bit lane mean with error feedback (``vote='pbit', bits=8,
   quantizer='l1', aggregate='mean', error_feedback=True``), replicated; ``localcub_mean_delay1`` the same
   streamed (``delay=1``: the second round's end, which applies the first's agreement and launches its
   own); ``fsdp_localcub_mean`` the lane mean on FSDP2's shards (``fully_shard`` on ``mesh['shard']``,
   R replicas agree); ``localcub_mean_host``, ``fsdp_localcub_mean_host``: the same with ``outer_state='host'``;
-* ``nodecub``: ``lioncub.NodeCub(vote='onebit')``, W/S nodes of S ranks (``node_groups(S)``); rank 0
+* ``nodecub``: ``flat_nodecub(vote='onebit')``, W/S nodes of S ranks (``node_groups(S)``); rank 0
   is local rank 0, which the shard plan gives the largest tensor first (the most loaded).
 
     PYTHONPATH=src python3 bench/memory.py --out bench/results/memory.json
@@ -196,33 +196,34 @@ def _adamw(model, mesh, cfg):
 
 def _lioncub(vote):
     def make(model, mesh, cfg):
-        import lioncub
+        from lioncub.optim.flags import flat_lioncub
 
-        return lioncub.LionCub(model.parameters(), lr=1e-4, vote=vote, **cfg.lioncub_args())
+        return flat_lioncub(model.parameters(), lr=1e-4, vote=vote, **cfg.lioncub_args())
     return make
 
 
 def _localcub(model, mesh, cfg):
-    import lioncub
+    from lioncub.optim.flags import flat_localcub
 
-    return lioncub.LocalCub(model.parameters(), lr=1e-4, local_steps=cfg.local_steps, vote="onebit")
+    return flat_localcub(model.parameters(), lr=1e-4, local_steps=cfg.local_steps, vote="onebit")
 
 
 def _localcub_mean(delay, outer_state="device"):
     def make(model, mesh, cfg):
-        import lioncub
+        from lioncub.optim.flags import flat_localcub
 
-        return lioncub.LocalCub(model.parameters(), lr=1e-4, local_steps=cfg.local_steps, vote="pbit", bits=8,
-                                quantizer="l1", aggregate="mean", error_feedback=True, delay=delay,
-                                outer_state=outer_state)
+        return flat_localcub(model.parameters(), lr=1e-4, local_steps=cfg.local_steps, vote="pbit", bits=8,
+                             quantizer="l1", aggregate="mean", error_feedback=True, delay=delay,
+                             outer_state=outer_state)
     return make
 
 
 def _nodecub(model, mesh, cfg):
     import lioncub
+    from lioncub.optim.flags import flat_nodecub
 
     layout = lioncub.node_groups(cfg.shards)
-    return lioncub.NodeCub(model.parameters(), lr=1e-4, layout=layout, vote="onebit", **cfg.lioncub_args())
+    return flat_nodecub(model.parameters(), lr=1e-4, layout=layout, vote="onebit", **cfg.lioncub_args())
 
 
 SETUPS: dict[str, tuple[Optional[str], Callable, str]] = {

@@ -36,7 +36,8 @@ def worker(args, out_dir: str) -> None:
     """One rank: every (vote, layout) for ``args.steps`` timed steps; records to JSON."""
     import torch.distributed as dist
 
-    from lioncub import LionCub, NodeCub, node_groups
+    from lioncub import node_groups
+    from lioncub.optim.flags import flat_lioncub as LionCub, flat_nodecub as NodeCub
     from lioncub.testbed import iface_bytes
 
     rank, dev = _runner.init_worker(), os.environ["GLOO_SOCKET_IFNAME"]

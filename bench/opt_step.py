@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 def worker(rank, world, methods, steps, out, gpt=None):
     # one CPU thread, in a gloo group (the launcher's default)
-    from lioncub import LionCub
+    from lioncub.optim.flags import flat_lioncub as LionCub
     from lioncub.harness.models.gpt import GPT, GPTConfig
     res = {}
     for label, kw in methods:

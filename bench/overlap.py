@@ -38,7 +38,8 @@ def worker(args, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from lioncub import LionCub, majority_vote
+    from lioncub import majority_vote
+    from lioncub.optim.flags import flat_lioncub as LionCub
     from lioncub.comm import CommStats
 
     rank = _runner.init_worker()

@@ -47,7 +47,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict:
     import torch
     import torch.distributed as dist
 
-    from lioncub import LionCub
+    from lioncub.optim.flags import flat_lioncub as LionCub
     from lioncub.engine import guard
 
     torch.manual_seed(0)  # same teacher and model init everywhere (LionCub broadcasts rank 0's anyway)

@@ -74,7 +74,7 @@ def worker(args, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from lioncub import LionCub
+    from lioncub.optim.flags import flat_lioncub as LionCub
     from lioncub.engine import cost
     from lioncub.testbed import iface_bytes
 

@@ -25,7 +25,7 @@ def main(steps: int = 60, accumulate: int = 2) -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)))
-    opt = lioncub.LionCub(model.parameters(), lr=3e-3, vote="pbit")  # 4-bit lanes for P <= 15
+    opt = lioncub.LionCub(model.parameters(), lr=3e-3, aggregation=lioncub.SignVote())  # 4-bit lanes for P <= 15
     register(model, opt)  # no fp32 gradient all-reduce from here on
     g = torch.Generator().manual_seed(rank)  # each rank its own shard
     for step in range(steps + 1):

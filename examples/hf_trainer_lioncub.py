@@ -25,7 +25,7 @@ def main(steps: int = 30) -> None:
                              ddp_backend="gloo", ddp_find_unused_parameters=False, disable_tqdm=True)
     if not torch.distributed.is_initialized():  # LionCub needs the group before Trainer makes it
         torch.distributed.init_process_group("gloo")
-    opt = lioncub.LionCub(model.parameters(), lr=3e-3, vote="pbit")
+    opt = lioncub.LionCub(model.parameters(), lr=3e-3, aggregation=lioncub.SignVote())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     trainer = Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, sched))
     attach_to_trainer(trainer, opt)  # registers the comm hook once Trainer has wrapped the model in DDP

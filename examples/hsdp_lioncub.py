@@ -42,7 +42,7 @@ def main(steps: int = 60, replicas: int = 2) -> None:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh["shard"])  # the shard dimension: no all-reduce across replicas
     fully_shard(model, mesh=mesh["shard"])
-    opt = lioncub.LionCub(model.parameters(), lr=3e-3, vote="onebit")  # votes across mesh["replicate"]
+    opt = lioncub.LionCub(model.parameters(), lr=3e-3, aggregation=lioncub.SignVote("onebit"))  # votes across mesh["replicate"]
     g = torch.Generator().manual_seed(rank)  # each rank its own data
     path = "hsdp_lioncub_checkpoint"  # a directory in the working directory
     for step in range(steps + 1):

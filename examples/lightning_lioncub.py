@@ -44,7 +44,7 @@ class Regressor(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        return lioncub.LionCub(self.parameters(), lr=3e-3, vote="pbit")  # 4-bit lanes for P <= 15
+        return lioncub.LionCub(self.parameters(), lr=3e-3, aggregation=lioncub.SignVote())  # 4-bit lanes for P <= 15
 
     def on_train_end(self):
         opt = self.trainer.optimizers[0]

@@ -29,6 +29,7 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.flat, run as a script
 
 def params_digest(model) -> tuple[str, float]:
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -89,7 +90,7 @@ def main() -> None:
         group = [int(r) for r in a.group.split(",")] if a.group else list(range(a.world))
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.master_port}",
                                 rank=group.index(a.replica), world_size=len(group))
-        from lioncub import LionCub, LocalCub
+        from tests.flat import LionCub, LocalCub
 
         class EveryStep(LionCub):  # LionCub's counters under the names this loop reads
             rounds = property(lambda self: self.steps)
@@ -99,7 +100,8 @@ def main() -> None:
         opt = EveryStep(model.parameters(), **kw) if every_step else LocalCub(model.parameters(), **kw)
         manager = None
     else:
-        from lioncub.ft import FTLionCub, FTLocalCub, make_manager
+        from lioncub.ft import make_manager
+        from tests.flat import FTLionCub, FTLocalCub
         manager = make_manager(str(a.replica), a.lighthouse, min_replicas=2, timeout_s=3.0, quorum_timeout_s=30.0)
         opt = (FTLionCub if every_step else FTLocalCub)(model.parameters(), manager, max_attempts=a.max_attempts, **kw)
         from lioncub.ft.faults import install, parse_fault

@@ -1,6 +1,7 @@
 """fp16-style loss scaling with torch.amp.GradScaler (issue 30): every rank steps or skips
 together and the scales stay equal, on real 2-rank gloo groups with GradScaler("cpu")."""
 from __future__ import annotations
+from tests import flat
 
 import math
 
@@ -16,11 +17,11 @@ def _run(rank, world, kind, inf_rank, inf_step, scaled):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
     if kind == "lioncub":
-        opt = lioncub.LionCub(model.parameters(), lr=1e-2, vote="pbit")
+        opt = flat.LionCub(model.parameters(), lr=1e-2, vote="pbit")
     elif kind == "nodecub":
-        opt = lioncub.NodeCub(model.parameters(), lr=1e-2, layout=lioncub.node_groups(local_size=1), vote="pbit")
+        opt = flat.NodeCub(model.parameters(), lr=1e-2, layout=lioncub.node_groups(local_size=1), vote="pbit")
     else:
-        opt = lioncub.LocalCub(model.parameters(), lr=1e-2, local_steps=2, vote="onebit")
+        opt = flat.LocalCub(model.parameters(), lr=1e-2, local_steps=2, vote="onebit")
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000) if scaled else None
     gen = torch.Generator().manual_seed(100 + rank)
     scales, stepped = [], []
@@ -65,11 +66,10 @@ def test_localcub_overflow_on_one_rank_skips_only_its_inner_step():
 
 
 def _scaler_with_overlap(rank, world):
-    import lioncub
 
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 3)
-    opt = lioncub.LionCub(model.parameters(), lr=1e-2, vote="pbit", overlap=True)
+    opt = flat.LionCub(model.parameters(), lr=1e-2, vote="pbit", overlap=True)
     scaler = torch.amp.GradScaler("cpu")
     scaler.scale(model(torch.randn(4, 6)).square().mean()).backward()
     try:
@@ -90,11 +90,10 @@ def _unscaled_state(rank, world, mode):
     ``mode``: 'scaler' (GradScaler, growth every good step, so the scale moves: 2^11, 2^12, back off to
     2^11, 2^12), 'contract' (torch's newer contract by hand: ``opt.grad_scale`` / ``opt.found_inf`` set
     before a plain ``step()``, scale 2^7), 'reference' (no scaling; step 2 not taken at all)."""
-    import lioncub
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
-    opt = lioncub.LionCub(model.parameters(), lr=1e-2, vote="pbit")
+    opt = flat.LionCub(model.parameters(), lr=1e-2, vote="pbit")
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1) if mode == "scaler" else None
     gen = torch.Generator().manual_seed(100 + rank)
     scales, verdicts = [], []

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lioncub import LionCub
+from tests.flat import LionCub
 from lioncub.engine import auto, cost
 from lioncub.engine.auto import AUTO_CANDIDATES, DEFAULT_GAMMA, choose_vote, gamma_for, vote_costs
 from tests.dist import run_workers

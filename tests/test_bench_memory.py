@@ -53,7 +53,7 @@ memory.main(["--sizes", "{LAYERS}x{D}", "--vocab", "{VOCAB}", "--seq", "{SEQ}", 
 
 def broken(model, mesh, cfg):  # a setup the library refuses: its row carries the error and the line
     import lioncub
-    return lioncub.LionCub(model.parameters(), vote="no-such-vote")
+    return flat.LionCub(model.parameters(), aggregation="no-such-vote")
 
 memory.SETUPS["broken"] = (None, broken, "a vote that does not exist")
 rows = json.load(open(out))
@@ -198,7 +198,7 @@ def test_a_rounds_transient_is_one_chunk_not_the_model(rows):
     the whole model when it is smaller): on the small GPT (one chunk) and on the wide one (several). The
     headroom under each bound is less than one fp32 buffer of the rank's parameters: a model-size temporary
     in a round fails here (bench/_fakemem.py's peaks hold ``peak >= after`` by construction: these do not)."""
-    from lioncub import LocalCub
+    from tests.flat import LocalCub
     from lioncub.chunks import chunk_cap
 
     for name in LOCAL:

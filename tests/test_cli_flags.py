@@ -86,7 +86,7 @@ def _auto_picks(rank, world):
     """LocalCub vote='auto' with no alpha/beta (measures them); LionCub's pick with and without gamma."""
     import torch
 
-    from lioncub import LionCub, LocalCub
+    from tests.flat import LionCub, LocalCub
     from lioncub.engine.auto import AUTO_CANDIDATES
 
     torch.manual_seed(0)

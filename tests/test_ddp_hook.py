@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lioncub import LionCub
+from tests.flat import LionCub
 from lioncub.engine import overlap as overlap_mod
 from lioncub.ddp.hook import register
 from tests.dist import run_workers
@@ -191,7 +191,8 @@ def test_hf_trainer_uses_the_hook(tmp_path):
 
 
 def _nodecub_worker(rank, world):
-    from lioncub import NodeCub, node_groups
+    from lioncub import node_groups
+    from tests.flat import NodeCub
 
     torch.manual_seed(0)
     model = DDP(Net())

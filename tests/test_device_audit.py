@@ -7,6 +7,7 @@ device, no dtype or reduce op NCCL lacks, no library draw from the global RNG, n
 inside backward, and at most the path's budget of host syncs in any one step. A second group
 of tests shows the audit itself catches each kind of violation."""
 from __future__ import annotations
+from tests import flat
 
 import json
 import os
@@ -142,13 +143,11 @@ def test_the_audit_catches_each_kind_of_violation():
 def test_one_device_per_optimizer_and_the_error_names_the_parameter():
     import torch
 
-    import lioncub
-
     a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, device="meta"))
-    for make in (lambda ps: lioncub.LionCub(ps, lr=1e-3), lambda ps: lioncub.LocalCub(ps, lr=1e-3)):
+    for make in (lambda ps: flat.LionCub(ps, lr=1e-3), lambda ps: flat.LocalCub(ps, lr=1e-3)):
         with pytest.raises(ValueError, match=r"parameter 1 is on meta but parameter 0 is on cpu"):
             make([a, b])
-    assert lioncub.LionCub([b], lr=1e-3).device == torch.device("meta")
+    assert flat.LionCub([b], lr=1e-3).device == torch.device("meta")
 
 
 def test_timing_off_reports_zero_times_and_the_same_bytes():
@@ -156,12 +155,10 @@ def test_timing_off_reports_zero_times_and_the_same_bytes():
     bytes do not depend on it: none in a world of one (no process group, no vote)."""
     import torch
 
-    import lioncub
-
     for timing, timed in ((False, False), (None, True)):
         torch.manual_seed(0)
         model = torch.nn.Linear(64, 64)
-        opt = lioncub.LionCub(model.parameters(), lr=1e-3, timing=timing)
+        opt = flat.LionCub(model.parameters(), lr=1e-3, timing=timing)
         model(torch.randn(8, 64)).sum().backward()
         opt.step()
         s = opt.last_step_stats
@@ -169,7 +166,7 @@ def test_timing_off_reports_zero_times_and_the_same_bytes():
         assert (sum(times) > 0) is timed, (timing, times)
         assert (s.bytes_sent, s.n_collectives) == (0, 0), (timing, s.bytes_sent, s.n_collectives)
     with pytest.raises(TypeError, match="timing must be None, True or False"):
-        lioncub.LionCub(model.parameters(), timing="yes")
+        flat.LionCub(model.parameters(), timing="yes")
 
 
 def test_a_generator_state_of_another_kind_is_refused():

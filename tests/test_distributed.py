@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lioncub import Lion, LionCub, reference_vote
+from lioncub import Lion, reference_vote
+from tests.flat import LionCub
 from lioncub.engine.cost import predicted_bytes
 from tests.dist import run_workers
 
@@ -426,10 +427,10 @@ def test_world_size_one_is_lion(dtype):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(vote="nope"), "vote must be one of"),
+    (dict(vote="nope"), "SignVote.transport must be one of"),
     (dict(grad_dtype="fp8"), "grad_dtype must be one of"),
-    (dict(vote="onebit", bits=4), "bits and quantizer apply to vote='pbit' only"),
-    (dict(quantizer="l2"), "quantizer must be None or one of"),
+    (dict(vote="onebit", bits=4), "SignVote.bits is the lane width of transport='pbit'"),
+    (dict(quantizer="l2"), "SignVote.quantizer must be one of"),
     (dict(bits=3), "bits must be None or one of"),
     (dict(bucket_mb=0), "bucket_mb must be a number > 0"),
     (dict(message_mb=-1.0), "message_mb must be a number > 0"),

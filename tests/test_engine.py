@@ -1,13 +1,14 @@
 """The shared engine: the vote config, the shell (policy names, envelope, one fingerprint check),
 the outer rules as objects, the one validation module."""
 from __future__ import annotations
+from tests import flat
 
 import dataclasses
 
 import pytest
 import torch
 
-from lioncub import LionCub, LocalCub
+from tests.flat import LionCub, LocalCub
 from lioncub.engine.config import VoteConfig
 from lioncub.engine.shell import NONFINITE_POLICIES
 from lioncub.optim.outer import OUTER_RULES, OuterLion, OuterNesterov, OuterSGD, make_outer
@@ -103,7 +104,7 @@ def _nodecub_in_node_check(rank, world):
     layout = lioncub.node_groups(2)  # one node of two ranks: no cross-node peer to compare with
     model = torch.nn.Linear(4, 3 if rank == 0 else 2)
     try:
-        lioncub.NodeCub(model.parameters(), layout=layout, vote="onebit", shard=False)
+        flat.NodeCub(model.parameters(), layout=layout, vote="onebit", shard=False)
     except ValueError as exc:
         return str(exc)
     return None

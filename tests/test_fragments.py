@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_store
 
-from lioncub import LocalCub, comm
+from lioncub import comm
+from tests.flat import LocalCub
 from lioncub.chunks import Piece, plan_chunks, plan_fragments
 from lioncub.votes.rounds import ScatterMean
 from lioncub.votes.scatter import owner_span
@@ -194,7 +195,7 @@ def test_two_replica_groups_stream_fragments_on_their_own_groups():
 # ------------------------------------------------------------------ bad input
 @pytest.mark.parametrize("kw, match", [
     (dict(fragments=2, vote="grad"), "fragments=2 staggers streaming rounds: it needs delay=1"),
-    (dict(fragments=0, vote="grad", delay=1), r"fragments \(parts of the model streamed in turn\) must be"),
+    (dict(fragments=0, vote="grad", delay=1), r"Streaming.fragments must be an int >= 1"),
     (dict(fragments=4, vote="grad", delay=1, local_steps=6), "fragments must divide local_steps=6"),
     (dict(fragments=2, vote="grad", delay=1, local_steps="auto", alpha=1e-4, beta=1e-9),
      "fragments=2 needs a fixed local_steps"),

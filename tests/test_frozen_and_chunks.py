@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lioncub import LionCub, chunks, comm
+from lioncub import chunks, comm
+from tests.flat import LionCub
 from tests.dist import run_workers
 
 
@@ -91,7 +92,7 @@ def test_frozen_on_one_rank_without_a_group():
 
 
 def _round_worker(rank, world, kw, chunk, block=None):
-    from lioncub import LocalCub
+    from tests.flat import LocalCub
     from lioncub.optim import rounds
 
     if block is not None:
@@ -193,7 +194,8 @@ def test_the_divergence_sketch_in_slices_equals_it_at_once(monkeypatch, n, bucke
 
 
 def _node_worker(rank, world, chunk):
-    from lioncub import NodeCub, node_groups
+    from lioncub import node_groups
+    from tests.flat import NodeCub
     from lioncub.optim import nodecub
 
     if chunk is not None:
@@ -222,7 +224,8 @@ def test_nodecub_in_node_collectives_in_chunks_equal_them_whole():
 
 
 def _auto_worker(rank, world):
-    from lioncub import NodeCub, node_groups
+    from lioncub import node_groups
+    from tests.flat import NodeCub
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))

@@ -27,7 +27,8 @@ os.environ.setdefault("RUST_LOG", "error")  # torchft's lighthouse logs every qu
 # TRITON_INTERPRET breaks tests/test_triton.py's interpreter (its kernels call triton.language's own).
 require("torchft")
 
-from lioncub.ft import FTLocalCub, QuorumError, start_lighthouse  # noqa: E402
+from lioncub.ft import QuorumError, start_lighthouse  # noqa: E402
+from tests.flat import FTLocalCub
 
 WORKER = Path(__file__).with_name("ft_worker.py")
 HEARTBEAT_MS = 1000

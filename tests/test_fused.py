@@ -162,7 +162,7 @@ def test_usable_only_for_contiguous_fp32_cpu():
 
 
 def test_the_backend_is_chosen_once_per_bucket_by_the_fused_argument():
-    from lioncub import LionCub
+    from tests.flat import LionCub
 
     fp32, fp64 = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3).double()
     params = list(fp32.parameters()) + list(fp64.parameters())
@@ -180,7 +180,7 @@ def test_the_backend_is_chosen_once_per_bucket_by_the_fused_argument():
 def test_a_loaded_momentum_in_another_layout_is_read_by_its_values():
     """The backend is chosen from the parameters; a checkpoint's non-contiguous momentum
     (here a transposed view) must still reach the fused loops as its values."""
-    from lioncub import LionCub
+    from tests.flat import LionCub
 
     runs = []
     for use in (True, False):

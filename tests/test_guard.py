@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lioncub import LionCub
+from tests.flat import LionCub
 from lioncub.comm import CollectiveError
 from tests.dist import run_workers
 
@@ -49,11 +49,11 @@ def test_grads_finite_matches_isfinite_at_every_position(dtype):
     (dict(betas=(0.9, -0.1)), ValueError, r"beta2 must be in \[0, 1\)"),
     (dict(weight_decay=-0.1), ValueError, r"weight_decay must be >= 0"),
     (dict(weight_decay=None), TypeError, r"weight_decay must be a real number"),
-    (dict(vote="allreduce"), ValueError, r"vote must be one of \('grad', 'sign_allreduce'"),
+    (dict(vote="allreduce"), ValueError, r"SignVote.transport must be one of \('sign_allreduce'"),
     (dict(bits=3), ValueError, r"bits must be None or one of \(2, 4, 8\)"),
-    (dict(vote="gather", bits=4), ValueError, r"bits and quantizer apply to vote='pbit' only"),
-    (dict(quantizer="l2"), ValueError, r"quantizer must be None or one of \('sign', 'l1'"),
-    (dict(vote="grad", grad_dtype="fp16"), ValueError, r"grad_dtype must be one of \('fp32', 'bf16'\)"),
+    (dict(vote="gather", bits=4), ValueError, r"SignVote.bits is the lane width of transport='pbit'"),
+    (dict(quantizer="l2"), ValueError, r"SignVote.quantizer must be one of \('sign', 'l1'"),
+    (dict(vote="grad", grad_dtype="fp16"), ValueError, r"Mean.dtype must be one of \('fp32', 'bf16'\)"),
     (dict(bucket_mb=0), ValueError, r"bucket_mb must be a number > 0"),
     (dict(bucket_mb="25"), ValueError, r"bucket_mb must be a number > 0"),
     (dict(bucket_mb=True), ValueError, r"bucket_mb must be a number > 0"),

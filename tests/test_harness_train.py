@@ -138,7 +138,7 @@ def _timed_steps(rank, world, out, cache):
     """train_worker in this gloo group, with each LionCub step's own last_step_stats recorded."""
     import dataclasses
 
-    from lioncub import LionCub
+    from lioncub import LionCub  # the class the harness builds
     from lioncub.harness.config import TrainConfig
     from lioncub.harness.train import train_worker
 

@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from lioncub import Lion, LionCub, NodeCub, node_groups, reference_vote
+from lioncub import Lion, node_groups, reference_vote
+from tests.flat import LionCub, NodeCub
 from lioncub.engine import cost
 from lioncub.optim.nodecub import shard_owners
 from tests.dist import run_workers

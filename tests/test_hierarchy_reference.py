@@ -22,7 +22,8 @@ reference bit for bit (``torch.equal``; no tolerance).
 import pytest
 import torch
 
-from lioncub import NodeCub, node_groups, reference_vote
+from lioncub import node_groups, reference_vote
+from tests.flat import NodeCub
 from lioncub.optim.nodecub import shard_owners
 from tests.dist import run_workers
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lioncub import LionCub
+from tests.flat import LionCub
 from lioncub import instruments as ins
 from lioncub.harness import report
 from tests.dist import run_workers

@@ -170,7 +170,8 @@ def test_fused_status_says_why_and_lioncub_warns_once_about_the_slow_path(monkey
     import re
     import warnings
 
-    from lioncub import LionCub, fused
+    from lioncub import fused
+    from tests.flat import LionCub
 
     broken = tmp_path / "cc"
     broken.write_text('#!/bin/sh\necho "fused.c:1: error: broken on purpose" >&2\nexit 1\n')

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lioncub import Lion, LionCub, LocalCub
+from lioncub import Lion
+from tests.flat import LionCub, LocalCub
 from lioncub.optim.localcub import MEAN_CLIP
 from lioncub.votes.rounds import sent_value
 from lioncub import votes
@@ -304,18 +305,18 @@ def test_world_of_one_runs_without_a_process_group_and_matches_lion():
 @pytest.mark.parametrize("kw, match", [
     (dict(local_steps=0), "local_steps must be an int >= 1"),
     (dict(local_steps=2.5), "local_steps must be an int >= 1"),
-    (dict(outer="adam"), "outer must be one of"),
-    (dict(outer_lr=0.0), "outer_lr must be a number > 0"),
-    (dict(outer_momentum=1.0), "outer_momentum must be in"),
-    (dict(vote="majority"), "vote must be one of"),
+    (dict(outer="adam"), "Outer.rule must be one of"),
+    (dict(outer_lr=0.0), "Outer.lr must be a number > 0"),
+    (dict(outer_momentum=1.0), "Outer.momentum must be in"),
+    (dict(vote="majority"), "SignVote.transport must be one of"),
     (dict(vote="onebit", alpha=1e-4, beta=1e-9), "apply to vote='auto' only"),
     (dict(vote="auto", alpha=1e-4), "give both alpha and beta"),
-    (dict(vote="onebit", bits=4), "bits and quantizer apply to vote='pbit' only"),
+    (dict(vote="onebit", bits=4), "SignVote.bits is the lane width of transport='pbit'"),
     (dict(vote="grad", error_feedback=True), "error_feedback needs a compressed vote"),
     (dict(vote="pbit", quantizer="linf", error_feedback=True), "stochastic quantizer"),
     (dict(inner="sgd"), "inner must be one of"),
     (dict(aggregate="sum"), "aggregate must be one of"),
-    (dict(vote="gather", aggregate="mean"), "aggregate='mean' averages Δ on the vote's collectives"),
+    (dict(vote="gather", aggregate="mean"), "aggregate='mean' needs vote='pbit' with quantizer='l1' or vote='onebit'"),
     (dict(vote="onebit", aggregate="mean"), "needs error_feedback=True"),
     (dict(nonfinite="ignore"), "nonfinite must be one of"),
     (dict(lr=-1.0), "lr"),

@@ -31,7 +31,7 @@ def _reference_run(spec, cache_dir: str, eval_every: int) -> dict:
     built by hand, AdamW after a hand-written gradient all-reduce."""
     import torch.distributed as dist
 
-    from lioncub import LionCub
+    from tests.flat import LionCub
     from lioncub.harness.models import param_groups
     from lioncub.harness.schedule import lr_at
     from lioncub.harness.train import batch_loss, evaluate

@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lioncub import CommStats, LionCub
+from lioncub import CommStats
+from tests.flat import LionCub
 from lioncub.harness.models.gpt import build_gpt
 from lioncub.harness.models.resnet import resnet18
 from lioncub.harness.models.vit import vit_tiny

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lioncub import LionCub, NodeCub, node_groups
+from lioncub import node_groups
+from tests.flat import LionCub, NodeCub
 from tests.dist import run_workers
 
 OPTIONS = [  # every option NodeCub passes to its cross-node LionCub that changes the vote's state

@@ -10,7 +10,7 @@ import io
 import pytest
 import torch
 
-from lioncub import LionCub
+from tests.flat import LionCub
 from lioncub.engine.resume import reshard_states
 from lioncub.votes.mean import OneBitMean
 from tests.dist import run_workers
@@ -283,10 +283,10 @@ def test_a_checkpoint_of_the_mean_does_not_load_into_the_vote():
     (dict(vote="onebit", aggregate="mean", tie="hold"), "aggregate='mean' votes none"),
     (dict(vote="onebit", aggregate="mean", overlap=True), "aggregate='mean' updates its residuals"),
     (dict(vote="onebit", aggregate="median"), "aggregate must be one of"),
-    (dict(vote="onebit", aggregate="mean", mean_norm="median"), "mean_norm must be one of"),
+    (dict(vote="onebit", aggregate="mean", mean_norm="median"), "OneBitMean.norm must be one of"),
     (dict(vote="onebit", mean_norm="geometric"), "mean_norm applies to aggregate='mean' only"),
-    (dict(vote="onebit", aggregate="mean", mean_restart=-1), "mean_restart must be an int >= 0"),
-    (dict(vote="onebit", aggregate="mean", mean_restart=2.5), "mean_restart must be an int >= 0"),
+    (dict(vote="onebit", aggregate="mean", mean_restart=-1), "OneBitMean.restart must be an int >= 0"),
+    (dict(vote="onebit", aggregate="mean", mean_restart=2.5), "OneBitMean.restart must be an int >= 0"),
     (dict(vote="onebit", mean_restart=10), "mean_restart applies to aggregate='mean' only"),
     (dict(vote="pbit", mean_adapt=2.0), "mean_adapt applies to aggregate='mean' only"),
 ])

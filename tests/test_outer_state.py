@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lioncub import LocalCub
+from tests.flat import LocalCub
 from lioncub.engine.shards import local_of
 from tests.dist import run_workers
 
@@ -221,6 +221,7 @@ import functools, json, sys, torch
 sys.path.insert(0, sys.argv[1])
 from device_audit import init_fake
 import lioncub as lc
+from tests import flat
 from lioncub.testing.audit import DeviceAudit
 from lioncub.testing.paths import PATHS, _model, _to_cpu, _train
 init_fake()
@@ -250,14 +251,14 @@ def placed(meta_, a):  # where the outer state lives: made, after rounds, after 
     kw = dict(local_steps=2, vote="onebit", aggregate="mean", bits=4, error_feedback=True, delay=1, outer="nesterov",
               outer_state="host")
     model = _model(meta)
-    opt = lc.LocalCub(model.parameters(), lr=1e-3, **kw)
+    opt = flat.LocalCub(model.parameters(), lr=1e-3, **kw)
     devices = lambda o: sorted({str(t.device) for p in o.params for t in o.local_state[p].values()}
                                | {str(t.device) for t in o.owner_residuals.values()})
     where["made"] = devices(opt)
     _train(opt, model, meta, a, 3)
     where["stepped"] = devices(opt)
     saved = _to_cpu(opt.state_dict())
-    opt2 = lc.LocalCub(model.parameters(), lr=1e-3, **kw)
+    opt2 = flat.LocalCub(model.parameters(), lr=1e-3, **kw)
     opt2.load_state_dict(saved)
     where["loaded"] = devices(opt2)
     _train(opt2, model, meta, a, 2, first=3)

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from lioncub import LocalCub
+from tests.flat import LocalCub
 from lioncub.engine.cost import collective_time
 from lioncub.harness.config import TrainConfig
 from lioncub.optim import regime

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lioncub import LionCub
+from tests.flat import LionCub
 from lioncub.engine.resume import check_loadable, reshard_states
 from tests.dist import run_workers
 
@@ -327,7 +327,7 @@ def test_a_localcub_checkpoint_on_another_world_size_is_refused_in_one_line(dela
     """LocalCub's per-worker state has no rule that would make it another world's: the harness's resume
     refuses it naming both sizes, instead of loading one worker's state everywhere or pointing at
     reshard_states (which reads LionCub's only)."""
-    from lioncub import LocalCub
+    from tests.flat import LocalCub
     from lioncub.harness.checkpoint import reshard_optimizer
 
     params = [torch.nn.Parameter(torch.ones(3))]

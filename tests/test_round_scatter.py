@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lioncub import LocalCub
+from tests.flat import LocalCub
 from tests.dist import run_workers
 
 SIZES = (39, 11)  # 50 elements: 3 ranks own uneven spans, with padding at every code width
@@ -225,7 +225,7 @@ def test_one_rank_runs_the_same_math_and_a_checkpoint_keeps_the_owner_residual(b
 @pytest.mark.parametrize("kw, match", [
     (dict(vote="onebit", aggregate="mean"), "needs error_feedback=True"),
     (dict(vote="onebit", aggregate="mean", bits=3, error_feedback=True), "bits must be one of"),
-    (dict(vote="gather", aggregate="mean", error_feedback=True), "aggregate='mean' averages"),
+    (dict(vote="gather", aggregate="mean", error_feedback=True), "aggregate='mean' needs vote="),
 ])
 def test_scatter_mean_refusals_are_named(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -288,7 +288,7 @@ def _auto_steps(rank, world):
             synced_at.append(step)
     pick = dict(opt.steps_pick)
     chunks = [(sum(SIZES), len(SIZES))]
-    expected = pick_local_steps(round_seconds(opt.aggregation, chunks, world, ALPHA, 1e-6), pick["step_s"],
+    expected = pick_local_steps(round_seconds(opt.exchange, chunks, world, ALPHA, 1e-6), pick["step_s"],
                                 ROUND_SHARE, 100)
     sd = opt.state_dict()
     again = LocalCub([torch.nn.Parameter(p.detach().clone()) for p in ps], local_steps="auto", alpha=ALPHA,

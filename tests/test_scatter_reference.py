@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from lioncub import LocalCub
+from tests.flat import LocalCub
 from tests.dist import run_workers
 from tests.test_round_scatter import LEVEL, _agreement_bytes, _assert_close, _encode, _own, _planned_bytes, _span, _unit
 

@@ -7,7 +7,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from lioncub import LionCub
+from tests.flat import LionCub
 from lioncub.engine.cost import predicted_bytes
 from lioncub.engine.resume import reshard_states
 from tests.dist import run_workers

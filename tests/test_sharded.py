@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lioncub import LionCub
+from tests.flat import LionCub
 from tests.dist import run_workers
 
 STEPS = 4
@@ -159,7 +159,7 @@ def test_each_step_equals_the_whole_model_reference(replicas, shards, runs):
 
 
 def _local_worker(rank, world, replicas, shards, runs):
-    from lioncub import LocalCub
+    from tests.flat import LocalCub
 
     mesh = _mesh(replicas, shards)
     out = {}
@@ -260,10 +260,11 @@ def _refusal_worker(rank, world):
     tp = nn.Parameter(distribute_tensor(torch.zeros(4, 6), mesh["shard"], [Shard(1)]))
     out["shard1"] = refused(lambda: LionCub([tp]))
     out["io"] = refused(lambda: LionCub(sharded.parameters(), momentum_sync="io", model=sharded))
-    from lioncub import NodeCub, node_groups
+    from lioncub import node_groups
+    from tests.flat import NodeCub
 
     out["nodecub"] = refused(lambda: NodeCub(sharded.parameters(), layout=node_groups(2)))
-    from lioncub import LocalCub
+    from tests.flat import LocalCub
 
     local = LocalCub(sharded.parameters(), local_steps=2)
     out["localcub_dcp"] = refused(lambda: local.load_state_dict({"state": {}, "param_groups": local.param_groups}))

@@ -22,7 +22,7 @@ import copy
 
 import torch
 
-from lioncub import LionCub, LocalCub
+from tests.flat import LionCub, LocalCub
 from tests.dist import run_workers
 from tests.scatter_ref import owner_span, scatter_mean
 from tests.test_sharded import _batch, _mesh, _model, _shard

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from lioncub import LionCub
+from tests.flat import LionCub
 from tests.dist import run_workers
 
 OPTIONS = [

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lioncub import LocalCub, majority_vote
+from lioncub import majority_vote
+from tests.flat import LocalCub
 from tests.dist import run_workers
 
 SHAPES = [(7, 5), (13,), (3, 3, 3)]

@@ -7,7 +7,8 @@ quantizer goes through the same steps against reference_vote, with ``tie='altern
 import pytest
 import torch
 
-from lioncub import LionCub, majority_vote, reference_vote, votes
+from lioncub import majority_vote, reference_vote, votes
+from tests.flat import LionCub
 from lioncub.votes.api import TIE_RULES as ALL_TIE_RULES
 
 TIE_RULES = tuple(t for t in ALL_TIE_RULES if t != "hold")  # 'hold' keeps owner state: tests/test_tie_hold.py

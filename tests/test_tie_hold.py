@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lioncub import LionCub, LocalCub
+from tests.flat import LionCub, LocalCub
 from lioncub.engine.resume import reshard_states
 from tests.dist import run_workers
 

@@ -142,7 +142,7 @@ def _lioncub_worker(rank, world):
     """LionCub steps with every fused pass sent to the Triton kernels (interpreted, as CUDA
     tensors would be) against the same steps on the C loops / torch path: per vote method."""
     os.environ["TRITON_INTERPRET"] = "1"
-    from lioncub import LionCub
+    from tests.flat import LionCub
     gpu_check, real, calls = _gpu_check_module(), fused._gpu, []
     out = {}
     for vote, bits, q in [("onebit", None, None), ("pbit", 8, "l1")]:  # encode-first bits; c, lanes, lane sums

@@ -111,7 +111,7 @@ def test_localcub_decides_a_non_finite_inner_step_on_the_device():
     """LocalCub's inner Lion through the one-launch kernel with the skip flag on the device (CUDA's path, here with
     the kernels interpreted on CPU tensors): the same parameters, momenta and skipped round as the host-read path,
     with no host read in any inner step (the round's end reads once)."""
-    from lioncub import LocalCub
+    from tests.flat import LocalCub
 
     def run(device_path: bool):
         g = torch.Generator().manual_seed(0)

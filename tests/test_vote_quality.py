@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lioncub import LionCub
+from tests.flat import LionCub
 from lioncub.engine.config import VoteConfig
 from lioncub.engine.cost import predicted_bytes
 from lioncub.engine.resume import reshard_states

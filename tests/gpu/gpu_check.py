@@ -221,7 +221,8 @@ def check_lioncub_ws1(device: str) -> dict:
     """LionCub in a world-size-1 NCCL group against Lion on the same device. One run: with one rank there is
     nothing to vote (the majority of one is its own sign), so every vote setting takes the same step; the votes
     are exercised on two ranks (``device_paths_two_ranks``, ``gloo_two_ranks_cuda``)."""
-    from lioncub import Lion, LionCub
+    from lioncub import Lion
+    from tests.flat import LionCub
     with _ws1_group(device) as backend:
         want = _run(lambda ps: Lion(ps, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1), device)
         got = _run(lambda ps: LionCub(ps, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1), device)
@@ -264,7 +265,7 @@ def _collectives(device: str) -> dict:
 
 
 def _gloo_worker(rank: int, world: int, device: str) -> dict:
-    from lioncub import LionCub
+    from tests.flat import LionCub
     result = {"collectives": _collectives(device), "votes": {}}
     for vote, bits, q in VOTES:
         make = lambda ps: LionCub(ps, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, vote=vote,  # noqa: E731

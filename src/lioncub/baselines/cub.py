@@ -13,6 +13,7 @@ from torch import nn
 from .. import votes
 from ..optim.lioncub import LionCub
 from ..optim.localcub import LocalCub
+from ..optim.flags import round_kwargs, step_kwargs
 from .base import Adapter, set_lr
 from .ddp import BETAS
 
@@ -28,8 +29,8 @@ class CubMethod(Adapter):
         method = votes.METHODS.get(vote)  # None: 'grad' or 'auto', which LionCub checks itself
         lanes = method is not None and bool(method.LANE_BITS)  # bits go only to a vote with lanes
         kw = dict(bits=bits) if lanes else {}
-        self.opt = LionCub(module.parameters(), lr=lr, betas=BETAS, weight_decay=weight_decay, vote=vote,
-                           overlap=overlap, bucket_mb=bucket_mb, process_group=group, model=module, **kw)
+        self.opt = LionCub(module.parameters(), lr=lr, betas=BETAS, weight_decay=weight_decay, **step_kwargs(dict(
+            vote=vote, overlap=overlap, bucket_mb=bucket_mb, process_group=group, model=module, **kw)))
         self.name = f"lioncub-{vote}{bits if lanes else ''}" + ("-overlap" if overlap else "")
 
 
@@ -49,11 +50,11 @@ class LocalCubMethod(Adapter):
                  min_local_steps: int | None = None, eager: bool = False):
         super().__init__(module, group=group)
         self.family = self.family_for(inner=inner)
-        self.opt = LocalCub(module.parameters(), lr=lr, betas=BETAS, weight_decay=weight_decay, local_steps=H,
-                            inner=inner, vote=vote, bits=bits, quantizer=quantizer, outer=outer, outer_lr=outer_lr,
-                            outer_momentum=outer_momentum, error_feedback=error_feedback, delay=delay, fragments=fragments,
-                            aggregate=aggregate, process_group=group, model=module, eager=eager,
-                            **({"min_local_steps": min_local_steps} if min_local_steps is not None else {}))
+        self.opt = LocalCub(module.parameters(), lr=lr, betas=BETAS, weight_decay=weight_decay, **round_kwargs(dict(
+            local_steps=H, inner=inner, vote=vote, bits=bits, quantizer=quantizer, outer=outer, outer_lr=outer_lr,
+            outer_momentum=outer_momentum, error_feedback=error_feedback, delay=delay, fragments=fragments,
+            aggregate=aggregate, process_group=group, model=module, eager=eager,
+            **({"min_local_steps": min_local_steps} if min_local_steps is not None else {}))))
 
     def step(self, lr: float) -> bool:
         set_lr(self.opt, lr)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from .localcub import FTLionCub, FTLocalCub, QuorumError, ReplicaGroup, TensorTransport, require_torchft
+from ..optim.replicas import FTLionCub, FTLocalCub, QuorumError, ReplicaGroup, TensorTransport, require_torchft
 
 __all__ = ["FTLocalCub", "FTLionCub", "ReplicaGroup", "TensorTransport", "QuorumError", "require_torchft",
            "make_manager", "process_group_name", "start_lighthouse"]

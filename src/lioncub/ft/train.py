@@ -106,7 +106,9 @@ def replica_main(config, replica: int, replicas: int, lighthouse: str, *, host: 
 
     from ..harness.models import build_model, param_groups
     from ..harness.train import _Data, batch_loss, evaluate, lane_options, lr_factor
-    from . import FTLionCub, FTLocalCub, make_manager
+    from . import make_manager
+    from .. import LionCub, LocalCub
+    from ..optim.flags import round_kwargs, step_kwargs
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # the harness's world of one
     device = torch.device("cpu")
@@ -126,13 +128,14 @@ def replica_main(config, replica: int, replicas: int, lighthouse: str, *, host: 
     manager = make_manager(str(replica), lighthouse, min_replicas=min_replicas, host=host, timeout_s=timeout_s,
                            quorum_timeout_s=max(60.0, 4 * timeout_s), device=device)
     if config.local_steps == 1:  # LionCub's vote every step, a quorum per step
-        opt = FTLionCub(groups, manager, lr=config.lr, betas=config.betas, vote=config.vote, tie=config.tie,
-                        seed=config.seed, model=model, nonfinite=config.nonfinite, **lane_options(config))
+        opt = LionCub(groups, lr=config.lr, betas=config.betas, **step_kwargs(dict(
+            manager=manager, vote=config.vote, tie=config.tie, seed=config.seed, model=model,
+            nonfinite=config.nonfinite, **lane_options(config))))
     else:
-        opt = FTLocalCub(groups, manager, lr=config.lr, betas=config.betas, local_steps=config.local_steps,
-                         inner=config.inner, vote=config.vote, outer=config.outer, outer_lr=config.outer_lr,
-                         error_feedback=config.error_feedback, aggregate=config.aggregate, model=model,
-                         nonfinite=config.nonfinite, **lane_options(config))
+        opt = LocalCub(groups, lr=config.lr, betas=config.betas, **round_kwargs(dict(
+            manager=manager, local_steps=config.local_steps, inner=config.inner, vote=config.vote,
+            outer=config.outer, outer_lr=config.outer_lr, error_feedback=config.error_feedback,
+            aggregate=config.aggregate, model=model, nonfinite=config.nonfinite, **lane_options(config))))
     from .faults import install
 
     install(opt, faults, replica)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import LionCub, comm
+from ..optim.flags import step_kwargs
 from .. import instruments as ins
 from . import report
 from ..optim.lioncub import OPTIMIZER_VOTES
@@ -108,8 +109,8 @@ def _train(cfg: AnalyzeConfig, rank: int, world: int, *, measure: bool) -> dict:
     torch.manual_seed(cfg.seed)
     model = build_gpt(cfg.model, vocab_size=256, block_size=cfg.block_size, tied_embeddings=cfg.tied)
     policy = "none" if measure else Adaptive(threshold=cfg.threshold)
-    opt = LionCub(model.parameters(), lr=cfg.lr, betas=(0.9, cfg.beta2), vote=cfg.vote, model=model,
-                  momentum_sync=policy, sync_every=cfg.sync_every)
+    opt = LionCub(model.parameters(), lr=cfg.lr, betas=(0.9, cfg.beta2), **step_kwargs(dict(
+        vote=cfg.vote, model=model, momentum_sync=policy, sync_every=cfg.sync_every)))
     probe = MomentumSync(Adaptive(threshold=cfg.threshold), model=model, params=list(model.parameters()),
                          group=opt.group, world_size=opt.world_size)
     next_batch, source = _batches(cfg, rank, world)

@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .. import Lion, LionCub, LocalCub, NodeCub, comm, node_groups, votes
+from .. import Lion, LionCub, LocalCub, comm, node_groups, votes
+from ..optim.flags import node_kwargs, round_kwargs, step_kwargs
+from ..optim.nodecub import NodeCub
 from ..baselines.base import Adapter
 from .config import TrainConfig
 
@@ -52,25 +54,24 @@ def make_optimizer(config: TrainConfig, groups: list[dict], model=None):
     ``model`` lets LionCub name parameters in its errors and find the ``io`` layers."""
     extra = lane_options(config)
     if config.optimizer == "lioncub" and config.local:
-        return LocalCub(groups, lr=config.lr, betas=config.betas, local_steps=config.local_steps, inner=config.inner,
-                        vote=config.vote, outer=config.outer, outer_lr=config.outer_lr,
-                        error_feedback=config.error_feedback, aggregate=config.aggregate, delay=config.delay,
-                        fragments=config.fragments, eager=config.eager, model=model,
-                        nonfinite=config.nonfinite, check_every=config.check_every,
-                        **(dict(min_local_steps=config.min_local_steps) if config.local_steps == "auto" else {}),
-                        **extra)
+        return LocalCub(groups, lr=config.lr, betas=config.betas, **round_kwargs(dict(
+            local_steps=config.local_steps, inner=config.inner, vote=config.vote, outer=config.outer,
+            outer_lr=config.outer_lr, error_feedback=config.error_feedback, aggregate=config.aggregate,
+            delay=config.delay, fragments=config.fragments, eager=config.eager, model=model,
+            nonfinite=config.nonfinite, check_every=config.check_every,
+            **(dict(min_local_steps=config.min_local_steps) if config.local_steps == "auto" else {}), **extra)))
     if config.optimizer == "lioncub" and config.nodes > 1:
         layout = node_groups(dist.get_world_size() // config.nodes)
-        return NodeCub(groups, lr=config.lr, betas=config.betas, layout=layout, shard=config.shard, vote=config.vote,
-                       grad_dtype=config.grad_dtype, seed=config.seed, model=model, nonfinite=config.nonfinite,
-                       check_every=config.check_every, **extra)
+        return NodeCub(groups, lr=config.lr, betas=config.betas, **node_kwargs(dict(
+            layout=layout, shard=config.shard, vote=config.vote, grad_dtype=config.grad_dtype, seed=config.seed,
+            model=model, nonfinite=config.nonfinite, check_every=config.check_every, **extra)))
     if config.optimizer == "lioncub":
-        return LionCub(groups, lr=config.lr, betas=config.betas, vote=config.vote, grad_dtype=config.grad_dtype,
-                       seed=config.seed, model=model, momentum_sync=config.momentum_sync,
-                       sync_every=config.sync_every, nonfinite=config.nonfinite, check_every=config.check_every,
-                       overlap=config.overlap, aggregate=config.aggregate, tie=config.tie,
-                       error_feedback=config.vote_error_feedback, stochastic_signs=config.stochastic_signs,
-                       **config.mean_options(), **extra)
+        return LionCub(groups, lr=config.lr, betas=config.betas, **step_kwargs(dict(
+            vote=config.vote, grad_dtype=config.grad_dtype, seed=config.seed, model=model,
+            momentum_sync=config.momentum_sync, sync_every=config.sync_every, nonfinite=config.nonfinite,
+            check_every=config.check_every, overlap=config.overlap, aggregate=config.aggregate, tie=config.tie,
+            error_feedback=config.vote_error_feedback, stochastic_signs=config.stochastic_signs,
+            **config.mean_options(), **extra)))
     if config.optimizer == "lion":
         return Lion(groups, lr=config.lr, betas=config.betas)
     return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas)

@@ -129,7 +129,7 @@ class AutoSteps:
             comm.all_reduce(agreed, self.group, op="max")
         step_s = float(agreed.item())  # one host read, once
         chunks = [(sum(pc.size for pc in pieces), len(pieces)) for pieces in self._plan()]
-        round_s = round_seconds(self.aggregation, chunks, self.world_size, pick["alpha"], pick["beta"])
+        round_s = round_seconds(self.exchange, chunks, self.world_size, pick["alpha"], pick["beta"])
         pick.update(step_s=step_s, round_s=round_s,
                     H=pick_local_steps(round_s, step_s, pick["round_share"], pick["max_local_steps"],
                                        pick.get("min_local_steps", FIRST_ROUND)))

@@ -212,7 +212,7 @@ class RoundCheckpoint:
         self.owner_residuals = {}
         for key, r in saved.items():
             index = int(key)
-            size = self.aggregation.owner_elements(sum(pc.size for pc in plan[index])) if index < len(plan) else 0
+            size = self.exchange.owner_elements(sum(pc.size for pc in plan[index])) if index < len(plan) else 0
             if r.numel() != size:
                 raise ValueError(f"state_dict's owner residual of chunk {index} has {r.numel()} elements; this run's "
                                  f"round keeps {size} there (another round_chunk or aggregation)")

@@ -53,6 +53,8 @@ from ..votes.mean import ADAPT_DEFAULT, NORM_DEFAULT, RANGE_DEFAULT, RESTART_DEF
 from .checkpoint import StepCheckpoint
 from ..engine.shell import NONFINITE_ALIASES, NONFINITE_POLICIES, CheckedGroups, Shell
 from ..validate import check_bool, check_hyperparameters, check_optional_bool
+from ..aggregations import Aggregation, aggregation_of
+from ..options import STEP_OPTIONS, Options
 
 __all__ = ["LionCub", "OPTIMIZER_VOTES", "GRAD_DTYPES"]
 
@@ -60,67 +62,37 @@ __all__ += ["NONFINITE_POLICIES", "NONFINITE_ALIASES"]
 
 
 class LionCub(StepCheckpoint, Sharded, Driven, Bucketed, CheckedGroups, Shell, StepSettings, torch.optim.Optimizer):
-    """Lion with a compressed majority vote across data-parallel ranks.
+    """Lion with its update agreed across data-parallel ranks every step, in 1-8 bits per element.
 
     Args:
         params: iterable of parameters or param-group dicts (``lr``, ``betas``,
             ``weight_decay`` per group).
         lr, betas, weight_decay: as :class:`lioncub.Lion`.
-        vote: ``'grad'`` (gradient all-reduce baseline), ``'sign_allreduce'``,
-            ``'gather'``, ``'onebit'``, ``'pbit'`` (see :mod:`lioncub.votes`) or ``'auto'``:
-            the cheapest binary-sign vote for this world size by the α-β model plus
-            per-method local cost (:mod:`lioncub.engine.auto`); the pick is ``vote_chosen``.
-        alpha, beta, gamma: ``vote='auto'`` only: latency (s) and seconds per bit of
-            the link (both None: measured by :func:`lioncub.engine.cost.calibrate`), and
-            per-method local costs overriding :data:`lioncub.engine.auto.DEFAULT_GAMMA`.
-        bits: ``pbit`` lane width (2, 4 or 8); None picks the smallest valid one.
-        quantizer: ``pbit`` only: None (binary signs, the paper's 4-bit Lion Cub),
-            or one of ``'sign', 'l1', 'lp', 'l0', 'linf', 'log'``.
-        tie: where zeros of ``c`` and tied counts go on the 1-bit paths: ``'alternate'`` (the
-            paper's parity, +1 on even steps and −1 on odd; the default), ``'plus'``, ``'minus'``, or
-            ``'hold'`` (``onebit``: a tie repeats the element's last vote, kept by its chunk owner).
-            Which vote takes which rule: :data:`lioncub.votes.TIE_RULES`; other votes take ``'alternate'``.
-        error_feedback, stochastic_signs: what a binary-sign message carries beyond the sign: each
-            worker's residual (``'worker'``), each chunk owner's (``'server'``, ``onebit``), or both;
-            signs drawn with probability (1 + v/M)/2. The rules, their state and what each refuses
-            (e.g. overlap): :mod:`lioncub.votes.feedback`.
-        aggregate, mean_adapt, mean_range, mean_norm, mean_restart: ``'vote'`` (the majority vote of
-            the signs of ``c``, the default) or ``'mean'`` (``vote='onebit'``): the same two 1-bit
-            collectives carry a compressed mean of the gradients and every rank runs Lion's exact
-            update on it with a momentum all ranks share; the ``mean_*`` settings are its own
-            (:mod:`lioncub.votes.mean`, which also says what it refuses).
-        grad_dtype: ``vote='grad'`` only: ``'fp32'`` or ``'bf16'`` all-reduce.
-        fused: the backend of the per-parameter passes, chosen once per bucket here, as
-            ``torch.optim`` optimizers take it: None (default) the fused loops of
-            :mod:`lioncub.fused` wherever they run (contiguous fp32 on CPU with a C compiler,
-            on CUDA with Triton), the torch ops elsewhere; True requires the fused loops
-            (``ValueError`` if a bucket cannot take them); False the torch ops. Both give the
-            same bits; ``backends`` holds each bucket's choice and why.
-        process_group: the data-parallel group (default: the world); with FSDP2 (DTensor) parameters the replicas'
-            group (default: inferred from their mesh; docs/sharded.md).
-        bucket_mb: bucket size in MiB of fp32 elements (the scratch ``c`` is one bucket).
-        message_mb: without overlap, the buckets' votes travel together in messages of at most
-            this many MiB on the wire, one exchange each (with overlap each bucket is its own);
-            up to ``encode_ahead`` are written before the step's agreement and kept.
-        maximize: maximise the objective.
-        seed: seeds the stochastic quantizer's generator (``seed + rank``).
-        momentum_sync: which momenta to average every ``sync_every`` steps: ``'none'``, ``'all'``,
-            ``'io'`` (needs ``model``), ``'adaptive'``, or names / tensors (:mod:`lioncub.engine.momentum`).
-        sync_every, sync_dtype: period (steps) and dtype (``'fp32'``/``'bf16'``) of
-            the momentum all-reduce.
-        model: the module the params come from; used to name parameters and to find
-            the input/output layers.
-        nonfinite: ``'raise'`` or ``'skip'`` (``'skip_step'``: older) when any rank's gradient holds
-            NaN or Inf; every rank decides alike (:mod:`lioncub.engine.guard`).
-        check_every: every k steps verify that replicas are identical (0 = never), read with the
-            next step's one agreement (a divergence raises there).
-        timing: measure the time split of ``last_step_stats`` (``t_*``). None (default): on CPU
-            always, on CUDA never (NCCL calls return at launch); True on CUDA synchronises before
-            each clock read (exact times, slower steps). Bytes and counts are always exact.
-        overlap: launch each bucket's vote from backward hooks once its gradients are ready
+        aggregation: how the update travels (:mod:`lioncub.aggregations`): ``OneBitMean()`` (the default,
+            ``'onebit-mean'``: a 1-bit compressed mean of the gradients and Lion's exact update on it with a shared
+            momentum), ``SignVote(...)`` (``'sign-vote'``: the majority vote of the signs, the paper's Lion Cub),
+            or ``Mean()`` (``'mean'``: the fp32 gradient all-reduce, the baseline).
+        process_group: where the data-parallel ranks are: None (the world; with FSDP2 (DTensor) parameters the
+            replicas' group inferred from their mesh, docs/sharded.md), a process group, or
+            :func:`lioncub.node_groups`'s layout (ranks per node: the gradients averaged inside each node, the
+            aggregation across nodes, each local rank a shard of the model: a :class:`~lioncub.optim.nodecub.NodeCub`).
+        manager: a ``torchft.Manager``: fault tolerance across replica groups (a :class:`~lioncub.ft.FTLionCub`;
+            docs/fault_tolerance.md).
+        overlap: launch each bucket's agreement from backward hooks once its gradients are ready
             (:mod:`lioncub.engine.overlap`; the same bits as without); accumulate under
             ``with opt.no_sync():``; ``opt.remove_hooks()`` turns it off. Under DDP:
             :func:`lioncub.ddp.hook.register`.
+        model: the module the params come from: names parameters in errors, finds the input/output layers
+            for ``Options(momentum_sync='io')``.
+        options: a :class:`lioncub.Options` (buckets, backends, checks, seed, the link's α and β, the
+            momentum sync): docs/api.md.
+
+    Buckets: parameters are flattened into buckets of at most ``bucket_mb`` MiB of fp32 (reverse registration
+    order, as DDP), each with its backend chosen once (``backends`` says which and why); the buckets' votes travel
+    together in messages of at most ``message_mb`` MiB (with overlap each bucket is its own).
+
+    Attributes: ``aggregation``, ``steps``, ``skipped_steps``, ``last_step_stats``
+    (:class:`~lioncub.CommStats`), ``vote_chosen`` (the collective and lane width in use).
     """
 
     encode_ahead = 4
@@ -129,6 +101,14 @@ class LionCub(StepCheckpoint, Sharded, Driven, Bucketed, CheckedGroups, Shell, S
 
     state_key = "lioncub"
 
+    def __new__(cls, *args, **kwargs):
+        """``LionCub(..., process_group=node_groups())`` builds the node layout's optimizer
+        (:class:`~lioncub.optim.nodecub.NodeCub`), ``LionCub(..., manager=m)`` the torchft one
+        (:class:`~lioncub.ft.FTLionCub`): one class for the user, the layout read from its arguments."""
+        if cls is LionCub and (_is_layout(kwargs.get("process_group")) or kwargs.get("manager") is not None):
+            return _elsewhere(*args, **kwargs)
+        return super().__new__(cls)
+
     def __init__(
         self,
         params: Iterable,
@@ -136,7 +116,26 @@ class LionCub(StepCheckpoint, Sharded, Driven, Bucketed, CheckedGroups, Shell, S
         betas: tuple[float, float] = (0.9, 0.99),
         weight_decay: float = 0.0,
         *,
-        vote: str = "pbit",
+        aggregation: Union[str, Aggregation] = "onebit-mean",
+        process_group=None,
+        manager=None,
+        overlap: bool = False,
+        model: Optional[torch.nn.Module] = None,
+        options: Optional[Options] = None,
+    ):
+        if manager is not None or _is_layout(process_group):  # (a subclass of LionCub got here)
+            raise ValueError(f"{type(self).__name__}: manager= and a NodeLayout process_group are LionCub's own "
+                             "(it builds the torchft or node optimizer); a subclass takes a process group")
+        agg = aggregation_of(aggregation, "LionCub")
+        flags = Options.of(options, "LionCub").for_("LionCub", STEP_OPTIONS)
+        self.aggregation = agg
+        """How the update travels (:mod:`lioncub.aggregations`)."""
+        self._configure(params, lr, betas, weight_decay, **agg.for_step(), **flags, process_group=process_group,
+                        overlap=overlap, model=model)
+
+    def _configure(  # the engine's flat settings (lioncub.optim.flags says which public argument sets each)
+        self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0,
+        *, vote: str = "pbit",
         bits: Optional[int] = None,
         quantizer: Optional[str] = None,
         tie: str = "alternate",
@@ -302,3 +301,40 @@ class LionCub(StepCheckpoint, Sharded, Driven, Bucketed, CheckedGroups, Shell, S
     # ------------------------------------------------------------------ state
     def fingerprint(self) -> dict:
         return self.config.fingerprint()
+
+
+def engine_lioncub(params, lr, betas, weight_decay, **flags) -> LionCub:
+    """A LionCub from the engine's flat settings (NodeCub's cross-node voter, which takes ``_verified``)."""
+    self = torch.optim.Optimizer.__new__(LionCub)
+    self.aggregation = None
+    self._configure(params, lr, betas, weight_decay, **flags)
+    return self
+
+
+BUILDS: dict = {}
+"""What ``LionCub(...)`` builds instead of itself, registered by the modules that define them (which import this
+one): ``'nodes'``: (NodeLayout, NodeCub) (:mod:`lioncub.optim.nodecub`), ``'manager'``: FTLionCub
+(:mod:`lioncub.optim.replicas`). ``lioncub`` imports both."""
+
+
+def _is_layout(group) -> bool:
+    return "nodes" in BUILDS and isinstance(group, BUILDS["nodes"][0])
+
+
+def _elsewhere(params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, aggregation="onebit-mean",
+               process_group=None, manager=None, overlap=False, model=None, options=None):
+    """The optimizer ``LionCub(...)`` builds for a node layout or a torchft manager."""
+    if manager is not None:
+        if _is_layout(process_group):
+            raise ValueError("LionCub: a torchft manager with a node layout (replicas of many ranks) is not built "
+                             "yet; give one of them")
+        if overlap:
+            raise ValueError("LionCub: overlap=True with a torchft manager: the step waits for its quorum first; "
+                             "use overlap=False")
+        return BUILDS["manager"](params, lr, betas, weight_decay, manager=manager, aggregation=aggregation, model=model,
+                         options=options)
+    if overlap:
+        raise ValueError("LionCub: overlap=True with a node layout: the node mean runs after backward; use "
+                         "overlap=False")
+    return BUILDS["nodes"][1](params, lr, betas, weight_decay, aggregation=aggregation, layout=process_group, model=model,
+                   options=options)

@@ -100,11 +100,16 @@ from .checkpoint import RoundCheckpoint
 from .auto_steps import AutoSteps
 from .rounds import OUTER_STATES, Rounds
 from .streaming import StreamingRounds
+from ..aggregations import Aggregation, aggregation_of
+from ..options import ROUND_OPTIONS, Options, Outer, Streaming
 
 __all__ = ["LocalCub", "INNER_OPTIMIZERS", "OUTER_RULES", "OUTER_STATES", "LOCAL_VOTES", "AGGREGATES", "MEAN_CLIP"]
 
 INNER_OPTIMIZERS = ("lion", "adamw")
 LOCAL_VOTES = ("grad",) + votes.VOTE_METHODS
+BUILDS: dict = {}
+"""``'manager'``: the class ``LocalCub(..., manager=m)`` builds (FTLocalCub, registered by
+:mod:`lioncub.optim.replicas`, which ``lioncub`` imports)."""
 DELAYS = (0, 1)
 """``delay=``: 0, every round agreed before the next begins; 1, streaming rounds."""
 
@@ -132,73 +137,43 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
     Args:
         params: parameters or param-group dicts (``lr``, ``betas``, ``weight_decay``).
         lr, betas: the inner optimizer's; ``lr`` also sizes the outer step (η above).
-        weight_decay: λ, decoupled, applied to θ_s at each outer step as ``α·η·λ``
-            (the inner optimizer runs without weight decay).
-        local_steps: H >= 1, inner steps per round; or ``'auto'``: the first round runs
-            :data:`~lioncub.optim.auto_steps.FIRST_ROUND` steps and times them, then H is the smallest whose
-            agreement costs at most ``round_share`` of the round's compute on the link's α-β model
-            (:mod:`lioncub.optim.auto_steps`; ``alpha``/``beta`` given, or measured at construction), at most
-            ``max_local_steps``; the pick is in ``steps_pick`` and in checkpoints.
-        round_share, min_local_steps, max_local_steps: ``local_steps='auto'`` only (defaults 0.5, 10 and 500).
-        inner: ``'lion'`` (default), ``'adamw'``, or ``callable(param_groups) -> Optimizer``.
-        vote: ``'grad'`` (fp32 all-reduce of Δ, no compression), or a vote method of
-            :func:`lioncub.majority_vote`: ``'sign_allreduce'``, ``'gather'``, ``'onebit'``,
-            ``'pbit'``; or ``'auto'``: the cheapest binary-sign vote of the whole model by the
-            α-β model (:mod:`lioncub.engine.auto`; one vote per round, so ``round_costs`` holds each
-            candidate's seconds per round and per step, ``per_step_s`` = round / H).
-        alpha, beta, gamma: ``vote='auto'`` only, as in :class:`~lioncub.LionCub`.
-        bits, quantizer: ``pbit``'s, as in :class:`~lioncub.LionCub`; with ``vote='onebit', aggregate='mean'``
-            ``bits`` is the scatter mean's code width, 1 (default), 2, 4 or 8.
-        outer: ``'sgd'``, ``'nesterov'`` or ``'lion'`` (see the module docstring).
-        outer_lr: α > 0 (dimensionless).
-        outer_momentum: μ in [0, 1) of ``'nesterov'``.
-        outer_betas: (β1, β2) of ``'lion'``.
-        error_feedback: keep each worker's residual e_i (not with ``vote='grad'``, which
-            is lossless, nor with the stochastic ``'linf'`` quantizer).
-        aggregate: ``'vote'`` (d = η·u, the majority vote) or ``'mean'`` (``pbit`` with
-            ``quantizer='l1'`` only): every rank quantizes v_i with one shared L1 scale, the
-            lanes' SUM all-reduce returns Σ_i q_i exactly, and d is their dequantized mean
-            (a 2-8-bit DiLoCo pseudo-gradient; ``outer_lr`` then scales Δ as DiLoCo's does). On
-            ``vote='onebit'``: the scatter mean (:class:`~lioncub.votes.rounds.ScatterMean`), Δ's mean in
-            ``bits`` (1-8) per element in each of onebit's two collectives, every chunk owner keeping a residual
-            of its span (4/P bytes a parameter); needs ``error_feedback=True``.
-        tie: where zeros and tied votes go on the 1-bit paths, as in :class:`~lioncub.LionCub`
-            (``'alternate'``: the round's parity; ``'plus'``, ``'minus'``).
-        seed: seeds the stochastic quantizer's (``linf``) generator (``seed + rank``, on the
-            parameters' device, saved in ``state_dict``).
-        process_group: the data-parallel group (default: the world).
-        nonfinite: ``'raise'`` or ``'skip'`` (every rank drops the round's local
-            progress; ``'skip_round'`` is an older spelling) when any rank met a NaN/Inf gradient during the round (that inner
-            step is not taken) or its Δ holds one; agreed by all ranks at the round's end.
-        check_every: every k rounds verify that replicas are identical (0 = never; with
-            ``delay=1`` the check is of θ_s, the agreed start).
-        delay: 0 (default) or 1: streaming rounds, the agreement of round k overlapped with
-            round k+1's inner steps and applied at its end (see the module docstring). For
-            ``vote='grad'``, ``aggregate='mean'`` and the one-all-reduce votes
-            (``'sign_allreduce'``, ``'pbit'``).
-        fragments: F >= 1 (default 1); with ``delay=1``, the model streamed in F fragments, a fragment's round ending
-            every H/F steps, its agreement applied H/F steps later (module docstring); F divides an int H.
-        eager: with ``delay=1`` and a mean, the outer rule's step by this worker's own Δ_i stands in for the agreed
-            one while it is in flight (module docstring; measured to help with fragments, to hurt whole rounds).
-        outer_state: where θ_s, o_i, e_i, the outer momentum and the owner residuals live: ``'device'`` (default)
-            or ``'host'`` (CPU memory, pinned for CUDA parameters), each round copying a chunk at a time to the
-            device and back: the same rounds bit for bit, up to 16 bytes a parameter off the device, 28-40 over PCIe
-            each round (docs/local_steps.md, "Outer state on the host", says why 'device' is the default).
+        weight_decay: λ, decoupled, applied to θ_s at each outer step as ``α·η·λ`` (the inner optimizer runs
+            without weight decay).
+        local_steps: H >= 1 inner steps per round (default 10); or ``'auto'``: the first round's 10 steps are
+            timed, then H is the smallest whose agreement costs at most ``Options.round_share`` of the round's
+            compute on the link's α-β model (:mod:`lioncub.optim.auto_steps`); the pick is in ``steps_pick``.
+        aggregation: how a round's Δ travels (:mod:`lioncub.aggregations`): ``LaneMean(bits=8)`` (the default,
+            ``'lane-mean'``), ``ScatterMean(bits=4)`` (``'scatter-mean'``, the long rounds' setting),
+            ``SignVote(...)`` (the majority vote, ``d = η·u``) or ``Mean()`` (fp32, DiLoCo's).
+        inner: ``'adamw'`` (default), ``'lion'``, or ``callable(param_groups) -> Optimizer``.
+        outer: ``'sgd'`` (default, α = 1: averaging), ``'nesterov'``, ``'lion'``, or :class:`lioncub.Outer`
+            with its α, μ, betas (module docstring).
+        streaming: False (default: every round agreed before the next begins); True: the round's agreement
+            travels during the next round's inner steps, applied one round late; an int F or
+            :class:`lioncub.Streaming`: in F fragments, each H/F steps late (module docstring). For the means
+            and the one-all-reduce votes.
+        process_group: the data-parallel group (default: the world; with FSDP2 parameters the replicas' group
+            from their mesh).
+        manager: a ``torchft.Manager``: rounds that survive a lost replica (:class:`~lioncub.ft.FTLocalCub`).
         model: the module, to name parameters in errors.
+        options: a :class:`lioncub.Options`: ``nonfinite``, ``check_every``, ``seed``, α and β, the ``'auto'``
+            bounds, ``outer_state`` (``'host'`` keeps θ_s and the outer state off the device): docs/api.md.
 
-    Attributes: ``synced`` (the last ``step()`` ended a round: replicas are identical; with
-    ``delay=1`` the starts θ_s are, each replica holding θ_s plus its in-flight progress),
-    ``rounds`` (outer steps taken), ``local_step`` (inner steps into the current round),
-    ``last_round_stats`` (:class:`~lioncub.CommStats` of the last outer step),
-    ``last_step_stats`` (the last ``step()``'s: the round's when it ended one, else empty).
+    Attributes: ``synced`` (the last ``step()`` ended a round: replicas are identical; streaming: the starts
+    θ_s are), ``rounds``, ``local_step``, ``last_round_stats``, ``last_step_stats`` (the round's when the step
+    ended one, else empty).
 
-    Memory per parameter: θ_s, plus e_i with error feedback, plus the outer momentum
-    for ``'nesterov'``/``'lion'``, plus the inner optimizer's state; with ``delay=1`` also o_i
-    and the message in flight. With ``outer_state='host'`` the device keeps only the inner optimizer's
-    state and the message in flight (and a round's chunk of the rest while it runs).
+    Memory per parameter: θ_s, plus e_i with error feedback, plus the outer momentum for ``'nesterov'``/``'lion'``,
+    plus the inner optimizer's state; streaming also o_i and the message in flight.
     """
 
     state_key = "local"
+
+    def __new__(cls, *args, **kwargs):
+        """``LocalCub(..., manager=m)`` builds the torchft one (:class:`~lioncub.ft.FTLocalCub`)."""
+        if cls is LocalCub and kwargs.get("manager") is not None:
+            cls = BUILDS["manager"]
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -208,7 +183,31 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
         weight_decay: float = 0.0,
         *,
         local_steps: Union[int, str] = 10,
-        inner: Union[str, Callable] = "lion",
+        aggregation: Union[str, Aggregation] = "lane-mean",
+        inner: Union[str, Callable] = "adamw",
+        outer: Union[str, Outer] = "sgd",
+        streaming: Union[bool, int, Streaming] = False,
+        process_group=None,
+        manager=None,
+        model: Optional[torch.nn.Module] = None,
+        options: Optional[Options] = None,
+    ):
+        agg = aggregation_of(aggregation, "LocalCub")
+        flags = Options.of(options, "LocalCub").for_("LocalCub", ROUND_OPTIONS)
+        rule = Outer.of(outer)
+        stream = Streaming.of(streaming)
+        self.aggregation = agg  # how a round's Δ travels (lioncub.aggregations); self.exchange runs it
+        if manager is not None:
+            flags["manager"] = manager
+        elif "max_attempts" in flags:
+            raise ValueError("LocalCub: Options.max_attempts counts a torchft manager's agreements; give manager=")
+        self._configure(params, lr, betas, weight_decay, local_steps=local_steps, inner=inner, **agg.for_round(),
+                        outer=rule.rule, outer_lr=rule.lr, outer_momentum=rule.momentum, outer_betas=rule.betas,
+                        **(stream.flags() if stream else {}), process_group=process_group, model=model, **flags)
+
+    def _configure(  # the engine's flat settings (lioncub.optim.flags says which public argument sets each)
+        self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0,
+        *, local_steps: Union[int, str] = 10, inner: Union[str, Callable] = "lion",
         vote: str = "onebit",
         bits: Optional[int] = None,
         quantizer: Optional[str] = None,
@@ -294,7 +293,7 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
         """The vote settings and the one vote method object every round uses (None: ``'grad'``)."""
         self.config = config
         self.method = config.method(self.world_size)
-        self.aggregation = round_aggregation(config.vote, self.method, self.world_size, self.aggregate,
+        self.exchange = round_aggregation(config.vote, self.method, self.world_size, self.aggregate,
                                              bits=self.round_bits)
         """How a round's v_i become d (:mod:`lioncub.votes.rounds`)."""
         self.vote_chosen = (config.vote, config.bits)

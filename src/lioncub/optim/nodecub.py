@@ -56,14 +56,16 @@ import torch.distributed as dist
 from ..engine import amp, auto, guard
 from .. import chunks, comm
 from ..comm import CommStats
-from .lioncub import LionCub
+from . import lioncub as _lioncub
+from .lioncub import engine_lioncub
 from ..engine.shell import Shell
 from ..validate import check_bool, check_hyperparameters, check_int
+from ..aggregations import aggregation_of
+from ..options import STEP_OPTIONS, Options
 
 __all__ = ["NodeLayout", "node_groups", "NodeCub"]
 
 # LionCub arguments NodeCub sets itself (the vote's group) or does not offer
-_OWN_ARGS = ("process_group", "overlap")
 
 
 @dataclass(frozen=True)
@@ -140,14 +142,13 @@ class NodeCub(Shell, torch.optim.Optimizer):
         shard: each local rank votes on its own ``1/L`` of the parameters (and keeps only
             their momenta), then the node all-gathers the update; False: every local rank
             votes on all of them.
-        nonfinite: ``'raise'`` or ``'skip'`` (``'skip_step'``: an older spelling) when a
-            node-mean gradient holds NaN/Inf; agreed by all ranks of all nodes (one tiny
-            all-reduce over the world).
-        check_every: every k steps check that all ``N·L`` replicas are bit-identical.
+        aggregation: the cross-node aggregation, as :class:`lioncub.LionCub`'s.
         model: the module the params come from (parameter names in errors).
-        **vote_args: the vote's :class:`lioncub.LionCub` arguments (``vote``, ``bits``,
-            ``quantizer``, ``tie``, ``seed``, ``bucket_mb``, ...); not ``process_group``
-            or ``overlap``.
+        options: as :class:`lioncub.LionCub`'s; ``nonfinite`` (a node-mean gradient holding NaN/Inf, agreed by
+            all ranks of all nodes in one tiny all-reduce) and ``check_every`` (all ``N·L`` replicas
+            bit-identical) cover the whole world.
+
+    ``LionCub(params, ..., process_group=node_groups())`` builds this class (shard=True).
 
     ``voter`` is the cross-node :class:`~lioncub.LionCub` (its ``last_step_stats``, momenta,
     steps); ``vote`` its method's name, as on :class:`~lioncub.LionCub`.
@@ -156,14 +157,13 @@ class NodeCub(Shell, torch.optim.Optimizer):
     state_key = "nodecub"
 
     def __init__(self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
-                 weight_decay: float = 0.0, *, layout: Optional[NodeLayout] = None, shard: bool = True,
-                 nonfinite: str = "raise", check_every: int = 0, model: Optional[torch.nn.Module] = None,
-                 **vote_args):
+                 weight_decay: float = 0.0, *, aggregation="onebit-mean", layout: Optional[NodeLayout] = None,
+                 shard: bool = True, model: Optional[torch.nn.Module] = None, options: Optional[Options] = None):
         check_hyperparameters(lr, betas, weight_decay)
-        for name in _OWN_ARGS:
-            if name in vote_args:
-                raise ValueError(f"{name} is not a NodeCub argument: NodeCub sets the vote's group itself "
-                                 "and does not overlap")
+        agg = aggregation_of(aggregation, "LionCub")
+        vote_args = {**agg.for_step(), **Options.of(options, "LionCub").for_("LionCub", STEP_OPTIONS)}
+        self.aggregation = agg
+        nonfinite, check_every = vote_args.pop("nonfinite", "raise"), vote_args.pop("check_every", 0)
         check_bool("shard", shard)
         if layout is None:
             layout = node_groups()
@@ -204,8 +204,8 @@ class NodeCub(Shell, torch.optim.Optimizer):
             if mine:
                 vote_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": mine})
                 self._group_of_vote.append(gi)
-        self.voter = LionCub(vote_groups, lr=lr, betas=betas, weight_decay=weight_decay,
-                             process_group=layout.inter, nonfinite="raise", _verified=True, **vote_args)
+        self.voter = engine_lioncub(vote_groups, lr, betas, weight_decay, process_group=layout.inter,
+                                    nonfinite="raise", _verified=True, **vote_args)
         """The cross-node vote: a LionCub over this local rank's shard and cross-node group."""
         if self.voter.vote_requested == "auto" and dist.get_world_size() > 1:  # one pick on every rank
             voter = self.voter
@@ -347,3 +347,6 @@ class NodeCub(Shell, torch.optim.Optimizer):
             g.update(copy.deepcopy(saved))
         self.steps = int(extra["counters"]["steps"])
         self.skipped_steps = int(extra["counters"]["skipped_steps"])
+
+
+_lioncub.BUILDS["nodes"] = (NodeLayout, NodeCub)

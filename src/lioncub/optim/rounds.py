@@ -93,7 +93,7 @@ class Rounds:
         stats = comm.step_stats(self.device)
         plan = self._plan()
         seen = self._measure("start", plan)
-        verdict = self._agree(self.aggregation.head(seen.scales), seen.finite, stats)
+        verdict = self._agree(self.exchange.head(seen.scales), seen.finite, stats)
         if verdict.bad_ranks:
             self._nonfinite(verdict.bad_ranks)
             return
@@ -117,10 +117,10 @@ class Rounds:
         tensor never cut; one chunk of every tensor when the aggregation does not decide each tensor alone
         (:attr:`~lioncub.votes.rounds.RoundAggregation.per_tensor`). With ``fragments > 1`` the chunks of each
         fragment in turn (:func:`lioncub.chunks.plan_fragments`; :meth:`_fragment_spans`)."""
-        key = (self.round_chunk, SCALE_BLOCK, self.aggregation.per_tensor, self.fragments)
+        key = (self.round_chunk, SCALE_BLOCK, self.exchange.per_tensor, self.fragments)
         if getattr(self, "_round_plan", (None,))[0] != key:
             sizes = [p.numel() for p in self.params]
-            if not self.aggregation.per_tensor:
+            if not self.exchange.per_tensor:
                 fragments = [[[Piece(i, 0, n) for i, n in enumerate(sizes)]]]
             else:
                 uncut = frozenset(i for i, p in enumerate(self.params) if not p.is_contiguous())
@@ -141,7 +141,7 @@ class Rounds:
     def _measure(self, began: str, plan: list[list[Piece]], aggregation=None) -> Measured:
         """The first pass over the chunks: whether this rank's Δ since ``state[p][began]`` is finite, and each
         tensor's mean |v| when the aggregation uses it."""
-        aggregation = self.aggregation if aggregation is None else aggregation
+        aggregation = self.exchange if aggregation is None else aggregation
         scaled = aggregation.needs_scales(self.error_feedback)
         finite, blocks, kept = True, [[] for _ in self.params], None
         for pieces in plan:
@@ -239,7 +239,7 @@ class Rounds:
         """Start the agreement of ``v`` over ``pieces`` (:mod:`lioncub.votes.rounds`): the agreement, and C(v_i)
         with error feedback (None without). ``head``: the agreed per-tensor sums, ``scales``: this rank's
         per-tensor mean |v| (each indexed by parameter; empty / None when the aggregation has none)."""
-        aggregation = self.aggregation if aggregation is None else aggregation
+        aggregation = self.exchange if aggregation is None else aggregation
         idx = [pc.index for pc in pieces]
         return aggregation.launch(v, [pc.size for pc in pieces], head=[head[i] for i in idx] if len(head) else [],
                                   scales=None if scales is None else scales[idx], count=count, step=self.rounds,
@@ -259,7 +259,7 @@ class Rounds:
         """This rank's state for chunk ``index`` (``n`` elements) that the aggregation keeps from round to round
         (:meth:`~lioncub.votes.rounds.RoundAggregation.owner_elements`: the scatter mean's owner residual), made
         as zeros on first use; None when it keeps none."""
-        size = self.aggregation.owner_elements(n)
+        size = self.exchange.owner_elements(n)
         if not size:
             return None
         kept = self.owner_residuals.get(index)

@@ -67,13 +67,13 @@ class StreamingRounds:
         self.eager = check_bool("eager", eager)
         if self.eager and not self.delay:
             raise ValueError("eager=True stands in for an agreement in flight: it needs delay=1")
-        if self.eager and self.aggregation.signed:
+        if self.eager and self.exchange.signed:
             raise ValueError(f"eager=True stands in this worker's own Δ for the agreed mean: it needs a mean "
                              f"(vote='grad' or aggregate='mean'), got vote={vote!r}, aggregate={self.aggregate!r}")
-        if self.delay and not self.aggregation.streams:
+        if self.delay and not self.exchange.streams:
             raise ValueError(f"delay=1 keeps the round's exchange in flight: vote must be 'grad', one of "
                              f"{STREAMING_VOTES}, or 'onebit' with aggregate='mean', got vote={vote!r}")
-        if self.fragments > 1 and not self.aggregation.per_tensor:
+        if self.fragments > 1 and not self.exchange.per_tensor:
             raise ValueError(f"fragments={self.fragments} needs an aggregation that decides each tensor alone: "
                              f"vote={vote!r} with quantizer={quantizer!r} scales the whole model at once")
         if self.fragments > 1:
@@ -107,7 +107,7 @@ class StreamingRounds:
         stats = comm.step_stats(self.device)
         plan = self._plan()
         seen = self._measure("origin", plan)
-        verdict = self._agree(self.aggregation.head(seen.scales), seen.finite, stats)
+        verdict = self._agree(self.exchange.head(seen.scales), seen.finite, stats)
         pending, self._pending, launched = self._pending, None, []
         for agreement in pending or []:  # every last stage in flight before a new exchange: one order on every rank
             agreement.launch(stats)
@@ -164,7 +164,7 @@ class StreamingRounds:
         self._receive_pending(stats)
         lo, hi = spans[j]
         seen = self._measure("start", plan[lo:hi])
-        agreeing = self._agree_late(self.aggregation.head(seen.scales), seen.finite, stats)
+        agreeing = self._agree_late(self.exchange.head(seen.scales), seen.finite, stats)
         kept = []
         for pieces in plan[lo:hi]:
             if self.eager:  # (its v kept for the send: θ_i no longer tells Δ_i)

@@ -10,6 +10,7 @@ rank runs the same function with the same arguments. ``PATHS`` maps a path's nam
 from __future__ import annotations
 
 import functools
+from ..optim.flags import flat_lioncub, flat_localcub, flat_nodecub
 from typing import Callable
 
 import torch
@@ -54,9 +55,8 @@ def _train(opt, model, device, audit, steps: int, *, bad_step: int = -1, first: 
 
 
 def lioncub(device, audit, steps: int = 3, **kw) -> None:
-    import lioncub as lc
     model = _model(device)
-    opt = lc.LionCub(model.parameters(), lr=1e-3, bucket_mb=0.001, model=model, **kw)
+    opt = flat_lioncub(model.parameters(), lr=1e-3, bucket_mb=0.001, model=model, **kw)
     _train(opt, model, device, audit, steps)
 
 
@@ -76,9 +76,8 @@ def _drive_bad_step(audit, phase: str, flag_at: int = -1) -> None:
 
 def lioncub_skip(device, audit, steps: int = 3, **kw) -> None:
     """nonfinite='skip_step' with a NaN gradient at step 1: the agreement's other branch."""
-    import lioncub as lc
     model = _model(device)
-    opt = lc.LionCub(model.parameters(), lr=1e-3, bucket_mb=0.001, nonfinite="skip_step", **kw)
+    opt = flat_lioncub(model.parameters(), lr=1e-3, bucket_mb=0.001, nonfinite="skip_step", **kw)
     if device.type == "meta":
         _drive_bad_step(audit, "step 1", flag_at=-2 if kw.get("overlap") else -1)  # (a driver adds its flag)
     _train(opt, model, device, audit, steps, bad_step=1)
@@ -101,8 +100,7 @@ def _resume(make, device, audit, first: int, steps: int) -> None:
 
 def lioncub_resume(device, audit, steps: int = 3, **kw) -> None:
     """LionCub saved after two steps, resumed (:func:`_resume`)."""
-    import lioncub as lc
-    _resume(lambda model: lc.LionCub(model.parameters(), lr=1e-3, bucket_mb=0.001, **kw), device, audit, 2, steps)
+    _resume(lambda model: flat_lioncub(model.parameters(), lr=1e-3, bucket_mb=0.001, **kw), device, audit, 2, steps)
 
 
 def _to_cpu(obj):
@@ -117,9 +115,8 @@ def _to_cpu(obj):
 
 def lioncub_scaler(device, audit, steps: int = 3, **kw) -> None:
     """fp16-style loss scaling: GradScaler.step(opt) unscales, and the step agrees on the skip."""
-    import lioncub as lc
     model = _model(device)
-    opt = lc.LionCub(model.parameters(), lr=1e-3, bucket_mb=0.001, **kw)
+    opt = flat_lioncub(model.parameters(), lr=1e-3, bucket_mb=0.001, **kw)
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 4)
     for k in range(steps):
         x = torch.randint(0, 37, (4, 6), device=device)
@@ -132,7 +129,6 @@ def lioncub_scaler(device, audit, steps: int = 3, **kw) -> None:
 
 
 def ddp_hook(device, audit, steps: int = 3, vote: str = "pbit") -> None:
-    import lioncub as lc
     from lioncub.ddp import hook
     from torch.nn.parallel import DistributedDataParallel as DDP
     import torch.distributed as dist
@@ -145,29 +141,28 @@ def ddp_hook(device, audit, steps: int = 3, vote: str = "pbit") -> None:
         ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=0.001)
     finally:
         ddp_module._verify_param_shape_across_processes = check
-    opt = lc.LionCub(model.parameters(), lr=1e-3, vote=vote, model=model)
+    opt = flat_lioncub(model.parameters(), lr=1e-3, vote=vote, model=model)
     hook.register(ddp, opt)
     _train(opt, ddp, device, audit, steps)
 
 
 def localcub(device, audit, steps: int = 4, **kw) -> None:
-    import lioncub as lc
     model = _model(device)
-    opt = lc.LocalCub(model.parameters(), lr=1e-3, local_steps=kw.pop("local_steps", 2), model=model, **kw)
+    opt = flat_localcub(model.parameters(), lr=1e-3, local_steps=kw.pop("local_steps", 2), model=model, **kw)
     _train(opt, model, device, audit, steps)
 
 
 def localcub_resume(device, audit, steps: int = 4, **kw) -> None:
     """LocalCub saved mid-round (with ``delay=1``, a round in flight), resumed (:func:`_resume`)."""
-    import lioncub as lc
-    _resume(lambda model: lc.LocalCub(model.parameters(), lr=1e-3, local_steps=2, **kw), device, audit, 3, steps)
+    _resume(lambda model: flat_localcub(model.parameters(), lr=1e-3, local_steps=2, **kw), device, audit, 3, steps)
 
 
 def nodecub(device, audit, steps: int = 3, **kw) -> None:
-    import lioncub as lc
     model = _model(device)
-    layout = lc.node_groups(local_size=1)
-    opt = lc.NodeCub(model.parameters(), lr=1e-3, layout=layout, model=model, **kw)
+    from lioncub import node_groups
+
+    layout = node_groups(local_size=1)
+    opt = flat_nodecub(model.parameters(), lr=1e-3, layout=layout, model=model, **kw)
     _train(opt, model, device, audit, steps)
 
 
@@ -197,7 +192,6 @@ def lioncub_fsdp2(device, audit, steps: int = 3, optimizer: str = "LionCub", **k
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    import lioncub as lc
     mesh = init_device_mesh("cpu" if device.type == "meta" else device.type, (dist.get_world_size(), 1),
                             mesh_dim_names=("replicate", "shard"))["shard"]
 
@@ -206,7 +200,7 @@ def lioncub_fsdp2(device, audit, steps: int = 3, optimizer: str = "LionCub", **k
 
     model = _model(device)  # the DTensors share its parameters' storage: its replicas are compared after
     params = [nn.Parameter(dtensor(p.detach())) for p in model.parameters()]
-    opt = getattr(lc, optimizer)(params, lr=1e-3, **kw)
+    opt = {"LionCub": flat_lioncub, "LocalCub": flat_localcub}[optimizer](params, lr=1e-3, **kw)
     for k in range(steps):
         for p in params:
             p.grad = dtensor(torch.randn(p.shape).to(device))
@@ -368,10 +362,12 @@ def uncovered_options() -> dict[str, set[str]]:
     or a reason here."""
     import inspect
 
+
     import lioncub as lc
 
-    named = {n: set(inspect.signature(getattr(lc, n).__init__).parameters) - {"self", "vote_args"}
-             for n in ("LionCub", "LocalCub", "NodeCub")}
+    # the engine's settings (the flat keys the aggregation objects and Options become: lioncub.optim.flags)
+    named = {n: set(inspect.signature(getattr(lc, n)._configure).parameters) - {"self"} for n in ("LionCub", "LocalCub")}
+    named["NodeCub"] = {"params", "lr", "betas", "weight_decay", "layout", "shard", "nonfinite", "check_every", "model"}
     set_by: dict[str, set[str]] = {n: set() for n in named}
     vote_args: set[str] = set()
     for run in PATHS.values():

@@ -46,10 +46,14 @@ from torch import Tensor
 
 from .. import comm
 from ..engine import guard
-from ..optim.localcub import LocalCub
-from ..optim.rounds import Measured
+from . import lioncub as _lioncub
+from . import localcub as _localcub
+from .localcub import LocalCub
+from .rounds import Measured
 from ..validate import check_int
 from ..votes.rounds import PARTIAL_NEEDS, round_aggregation, round_partial
+from ..aggregations import SignVote, aggregation_of
+from ..options import Options
 
 __all__ = ["FTLocalCub", "FTLionCub", "ReplicaGroup", "TensorTransport", "QuorumError", "require_torchft"]
 
@@ -115,20 +119,20 @@ def TensorTransport(host: str = "127.0.0.1", timeout: timedelta = timedelta(seco
 
 
 class FTLocalCub(LocalCub):
-    """:class:`~lioncub.LocalCub` across torchft replica groups (see the module docstring).
+    """:class:`~lioncub.LocalCub` across torchft replica groups (see the module docstring); what
+    ``LocalCub(..., manager=m)`` builds, with LocalCub's arguments.
 
     Args:
-        params: as LocalCub's.
         manager: a ``torchft.Manager`` built with ``use_async_quorum=False`` (healing then
             happens inside ``start_quorum``, while every replica is at its round's end) and
             without ``load_state_dict``/``state_dict`` of its own for the optimizer: this
             optimizer registers its state under ``'lioncub'``. :func:`lioncub.ft.make_manager`
             builds one.
-        max_attempts: agreements tried per round before :class:`QuorumError` (each failed one
-            costs at most the process group's timeout, then a new quorum).
-        **kwargs: LocalCub's; ``vote`` one of :data:`FT_VOTES` (``'pbit'`` with
-            ``quantizer='l1', aggregate='mean'``), ``delay=0``, no ``process_group``: one worker
-            per replica group.
+        options: ``Options(max_attempts=...)``: agreements tried per round before :class:`QuorumError` (each
+            failed one costs at most the process group's timeout, then a new quorum; default 20).
+        aggregation: one whose sum a replica with nothing to send leaves unchanged (``LaneMean``, ``Mean``,
+            ``SignVote('pbit')`` binary lanes, ``SignVote('sign_allreduce')``); no ``streaming``, no
+            ``process_group``: one worker per replica group.
 
     Attributes beyond LocalCub's: ``uncommitted`` (agreements that did not commit), ``heals``
     (times this replica was healed from a peer), ``participants`` (P of the last committed
@@ -145,8 +149,11 @@ class FTLocalCub(LocalCub):
     once, so no replica is left waiting for a quorum that will not come.
     """
 
-    def __init__(self, params, manager, *, max_attempts: int = 20, **kwargs):
+    def _configure(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, manager=None,
+                   max_attempts: int = 20, **kwargs):
         require_torchft()
+        if manager is None:
+            raise ValueError(f"{type(self).__name__} needs manager= (a torchft.Manager)")
         for key, allowed in (("delay", 0), ("process_group", None)):
             if kwargs.get(key, allowed) != allowed:
                 raise ValueError(f"{key} must be {allowed!r} with torchft, got {kwargs[key]!r}")
@@ -160,7 +167,7 @@ class FTLocalCub(LocalCub):
             raise ValueError("manager must be built with use_async_quorum=False (a replica heals inside "
                              "start_quorum, at a round's end)")
         self.max_attempts = check_int("max_attempts", max_attempts, 1)
-        super().__init__(params, **kwargs)
+        super()._configure(params, lr, betas, weight_decay, **kwargs)
         if self.world_size != 1:
             raise ValueError(f"FTLocalCub runs one worker per replica group, got a process group of {self.world_size}")
         pg = getattr(manager, "_pg", None)
@@ -338,12 +345,19 @@ class FTLionCub(FTLocalCub):
     (binary lanes sized for the quorum, the vote decided among the C that voted) or ``'sign_allreduce'``.
     With no failure it equals LionCub on a fixed group bit for bit (tests/test_ft.py)."""
 
-    def __init__(self, params, manager, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0, *,
-                 vote: str = "pbit", bits=None, quantizer=None, tie: str = "alternate", seed: int = 0,
-                 nonfinite: str = "raise", model=None, max_attempts: int = 20):
-        super().__init__(params, manager, max_attempts=max_attempts, lr=lr, betas=betas, weight_decay=weight_decay,
-                         local_steps=1, inner="lion", outer="sgd", outer_lr=1.0, vote=vote, bits=bits,
-                         quantizer=quantizer, tie=tie, seed=seed, nonfinite=nonfinite, model=model)
+    def __init__(self, params, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0, *, manager,
+                 aggregation="sign-vote", model=None, options=None):
+        agg = aggregation_of(aggregation, "LionCub")
+        flags = agg.for_step()
+        if not isinstance(agg, SignVote) or agg.error_feedback != "none" or agg.stochastic_signs:
+            raise ValueError(f"LionCub with a torchft manager votes with SignVote(transport='pbit') (binary lanes) or "
+                             f"SignVote(transport='sign_allreduce'), whose all-reduce leaves a replica out by adding "
+                             f"nothing; got {agg!r}")
+        opts = Options.of(options, "LionCub").for_("LionCub with a manager", ("seed", "nonfinite", "max_attempts"))
+        self.aggregation = agg
+        self._configure(params, lr, betas, weight_decay, manager=manager, local_steps=1, inner="lion", outer="sgd",
+                        outer_lr=1.0, vote=flags["vote"], bits=flags["bits"], quantizer=flags["quantizer"],
+                        tie=flags["tie"], model=model, **opts)
 
     steps = property(lambda self: self.rounds, doc="Steps taken (committed), as LionCub counts them.")
     skipped_steps = property(lambda self: self.skipped_rounds, doc="Non-finite steps skipped on every replica.")
@@ -357,3 +371,7 @@ def _clone(obj):
     if isinstance(obj, (list, tuple)):
         return type(obj)(_clone(v) for v in obj)
     return obj
+
+
+_lioncub.BUILDS["manager"] = FTLionCub
+_localcub.BUILDS["manager"] = FTLocalCub

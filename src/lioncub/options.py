@@ -1,0 +1,150 @@
+r"""What the optimizers take beyond their main arguments: :class:`Options`, :class:`Outer` and :class:`Streaming`.
+
+:class:`Options` holds the settings a user rarely changes (sizes, backends, checks, seeds, the link's measured
+α and β, the momentum sync); every field's default ``None`` means the optimizer's own default, and an optimizer
+refuses a field it has no use for, in one line. Every field, its default and when to change it: docs/api.md.
+
+:class:`Outer` is :class:`~lioncub.LocalCub`'s outer rule with its step scale (``outer='sgd'`` is
+``Outer('sgd')``); :class:`Streaming` its streamed rounds (``streaming=True`` is ``Streaming()``, an int F is
+``Streaming(fragments=F)``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional, Union
+
+from .validate import check_fraction, check_hyperparameters, check_int, check_number
+
+__all__ = ["Options", "Outer", "Streaming", "STEP_OPTIONS", "ROUND_OPTIONS"]
+
+
+@dataclass(frozen=True)
+class Options:
+    """The advanced settings, each ``None`` for the optimizer's default (docs/api.md says when to change each).
+
+    Every optimizer: ``seed`` (the stochastic quantizers' generator, ``seed + rank``; default 0),
+    ``nonfinite`` (``'raise'``, the default, or ``'skip'``: every rank skips the step / drops the round when any
+    rank's gradient holds NaN or Inf), ``check_every`` (verify every k steps / rounds that replicas are identical;
+    0, the default: never), ``alpha``, ``beta`` (the link's latency in s and seconds per bit, for the ``'auto'``
+    choices; default: measured), ``gamma`` (per-method local costs of ``SignVote(transport='auto')``).
+
+    :class:`~lioncub.LionCub` only: ``fused`` (None: the fused C/Triton loops where they run; True requires them;
+    False the torch ops), ``bucket_mb`` (25), ``message_mb`` (25), ``timing`` (None: time the step's split on
+    CPU only), ``maximize`` (False), ``momentum_sync`` (``'none'``; ``'all'``, ``'io'``, ``'adaptive'`` or names)
+    with ``sync_every`` (10) and ``sync_dtype`` (``'fp32'``).
+
+    :class:`~lioncub.LocalCub` only: ``round_share`` (0.5), ``min_local_steps`` (10), ``max_local_steps`` (500)
+    of ``local_steps='auto'``; ``outer_state`` (``'device'`` or ``'host'``: where θ_s and the outer state
+    live); ``max_attempts`` (20: agreements tried per round under a torchft ``manager``).
+    """
+
+    seed: Optional[int] = None
+    nonfinite: Optional[str] = None
+    check_every: Optional[int] = None
+    alpha: Optional[float] = None
+    beta: Optional[float] = None
+    gamma: Optional[dict] = None
+    fused: Optional[bool] = None
+    bucket_mb: Optional[float] = None
+    message_mb: Optional[float] = None
+    timing: Optional[bool] = None
+    maximize: Optional[bool] = None
+    momentum_sync: object = None
+    sync_every: Optional[int] = None
+    sync_dtype: Optional[str] = None
+    round_share: Optional[float] = None
+    min_local_steps: Optional[int] = None
+    max_local_steps: Optional[int] = None
+    outer_state: Optional[str] = None
+    max_attempts: Optional[int] = None
+
+    def given(self) -> dict:
+        """The fields set (not None)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    def for_(self, owner: str, allowed: tuple) -> dict:
+        """The fields set, refusing (one line) one that ``owner`` has no use for."""
+        given = self.given()
+        for key in given:
+            if key not in allowed:
+                raise ValueError(f"{owner}: Options.{key} does not apply to {owner} (it takes "
+                                 f"{', '.join(allowed)})")
+        return given
+
+    @classmethod
+    def of(cls, value, owner: str) -> "Options":
+        if value is None:
+            return cls()
+        if not isinstance(value, cls):
+            raise TypeError(f"{owner}: options must be a lioncub.Options, got {type(value).__name__}")
+        return value
+
+
+COMMON_OPTIONS = ("seed", "nonfinite", "check_every", "alpha", "beta", "gamma")
+STEP_OPTIONS = COMMON_OPTIONS + ("fused", "bucket_mb", "message_mb", "timing", "maximize", "momentum_sync",
+                                 "sync_every", "sync_dtype")
+"""The :class:`Options` fields :class:`~lioncub.LionCub` takes."""
+ROUND_OPTIONS = COMMON_OPTIONS + ("round_share", "min_local_steps", "max_local_steps", "outer_state", "max_attempts")
+"""The :class:`Options` fields :class:`~lioncub.LocalCub` takes."""
+
+
+@dataclass(frozen=True)
+class Outer:
+    """LocalCub's outer rule (docs/local_steps.md): ``rule`` ``'sgd'``, ``'nesterov'`` or ``'lion'``; ``lr`` α > 0
+    (dimensionless: with H = 1, ``'sgd'``, α = 1 and a sign vote a round is one LionCub step); ``momentum`` μ in
+    [0, 1) of ``'nesterov'``; ``betas`` of ``'lion'`` (:mod:`lioncub.optim.outer` runs them)."""
+
+    rule: str = "sgd"
+    lr: float = 1.0
+    momentum: float = 0.9
+    betas: tuple = (0.9, 0.99)
+
+    RULES = ("sgd", "nesterov", "lion")
+
+    def __post_init__(self):
+        if not isinstance(self.rule, str) or self.rule not in self.RULES:
+            raise ValueError(f"Outer.rule must be one of {self.RULES}, got {self.rule!r}")
+        check_number("Outer.lr", self.lr)
+        check_fraction("Outer.momentum", self.momentum)
+        check_hyperparameters(1.0, self.betas, 0.0)
+
+    @classmethod
+    def of(cls, value) -> "Outer":
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            return cls(rule=value)
+        raise TypeError(f"LocalCub: outer must be 'sgd', 'nesterov', 'lion' or a lioncub.Outer, got "
+                        f"{type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class Streaming:
+    """LocalCub's streamed rounds: a round's agreement travels while the next round's inner steps run and is
+    applied when it lands (one round late, or H/F steps late in ``fragments`` F). ``eager``: with a mean, each
+    worker's own Δ stands in for the agreed one while it is in flight (measured to help with fragments)."""
+
+    fragments: int = 1
+    eager: bool = False
+
+    def __post_init__(self):
+        check_int("Streaming.fragments", self.fragments, 1)
+        if not isinstance(self.eager, bool):
+            raise TypeError(f"Streaming.eager must be a bool, got {self.eager!r}")
+
+    @classmethod
+    def of(cls, value: Union[bool, int, "Streaming", None]) -> Optional["Streaming"]:
+        """``False``/None: blocking rounds (None returned); ``True``: :class:`Streaming`; an int F: F fragments."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, int):
+            return cls(fragments=value)
+        raise TypeError(f"LocalCub: streaming must be a bool, an int (fragments) or a lioncub.Streaming, got "
+                        f"{type(value).__name__}")
+
+    def flags(self) -> dict:
+        return dict(delay=1, fragments=self.fragments, eager=self.eager)
