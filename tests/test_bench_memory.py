@@ -53,7 +53,7 @@ memory.main(["--sizes", "{LAYERS}x{D}", "--vocab", "{VOCAB}", "--seq", "{SEQ}", 
 
 def broken(model, mesh, cfg):  # a setup the library refuses: its row carries the error and the line
     import lioncub
-    return flat.LionCub(model.parameters(), aggregation="no-such-vote")
+    return lioncub.LionCub(model.parameters(), aggregation="no-such-vote")
 
 memory.SETUPS["broken"] = (None, broken, "a vote that does not exist")
 rows = json.load(open(out))

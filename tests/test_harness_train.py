@@ -262,10 +262,8 @@ def test_cli_rejects_bad_arguments(capsys):
                           (["train", "--no-compare", "--local-steps", "2", "--overlap", "--eval-every", "2"],
                            "overlap=True is not supported with local_steps > 1"),
                           (["train", "--no-compare", "--local-steps", "2", "--aggregate", "mean", "--eval-every", "2"],
-                           "aggregate='mean' averages Δ on the vote's collectives"),
+                           "aggregate='mean' on vote='pbit' needs quantizer='l1' (the lane mean)"),
                           (["train", "--no-compare", "--aggregate", "mean"], "it needs vote='onebit', got vote='pbit'"),
-                          (["train", "--no-compare", "--aggregate", "mean", "--vote", "onebit", "--nodes", "2"],
-                           "aggregate='mean' every step runs on one LionCub: it needs nodes=1"),
                           (["train", "--no-compare", "--timeout", "0"], "timeout must be > 0"),
                           (["analyze", "--vote", "grad"], "vote must be one of"),
                           (["plot", "/nonexistent-run"], "has no metrics.jsonl")):

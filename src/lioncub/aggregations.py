@@ -254,7 +254,7 @@ def step_aggregation(flags: dict) -> Aggregation:
     check_choice("grad_dtype", got.pop("grad_dtype", "fp32"), ("fp32", "bf16"))
     if aggregate == "mean":
         if vote != "onebit":
-            raise ValueError(f"aggregate='mean' runs on onebit's collectives: it needs vote='onebit', got {vote!r}")
+            raise ValueError(f"aggregate='mean' runs on onebit's collectives: it needs vote='onebit', got vote={vote!r}")
         mean = {k[5:]: got.pop(k) for k in list(got) if k.startswith("mean_")}
         for name, default in (("error_feedback", "none"), ("stochastic_signs", False)):
             if got.get(name, default) not in (default,):

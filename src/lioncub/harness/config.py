@@ -319,10 +319,8 @@ def _check_numbers(config: TrainConfig) -> None:
 
 def _check_local_steps(config: TrainConfig) -> None:
     """Refuse local-step options on an every-step run and every-step options on local steps."""
+    from ..aggregations import round_aggregation_of, step_aggregation
     from ..optim.localcub import AGGREGATES, INNER_OPTIMIZERS, LOCAL_VOTES, OUTER_RULES
-    from ..votes import METHODS, check_round_aggregate
-    from ..votes.rounds import round_bits
-    from ..votes.mean import check_step_aggregate
 
     _choice("inner", config.inner, INNER_OPTIMIZERS)
     _choice("outer", config.outer, OUTER_RULES)
@@ -339,19 +337,17 @@ def _check_local_steps(config: TrainConfig) -> None:
                    if getattr(config, n) != d and n != "aggregate"]
         if changed:
             raise ValueError(f"{', '.join(changed)} apply to local_steps > 1 only")
-        if config.aggregate != "vote" and config.nodes > 1:
-            raise ValueError(f"aggregate={config.aggregate!r} every step runs on one LionCub: it needs nodes=1, "
-                             f"got nodes={config.nodes}")
-        check_step_aggregate(config.aggregate, config.vote, error_feedback=config.vote_error_feedback,
-                             stochastic_signs=config.stochastic_signs, tie=config.tie, **config.mean_options())
+        # the aggregation object checks itself (lioncub.aggregations): the harness repeats none of it
+        step_aggregation(dict(vote=config.vote, aggregate=config.aggregate, tie=config.tie,
+                              error_feedback=config.vote_error_feedback, stochastic_signs=config.stochastic_signs,
+                              **config.mean_options())).for_step()
         return
     changed = [f"{n}={getattr(config, n)!r}" for n, d in _STEP_ONLY.items() if getattr(config, n) != d]
     if changed:
         raise ValueError(f"{', '.join(changed)} apply to local_steps=1 only (LionCub every step)")
     _choice("vote", config.vote, LOCAL_VOTES + ("auto",))
-    check_round_aggregate(config.aggregate, METHODS.get(config.vote), config.vote, config.quantizer,
-                          error_feedback=config.error_feedback)
-    round_bits(config.vote, config.aggregate, config.quantizer, config.bits)
+    round_aggregation_of(dict(vote=config.vote, aggregate=config.aggregate, quantizer=config.quantizer,
+                              bits=config.bits, error_feedback=config.error_feedback)).for_round()
     if config.eager:  # (LocalCub refuses these too, but in every worker: here before any starts, in one line)
         from ..votes.rounds import round_class
 
@@ -396,6 +392,6 @@ def _check_nodes(config: TrainConfig) -> None:
         if not config.shard:
             raise ValueError("shard=False applies to nodes > 1 only")
         return
-    for name, default in (("local_steps", 1), ("overlap", False), ("momentum_sync", "none"), *_STEP_ONLY.items()):
+    for name, default in (("local_steps", 1), ("overlap", False), ("momentum_sync", "none")):
         if getattr(config, name) != default:
             raise ValueError(f"{name}={getattr(config, name)!r} is not supported with nodes > 1")

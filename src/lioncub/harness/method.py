@@ -64,7 +64,9 @@ def make_optimizer(config: TrainConfig, groups: list[dict], model=None):
         layout = node_groups(dist.get_world_size() // config.nodes)
         return NodeCub(groups, lr=config.lr, betas=config.betas, **node_kwargs(dict(
             layout=layout, shard=config.shard, vote=config.vote, grad_dtype=config.grad_dtype, seed=config.seed,
-            model=model, nonfinite=config.nonfinite, check_every=config.check_every, **extra)))
+            model=model, nonfinite=config.nonfinite, check_every=config.check_every, aggregate=config.aggregate,
+            tie=config.tie, error_feedback=config.vote_error_feedback, stochastic_signs=config.stochastic_signs,
+            **config.mean_options(), **extra)))
     if config.optimizer == "lioncub":
         return LionCub(groups, lr=config.lr, betas=config.betas, **step_kwargs(dict(
             vote=config.vote, grad_dtype=config.grad_dtype, seed=config.seed, model=model,

@@ -153,6 +153,8 @@ class RoundCheckpoint:
         if extra is not None and self.vote_requested == "auto" and extra.get("vote_requested") == "auto":
             saved = extra["config"]  # resume with the run's pick
             self._set_config(self.config.resolved(saved["vote"], saved["bits"]))
+        if extra is not None:
+            self._restore_setting(extra.get("steps_pick"))  # aggregation='auto': the saved run's rounds
         extra = self.open_envelope(state_dict)  # kind, settings, rank and world size
         base = copy.deepcopy({k: v for k, v in state_dict.items() if k != self.state_key})
         self._settle()  # (host state: nothing in flight reads or writes what is replaced)

@@ -100,7 +100,9 @@ from .checkpoint import RoundCheckpoint
 from .auto_steps import AutoSteps
 from .rounds import OUTER_STATES, Rounds
 from .streaming import StreamingRounds
-from ..aggregations import Aggregation, aggregation_of
+from ..aggregations import Aggregation, LaneMean, aggregation_of
+from .regime import SETTINGS, AutoSetting
+from .lioncub import _is_layout
 from ..options import ROUND_OPTIONS, Options, Outer, Streaming
 
 __all__ = ["LocalCub", "INNER_OPTIMIZERS", "OUTER_RULES", "OUTER_STATES", "LOCAL_VOTES", "AGGREGATES", "MEAN_CLIP"]
@@ -131,7 +133,7 @@ def _make_inner(inner, groups: list[dict], betas) -> torch.optim.Optimizer:
                      f"got {inner!r}")
 
 
-class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, Shell, VoteSettings, torch.optim.Optimizer):
+class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSetting, AutoSteps, Sharded, Shell, VoteSettings, torch.optim.Optimizer):
     """Lion Cub with local steps: ``local_steps`` inner steps per agreed outer step.
 
     Args:
@@ -144,7 +146,8 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
             compute on the link's α-β model (:mod:`lioncub.optim.auto_steps`); the pick is in ``steps_pick``.
         aggregation: how a round's Δ travels (:mod:`lioncub.aggregations`): ``LaneMean(bits=8)`` (the default,
             ``'lane-mean'``), ``ScatterMean(bits=4)`` (``'scatter-mean'``, the long rounds' setting),
-            ``SignVote(...)`` (the majority vote, ``d = η·u``) or ``Mean()`` (fp32, DiLoCo's).
+            ``SignVote(...)`` (the majority vote, ``d = η·u``) or ``Mean()`` (fp32, DiLoCo's); or ``'auto'``
+            with ``local_steps='auto'``: the whole setting from the link (:class:`~lioncub.optim.regime.AutoSetting`).
         inner: ``'adamw'`` (default), ``'lion'``, or ``callable(param_groups) -> Optimizer``.
         outer: ``'sgd'`` (default, α = 1: averaging), ``'nesterov'``, ``'lion'``, or :class:`lioncub.Outer`
             with its α, μ, betas (module docstring).
@@ -192,18 +195,11 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
         model: Optional[torch.nn.Module] = None,
         options: Optional[Options] = None,
     ):
-        agg = aggregation_of(aggregation, "LocalCub")
-        flags = Options.of(options, "LocalCub").for_("LocalCub", ROUND_OPTIONS)
-        rule = Outer.of(outer)
-        stream = Streaming.of(streaming)
+        agg, flags = _public_flags(aggregation, local_steps, outer, streaming, process_group, manager, options)
         self.aggregation = agg  # how a round's Δ travels (lioncub.aggregations); self.exchange runs it
-        if manager is not None:
-            flags["manager"] = manager
-        elif "max_attempts" in flags:
-            raise ValueError("LocalCub: Options.max_attempts counts a torchft manager's agreements; give manager=")
-        self._configure(params, lr, betas, weight_decay, local_steps=local_steps, inner=inner, **agg.for_round(),
-                        outer=rule.rule, outer_lr=rule.lr, outer_momentum=rule.momentum, outer_betas=rule.betas,
-                        **(stream.flags() if stream else {}), process_group=process_group, model=model, **flags)
+        self._configure(params, lr, betas, weight_decay, local_steps=local_steps, inner=inner, model=model, **flags)
+        if aggregation == "auto":  # the first round is the short setting's, timed; then the pick (AutoSteps)
+            self.steps_pick["setting"] = None
 
     def _configure(  # the engine's flat settings (lioncub.optim.flags says which public argument sets each)
         self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0,
@@ -372,6 +368,32 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSteps, Sharded, She
 
     # ------------------------------------------------------------------ state
     def fingerprint(self) -> dict:
+        if self.steps_pick is not None and "setting" in self.steps_pick:  # (whatever the link picks)
+            return dict(local_steps="auto", aggregation="auto", tie=self.tie, delay=self.delay)
         return dict(local_steps="auto" if self.steps_pick else self.H, vote=self.vote, bits=self.bits, quantizer=self.quantizer, tie=self.tie,
                     outer=self.outer, error_feedback=self.error_feedback, aggregate=self.aggregate, delay=self.delay,
                     fragments=self.fragments, **({"eager": True} if self.eager else {}))
+
+
+def _public_flags(aggregation, local_steps, outer, streaming, process_group, manager, options) -> tuple:
+    """LocalCub's public arguments as (the aggregation object, the engine's flat settings); ``'auto'``'s first
+    round is the short setting's (:data:`lioncub.optim.regime.SETTINGS`)."""
+    if _is_layout(process_group):
+        raise ValueError("LocalCub: a node layout is LionCub's (a node mean every step); for local steps with "
+                         "many ranks per node shard the model inside the node with FSDP2 (docs/sharded.md)")
+    flags = Options.of(options, "LocalCub").for_("LocalCub", ROUND_OPTIONS)
+    if aggregation == "auto":
+        if local_steps != "auto" or outer != "sgd" or streaming is not False or "min_local_steps" in flags:
+            raise ValueError("LocalCub: aggregation='auto' picks the whole setting from the link (H, the round's code, "
+                             "the outer rule): give local_steps='auto' and leave outer, streaming and "
+                             "Options.min_local_steps at their defaults")
+        aggregation = LaneMean(bits=SETTINGS["short"]["bits"])
+    agg = aggregation_of(aggregation, "LocalCub")
+    rule, stream = Outer.of(outer), Streaming.of(streaming)
+    if manager is not None:
+        flags["manager"] = manager
+    elif "max_attempts" in flags:
+        raise ValueError("LocalCub: Options.max_attempts counts a torchft manager's agreements; give manager=")
+    flags.update(agg.for_round(), outer=rule.rule, outer_lr=rule.lr, outer_momentum=rule.momentum,
+                 outer_betas=rule.betas, **(stream.flags() if stream else {}), process_group=process_group)
+    return agg, flags

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from ..engine.cost import collective_time
 from .auto_steps import ROUND_SHARE
 
-__all__ = ["SETTINGS", "SHORT_H", "SettingPick", "pick_setting"]
+__all__ = ["SETTINGS", "SHORT_H", "SettingPick", "pick_setting", "AutoSetting"]
 
 SHORT_H = 10
 """H of the short-round setting."""
@@ -113,3 +113,58 @@ def pick_setting(n_params: int, world_size: int, alpha: float, beta: float, step
     name = "short" if lanes <= round_share * SHORT_H * step_s else "long"
     return SettingPick(name, r, float(step_s), lanes, float(alpha), float(beta), float(round_share),
                        dict(SETTINGS[name]))
+
+
+class AutoSetting:
+    """The mixin of ``LocalCub(local_steps='auto', aggregation='auto')``: the first round runs the short setting's
+    round (the 8-bit lane mean, outer SGD at 1) for :data:`~lioncub.optim.auto_steps.FIRST_ROUND` timed steps;
+    at its end :func:`pick_setting` chooses from the measured α, β and the slowest rank's step, every rank alike.
+    ``'short'`` keeps that round with H = :data:`SHORT_H`; ``'long'`` switches to the 4-bit scatter mean and
+    Nesterov 0.7 (the error-feedback residual carries over: both are in Δ's units) and ``'auto'`` then picks
+    H >= 50. The pick is ``steps_pick['setting']`` (:meth:`SettingPick.as_dict`), kept in checkpoints. The inner
+    lr stays the caller's: the settings were tuned at ``SETTINGS[name]['lr']``."""
+
+    def _pick_setting(self, step_s: float):
+        """Pick, apply and record the setting; returns the short setting's H, or None (long: H is priced next)."""
+        pick = self.steps_pick
+        n = sum(p.numel() for p in self.params)
+        setting = pick_setting(n, self.world_size, pick["alpha"], pick["beta"], step_s,
+                               round_share=pick["round_share"])
+        pick["setting"] = setting.as_dict()
+        self._apply_setting(setting.name)
+        if setting.name == "short":
+            pick.update(step_s=step_s, round_s=setting.short_round_s, H=SHORT_H)
+            return SHORT_H
+        pick["min_local_steps"] = max(pick["min_local_steps"], SETTINGS["long"]["min_local_steps"])
+        pick["max_local_steps"] = max(pick["max_local_steps"], pick["min_local_steps"])
+        return None
+
+    def _apply_setting(self, name: str) -> None:
+        """The rounds of setting ``name`` from here on (the first round's are the short setting's)."""
+        if name == "short":
+            return
+        from ..aggregations import ScatterMean
+        from ..engine.config import VoteConfig
+        from .outer import make_outer
+
+        o = SETTINGS[name]
+        self.aggregation = ScatterMean(bits=o["bits"])
+        self.aggregate, self.round_bits = o["aggregate"], o["bits"]
+        self._set_config(VoteConfig(vote=o["vote"], tie=self.config.tie, seed=self.config.seed))
+        self.rule = make_outer(o["outer"], lr=o["outer_lr"])
+        for p in self.params:
+            self.rule.init_state(p, self.local_state[p], **self._placed())
+
+    def _restore_setting(self, saved_pick) -> None:
+        """Before a checkpoint's state is loaded: the setting its run picked (once; a different one is refused)."""
+        saved = (saved_pick or {}).get("setting") if isinstance(saved_pick, dict) else None
+        mine = self.steps_pick.get("setting", False) if self.steps_pick is not None else False
+        if saved is None or mine is False:
+            return
+        name = SettingPick.from_dict(saved).name
+        if mine is None:
+            self._apply_setting(name)
+            self.steps_pick["setting"] = dict(saved)
+        elif mine["name"] != name:
+            raise ValueError(f"state_dict was saved with the {name} setting; this optimizer already runs the "
+                             f"{mine['name']} one: load it into a fresh LocalCub(aggregation='auto')")

@@ -161,13 +161,18 @@ class FTLocalCub(LocalCub):
             raise ValueError("local_steps='auto' times the first round on a fixed group; under torchft give an int")
         vote = kwargs.get("vote", "onebit")
         if not round_partial(vote, kwargs.get("aggregate", "vote"), kwargs.get("quantizer")):
+            got = getattr(self, "aggregation", None) or f"vote={vote!r}"
             raise ValueError(f"under torchft a round's aggregation must be a sum that a replica with nothing to send "
-                             f"leaves unchanged: {PARTIAL_NEEDS}; got vote={vote!r}")
+                             f"leaves unchanged: Mean(), LaneMean(), SignVote('pbit') without a quantizer or "
+                             f"SignVote('sign_allreduce') (engine settings: {PARTIAL_NEEDS}); got {got!r}")
         if getattr(manager, "_use_async_quorum", False):
             raise ValueError("manager must be built with use_async_quorum=False (a replica heals inside "
                              "start_quorum, at a round's end)")
         self.max_attempts = check_int("max_attempts", max_attempts, 1)
         super()._configure(params, lr, betas, weight_decay, **kwargs)
+        if self.sharding is not None:
+            raise ValueError("under torchft a replica is one worker for now: FSDP2 (DTensor) parameters, a replica of "
+                             "many ranks, are not supported yet; use plain parameters")
         if self.world_size != 1:
             raise ValueError(f"FTLocalCub runs one worker per replica group, got a process group of {self.world_size}")
         pg = getattr(manager, "_pg", None)

@@ -1,0 +1,124 @@
+"""``LocalCub(local_steps='auto', aggregation='auto')``: the whole setting from the link, in the optimizer.
+
+The first round is the short setting's (10 timed steps of the 8-bit lane mean, outer SGD at 1); at its end
+``pick_setting`` chooses from α, β (given here, so the pick is known) and the slowest rank's step. Short: the
+same rounds on with H = 10. Long: the 4-bit scatter mean with Nesterov 0.7 and H >= 50. The references are
+built independently: the default LocalCub (whose rounds are the short setting's) for the short run and for the
+first round of the long one, and an uninterrupted run for a resume in the middle of a long round.
+"""
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+import lioncub
+from lioncub import Options
+from tests.dist import run_workers
+
+LONG = dict(alpha=1.0, beta=1e-6, max_local_steps=20)  # an 8-bit round of 2 s against 10 steps of ~1 ms: long
+SHORT = dict(alpha=0.0, beta=0.0)  # a free link: short
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def _steps(model, opt, rank, first, last, log=None):
+    for t in range(first, last):
+        g = torch.Generator().manual_seed(1000 * rank + t)
+        x, y = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if log is not None and opt.synced:
+            log.append((t + 1, opt.H, repr(opt.aggregation), opt.rule.name, opt.rule.lr))
+
+
+def _params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _auto(model, link):
+    return lioncub.LocalCub(model.parameters(), lr=1e-2, local_steps="auto", aggregation="auto",
+                            options=Options(**link))
+
+
+def _long_worker(rank, world):
+    import torch.distributed as dist
+
+    a, ref = _model(), _model()
+    opt, ref_opt = _auto(a, LONG), lioncub.LocalCub(ref.parameters(), lr=1e-2)  # the default: the short setting
+    log = []
+    _steps(a, opt, rank, 0, 10, log)
+    _steps(ref, ref_opt, rank, 0, 10)
+    first_round = all(torch.equal(p, q) for p, q in zip(a.parameters(), ref.parameters()))
+    _steps(a, opt, rank, 10, 35, log)
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    _steps(a, opt, rank, 35, 60, log)
+    flat = torch.cat([p.detach().reshape(-1) for p in a.parameters()])  # a round's end: identical replicas
+    got = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(got, flat)
+    _steps(a, opt, rank, 60, 65, log)
+    b = _model()
+    resumed = _auto(b, LONG)
+    resumed.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+    _steps(b, resumed, rank, 35, 65)
+    return dict(log=log, first_round=first_round, resumed=all(torch.equal(p, q) for p, q in zip(a.parameters(),
+                                                                                               b.parameters())),
+                identical=all(torch.equal(got[0], t) for t in got), setting=opt.steps_pick["setting"]["name"],
+                fingerprint=opt.fingerprint())
+
+
+def test_a_slow_link_switches_to_long_rounds_after_the_timed_first_round_and_resumes_bit_for_bit():
+    for out in run_workers(_long_worker, 2):
+        assert out["setting"] == "long" and out["first_round"] and out["identical"] and out["resumed"], out
+        assert out["log"] == [(10, 50, "ScatterMean(bits=4)", "nesterov", 0.7),
+                              (60, 50, "ScatterMean(bits=4)", "nesterov", 0.7)], out["log"]
+        assert out["fingerprint"] == dict(local_steps="auto", aggregation="auto", tie="alternate", delay=0)
+
+
+def _short_worker(rank, world):
+    a, ref = _model(), _model()
+    opt, ref_opt = _auto(a, SHORT), lioncub.LocalCub(ref.parameters(), lr=1e-2)
+    log = []
+    _steps(a, opt, rank, 0, 30, log)
+    _steps(ref, ref_opt, rank, 0, 30)
+    return dict(log=log, same=all(torch.equal(p, q) for p, q in zip(a.parameters(), ref.parameters())),
+                setting=opt.steps_pick["setting"]["name"])
+
+
+def test_a_free_link_keeps_the_short_setting_and_equals_the_default_localcub():
+    for out in run_workers(_short_worker, 2):
+        assert out["setting"] == "short" and out["same"], out
+        assert [t for t, *_ in out["log"]] == [10, 20, 30] and {r[1:] for r in out["log"]} == {
+            (10, "LaneMean(bits=8, error_feedback=True)", "sgd", 1.0)}, out["log"]
+
+
+def _mismatch_worker(rank, world):
+    a, b = _model(), _model()
+    long_opt, short_opt = _auto(a, LONG), _auto(b, SHORT)
+    _steps(a, long_opt, rank, 0, 12)
+    _steps(b, short_opt, rank, 0, 12)
+    try:
+        short_opt.load_state_dict(long_opt.state_dict())
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_checkpoint_of_the_other_setting_is_refused_in_one_line():
+    for msg in run_workers(_mismatch_worker, 2):
+        assert msg is not None and msg.startswith("state_dict was saved with the long setting; this optimizer "
+                                                  "already runs the short one") and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize("kw", [dict(local_steps=10), dict(local_steps="auto", outer="nesterov"),
+                                dict(local_steps="auto", streaming=True),
+                                dict(local_steps="auto", options=Options(min_local_steps=50))])
+def test_auto_refuses_what_it_would_pick_itself(kw):
+    with pytest.raises(ValueError, match=r"^LocalCub: aggregation='auto' picks the whole setting from the link"):
+        lioncub.LocalCub([torch.nn.Parameter(torch.zeros(3))], aggregation="auto", **kw)
