@@ -276,3 +276,53 @@ def test_a_manager_builds_the_torchft_optimizer_from_the_same_class():
         lioncub.LionCub(p, manager=Manager(), aggregation=SignVote())
     assert issubclass(FTLocalCub, lioncub.LocalCub) and issubclass(FTLionCub, FTLocalCub)
     assert lioncub.LocalCub.__new__(lioncub.LocalCub, p, manager=Manager()).__class__ is FTLocalCub
+
+
+# ------------------------------------------------------------------------------------------- the command's flag
+def _cli_worker(rank, world):
+    import argparse
+
+    from lioncub.harness.config import TrainConfig, aggregation_fields
+    from lioncub.harness.method import make_optimizer
+
+    out = {}
+    cases = [("onebit-mean", 1, None, None), ("sign-vote", 1, "onebit", None), ("mean", 1, None, None),
+             ("lane-mean", 2, None, 4), ("scatter-mean", 2, None, 2), ("sign-vote", 2, "pbit", None),
+             ("mean", 2, None, None)]
+    for name, H, vote, bits in cases:
+        args = argparse.Namespace(aggregate="vote", vote=vote, bits=bits, grad_dtype="fp32")
+        fields = aggregation_fields(name, args, local=H != 1)
+        config = TrainConfig(model="gpt-tiny", local_steps=H, steps=2, eval_every=2, **fields)
+        opt = make_optimizer(config, [dict(params=list(_model().parameters()))])
+        out[f"{name}/H{H}/{vote}/{bits}"] = repr(opt.aggregation)
+    return out
+
+
+def test_lioncub_train_aggregation_flag_builds_the_same_object():
+    """``lioncub train --aggregation NAME [--vote V] [--bits B]``: the harness's optimizer holds exactly the object
+    the library would be given (its settings made by the object itself)."""
+    got = run_workers(_cli_worker, 1)[0]
+    assert got == {
+        "onebit-mean/H1/None/None": repr(OneBitMean()),
+        "sign-vote/H1/onebit/None": repr(SignVote("onebit")),
+        "mean/H1/None/None": repr(Mean()),
+        "lane-mean/H2/None/4": repr(LaneMean(bits=4)),
+        "scatter-mean/H2/None/2": repr(ScatterMean(bits=2)),
+        "sign-vote/H2/pbit/None": repr(SignVote("pbit")),
+        "mean/H2/None/None": repr(Mean()),
+    }, got
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--aggregation", "scatter-mean", "--aggregate", "mean"], "--aggregation names the aggregation; --aggregate is"),
+    (["--aggregation", "onebit-mean", "--vote", "pbit"], "--vote picks the collective of --aggregation sign-vote"),
+    (["--aggregation", "scatter-mean"], "ScatterMean averages a round's Δ; every step use OneBitMean"),
+    (["--aggregation", "lane-mean", "--bits", "1", "--local-steps", "2"], r"LaneMean.bits must be None or one of"),
+])
+def test_lioncub_train_aggregation_flag_refusals(argv, match, capsys):
+    from lioncub.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--no-compare", *argv])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and re.search(match, err), err

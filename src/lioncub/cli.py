@@ -18,7 +18,9 @@ import argparse
 import os
 import sys
 
+from .aggregations import AGGREGATIONS
 from .ft.command import _FT_KEYS, cmd_train_ft
+from .harness.config import aggregation_fields
 from .optim.auto_steps import MAX_LOCAL_STEPS
 from .optim.outer import OUTER_RULES
 from .votes.mean import AGGREGATES as STEP_AGGREGATES
@@ -73,8 +75,15 @@ def _add_train(sub) -> None:
     p.add_argument("--betas", type=float, nargs=2, default=d.betas, metavar=("B1", "B2"))
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help=f"default: {d.optimizer}")
-    p.add_argument("--vote", choices=VOTES, default=None, help=f"LionCub vote (default: {d.vote})")
-    p.add_argument("--bits", type=int, choices=(1, 2, 4, 8), default=None, help="pbit lane width")
+    p.add_argument("--aggregation", choices=tuple(AGGREGATIONS), default=None,
+                   help="how the update travels, the library's aggregation= (docs/api.md): every step 'onebit-mean' "
+                   "(the library's default), 'sign-vote' (its collective: --vote), 'mean'; local steps 'lane-mean' "
+                   "(the library's default), 'scatter-mean', 'sign-vote', 'mean'. --bits is its code width")
+    p.add_argument("--vote", choices=VOTES, default=None,
+                   help=f"the vote's collective (SignVote's transport; default: {d.vote}), or 'grad' (Mean)")
+    p.add_argument("--bits", type=int, choices=(1, 2, 4, 8), default=None,
+                   help="the aggregation's code width: the lanes of 'pbit' and of the lane mean (2, 4, 8), or the "
+                   "scatter mean's code (1, 2, 4, 8)")
     p.add_argument("--quantizer", choices=[q for q in QUANTIZERS if q], default=None)
     p.add_argument("--grad-dtype", choices=("fp32", "bf16"), default=d.grad_dtype)
     p.add_argument("--momentum-sync", choices=MOMENTUM_SYNCS, default=d.momentum_sync,
@@ -234,7 +243,8 @@ def cmd_train(args) -> int:
         args.parser.error(str(exc))
     if args.ft or args.ft_replica is not None:
         return cmd_train_ft(args)
-    compare = args.compare if args.compare is not None else (args.optimizer is None and args.vote is None)
+    compare = args.compare if args.compare is not None else (
+        args.optimizer is None and args.vote is None and args.aggregation is None)
     budget = args.budget if args.budget is not None else (
         DEFAULT_BUDGET_S if compare and args.steps is None else None)
     if budget is not None and not budget > 0:
@@ -249,6 +259,10 @@ def cmd_train(args) -> int:
     fields["time_budget"] = budget
     fields["eval_every_s"] = budget / EVALS_PER_BUDGET if budget is not None else 0.0
     fields["optimizer"] = fields["optimizer"] or "lioncub"
+    try:
+        fields.update(aggregation_fields(fields.pop("aggregation"), args, local=args.local_steps != 1))
+    except ValueError as exc:
+        args.parser.error(str(exc))
     fields["vote"] = fields["vote"] or "pbit"
     if compare and args.vote is None and (args.bits, args.quantizer, args.aggregate, args.local_steps,
                                           args.nodes) == (None, None, "vote", 1, 1):
@@ -466,3 +480,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

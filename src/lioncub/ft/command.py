@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ..harness.config import TrainConfig
+from ..harness.config import TrainConfig, aggregation_fields
 
 FT_DEFAULT_BUDGET_S = 60.0
 _FT_KEYS = ("ft", "replicas", "min_replicas", "kill_every", "restart_after", "heartbeat_ms", "ft_replica", "lighthouse",
@@ -32,7 +32,11 @@ def cmd_train_ft(args) -> int:
 
         fields = {k: v for k, v in vars(args).items()
                   if k not in ("func", "parser", "compare", "command", "link", "argv", "budget") + _FT_KEYS}
-        if args.optimizer is None and args.vote is None:  # the comparison's LocalCub, but what was given
+        try:
+            fields.update(aggregation_fields(fields.pop("aggregation"), args, local=args.local_steps != 1))
+        except ValueError as exc:
+            args.parser.error(str(exc))
+        if args.optimizer is None and args.vote is None and args.aggregation is None:  # the comparison's LocalCub
             default = TrainConfig()
             fields.update({k: v for k, v in LOCALCUB.items() if fields[k] == getattr(default, k)})
         fields["optimizer"] = "lioncub"

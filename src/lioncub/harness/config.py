@@ -395,3 +395,36 @@ def _check_nodes(config: TrainConfig) -> None:
     for name, default in (("local_steps", 1), ("overlap", False), ("momentum_sync", "none")):
         if getattr(config, name) != default:
             raise ValueError(f"{name}={getattr(config, name)!r} is not supported with nodes > 1")
+
+
+def aggregation_fields(name, args, *, local: bool) -> dict:
+    """``--aggregation NAME`` as the run's settings: the object (:mod:`lioncub.aggregations`) with ``--bits`` (and,
+    for ``'sign-vote'``, ``--vote`` as its transport) builds its own engine settings, which name the fields;
+    {} without it. Refuses ``--aggregate`` beside it, and ``--vote`` beside another aggregation."""
+    if name is None:
+        return {}
+    if args.aggregate != "vote":
+        raise ValueError("--aggregation names the aggregation; --aggregate is its older spelling: give one")
+    from ..aggregations import AGGREGATIONS
+
+    cls = AGGREGATIONS[name]
+    fields = cls.__dataclass_fields__  # what the object takes decides which flags it reads
+    if args.vote is not None and "transport" not in fields:
+        raise ValueError(f"--vote picks the collective of --aggregation sign-vote, got --aggregation {name}")
+    kw = {"bits": args.bits} if args.bits is not None and "bits" in fields else {}
+    if args.vote is not None:
+        kw["transport"] = args.vote
+    if "dtype" in fields:
+        kw["dtype"] = args.grad_dtype
+    obj = cls(**kw)
+    flags = obj.for_round() if local else obj.for_step()
+    out = {k: flags[k] for k in ("vote", "bits", "quantizer", "aggregate") if k in flags}
+    if local:
+        out["error_feedback"] = flags.get("error_feedback", False)
+    else:
+        for key, field_name in (("tie", "tie"), ("error_feedback", "vote_error_feedback"),
+                                ("stochastic_signs", "stochastic_signs"), ("grad_dtype", "grad_dtype")):
+            if key in flags:
+                out[field_name] = flags[key]
+        out.update({k: v for k, v in flags.items() if k.startswith("mean_")})
+    return out
