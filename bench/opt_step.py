@@ -20,7 +20,10 @@ import torch.distributed as dist
 
 def worker(rank, world, methods, steps, out, gpt=None):
     # one CPU thread, in a gloo group (the launcher's default)
-    from lioncub.optim.flags import flat_lioncub as LionCub
+    try:  # the flat settings through the public constructor (issue 64's API)
+        from lioncub.optim.flags import flat_lioncub as LionCub
+    except ImportError:  # a tree before it (opt_step_ab.py's --before), whose LionCub took them itself
+        from lioncub import LionCub
     from lioncub.harness.models.gpt import GPT, GPTConfig
     res = {}
     for label, kw in methods:
