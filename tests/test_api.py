@@ -108,7 +108,7 @@ def test_the_defaults_are_the_recommended_settings():
     assert sig["aggregation"].default == "onebit-mean"
     sig = inspect.signature(lioncub.LocalCub.__init__).parameters
     assert (sig["local_steps"].default, sig["aggregation"].default, sig["inner"].default, sig["outer"].default) == (
-        10, "lane-mean", "adamw", "sgd")
+        5, ScatterMean(bits=2), "adamw", "sgd")
     assert LaneMean() == LaneMean(bits=8, error_feedback=True) and ScatterMean().bits == 4
 
 
@@ -169,7 +169,9 @@ def _same_bits_worker(rank, world):
     rounds = [(dict(aggregation=ScatterMean(2), outer=Outer("nesterov", lr=0.7), streaming=Streaming(2, eager=True)),
                dict(vote="onebit", aggregate="mean", bits=2, error_feedback=True, outer="nesterov", outer_lr=0.7,
                     delay=1, fragments=2, eager=True, inner="adamw")),
-              (dict(), dict(vote="pbit", bits=8, quantizer="l1", aggregate="mean", error_feedback=True, inner="adamw"))]
+              (dict(), dict(vote="onebit", bits=2, aggregate="mean", error_feedback=True, inner="adamw")),
+              (dict(aggregation=LaneMean()), dict(vote="pbit", bits=8, quantizer="l1", aggregate="mean",
+                                                  error_feedback=True, inner="adamw"))]
     for public, flat in rounds:
         a, b = _model(), _model()
         opt_a = lioncub.LocalCub(a.parameters(), lr=1e-2, local_steps=4, **public)
@@ -183,7 +185,7 @@ def test_the_objects_run_bit_for_bit_as_the_engine_built_from_their_settings():
     """The public constructor against the engine built from the flat settings directly, 3 ranks: a wrong
     translation (a field dropped, a default changed) moves a bit."""
     for got in run_workers(_same_bits_worker, 3):
-        assert got == [True] * 6, got
+        assert got == [True] * 7, got
 
 
 # ------------------------------------------------------------------------------------------------ refusals
@@ -269,7 +271,9 @@ def test_a_manager_builds_the_torchft_optimizer_from_the_same_class():
 
     p = [torch.nn.Parameter(torch.zeros(3))]
     with pytest.raises(ValueError, match="use_async_quorum=False"):
-        lioncub.LocalCub(p, manager=Manager())
+        lioncub.LocalCub(p, manager=Manager(), aggregation=LaneMean())
+    with pytest.raises(ValueError, match="under torchft a round's aggregation must be a sum .* got ScatterMean"):
+        lioncub.LocalCub(p, manager=Manager())  # the default's owners cannot leave a replica out
     with pytest.raises(ValueError, match="LionCub with a torchft manager votes with SignVote"):
         lioncub.LionCub(p, manager=Manager())
     with pytest.raises(ValueError, match="use_async_quorum=False"):

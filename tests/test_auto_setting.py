@@ -1,10 +1,11 @@
 """``LocalCub(local_steps='auto', aggregation='auto')``: the whole setting from the link, in the optimizer.
 
-The first round is the short setting's (10 timed steps of the 8-bit lane mean, outer SGD at 1); at its end
-``pick_setting`` chooses from α, β (given here, so the pick is known) and the slowest rank's step. Short: the
-same rounds on with H = 10. Long: the 4-bit scatter mean with Nesterov 0.7 and H >= 50. The references are
-built independently: the default LocalCub (whose rounds are the short setting's) for the short run and for the
-first round of the long one, and an uninterrupted run for a resume in the middle of a long round.
+The first round is the low-bit rounds' (5 timed steps of the 2-bit scatter mean, outer SGD at 1); at its end
+``pick_rounds`` chooses from α, β (given here, so the pick is known) and the slowest rank's step. Low-bit: the
+same rounds on with the H it priced (5 on a free link). Long: the 4-bit scatter mean with Nesterov 0.7 and
+H >= 50. The references are built independently: the default LocalCub (whose rounds are the low-bit ones at
+H = 5) for the free-link run and for the first round of the long one, and an uninterrupted run for a resume in
+the middle of a long round.
 """
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ import lioncub
 from lioncub import Options
 from tests.dist import run_workers
 
-LONG = dict(alpha=1.0, beta=1e-6, max_local_steps=20)  # an 8-bit round of 2 s against 10 steps of ~1 ms: long
-SHORT = dict(alpha=0.0, beta=0.0)  # a free link: short
+LONG = dict(alpha=1.0, beta=1e-6, max_local_steps=20)  # a 2-bit round of ~6 s against 5 steps of ~1 ms: long
+SHORT = dict(alpha=0.0, beta=0.0)  # a free link: low-bit rounds at H = 5
 
 
 def _model():
@@ -50,19 +51,19 @@ def _long_worker(rank, world):
     import torch.distributed as dist
 
     a, ref = _model(), _model()
-    opt, ref_opt = _auto(a, LONG), lioncub.LocalCub(ref.parameters(), lr=1e-2)  # the default: the short setting
+    opt, ref_opt = _auto(a, LONG), lioncub.LocalCub(ref.parameters(), lr=1e-2)  # the default: the low-bit rounds
     log = []
-    _steps(a, opt, rank, 0, 10, log)
-    _steps(ref, ref_opt, rank, 0, 10)
+    _steps(a, opt, rank, 0, 5, log)
+    _steps(ref, ref_opt, rank, 0, 5)
     first_round = all(torch.equal(p, q) for p, q in zip(a.parameters(), ref.parameters()))
-    _steps(a, opt, rank, 10, 35, log)
+    _steps(a, opt, rank, 5, 35, log)
     buf = io.BytesIO()
     torch.save(opt.state_dict(), buf)
-    _steps(a, opt, rank, 35, 60, log)
+    _steps(a, opt, rank, 35, 55, log)
     flat = torch.cat([p.detach().reshape(-1) for p in a.parameters()])  # a round's end: identical replicas
     got = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(got, flat)
-    _steps(a, opt, rank, 60, 65, log)
+    _steps(a, opt, rank, 55, 65, log)
     b = _model()
     resumed = _auto(b, LONG)
     resumed.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
@@ -76,8 +77,8 @@ def _long_worker(rank, world):
 def test_a_slow_link_switches_to_long_rounds_after_the_timed_first_round_and_resumes_bit_for_bit():
     for out in run_workers(_long_worker, 2):
         assert out["setting"] == "long" and out["first_round"] and out["identical"] and out["resumed"], out
-        assert out["log"] == [(10, 50, "ScatterMean(bits=4)", "nesterov", 0.7),
-                              (60, 50, "ScatterMean(bits=4)", "nesterov", 0.7)], out["log"]
+        assert out["log"] == [(5, 50, "ScatterMean(bits=4)", "nesterov", 0.7),
+                              (55, 50, "ScatterMean(bits=4)", "nesterov", 0.7)], out["log"]
         assert out["fingerprint"] == dict(local_steps="auto", aggregation="auto", tie="alternate", delay=0)
 
 
@@ -91,11 +92,11 @@ def _short_worker(rank, world):
                 setting=opt.steps_pick["setting"]["name"])
 
 
-def test_a_free_link_keeps_the_short_setting_and_equals_the_default_localcub():
+def test_a_free_link_keeps_the_low_bit_rounds_and_equals_the_default_localcub():
     for out in run_workers(_short_worker, 2):
-        assert out["setting"] == "short" and out["same"], out
-        assert [t for t, *_ in out["log"]] == [10, 20, 30] and {r[1:] for r in out["log"]} == {
-            (10, "LaneMean(bits=8, error_feedback=True)", "sgd", 1.0)}, out["log"]
+        assert out["setting"] == "lowbit" and out["same"], out
+        assert [t for t, *_ in out["log"]] == [5, 10, 15, 20, 25, 30] and {r[1:] for r in out["log"]} == {
+            (5, "ScatterMean(bits=2)", "sgd", 1.0)}, out["log"]
 
 
 def _mismatch_worker(rank, world):
@@ -113,7 +114,7 @@ def _mismatch_worker(rank, world):
 def test_a_checkpoint_of_the_other_setting_is_refused_in_one_line():
     for msg in run_workers(_mismatch_worker, 2):
         assert msg is not None and msg.startswith("state_dict was saved with the long setting; this optimizer "
-                                                  "already runs the short one") and "\n" not in msg, msg
+                                                  "already runs the lowbit one") and "\n" not in msg, msg
 
 
 @pytest.mark.parametrize("kw", [dict(local_steps=10), dict(local_steps="auto", outer="nesterov"),

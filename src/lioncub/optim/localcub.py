@@ -100,8 +100,8 @@ from .checkpoint import RoundCheckpoint
 from .auto_steps import AutoSteps
 from .rounds import OUTER_STATES, Rounds
 from .streaming import StreamingRounds
-from ..aggregations import Aggregation, LaneMean, aggregation_of
-from .regime import SETTINGS, AutoSetting
+from ..aggregations import Aggregation, ScatterMean, aggregation_of
+from .regime import LOWBIT_BITS, LOWBIT_H, AutoSetting
 from .lioncub import _is_layout
 from ..options import ROUND_OPTIONS, Options, Outer, Streaming
 
@@ -141,11 +141,12 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSetting, AutoSteps,
         lr, betas: the inner optimizer's; ``lr`` also sizes the outer step (η above).
         weight_decay: λ, decoupled, applied to θ_s at each outer step as ``α·η·λ`` (the inner optimizer runs
             without weight decay).
-        local_steps: H >= 1 inner steps per round (default 10); or ``'auto'``: the first round's 10 steps are
+        local_steps: H >= 1 inner steps per round (default 5); or ``'auto'``: the first round's steps are
             timed, then H is the smallest whose agreement costs at most ``Options.round_share`` of the round's
             compute on the link's α-β model (:mod:`lioncub.optim.auto_steps`); the pick is in ``steps_pick``.
-        aggregation: how a round's Δ travels (:mod:`lioncub.aggregations`): ``LaneMean(bits=8)`` (the default,
-            ``'lane-mean'``), ``ScatterMean(bits=4)`` (``'scatter-mean'``, the long rounds' setting),
+        aggregation: how a round's Δ travels (:mod:`lioncub.aggregations`): ``ScatterMean(bits=2)`` (the default:
+            with H = 5, first at r ≈ 10 and 250 in bench/README.md), ``ScatterMean(bits=4)`` (the long rounds'),
+            ``LaneMean(bits=8)`` (``'lane-mean'``),
             ``SignVote(...)`` (the majority vote, ``d = η·u``) or ``Mean()`` (fp32, DiLoCo's); or ``'auto'``
             with ``local_steps='auto'``: the whole setting from the link (:class:`~lioncub.optim.regime.AutoSetting`).
         inner: ``'adamw'`` (default), ``'lion'``, or ``callable(param_groups) -> Optimizer``.
@@ -185,8 +186,8 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSetting, AutoSteps,
         betas: tuple[float, float] = (0.9, 0.99),
         weight_decay: float = 0.0,
         *,
-        local_steps: Union[int, str] = 10,
-        aggregation: Union[str, Aggregation] = "lane-mean",
+        local_steps: Union[int, str] = LOWBIT_H,
+        aggregation: Union[str, Aggregation] = ScatterMean(bits=LOWBIT_BITS),
         inner: Union[str, Callable] = "adamw",
         outer: Union[str, Outer] = "sgd",
         streaming: Union[bool, int, Streaming] = False,
@@ -387,7 +388,8 @@ def _public_flags(aggregation, local_steps, outer, streaming, process_group, man
             raise ValueError("LocalCub: aggregation='auto' picks the whole setting from the link (H, the round's code, "
                              "the outer rule): give local_steps='auto' and leave outer, streaming and "
                              "Options.min_local_steps at their defaults")
-        aggregation = LaneMean(bits=SETTINGS["short"]["bits"])
+        aggregation = ScatterMean(bits=LOWBIT_BITS)  # the first round: the low-bit rounds', timed (AutoSetting)
+        flags["min_local_steps"] = LOWBIT_H
     agg = aggregation_of(aggregation, "LocalCub")
     rule, stream = Outer.of(outer), Streaming.of(streaming)
     if manager is not None:

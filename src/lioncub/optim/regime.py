@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 from ..engine.cost import collective_time
 from .auto_steps import ROUND_SHARE
 
-__all__ = ["SETTINGS", "SHORT_H", "SettingPick", "pick_setting", "AutoSetting"]
+__all__ = ["SETTINGS", "SHORT_H", "SettingPick", "pick_setting", "AutoSetting", "pick_rounds", "LOWBIT_H",
+           "LOWBIT_BITS", "LOWBIT_SHARE"]
 
 SHORT_H = 10
 """H of the short-round setting."""
@@ -53,6 +54,35 @@ SETTINGS: dict[str, dict] = {
 """The two settings, as :class:`~lioncub.LocalCub` keyword arguments plus the inner ``lr`` (the peak of the
 schedule: both were tuned with a warm-up then a cosine)."""
 ROUNDS = {"short": "the 8-bit L1 lane mean", "long": "the 4-bit scatter mean"}
+
+LOWBIT_H = 5
+"""The least H of :class:`~lioncub.LocalCub`'s own ``aggregation='auto'`` low-bit rounds (and its default H)."""
+LOWBIT_BITS = 2
+LOWBIT_SHARE = 4.0
+"""``aggregation='auto'``: a low-bit round's α-β time may be up to this many times its H steps' compute (the link
+kept busy: the races with H = 5 measured r ≈ 10 and 250 there, bench/README.md, "Short low-bit rounds")."""
+AUTO_SETTINGS = ("lowbit", "long")
+"""What ``LocalCub(aggregation='auto')`` picks between (:func:`pick_rounds`)."""
+
+
+def lowbit_round_seconds(n_params: int, world_size: int, alpha: float, beta: float) -> float:
+    """The α-β time of one round of the 2-bit scatter mean over ``n_params`` (its all-to-all and all-gather of
+    2-bit codes, the per-tensor scales left out)."""
+    span = -(-n_params // world_size)
+    nbytes = span * LOWBIT_BITS // 8
+    return (collective_time("all_to_all", world_size * nbytes, world_size, alpha, beta)
+            + collective_time("all_gather", nbytes, world_size, alpha, beta))
+
+
+def pick_rounds(n_params: int, world_size: int, alpha: float, beta: float, step_s: float) -> tuple[str, int]:
+    """``LocalCub(aggregation='auto')``'s pick: ``('lowbit', H)`` with H the smallest >= :data:`LOWBIT_H` whose 2-bit
+    round takes at most :data:`LOWBIT_SHARE` times its H steps' compute, while that H is at most the long rounds'
+    50; else ``('long', 50)`` (whose H is then priced as ``local_steps='auto'`` prices it). Pure."""
+    round_s = lowbit_round_seconds(n_params, world_size, alpha, beta)
+    H = LOWBIT_H if round_s == 0 else (math.inf if step_s <= 0 else
+                                        max(LOWBIT_H, math.ceil(round_s / (LOWBIT_SHARE * step_s) - 1e-9)))
+    least_long = SETTINGS["long"]["min_local_steps"]
+    return ("lowbit", int(H)) if H <= least_long else ("long", least_long)
 """How each setting's round travels, in words (for the log line)."""
 
 
@@ -116,32 +146,32 @@ def pick_setting(n_params: int, world_size: int, alpha: float, beta: float, step
 
 
 class AutoSetting:
-    """The mixin of ``LocalCub(local_steps='auto', aggregation='auto')``: the first round runs the short setting's
-    round (the 8-bit lane mean, outer SGD at 1) for :data:`~lioncub.optim.auto_steps.FIRST_ROUND` timed steps;
-    at its end :func:`pick_setting` chooses from the measured α, β and the slowest rank's step, every rank alike.
-    ``'short'`` keeps that round with H = :data:`SHORT_H`; ``'long'`` switches to the 4-bit scatter mean and
-    Nesterov 0.7 (the error-feedback residual carries over: both are in Δ's units) and ``'auto'`` then picks
-    H >= 50. The pick is ``steps_pick['setting']`` (:meth:`SettingPick.as_dict`), kept in checkpoints. The inner
-    lr stays the caller's: the settings were tuned at ``SETTINGS[name]['lr']``."""
+    """The mixin of ``LocalCub(local_steps='auto', aggregation='auto')``: the first round runs the low-bit rounds
+    (the 2-bit scatter mean, outer SGD at 1) for :data:`LOWBIT_H` timed steps; at its end :func:`pick_rounds`
+    chooses from the measured α, β and the slowest rank's step, every rank alike. ``'lowbit'`` keeps those rounds
+    with the H it priced (at least 5); ``'long'`` switches to the 4-bit scatter mean and Nesterov 0.7 (the
+    workers' residuals carry over, both in Δ's units; the chunk owners' restart at zero, their spans differ) and ``'auto'`` then picks H >= 50. The pick is
+    ``steps_pick['setting']``, kept in checkpoints. The inner lr stays the caller's: the low-bit rounds were raced at
+    4e-3, the long ones at 2e-3."""
 
     def _pick_setting(self, step_s: float):
-        """Pick, apply and record the setting; returns the short setting's H, or None (long: H is priced next)."""
+        """Pick, apply and record; returns the low-bit rounds' H, or None (long: H is priced next)."""
         pick = self.steps_pick
         n = sum(p.numel() for p in self.params)
-        setting = pick_setting(n, self.world_size, pick["alpha"], pick["beta"], step_s,
-                               round_share=pick["round_share"])
-        pick["setting"] = setting.as_dict()
-        self._apply_setting(setting.name)
-        if setting.name == "short":
-            pick.update(step_s=step_s, round_s=setting.short_round_s, H=SHORT_H)
-            return SHORT_H
-        pick["min_local_steps"] = max(pick["min_local_steps"], SETTINGS["long"]["min_local_steps"])
+        name, H = pick_rounds(n, self.world_size, pick["alpha"], pick["beta"], step_s)
+        pick["setting"] = dict(name=name, H=H, step_s=step_s, alpha=pick["alpha"], beta=pick["beta"],
+                               lowbit_round_s=lowbit_round_seconds(n, self.world_size, pick["alpha"], pick["beta"]))
+        self._apply_setting(name)
+        if name == "lowbit":
+            pick.update(step_s=step_s, round_s=pick["setting"]["lowbit_round_s"], H=H)
+            return H
+        pick["min_local_steps"] = max(pick["min_local_steps"], H)
         pick["max_local_steps"] = max(pick["max_local_steps"], pick["min_local_steps"])
         return None
 
     def _apply_setting(self, name: str) -> None:
-        """The rounds of setting ``name`` from here on (the first round's are the short setting's)."""
-        if name == "short":
+        """The rounds of setting ``name`` from here on (the first round's are the low-bit ones)."""
+        if name == "lowbit":
             return
         from ..aggregations import ScatterMean
         from ..engine.config import VoteConfig
@@ -152,6 +182,7 @@ class AutoSetting:
         self.aggregate, self.round_bits = o["aggregate"], o["bits"]
         self._set_config(VoteConfig(vote=o["vote"], tie=self.config.tie, seed=self.config.seed))
         self.rule = make_outer(o["outer"], lr=o["outer_lr"])
+        self.owner_residuals = {}  # (the owners' spans change with the code width: theirs restart at zero)
         for p in self.params:
             self.rule.init_state(p, self.local_state[p], **self._placed())
 
@@ -161,7 +192,9 @@ class AutoSetting:
         mine = self.steps_pick.get("setting", False) if self.steps_pick is not None else False
         if saved is None or mine is False:
             return
-        name = SettingPick.from_dict(saved).name
+        name = saved.get("name") if isinstance(saved, dict) else None
+        if name not in AUTO_SETTINGS:
+            raise ValueError(f"state_dict's picked setting must be one of {AUTO_SETTINGS}, got {saved!r}")
         if mine is None:
             self._apply_setting(name)
             self.steps_pick["setting"] = dict(saved)
