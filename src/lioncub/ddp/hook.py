@@ -40,7 +40,7 @@ would reach the momentum but not the vote, which ran during backward: turn it of
 Example (``torchrun --nproc-per-node 4 train.py``)::
 
     model = DDP(Net())
-    opt = lioncub.LionCub(model.parameters(), lr=3e-4, vote="pbit")
+    opt = lioncub.LionCub(model.parameters(), lr=3e-4, aggregation=lioncub.SignVote())
     lioncub.ddp.hook.register(model, opt)
     for x, y in loader:
         loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()

@@ -43,8 +43,8 @@ does rank ``wte`` and ``head`` 1st and 3rd there. r is scale-free by design; mea
 
 Example::
 
-    opt = LionCub(model.parameters(), betas=(0.9, 0.95), momentum_sync="io", model=model)
-    opt = LionCub(model.parameters(), momentum_sync=Adaptive(threshold=0.3), model=model)
+    opt = LionCub(model.parameters(), betas=(0.9, 0.95), model=model, options=Options(momentum_sync="io"))
+    opt = LionCub(model.parameters(), model=model, options=Options(momentum_sync=Adaptive(threshold=0.3)))
 """
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ Example (``torchrun --nproc-per-node 4 train.py``)::
 
     dist.init_process_group("gloo")
     model = Net()
-    opt = lioncub.LionCub(model.parameters(), lr=3e-4, vote="pbit")  # 4-bit lanes
+    opt = lioncub.LionCub(model.parameters(), lr=3e-4)   # the 1-bit mean (aggregation=lioncub.OneBitMean())
     for x, y in loader:                     # each rank its own shard
         loss_fn(model(x), y).backward()
         opt.step(); opt.zero_grad()

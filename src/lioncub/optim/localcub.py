@@ -68,8 +68,7 @@ stand-in when it lands (θ_i ← θ_s + θ_i − o_i), exactly as it replaces th
 
 Example (every rank, inside an initialised process group)::
 
-    opt = LocalCub(model.parameters(), lr=1e-4, local_steps=10, vote="onebit",
-                   outer="nesterov", outer_lr=3.0)
+    opt = LocalCub(model.parameters(), lr=4e-3)   # 5 AdamW steps, then Δ's 2-bit scatter mean, outer SGD
     for x, y in batches:
         loss_fn(model(x), y).backward()
         opt.step()              # communicates only when a round ends

@@ -33,7 +33,7 @@ Groups come from :func:`node_groups` (torchrun sets ``LOCAL_WORLD_SIZE``; ranks
 
     dist.init_process_group("nccl")                       # torchrun --nnodes 2 --nproc-per-node 8
     layout = lioncub.node_groups()                          # L = LOCAL_WORLD_SIZE
-    opt = lioncub.NodeCub(model.parameters(), lr=3e-4, layout=layout, vote="onebit")
+    opt = lioncub.LionCub(model.parameters(), lr=3e-4, process_group=layout)   # builds this class
 
 ``last_step_stats`` counts what crossed the nodes (the vote); ``last_intra_stats`` the
 in-node average and share.
