@@ -21,12 +21,13 @@ Each object turns itself into the engine's settings for an every-step optimizer 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from numbers import Real
 from typing import Optional, Union
 
 from . import votes
 from .quantize import QUANTIZERS
+from .votes.mean import ADAPT_DEFAULT, MEAN_DEFAULTS, NORM_DEFAULT, NORMS, RANGE_DEFAULT, RESTART_DEFAULT
 from .validate import check_choice
 
 __all__ = ["Mean", "SignVote", "OneBitMean", "LaneMean", "ScatterMean", "Aggregation", "AGGREGATIONS",
@@ -35,8 +36,8 @@ __all__ = ["Mean", "SignVote", "OneBitMean", "LaneMean", "ScatterMean", "Aggrega
 TRANSPORTS = votes.VOTE_METHODS + ("auto",)
 """What :class:`SignVote`'s ``transport`` takes: every registered vote collective, or ``'auto'`` (the cheapest
 for this world size and link by the α-β model)."""
-STEP_FEEDBACK = ("none", "worker", "server", "both")
 ROUND_FEEDBACK = ("none", "worker")
+"""What a round keeps of :data:`lioncub.votes.ERROR_FEEDBACK`: no chunk owner counts a round's votes."""
 
 
 def _check_bits(name: str, bits, allowed: tuple, *, optional: bool = False) -> None:
@@ -106,7 +107,7 @@ class SignVote:
         if self.quantizer is not None and not (cls and cls.TAKES_QUANTIZER):
             raise ValueError(f"SignVote.quantizer applies to transport='pbit', got transport={self.transport!r}")
         check_choice("SignVote.tie", self.tie, votes.TIE_RULES)
-        check_choice("SignVote.error_feedback", self.error_feedback, STEP_FEEDBACK)
+        check_choice("SignVote.error_feedback", self.error_feedback, votes.ERROR_FEEDBACK)
         if self.transport != "auto":
             votes.check_tie(self.tie, self.transport, self.quantizer)
 
@@ -141,10 +142,10 @@ class OneBitMean:
         tie: where a zero goes: ``'alternate'``, ``'plus'`` or ``'minus'``.
     """
 
-    adapt: float = 1.25
-    range: float = 30.0
-    norm: str = "arithmetic"
-    restart: int = 50
+    adapt: float = ADAPT_DEFAULT
+    range: float = RANGE_DEFAULT
+    norm: str = NORM_DEFAULT
+    restart: int = RESTART_DEFAULT
     tie: str = "alternate"
     name = "onebit-mean"
 
@@ -153,7 +154,7 @@ class OneBitMean:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, Real) or not (math.isfinite(value) and value >= 1):
                 raise ValueError(f"OneBitMean.{key} must be a finite number >= 1, got {value!r}")
-        check_choice("OneBitMean.norm", self.norm, ("arithmetic", "geometric"))
+        check_choice("OneBitMean.norm", self.norm, NORMS)
         if isinstance(self.restart, bool) or not isinstance(self.restart, int) or self.restart < 0:
             raise ValueError(f"OneBitMean.restart must be an int >= 0, got {self.restart!r}")
         check_choice("OneBitMean.tie", self.tie, ("alternate", "plus", "minus"))
@@ -264,7 +265,7 @@ def step_aggregation(flags: dict) -> Aggregation:
             raise ValueError("tie='hold' repeats a voted sign; aggregate='mean' votes none")
         return OneBitMean(tie=got.get("tie", "alternate"), **mean)
     for k in [k for k in got if k.startswith("mean_")]:
-        if got.pop(k) != getattr(OneBitMean, k[5:]):
+        if got.pop(k) != MEAN_DEFAULTS[k]:
             raise ValueError(f"{k} applies to aggregate='mean' only, got aggregate={aggregate!r}")
     return SignVote(transport=vote, **got)
 
@@ -300,14 +301,9 @@ def round_aggregation_of(flags: dict) -> Aggregation:
 
 
 def _nothing_else(got: dict, allowed: Optional[str], vote: str) -> None:
-    defaults = dict(tie="alternate", error_feedback="none", stochastic_signs=False,
-                    **{f"mean_{f.name}": f.default for f in fields(OneBitMean) if f.name != "tie"})
+    defaults = dict(tie="alternate", error_feedback="none", stochastic_signs=False, **MEAN_DEFAULTS)
     for k, v in got.items():
         if k != allowed and v is not None and v != defaults.get(k):
             where = "the 1-bit paths only" if k == "tie" else "the votes only"
             raise ValueError(f"{k}={v!r} applies to {where}, not to vote={vote!r}")
 
-
-def fields_of(obj) -> dict:
-    """An aggregation's options as a dict (for logs and checkpoints' fingerprints)."""
-    return {f.name: getattr(obj, f.name) for f in fields(obj)}

@@ -128,15 +128,17 @@ class AutoSteps:
         if self.world_size > 1:
             comm.all_reduce(agreed, self.group, op="max")
         step_s = float(agreed.item())  # one host read, once
-        if "setting" in pick and pick["setting"] is None:  # aggregation='auto': the setting first (AutoSetting)
-            if self._pick_setting(step_s) is not None:  # the short setting: its own H
-                self.H, self._marks = pick["H"], []
-                return
         chunks = [(sum(pc.size for pc in pieces), len(pieces)) for pieces in self._plan()]
         round_s = round_seconds(self.exchange, chunks, self.world_size, pick["alpha"], pick["beta"])
-        pick.update(step_s=step_s, round_s=round_s,
-                    H=pick_local_steps(round_s, step_s, pick["round_share"], pick["max_local_steps"],
-                                       pick.get("min_local_steps", FIRST_ROUND)))
+        H = None
+        if "setting" in pick and pick["setting"] is None:  # aggregation='auto': the setting first (AutoSetting)
+            H = self._pick_setting(round_s, step_s)  # the low-bit rounds' H, or None: long rounds, priced below
+            if H is None:
+                round_s = round_seconds(self.exchange, chunks, self.world_size, pick["alpha"], pick["beta"])
+        if H is None:
+            H = pick_local_steps(round_s, step_s, pick["round_share"], pick["max_local_steps"],
+                                 pick.get("min_local_steps", FIRST_ROUND))
+        pick.update(step_s=step_s, round_s=round_s, H=H)
         self.H, self._marks = pick["H"], []
 
     def _restore_steps(self, saved: Optional[dict]) -> None:

@@ -198,7 +198,7 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSetting, AutoSteps,
         agg, flags = _public_flags(aggregation, local_steps, outer, streaming, process_group, manager, options)
         self.aggregation = agg  # how a round's Δ travels (lioncub.aggregations); self.exchange runs it
         self._configure(params, lr, betas, weight_decay, local_steps=local_steps, inner=inner, model=model, **flags)
-        if aggregation == "auto":  # the first round is the short setting's, timed; then the pick (AutoSteps)
+        if aggregation == "auto":  # the first round is the low-bit rounds', timed; then the pick (AutoSetting)
             self.steps_pick["setting"] = None
 
     def _configure(  # the engine's flat settings (lioncub.optim.flags says which public argument sets each)
@@ -377,7 +377,7 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSetting, AutoSteps,
 
 def _public_flags(aggregation, local_steps, outer, streaming, process_group, manager, options) -> tuple:
     """LocalCub's public arguments as (the aggregation object, the engine's flat settings); ``'auto'``'s first
-    round is the short setting's (:data:`lioncub.optim.regime.SETTINGS`)."""
+    round is the low-bit rounds' (:class:`lioncub.optim.regime.AutoSetting`)."""
     if _is_layout(process_group):
         raise ValueError("LocalCub: a node layout is LionCub's (a node mean every step); for local steps with "
                          "many ranks per node shard the model inside the node with FSDP2 (docs/sharded.md)")

@@ -54,6 +54,7 @@ SETTINGS: dict[str, dict] = {
 """The two settings, as :class:`~lioncub.LocalCub` keyword arguments plus the inner ``lr`` (the peak of the
 schedule: both were tuned with a warm-up then a cosine)."""
 ROUNDS = {"short": "the 8-bit L1 lane mean", "long": "the 4-bit scatter mean"}
+"""How each setting's round travels, in words (for the log line)."""
 
 LOWBIT_H = 5
 """The least H of :class:`~lioncub.LocalCub`'s own ``aggregation='auto'`` low-bit rounds (and its default H)."""
@@ -65,25 +66,18 @@ AUTO_SETTINGS = ("lowbit", "long")
 """What ``LocalCub(aggregation='auto')`` picks between (:func:`pick_rounds`)."""
 
 
-def lowbit_round_seconds(n_params: int, world_size: int, alpha: float, beta: float) -> float:
-    """The α-β time of one round of the 2-bit scatter mean over ``n_params`` (its all-to-all and all-gather of
-    2-bit codes, the per-tensor scales left out)."""
-    span = -(-n_params // world_size)
-    nbytes = span * LOWBIT_BITS // 8
-    return (collective_time("all_to_all", world_size * nbytes, world_size, alpha, beta)
-            + collective_time("all_gather", nbytes, world_size, alpha, beta))
-
-
-def pick_rounds(n_params: int, world_size: int, alpha: float, beta: float, step_s: float) -> tuple[str, int]:
-    """``LocalCub(aggregation='auto')``'s pick: ``('lowbit', H)`` with H the smallest >= :data:`LOWBIT_H` whose 2-bit
-    round takes at most :data:`LOWBIT_SHARE` times its H steps' compute, while that H is at most the long rounds'
-    50; else ``('long', 50)`` (whose H is then priced as ``local_steps='auto'`` prices it). Pure."""
-    round_s = lowbit_round_seconds(n_params, world_size, alpha, beta)
+def pick_rounds(round_s: float, step_s: float) -> tuple[str, int]:
+    """``LocalCub(aggregation='auto')``'s pick from the α-β time ``round_s`` of one round of its low-bit rounds (the
+    2-bit scatter mean: :func:`~lioncub.optim.auto_steps.round_seconds` of the first round's exchange) and the
+    slowest rank's step ``step_s``: ``('lowbit', H)`` with H the smallest >= :data:`LOWBIT_H` whose round takes at
+    most :data:`LOWBIT_SHARE` times its H steps' compute, while that H is at most the long rounds' 50; else
+    ``('long', 50)`` (whose H is then priced as ``local_steps='auto'`` prices it). Pure."""
     H = LOWBIT_H if round_s == 0 else (math.inf if step_s <= 0 else
                                         max(LOWBIT_H, math.ceil(round_s / (LOWBIT_SHARE * step_s) - 1e-9)))
     least_long = SETTINGS["long"]["min_local_steps"]
     return ("lowbit", int(H)) if H <= least_long else ("long", least_long)
-"""How each setting's round travels, in words (for the log line)."""
+
+
 
 
 @dataclass(frozen=True)
@@ -154,16 +148,14 @@ class AutoSetting:
     ``steps_pick['setting']``, kept in checkpoints. The inner lr stays the caller's: the low-bit rounds were raced at
     4e-3, the long ones at 2e-3."""
 
-    def _pick_setting(self, step_s: float):
-        """Pick, apply and record; returns the low-bit rounds' H, or None (long: H is priced next)."""
+    def _pick_setting(self, round_s: float, step_s: float):
+        """Pick, apply and record from the first round's α-β ``round_s`` and ``step_s``; returns the low-bit rounds'
+        H, or None (long: H is priced next, on the long rounds' exchange)."""
         pick = self.steps_pick
-        n = sum(p.numel() for p in self.params)
-        name, H = pick_rounds(n, self.world_size, pick["alpha"], pick["beta"], step_s)
-        pick["setting"] = dict(name=name, H=H, step_s=step_s, alpha=pick["alpha"], beta=pick["beta"],
-                               lowbit_round_s=lowbit_round_seconds(n, self.world_size, pick["alpha"], pick["beta"]))
+        name, H = pick_rounds(round_s, step_s)
+        pick["setting"] = dict(name=name, H=H, step_s=step_s, round_s=round_s, alpha=pick["alpha"], beta=pick["beta"])
         self._apply_setting(name)
         if name == "lowbit":
-            pick.update(step_s=step_s, round_s=pick["setting"]["lowbit_round_s"], H=H)
             return H
         pick["min_local_steps"] = max(pick["min_local_steps"], H)
         pick["max_local_steps"] = max(pick["max_local_steps"], pick["min_local_steps"])
