@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from tests.flat import LionCub
+from lioncub.aggregations import step_aggregation
 from lioncub.engine.config import VoteConfig
 from lioncub.engine.cost import predicted_bytes
 from lioncub.engine.resume import reshard_states
@@ -266,14 +267,16 @@ def test_resume_is_bit_exact_and_the_bytes_are_the_cost_model():
     (dict(stochastic_signs="yes"), TypeError, "stochastic_signs must be a bool or a float > 0"),
     (dict(stochastic_signs=-1.0), ValueError, "stochastic_signs must be a bool or a finite float > 0"),
     (dict(stochastic_signs=float("inf")), ValueError, "stochastic_signs must be a bool or a finite float > 0"),
-    (dict(vote="grad", error_feedback="worker"), ValueError, "error_feedback applies to the binary-sign votes"),
+    (dict(vote="grad", error_feedback="worker"), ValueError, "error_feedback='worker' applies to the votes only"),
     (dict(vote="pbit", quantizer="l1", stochastic_signs=True), ValueError, "stochastic_signs applies to the bin"),
     (dict(vote="sign_allreduce", error_feedback="worker"), ValueError, "error_feedback applies"),
     (dict(vote="auto", stochastic_signs=True), ValueError, "stochastic_signs applies"),
 ])
 def test_the_options_are_refused_where_the_message_is_not_binary_signs(kw, exc, match):
+    """Refused by the aggregation object the settings describe (``SignVote`` / ``Mean``), once: the engine's
+    ``VoteConfig`` checks nothing again."""
     with pytest.raises(exc, match=match):
-        VoteConfig(**{"vote": "onebit", **kw})
+        step_aggregation({"vote": "onebit", **kw}).for_step()
 
 
 def test_overlap_is_refused_and_the_default_config_is_unchanged():

@@ -112,8 +112,7 @@ class SignVote:
             votes.check_tie(self.tie, self.transport, self.quantizer)
 
     def for_step(self) -> dict:
-        if self.transport != "auto":  # (a round's residual is C(v) of any quantizer: the round checks its own)
-            votes.check_sign_options(self.transport, self.quantizer, self.error_feedback, self.stochastic_signs)
+        votes.check_sign_options(self.transport, self.quantizer, self.error_feedback, self.stochastic_signs)
         return dict(vote=self.transport, bits=self.bits, quantizer=self.quantizer, tie=self.tie,
                     error_feedback=self.error_feedback, stochastic_signs=self.stochastic_signs)
 

@@ -11,11 +11,23 @@ refuses a field it has no use for, in one line. Every field, its default and whe
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from numbers import Real
 from typing import Optional, Union
 
-from .validate import check_fraction, check_hyperparameters, check_int, check_number
+from .validate import (check_choice, check_fraction, check_hyperparameters, check_int, check_number,
+                       check_optional_bool)
 
-__all__ = ["Options", "Outer", "Streaming", "STEP_OPTIONS", "ROUND_OPTIONS"]
+__all__ = ["Options", "Outer", "Streaming", "STEP_OPTIONS", "ROUND_OPTIONS", "NONFINITE_POLICIES",
+           "NONFINITE_ALIASES", "OUTER_STATES", "SYNC_DTYPE_NAMES"]
+
+NONFINITE_POLICIES = ("raise", "skip")
+"""What ``Options.nonfinite`` takes: on a NaN/Inf gradient anywhere, raise (naming the parameter) or skip."""
+NONFINITE_ALIASES = {"skip_step": "skip", "skip_round": "skip"}
+"""The older spellings of ``'skip'``, still accepted."""
+OUTER_STATES = ("device", "host")
+"""Where ``Options.outer_state`` keeps LocalCub's θ_s and outer state."""
+SYNC_DTYPE_NAMES = ("fp32", "bf16")
+"""What ``Options.sync_dtype`` takes (the momentum sync's all-reduce dtype)."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +69,41 @@ class Options:
     max_local_steps: Optional[int] = None
     outer_state: Optional[str] = None
     max_attempts: Optional[int] = None
+
+    def __post_init__(self):
+        """Each field checks itself here, once, in one line naming it (``Options.seed must be an int``); the
+        optimizers only refuse a field they have no use for (:meth:`for_`)."""
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise TypeError(f"Options.seed must be an int, got {self.seed!r}")
+        if self.nonfinite is not None:
+            check_choice("Options.nonfinite", self.nonfinite, NONFINITE_POLICIES, aliases=NONFINITE_ALIASES)
+        for name, low in (("check_every", 0), ("sync_every", 1), ("min_local_steps", 1), ("max_local_steps", 1),
+                          ("max_attempts", 1)):
+            if getattr(self, name) is not None:
+                check_int(f"Options.{name}", getattr(self, name), low)
+        for name in ("fused", "timing", "maximize"):
+            check_optional_bool(f"Options.{name}", getattr(self, name))
+        for name in ("bucket_mb", "message_mb"):
+            if getattr(self, name) is not None:
+                check_number(f"Options.{name}", getattr(self, name))
+        for name in ("alpha", "beta"):  # (0: a free link)
+            if getattr(self, name) is not None:
+                check_number(f"Options.{name}", getattr(self, name), positive=False)
+        if (self.alpha is None) != (self.beta is None):
+            raise ValueError("Options: give both alpha and beta (a known link, no probe), or neither (measured)")
+        if self.gamma is not None and not isinstance(self.gamma, dict):
+            raise TypeError(f"Options.gamma must be a dict (vote method -> seconds per element), got "
+                            f"{type(self.gamma).__name__}")
+        if self.sync_dtype is not None:
+            check_choice("Options.sync_dtype", self.sync_dtype, SYNC_DTYPE_NAMES)
+        if self.round_share is not None and (isinstance(self.round_share, bool) or not isinstance(self.round_share, Real)
+                                             or not 0 < self.round_share <= 1):
+            raise ValueError(f"Options.round_share must be a number in (0, 1], got {self.round_share!r}")
+        if None not in (self.min_local_steps, self.max_local_steps) and self.min_local_steps > self.max_local_steps:
+            raise ValueError(f"Options.min_local_steps must be at most max_local_steps={self.max_local_steps}, got "
+                             f"{self.min_local_steps}")
+        if self.outer_state is not None:
+            check_choice("Options.outer_state", self.outer_state, OUTER_STATES)
 
     def given(self) -> dict:
         """The fields set (not None)."""

@@ -1,12 +1,13 @@
-"""The vote settings of an optimizer, validated once: :class:`VoteConfig`.
+"""The engine's record of an optimizer's vote settings: :class:`VoteConfig`.
 
-Every optimizer that votes (:class:`~lioncub.LionCub`, :class:`~lioncub.LocalCub`, the vote
-inside :class:`~lioncub.NodeCub`) takes the same settings and checks them here, once, with
-the same words: which vote, its lane width and quantizer, the tie rule, the stochastic
-quantizer's seed, what a binary-sign message carries beyond the sign (``error_feedback``,
-``stochastic_signs``: :mod:`lioncub.votes.feedback`), and (for the every-step optimizer) the backend and the sizes of buckets
-and messages. ``vote='auto'`` is resolved by :meth:`VoteConfig.resolved`, which returns a
-new config (the object is frozen: a config never changes under the optimizer holding it).
+Every optimizer that votes (:class:`~lioncub.LionCub`, :class:`~lioncub.LocalCub`, the node layout's
+voter) holds one: which vote, its lane width and quantizer, the tie rule, the stochastic quantizer's
+seed, what a binary-sign message carries beyond the sign (``error_feedback``, ``stochastic_signs``:
+:mod:`lioncub.votes.feedback`), and (every step) the backend and the sizes of buckets and messages.
+It checks nothing itself: each setting was checked once where the user gave it, by its aggregation
+object (:mod:`lioncub.aggregations`) or :class:`lioncub.Options`; what depends on the world size is
+checked by :meth:`VoteConfig.method`. ``vote='auto'`` is resolved by :meth:`VoteConfig.resolved`,
+which returns a new config (the object is frozen: a config never changes under the optimizer holding it).
 """
 from __future__ import annotations
 
@@ -15,9 +16,8 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from .. import votes
-from ..votes.mean import MEAN_DEFAULTS, OneBitMean, check_step_aggregate, make_step_method, mean_fingerprint
-from ..quantize import QUANTIZERS
-from ..validate import check_choice, check_int, check_number, check_optional_bool, check_optional_choice
+from ..votes.mean import MEAN_DEFAULTS, OneBitMean, make_step_method, mean_fingerprint
+from ..validate import check_int
 
 __all__ = ["VoteConfig", "VoteSettings", "StepSettings", "OPTIMIZER_VOTES", "GRAD_DTYPE_NAMES"]
 
@@ -29,8 +29,8 @@ GRAD_DTYPE_NAMES = ("fp32", "bf16")
 
 @dataclass(frozen=True)
 class VoteConfig:
-    """What an optimizer votes with. Validated on construction (``ValueError`` / ``TypeError``
-    naming the argument); the world-size limits are checked by :meth:`method`."""
+    """What an optimizer votes with, built from an aggregation object's ``for_step()`` / ``for_round()`` and
+    :class:`lioncub.Options` (which checked them); the world-size limits are checked by :meth:`method`."""
 
     vote: str = "pbit"
     bits: Optional[int] = None
@@ -49,20 +49,9 @@ class VoteConfig:
     mean_norm: str = OneBitMean.NORM
     mean_restart: int = OneBitMean.RESTART
 
-    def __post_init__(self):
-        check_choice("vote", self.vote, OPTIMIZER_VOTES)
-        check_choice("grad_dtype", self.grad_dtype, GRAD_DTYPE_NAMES)
-        check_optional_choice("quantizer", self.quantizer, QUANTIZERS)
-        votes.check_lane_options(self.vote, self.bits, self.quantizer)
-        votes.check_tie(self.tie, self.vote, self.quantizer)
-        check_optional_bool("fused", self.fused)
-        votes.check_sign_options(self.vote, self.quantizer, self.error_feedback, self.stochastic_signs)
-        check_step_aggregate(self.aggregate, self.vote, error_feedback=self.error_feedback,
-                             stochastic_signs=self.stochastic_signs, tie=self.tie, **self._mean())
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise TypeError(f"seed must be an int, got {self.seed!r}")
-        object.__setattr__(self, "bucket_mb", check_number("bucket_mb", self.bucket_mb))
-        object.__setattr__(self, "message_mb", check_number("message_mb", self.message_mb))
+    def __post_init__(self):  # (checked where they were given: the aggregation object, Options)
+        object.__setattr__(self, "bucket_mb", float(self.bucket_mb))
+        object.__setattr__(self, "message_mb", float(self.message_mb))
 
     @property
     def votes(self) -> bool:
