@@ -41,7 +41,7 @@ def bad_inputs(d):
         (["train", *TINY, "--vote", "pbit", "--bits", "2", "--nproc", "4", *text],
          "--bits/--quantizer: bits=2 lanes overflow with 4 workers for quantizer=None (need bits >= 4)"),
         (["train", *TINY, "--vote", "gather", "--quantizer", "l1", *text],
-         "bits and quantizer apply to vote='pbit' only, got vote='gather'"),
+         "SignVote.quantizer applies to transport='pbit', got transport='gather'"),  # (the object's own refusal)
         (["train", *TINY, "--optimizer", "lion", "--bits", "4", *text], "bits=4 apply to optimizer='lioncub' only"),
         (["train", *TINY, "--model", "resnet18", "--data", "shakespeare", *cache],
          "--data 'shakespeare': not found; an image model takes 'digits', an .npz file or an image folder"),

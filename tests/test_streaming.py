@@ -434,7 +434,7 @@ def test_one_process_streams_without_a_process_group():
     (dict(delay=1, vote="gather"), "got vote='gather'"),
     (dict(delay=1, vote="auto"), "delay=1 needs a fixed vote"),
     (dict(vote="grad", eager=True), "eager=True stands in for an agreement in flight: it needs delay=1"),
-    (dict(delay=1, vote="sign_allreduce", eager=True), r"eager=True .* needs a mean .*got vote='sign_allreduce'"),
+    (dict(delay=1, vote="sign_allreduce", eager=True), r"eager=True .* needs a mean .*got SignVote\(transport='sign_allreduce'"),
 ])
 def test_bad_streaming_arguments_are_named(kw, match):
     with pytest.raises(ValueError, match=match):

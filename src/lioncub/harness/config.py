@@ -10,10 +10,8 @@ import os
 from dataclasses import dataclass, field
 
 from ..testbed.straggler import check_workers
-from ..votes import check_lane_options
-from ..votes.base import TIE_RULES
-from ..votes.feedback import ERROR_FEEDBACK
 from ..votes.mean import MEAN_DEFAULTS
+from ..optim.flags import node_kwargs, round_kwargs, step_kwargs
 from ..optim.lioncub import NONFINITE_ALIASES, NONFINITE_POLICIES, OPTIMIZER_VOTES
 
 GPT_MODELS = ("gpt-tiny", "gpt-mini", "gpt2-124m", "gpt2-350m", "gpt2-774m", "gpt2-1.5b")
@@ -200,15 +198,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _choice("model", self.model, MODELS)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
-        _choice("vote", self.vote, VOTES)
-        _choice("quantizer", self.quantizer, QUANTIZERS)
         _choice("device", self.device, DEVICES)
-        _choice("grad_dtype", self.grad_dtype, ("fp32", "bf16"))
-        _choice("bits", self.bits, (None, 1, 2, 4, 8))
         _choice("momentum_sync", self.momentum_sync, MOMENTUM_SYNCS)
-        _choice("nonfinite", self.nonfinite, NONFINITE)
-        _choice("tie", self.tie, TIE_RULES)
-        _choice("vote_error_feedback", self.vote_error_feedback, ERROR_FEEDBACK)
         _check_numbers(self)
         self.slow_workers, self.pause_workers = check_workers(self.slow_workers, self.pause_workers)
         if self.optimizer != "lioncub":
@@ -216,8 +207,6 @@ class TrainConfig:
             if changed:
                 raise ValueError(f"{', '.join(changed)} apply to optimizer='lioncub' only, got "
                                  f"optimizer={self.optimizer!r}")
-        if self.round_bits is None:  # else --bits is the scatter mean's code width (checked with the local steps)
-            check_lane_options(self.vote, self.bits, self.quantizer)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -229,6 +218,8 @@ class TrainConfig:
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
         if self.data is None:
             self.data = "shakespeare" if self.is_gpt else "digits"
+        if self.optimizer == "lioncub":  # the library's objects check the optimizer's settings, once
+            library_arguments(self)
 
     @property
     def is_gpt(self) -> bool:
@@ -319,12 +310,6 @@ def _check_numbers(config: TrainConfig) -> None:
 
 def _check_local_steps(config: TrainConfig) -> None:
     """Refuse local-step options on an every-step run and every-step options on local steps."""
-    from ..aggregations import round_aggregation_of, step_aggregation
-    from ..optim.localcub import AGGREGATES, INNER_OPTIMIZERS, LOCAL_VOTES, OUTER_RULES
-
-    _choice("inner", config.inner, INNER_OPTIMIZERS)
-    _choice("outer", config.outer, OUTER_RULES)
-    _choice("aggregate", config.aggregate, AGGREGATES)
     _choice("local_setting", config.local_setting, ("given", "link"))
     if config.local_steps != "auto" and (isinstance(config.local_steps, bool) or not isinstance(config.local_steps, int)
                                          or config.local_steps < 1):
@@ -337,26 +322,10 @@ def _check_local_steps(config: TrainConfig) -> None:
                    if getattr(config, n) != d and n != "aggregate"]
         if changed:
             raise ValueError(f"{', '.join(changed)} apply to local_steps > 1 only")
-        # the aggregation object checks itself (lioncub.aggregations): the harness repeats none of it
-        step_aggregation(dict(vote=config.vote, aggregate=config.aggregate, tie=config.tie,
-                              error_feedback=config.vote_error_feedback, stochastic_signs=config.stochastic_signs,
-                              **config.mean_options())).for_step()
-        return
+        return  # (the aggregation object checks itself: library_arguments)
     changed = [f"{n}={getattr(config, n)!r}" for n, d in _STEP_ONLY.items() if getattr(config, n) != d]
     if changed:
         raise ValueError(f"{', '.join(changed)} apply to local_steps=1 only (LionCub every step)")
-    _choice("vote", config.vote, LOCAL_VOTES + ("auto",))
-    round_aggregation_of(dict(vote=config.vote, aggregate=config.aggregate, quantizer=config.quantizer,
-                              bits=config.bits, error_feedback=config.error_feedback)).for_round()
-    if config.eager:  # (LocalCub refuses these too, but in every worker: here before any starts, in one line)
-        from ..votes.rounds import round_class
-
-        if config.delay != 1:
-            raise ValueError("eager=True stands in for an agreement in flight: it needs delay=1")
-        if config.vote != "auto" and round_class(config.vote, config.aggregate, config.quantizer).signed:
-            raise ValueError(f"eager=True stands in this worker's own Δ for the agreed mean: it needs a mean "
-                             f"(vote='grad' or aggregate='mean'), got vote={config.vote!r}, "
-                             f"aggregate={config.aggregate!r}")
     for name, default in (("momentum_sync", "none"), ("overlap", False), ("grad_dtype", "fp32")):
         if getattr(config, name) != default:
             raise ValueError(f"{name}={getattr(config, name)!r} is not supported with local_steps > 1")
@@ -428,3 +397,32 @@ def aggregation_fields(name, args, *, local: bool) -> dict:
                 out[field_name] = flags[key]
         out.update({k: v for k, v in flags.items() if k.startswith("mean_")})
     return out
+
+
+def library_arguments(config: TrainConfig) -> tuple[str, dict]:
+    """The run's optimizer as the library takes it: ``('localcub' | 'nodecub' | 'lioncub', its public keyword
+    arguments)`` (the aggregation object, :class:`~lioncub.Outer`, :class:`~lioncub.Streaming`,
+    :class:`~lioncub.Options`), without the parameters, the model or the node layout. Building them is the check:
+    each object refuses its own bad settings in one line, and the harness repeats none of it."""
+    lanes = {k: getattr(config, k) for k in ("bits", "quantizer") if getattr(config, k) is not None}  # (refused
+    # by the object where they do not apply)
+    checks = dict(nonfinite=config.nonfinite, check_every=config.check_every)
+    if config.local:
+        from ..optim.localcub import round_settings
+
+        kwargs = round_kwargs(dict(
+            local_steps=config.local_steps, inner=config.inner, vote=config.vote, outer=config.outer,
+            outer_lr=config.outer_lr, error_feedback=config.error_feedback, aggregate=config.aggregate,
+            delay=config.delay, fragments=config.fragments, eager=config.eager, **checks,
+            **(dict(min_local_steps=config.min_local_steps) if config.local_steps == "auto" else {}), **lanes))
+        round_settings(**{k: v for k, v in kwargs.items() if k != "inner"})
+        return "localcub", kwargs
+    votes = dict(vote=config.vote, grad_dtype=config.grad_dtype, seed=config.seed, aggregate=config.aggregate,
+                 tie=config.tie, error_feedback=config.vote_error_feedback, stochastic_signs=config.stochastic_signs,
+                 **config.mean_options(), **checks, **lanes)
+    if config.nodes > 1:
+        return "nodecub", node_kwargs(dict(votes, shard=config.shard))
+    kwargs = step_kwargs(dict(votes, momentum_sync=config.momentum_sync, sync_every=config.sync_every,
+                              overlap=config.overlap))
+    kwargs["aggregation"].for_step()
+    return "lioncub", kwargs

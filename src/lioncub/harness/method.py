@@ -19,10 +19,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import Lion, LionCub, LocalCub, comm, node_groups, votes
-from ..optim.flags import node_kwargs, round_kwargs, step_kwargs
 from ..optim.nodecub import NodeCub
 from ..baselines.base import Adapter
-from .config import TrainConfig
+from .config import TrainConfig, library_arguments
 
 __all__ = ["vote_method", "lane_options", "make_optimizer", "OptimizerMethod", "make_method", "batch_loss"]
 
@@ -37,7 +36,7 @@ def vote_method(config: TrainConfig):
 
 def lane_options(config: TrainConfig) -> dict:
     """The ``bits`` / ``quantizer`` arguments the run's vote method takes (its ``LANE_BITS`` /
-    ``TAKES_QUANTIZER``), for the optimizer's constructor."""
+    ``TAKES_QUANTIZER``), as the engine's flat settings (the fault-tolerant harness's)."""
     method = vote_method(config)
     out = {}
     if method is not None and (method.LANE_BITS or config.round_bits is not None):  # lanes, or the scatter mean's codes
@@ -48,32 +47,19 @@ def lane_options(config: TrainConfig) -> dict:
 
 
 def make_optimizer(config: TrainConfig, groups: list[dict], model=None):
-    """lioncub -> LionCub(vote=...) (LocalCub with local steps, NodeCub with nodes); lion -> Lion; adamw -> AdamW
-    (the last two step on gradients :class:`OptimizerMethod` has all-reduced).
+    """lioncub -> LocalCub with local steps, the node layout's optimizer with nodes, else LionCub, each from
+    :func:`~lioncub.harness.config.library_arguments`; lion -> Lion; adamw -> AdamW (the last two step on
+    gradients :class:`OptimizerMethod` has all-reduced).
 
     ``model`` lets LionCub name parameters in its errors and find the ``io`` layers."""
-    extra = lane_options(config)
-    if config.optimizer == "lioncub" and config.local:
-        return LocalCub(groups, lr=config.lr, betas=config.betas, **round_kwargs(dict(
-            local_steps=config.local_steps, inner=config.inner, vote=config.vote, outer=config.outer,
-            outer_lr=config.outer_lr, error_feedback=config.error_feedback, aggregate=config.aggregate,
-            delay=config.delay, fragments=config.fragments, eager=config.eager, model=model,
-            nonfinite=config.nonfinite, check_every=config.check_every,
-            **(dict(min_local_steps=config.min_local_steps) if config.local_steps == "auto" else {}), **extra)))
-    if config.optimizer == "lioncub" and config.nodes > 1:
-        layout = node_groups(dist.get_world_size() // config.nodes)
-        return NodeCub(groups, lr=config.lr, betas=config.betas, **node_kwargs(dict(
-            layout=layout, shard=config.shard, vote=config.vote, grad_dtype=config.grad_dtype, seed=config.seed,
-            model=model, nonfinite=config.nonfinite, check_every=config.check_every, aggregate=config.aggregate,
-            tie=config.tie, error_feedback=config.vote_error_feedback, stochastic_signs=config.stochastic_signs,
-            **config.mean_options(), **extra)))
     if config.optimizer == "lioncub":
-        return LionCub(groups, lr=config.lr, betas=config.betas, **step_kwargs(dict(
-            vote=config.vote, grad_dtype=config.grad_dtype, seed=config.seed, model=model,
-            momentum_sync=config.momentum_sync, sync_every=config.sync_every, nonfinite=config.nonfinite,
-            check_every=config.check_every, overlap=config.overlap, aggregate=config.aggregate, tie=config.tie,
-            error_feedback=config.vote_error_feedback, stochastic_signs=config.stochastic_signs,
-            **config.mean_options(), **extra)))
+        kind, kwargs = library_arguments(config)
+        if kind == "localcub":
+            return LocalCub(groups, lr=config.lr, betas=config.betas, model=model, **kwargs)
+        if kind == "nodecub":
+            layout = node_groups(dist.get_world_size() // config.nodes)
+            return NodeCub(groups, lr=config.lr, betas=config.betas, layout=layout, model=model, **kwargs)
+        return LionCub(groups, lr=config.lr, betas=config.betas, model=model, **kwargs)
     if config.optimizer == "lion":
         return Lion(groups, lr=config.lr, betas=config.betas)
     return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas)

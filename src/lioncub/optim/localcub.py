@@ -99,7 +99,7 @@ from .checkpoint import RoundCheckpoint
 from .auto_steps import AutoSteps
 from .rounds import OUTER_STATES, Rounds
 from .streaming import StreamingRounds
-from ..aggregations import Aggregation, ScatterMean, aggregation_of
+from ..aggregations import Aggregation, ScatterMean, SignVote, aggregation_of
 from .regime import LOWBIT_BITS, LOWBIT_H, AutoSetting
 from .lioncub import _is_layout
 from ..options import ROUND_OPTIONS, Options, Outer, Streaming
@@ -195,7 +195,7 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSetting, AutoSteps,
         model: Optional[torch.nn.Module] = None,
         options: Optional[Options] = None,
     ):
-        agg, flags = _public_flags(aggregation, local_steps, outer, streaming, process_group, manager, options)
+        agg, flags = round_settings(aggregation, local_steps, outer, streaming, process_group, manager, options)
         self.aggregation = agg  # how a round's Δ travels (lioncub.aggregations); self.exchange runs it
         self._configure(params, lr, betas, weight_decay, local_steps=local_steps, inner=inner, model=model, **flags)
         if aggregation == "auto":  # the first round is the low-bit rounds', timed; then the pick (AutoSetting)
@@ -375,9 +375,12 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSetting, AutoSteps,
                     fragments=self.fragments, **({"eager": True} if self.eager else {}))
 
 
-def _public_flags(aggregation, local_steps, outer, streaming, process_group, manager, options) -> tuple:
-    """LocalCub's public arguments as (the aggregation object, the engine's flat settings); ``'auto'``'s first
-    round is the low-bit rounds' (:class:`lioncub.optim.regime.AutoSetting`)."""
+def round_settings(aggregation=ScatterMean(bits=LOWBIT_BITS), local_steps=LOWBIT_H, outer="sgd", streaming=False,
+                   process_group=None, manager=None, options=None) -> tuple:
+    """LocalCub's public arguments as (the aggregation object, the engine's flat settings), refusing in one line
+    what they cannot run together; nothing here needs the parameters, so the harness checks a run's settings with
+    it before any worker starts. ``'auto'``'s first round is the low-bit rounds'
+    (:class:`lioncub.optim.regime.AutoSetting`)."""
     if _is_layout(process_group):
         raise ValueError("LocalCub: a node layout is LionCub's (a node mean every step); for local steps with "
                          "many ranks per node shard the model inside the node with FSDP2 (docs/sharded.md)")
@@ -391,6 +394,9 @@ def _public_flags(aggregation, local_steps, outer, streaming, process_group, man
         flags["min_local_steps"] = LOWBIT_H
     agg = aggregation_of(aggregation, "LocalCub")
     rule, stream = Outer.of(outer), Streaming.of(streaming)
+    if stream is not None and stream.eager and isinstance(agg, SignVote):
+        raise ValueError(f"LocalCub: Streaming's eager=True stands in this worker's own Δ for the agreed mean: it "
+                         f"needs a mean (Mean, LaneMean or ScatterMean), got {agg!r}")
     if manager is not None:
         flags["manager"] = manager
     elif "max_attempts" in flags:
