@@ -184,7 +184,7 @@ def test_host_state_rounds_equal_device_state_rounds_on_fsdp2_shards():
 
 
 def test_outer_state_is_refused_in_one_line():
-    with pytest.raises(ValueError, match=r"^outer_state must be one of \('device', 'host'\), got 'gpu'$"):
+    with pytest.raises(ValueError, match=r"^Options.outer_state must be one of \('device', 'host'\), got 'gpu'$"):
         LocalCub(_model().parameters(), outer_state="gpu")
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from numbers import Real
 from typing import Optional, Union
 
-from .validate import (check_choice, check_fraction, check_hyperparameters, check_int, check_number,
+from .validate import (check_bool, check_choice, check_fraction, check_hyperparameters, check_int, check_number,
                        check_optional_bool)
 
 __all__ = ["Options", "Outer", "Streaming", "STEP_OPTIONS", "ROUND_OPTIONS", "NONFINITE_POLICIES",
@@ -81,8 +81,10 @@ class Options:
                           ("max_attempts", 1)):
             if getattr(self, name) is not None:
                 check_int(f"Options.{name}", getattr(self, name), low)
-        for name in ("fused", "timing", "maximize"):
+        for name in ("fused", "timing"):  # (None: the optimizer decides)
             check_optional_bool(f"Options.{name}", getattr(self, name))
+        if self.maximize is not None:
+            check_bool("Options.maximize", self.maximize)
         for name in ("bucket_mb", "message_mb"):
             if getattr(self, name) is not None:
                 check_number(f"Options.{name}", getattr(self, name))
