@@ -33,6 +33,12 @@ time and bytes to reach it (the report: :mod:`bench.race_report`).
     ... -m bench.race --methods lioncub-onebit,lioncub-onebit-overlap --append bench/results/race.json
     ... -m bench.race --budget 20 --methods lion-ddp,lioncub-pbit4 --lr-lion 3e-4   # a quick look
     ... -m bench.race --rate 10mbit --budget 100 --methods lcub-link --slow-worker 1:1.5  # one worker 1.5x slower
+    ... -m bench.race --rate 10mbit --methods lcub-link --reference-loopback adamw-ddp@2e-3  # x DDP on a fast net
+
+``--reference-loopback METHOD@LR`` runs that method (the job a user would otherwise run, on a fast network) after
+the race in the same invocation with the link unshaped, for the same seeds and budget, and records the host's load
+around it; the report's headline column is each row's time to that reference's loss at half the budget, over the
+reference's own time to it (``x DDP-loopback``: 1.0 is as soon as DDP on a fast network).
 
 ``--slow-worker RANK:FACTOR`` / ``--pause-worker RANK:S:T`` (:mod:`lioncub.testbed.straggler`, docs/stragglers.md)
 make one worker a straggler in every run; each run's record holds every rank's compute and sleep (``straggler``).
@@ -82,6 +88,7 @@ def _runs(args) -> list[tuple[str, float | None, int]]:
                     raise ValueError(f"--methods: {LINK} takes its lr from the setting it picks; drop '@{own}'")
                 out.append((name, None, seed))
                 continue
+            baselines.options(name)  # an unknown name fails here, before any namespace exists (with @LR too)
             for lr in ([float(own)] if own else grids[baselines.family(name)]):
                 out.append((name, lr, seed))
     return out
@@ -288,6 +295,10 @@ def main(argv=None) -> int:
     ap.add_argument("--append", metavar="JSON", help="keep the runs of an earlier race.json (a later run of the "
                     "same method and lr replaces it) and report them together")
     ap.add_argument("--report-only", metavar="JSON", help="re-make the table and plot of a race.json; run nothing")
+    ap.add_argument("--reference-loopback", metavar="METHOD@LR", help="after the race, in the same invocation, run "
+                    "METHOD@LR (e.g. adamw-ddp@2e-3: the job a user would run on a fast network) with the link "
+                    "unshaped, for the same seeds; the report's headline column is each row's time to that "
+                    "reference's loss at half the budget, as a multiple of the reference's own time")
     stragglers.add_arguments(ap)
     _runner.add_worker_args(ap)
     ap.add_argument("--data-dir", help=argparse.SUPPRESS)
@@ -309,7 +320,15 @@ def main(argv=None) -> int:
     from lioncub.harness.config import default_cache_dir
     from lioncub.harness.data.text import ensure_prepared
 
-    _runs(args)  # unknown method names fail here, before any namespace exists
+    try:  # unknown method names fail here, before any namespace exists
+        _runs(args)
+        if args.reference_loopback is not None:
+            name, at, lr = args.reference_loopback.partition("@")
+            if "," in args.reference_loopback or not at or name == LINK:
+                ap.error(f"--reference-loopback takes one METHOD@LR, got {args.reference_loopback!r}")
+            _runs(argparse.Namespace(**dict(vars(args), methods=args.reference_loopback)))
+    except ValueError as exc:
+        ap.error(str(exc))
     data_dir = ensure_prepared("shakespeare", default_cache_dir())
     load_before = os.getloadavg()
     per_run = args.budget * 3 if args.steps is None else args.steps * 2.0  # seconds before giving up
@@ -321,6 +340,16 @@ def main(argv=None) -> int:
     if bad:
         print(f"a worker failed ({bad[0].returncode}); keeping the runs that finished:\n{bad[0].stderr[-3000:]}")
     runs = merge([r or [] for r in ran.ranks])
+    loopback = None
+    if args.reference_loopback is not None:  # the same job on a fast network: unshaped, same seeds, same budget
+        before = os.getloadavg()
+        refs = _runner.launch("bench.race", [*passed, "--methods", args.reference_loopback, "--rate", "none"],
+                              args.workers, prefix="lcr", rate=None, timeout=len(_runs(args)) * (per_run + 120),
+                              check=False, records="jsonl")
+        if refs.failed:
+            print(f"a reference worker failed ({refs.failed[0].returncode}):\n{refs.failed[0].stderr[-3000:]}")
+        loopback = dict(method=args.reference_loopback, wall_s=refs.wall_s, load_avg_before=before,
+                        load_avg_after=os.getloadavg(), runs=merge([r or [] for r in refs.ranks]))
     earlier = {}
     if args.append:
         with open(args.append) as f:
@@ -328,12 +357,13 @@ def main(argv=None) -> int:
         new_keys = {_run_key(r) for r in runs}
         earlier["replaced_runs"] = [r for r in earlier["runs"] if _run_key(r) in new_keys]
         runs = [r for r in earlier["runs"] if _run_key(r) not in new_keys] + runs
+        loopback = loopback or earlier.get("loopback")
     _runner.write_json(args.out, {"args": vars(args), "rate": ran.rate or "unshaped", "wall_s": ran.wall_s,
                                   "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
                                   "earlier": {k: earlier[k] for k in ("args", "wall_s", "load_avg_before",
                                                                        "load_avg_after", "replaced_runs")
                                               if k in earlier} or None,
-                                  "runs": runs})
+                                  "runs": runs, "loopback": loopback})
     report(args.out)
     return 0 if not bad else 1
 

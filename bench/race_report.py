@@ -26,9 +26,23 @@ def _loss_at(run: dict, t: float) -> float:
     return next(e["val"] for e in reversed(run["evals"]) if e["t"] <= t * 1.05)
 
 
-def summarize(runs: list[dict], budget: float, target_method: str = REFERENCE) -> dict:
+def loopback_target(loopback: dict | None, budget: float):
+    """(loss, seconds): the unshaped reference's (``--reference-loopback``) mean validation loss at half the budget,
+    and its mean time to reach it; None without one."""
+    runs = [r for r in (loopback or {}).get("runs", []) if r["status"] == "ok"]
+    if not runs:
+        return None
+    loss = sum(_loss_at(r, budget / 2) for r in runs) / len(runs)
+    times = [c[0] for c in (_crossing(r["evals"], loss) for r in runs) if c is not None]
+    return (loss, sum(times) / len(times)) if times else None
+
+
+def summarize(runs: list[dict], budget: float, target_method: str = REFERENCE, loopback: dict | None = None) -> dict:
     """Per method: its best lr by mean final loss over the seeds all its lrs ran (each lr's own seeds
-    where they share none), and mean ± std over every seed of that lr."""
+    where they share none), and mean ± std over every seed of that lr. With the unshaped reference's runs
+    (``loopback``), each row's time to its loss at half the budget, over the reference's own time
+    (``x_loopback``, mean ± std over the seeds that reached it)."""
+    fast = loopback_target(loopback, budget)
     by: dict[tuple, list] = {}
     for r in runs:
         by.setdefault((r["method"], r["lr"]), []).append(r)
@@ -68,6 +82,7 @@ def summarize(runs: list[dict], budget: float, target_method: str = REFERENCE) -
                             half=_crossing(ev, half) if half is not None and ok else None,
                             # the step rate over the compute-bound one (local AdamW, no communication, measured in the run)
                             rate=r["compute_s"] * last["step"] / last["t"] if r.get("compute_s") and last["t"] else None,
+                            fast=_crossing(ev, fast[0]) if fast is not None and ok else None,
                             seed=r.get("seed", 0)))
         final, final_std = _mean_std([p["final"] for p in per])
         row = dict(method=name, lr=key[1], seeds=len(rs), final_val=final, final_val_std=final_std,
@@ -86,9 +101,15 @@ def summarize(runs: list[dict], budget: float, target_method: str = REFERENCE) -
             row.update({f"time_to_{which}": t, f"time_to_{which}_std": t_sd, f"bytes_to_{which}": b,
                         f"bytes_to_{which}_std": b_sd})
         row["per_seed_step_s"] = {p["seed"]: p["step_s"] for p in per}
+        fast_hits = [p["fast"][0] / fast[1] for p in per if p["fast"] is not None]
+        row["reached_loopback"] = len(fast_hits)
+        row["x_loopback"], row["x_loopback_std"] = _mean_std(fast_hits) if fast_hits else (None, None)
         rows.append(row)
     _of_compute_row(rows)
-    return dict(target=target, target_half=half, target_method=target_method, rows=rows)
+    return dict(target=target, target_half=half, target_method=target_method, rows=rows,
+                loopback=None if fast is None else dict(method=loopback["method"], loss=fast[0], seconds=fast[1],
+                                                        load_avg_before=loopback.get("load_avg_before"),
+                                                        load_avg_after=loopback.get("load_avg_after")))
 
 
 COMPUTE_ROW = "compute-adamw-h50"
@@ -133,16 +154,26 @@ def table(summary: dict) -> str:
     if ref is None:
         return f"no run of the target's method ({setter})"
     lines = [f"A = {summary['target']:.3f}: {setter}'s (best lr, mean over seeds) val loss at the end of the budget; "
-             f"B = {summary['target_half']:.3f}: its val loss at half the budget",
-             "| method | best lr | val @ budget | steps | s/step | of compute rate | of no-comm row | MB/step sent "
-             "| time to A | x | MB to A | time to B | x | MB to B |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"B = {summary['target_half']:.3f}: its val loss at half the budget"]
+    fast = summary.get("loopback")
+    if fast:
+        lines.append(f"x DDP-loopback: time to {fast['loss']:.3f}, the loss {fast['method']} reaches on an unshaped "
+                     f"link at half the budget (in {fast['seconds']:.1f} s, mean over seeds), over that time; "
+                     f"its host load {fast['load_avg_before'][0]:.1f} -> {fast['load_avg_after'][0]:.1f}")
+    lines += ["| method |" + (" x DDP-loopback |" if fast else "") + " best lr | val @ budget | steps | s/step | "
+              "of compute rate | of no-comm row | MB/step sent | time to A | x | MB to A | time to B | x | MB to B |",
+              "|---|" + ("---|" if fast else "") + "---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(summary["rows"], key=lambda r: r["final_val"]):
+        x = ""
+        if fast:
+            n = r.get("seeds", 1)
+            x = (" not reached |" if r.get("x_loopback") is None else f" {r['x_loopback']:.2f}"
+                 + (f" ± {r['x_loopback_std']:.2f} ({r['reached_loopback']}/{n})" if n > 1 else "") + " |")
         final = f"{r['final_val']:.3f}" + (f" ± {r['final_val_std']:.3f}" if r.get("seeds", 1) > 1 else "")
         rate = f"{r['compute_rate']:.2f}" if r.get("compute_rate") else "-"  # (races before it: not measured)
         row_rate = (f"{r['of_compute_row']:.2f} ± {r['of_compute_row_std']:.2f}" if r.get("of_compute_row")
                     else "-")  # (only where the race ran the no-communication row)
-        lines.append(f"| {r['method']} | {r['lr']:g} | {final} | {r['steps']} | {r['step_s']:.3f} | {rate} | {row_rate} | "
+        lines.append(f"| {r['method']} |{x} {r['lr']:g} | {final} | {r['steps']} | {r['step_s']:.3f} | {rate} | {row_rate} | "
                      f"{r['bytes_per_step'] / 1e6:.2f} | {_hit(r, ref, 'target')} | {_hit(r, ref, 'half')} |")
     return "\n".join(lines)
 
@@ -206,7 +237,7 @@ def report(path: str) -> int:
             print(f"| {r['method']} | {r['lr']:g} | {r.get('seed', 0)} | {last['step']} | {last['val']:.3f} | "
                   f"{last['t'] / max(1, last['step']):.3f} |")
         return 0
-    res["summary"] = summarize(res["runs"], a["budget"], a.get("target") or REFERENCE)
+    res["summary"] = summarize(res["runs"], a["budget"], a.get("target") or REFERENCE, res.get("loopback"))
     res["summary"]["regime"] = regime_text(res["runs"])
     print(res["summary"]["regime"])
     print(table(res["summary"]))

@@ -98,3 +98,28 @@ def test_the_no_communication_row_sets_each_rows_step_rate_seed_by_seed():
     assert rows[race_report.COMPUTE_ROW]["of_compute_row"] == 1.0
     assert "0.45 ± 0.07" in race_report.table(race_report.summarize(runs, budget=20.0))
     assert race_report.summarize(runs[:2], budget=20.0)["rows"][0]["of_compute_row"] is None  # not run: none
+
+
+def test_the_loopback_reference_sets_the_headline_ratio_seed_by_seed():
+    """``--reference-loopback``: its mean loss at half the budget is the target, its mean time to it the unit; each
+    row's ratio is mean ± std over the seeds that reached it, computed here by hand from the evaluations."""
+    # the reference (unshaped), 2 seeds, evaluations every 10 s over a 40 s budget: at 20 s (half) 2.4 and 2.6,
+    # so the target is 2.5; seed 0 crosses it at 10 + 10*(2.8-2.5)/(2.8-2.4) = 17.5 s, seed 1 (2.6 at 20 s, 2.4 at
+    # 30 s) at 20 + 10*(2.6-2.5)/(2.6-2.4) = 25 s; the unit is (17.5 + 25) / 2 = 21.25 s
+    loop = dict(method="adamw-ddp@0.002", load_avg_before=[1.0, 1, 1], load_avg_after=[2.0, 2, 2],
+                runs=[_run("adamw-ddp", 2e-3, 0, [3.0, 2.8, 2.4, 2.2, 2.1]),
+                      _run("adamw-ddp", 2e-3, 1, [3.0, 2.9, 2.6, 2.4, 2.3])])
+    runs = [_run("lion-ddp", 1e-4, 0, [3.0, 2.9, 2.8, 2.7, 2.6]),
+            # crosses 2.5 at 10 + 10*(3.0-2.5)/(3.0-2.0) = 15 s (seed 0) and 30 + 10*(2.7-2.5)/(2.7-2.3) = 35 s
+            _run("cub", 1e-3, 0, [3.0, 3.0, 2.0, 1.9, 1.8]), _run("cub", 1e-3, 1, [3.0, 2.9, 2.8, 2.7, 2.3])]
+    s = race_report.summarize(runs, budget=40.0, target_method="lion-ddp", loopback=loop)
+    assert s["loopback"]["loss"] == pytest.approx(2.5) and s["loopback"]["seconds"] == pytest.approx(21.25)
+    rows = {r["method"]: r for r in s["rows"]}
+    want = [15.0 / 21.25, 35.0 / 21.25]
+    assert rows["cub"]["reached_loopback"] == 2
+    assert rows["cub"]["x_loopback"] == pytest.approx(sum(want) / 2)
+    assert rows["cub"]["x_loopback_std"] == pytest.approx(abs(want[1] - want[0]) / math.sqrt(2))
+    assert rows["lion-ddp"]["x_loopback"] is None and rows["lion-ddp"]["reached_loopback"] == 0
+    table = race_report.table(s)
+    assert "x DDP-loopback" in table and f"{sum(want) / 2:.2f} ± " in table and "(2/2)" in table
+    assert race_report.summarize(runs, budget=40.0, target_method="lion-ddp")["loopback"] is None
