@@ -14,8 +14,9 @@ With several seeds a method's best lr is the one with the lowest mean final loss
 all its lrs ran (the tuning seed, when later seeds ran at the best lr only); its row
 gives the mean ± std over seeds of the final loss and of the time and bytes to each target
 (and how many seeds reached it), and the plot its mean curve with a band of ± one std. ``lcub-link`` (no
-``@LR``) is LocalCub at the setting it picks from the link it measures before its run
-(:mod:`lioncub.optim.regime`), at that setting's lr; each run's pick is in the JSON (``setting``).
+``@LR``) is ``LocalCub(local_steps='auto', aggregation='auto')``, which picks its setting from the link in its
+first round (:mod:`lioncub.optim.regime`), at the lr its low-bit rounds were raced at; each run's pick is in the
+JSON (``setting``).
 
 Each run is the harness's training loop (:class:`lioncub.harness.loop.Loop`, what ``lioncub train``
 runs); the Lion Cub rows are built by the harness's optimizer factory (``cub_config``), the peers by
@@ -69,8 +70,9 @@ DEFAULT_METHODS = ("adamw-ddp,adamw-bf16,adamw-psgd-r1,adamw-psgd-r4,local-adamw
 
 
 LINK = "lcub-link"
-"""LocalCub's whole setting picked from the link measured in the run (:mod:`lioncub.optim.regime`): H, the outer
-rule, the round's code and the inner lr. Named without ``@LR``: the run's lr is the setting's."""
+"""LocalCub's whole setting picked from the link measured in the run (``aggregation='auto'``,
+:mod:`lioncub.optim.regime`): H, the outer rule, the round's code. Named without ``@LR``: its lr is
+:data:`~lioncub.optim.regime.AUTO_LR`."""
 
 
 def _runs(args) -> list[tuple[str, float | None, int]]:
@@ -85,7 +87,8 @@ def _runs(args) -> list[tuple[str, float | None, int]]:
             name, _, own = m.partition("@")  # name@lr: this method at its own lr, not its family's grid
             if name == LINK:
                 if own:
-                    raise ValueError(f"--methods: {LINK} takes its lr from the setting it picks; drop '@{own}'")
+                    raise ValueError(f"--methods: {LINK} takes its lr from the setting (the lr its rounds were raced at); "
+                                     f"drop '@{own}'")
                 out.append((name, None, seed))
                 continue
             baselines.options(name)  # an unknown name fails here, before any namespace exists (with @LR too)
@@ -108,21 +111,20 @@ def _evaluate(model, val) -> float:
     return evaluate(model, val, is_gpt=True)["val_loss"]
 
 
-def cub_config(name: str, lr: float, seed: int, setting=None):
+def cub_config(name: str, lr: float, seed: int):
     """The harness configuration (:class:`~lioncub.harness.config.TrainConfig`) of a Lion Cub race row, so that
     the row is built by the harness's factory (what ``lioncub train`` runs); None for a peer, and for the
-    ``-overlap`` rows, whose buckets of 2 MiB the harness does not set (they stay on ``lioncub.baselines``).
-    ``setting``: :data:`LINK`'s pick (:class:`~lioncub.optim.regime.SettingPick`)."""
+    ``-overlap`` rows, whose buckets of 2 MiB the harness does not set (they stay on ``lioncub.baselines``)."""
     from lioncub import baselines
     from lioncub.baselines import cub
     from lioncub.baselines.ddp import BETAS
     from lioncub.harness.config import TrainConfig
 
     common = dict(optimizer="lioncub", lr=lr, betas=BETAS, weight_decay=0.0, seed=seed)
-    if name == LINK:
-        from lioncub.harness.regime import apply_setting
+    if name == LINK:  # LocalCub(local_steps='auto', aggregation='auto'), as lioncub train --local-setting link
+        from lioncub.harness.regime import resolve_setting
 
-        return apply_setting(TrainConfig(steps=10, eval_every=0, **common), setting)
+        return resolve_setting(TrainConfig(local_steps="auto", local_setting="link", steps=10, eval_every=0, **common))
     cls, kw = baselines.options(name)
     if cls is cub.CubMethod and not kw.get("overlap"):
         return TrainConfig(vote=kw["vote"], bits=kw.get("bits"), **common)
@@ -132,14 +134,14 @@ def cub_config(name: str, lr: float, seed: int, setting=None):
     return None
 
 
-def build_method(name: str, model, lr: float, seed: int, setting=None):
+def build_method(name: str, model, lr: float, seed: int):
     """The race's method ``name``: a Lion Cub row from the harness's factory (:func:`cub_config`), a peer from
     :func:`lioncub.baselines.build`."""
     from lioncub import baselines
     from lioncub.harness.method import make_method
     from lioncub.harness.models import param_groups
 
-    config = cub_config(name, lr, seed, setting)
+    config = cub_config(name, lr, seed)
     if config is None:
         return baselines.build(name, model, lr=lr)
     method = make_method(config, model, param_groups(model, lr=lr, weight_decay=0.0))
@@ -181,14 +183,11 @@ def train_one(args, name: str, lr: float, seed: int, data_dir: str, first: bool 
     n_params = sum(p.numel() for p in model.parameters())
     regime = measure_regime(model, loader, n_params) if name == REFERENCE or (first and args.regime) else None
     compute_s = measure_compute(model, loader)  # every run: the compute-bound step rate it is held against
-    setting = None
-    if name == LINK:  # the setting from the link: its lr is the run's
-        from lioncub.harness.regime import setting_from_link
+    if name == LINK:  # the lr its low-bit rounds were raced at; the setting is picked in its first round
+        from lioncub.optim.regime import AUTO_LR
 
-        setting = setting_from_link(model, loader)
-        print(f"seed {seed}: {setting.text()}", flush=True)
-        lr = setting.options["lr"]
-    method = build_method(name, model, lr, seed, setting)
+        lr = AUTO_LR
+    method = build_method(name, model, lr, seed)
     dist.barrier()
     tx0 = iface_bytes(dev)["tx"]
     evals, recent, status = [], [], "ok"
@@ -229,11 +228,15 @@ def train_one(args, name: str, lr: float, seed: int, data_dir: str, first: bool 
     clock["last"] = time.perf_counter()
     loop.run(method, loader, scores)
     pick = getattr(getattr(method, "opt", None), "steps_pick", None)  # local_steps='auto': the H it picked
+    if pick and pick.get("setting") and dist.get_rank() == 0:
+        from lioncub.optim.regime import setting_text
+
+        print(f"{name} seed {seed}: {setting_text(pick)}", flush=True)
     del method
     dist.barrier()
     return dict(method=name, lr=lr, seed=seed, status=status, n_params=n_params, steps=evals[-1]["step"], evals=evals,
                 compute_s=compute_s, step_s=step_s, **({"regime": regime} if regime else {}), **({"steps_pick": pick} if pick else {}),
-                **({"setting": setting.as_dict()} if setting else {}),
+                **({"setting": pick["setting"]} if pick and pick.get("setting") else {}),
                 **({"straggler": dict(straggler.totals(), train_s=trained["s"])} if straggler else {}))
 
 

@@ -69,21 +69,21 @@ def test_mean_curve_bands_the_seeds_on_a_common_grid():
     assert mb[4] == pytest.approx(20.0)
 
 
-def test_the_link_setting_row_takes_its_lr_from_its_pick():
+def test_the_link_setting_row_is_the_optimizers_auto_setting_at_its_raced_lr():
     from argparse import Namespace
 
     from bench.race import LINK, _runs, cub_config
-    from lioncub.optim.regime import SETTINGS, pick_setting
+    from lioncub.harness.config import library_arguments
+    from lioncub.optim.regime import AUTO_LR
 
     args = Namespace(lr_adamw="1e-3", lr_lion="3e-4", seeds="0,1", methods=f"{LINK},diloco-h50@2e-3")
     assert _runs(args) == [(LINK, None, 0), ("diloco-h50", 2e-3, 0), (LINK, None, 1), ("diloco-h50", 2e-3, 1)]
     with pytest.raises(ValueError, match=f"{LINK} takes its lr"):
         _runs(Namespace(**{**vars(args), "methods": f"{LINK}@1e-3"}))
-    pick = pick_setting(834_304, 4, 1e-4, 1e-7, 0.05)  # r ≈ 80: long rounds
-    config = cub_config(LINK, pick.options["lr"], 0, pick)
-    assert pick.name == "long" and config.local_setting == "given"  # the pick is applied, not picked again
-    for key, value in SETTINGS["long"].items():
-        assert getattr(config, key) == value, key
+    config = cub_config(LINK, AUTO_LR, 0)
+    kind, kwargs = library_arguments(config)
+    assert (config.lr, config.inner, kind) == (AUTO_LR, "adamw", "localcub")
+    assert (kwargs["local_steps"], kwargs["aggregation"]) == ("auto", "auto")  # picked in the run, by the optimizer
 
 
 def test_the_no_communication_row_sets_each_rows_step_rate_seed_by_seed():

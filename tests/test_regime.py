@@ -1,79 +1,39 @@
-"""LocalCub's setting from the link (lioncub.optim.regime, lioncub.harness.regime): the switch between short and
-long rounds, exact at its boundary, and the measurement agreed by real gloo workers."""
+"""LocalCub's setting from the link as the harness and the race reach it (lioncub.optim.regime, lioncub.harness.regime):
+one rule, the optimizer's own (``aggregation='auto'``); ``lioncub train --local-setting link`` runs it, saves its pick
+in the optimizer's checkpoint and resumes it; the compute-bound step timed by real gloo workers."""
 import doctest
 import inspect
-import math
 import time
 
 import pytest
 import torch
 
 from tests.flat import LocalCub
-from lioncub.engine.cost import collective_time
-from lioncub.harness.config import TrainConfig
+from lioncub.harness.config import TrainConfig, library_arguments
+from lioncub.harness.regime import resolve_setting
 from lioncub.optim import regime
-from lioncub.optim.regime import SETTINGS, SHORT_H, pick_setting
+from lioncub.optim.regime import AUTO_LR, SETTINGS
 from tests.dist import run_workers
 
-BETA = 2.0 ** -20  # s/bit: powers of two keep the boundary's arithmetic exact
 
-
-def test_the_switch_is_the_short_rounds_share_of_ten_steps_exactly():
-    n, P = 1000, 4
-    lanes = 2 * (P - 1) / P * n * 8 * BETA  # one all-reduce of 8-bit lanes, no latency
-    at = lanes / (0.5 * SHORT_H)  # the step at which it is exactly half of 10 steps
-    edge = pick_setting(n, P, 0.0, BETA, at)
-    assert edge.name == "short" and edge.short_round_s == lanes
-    assert edge.r == 20.0  # an fp32 all-reduce is 4 lanes' worth: the switch sits at r = 20 without latency
-    below = pick_setting(n, P, 0.0, BETA, at * (1 - 1e-9))
-    assert below.name == "long" and below.r > 20.0
-    assert pick_setting(n, P, 0.0, BETA, at, round_share=0.25).name == "long"  # a smaller share wants longer rounds
-    assert edge.options == SETTINGS["short"] and below.options == SETTINGS["long"]
-
-
-def test_r_and_the_round_are_priced_by_the_ring_model_with_latency():
-    n, P, alpha, beta, step = 834_304, 3, 2e-4, 1e-8, 0.04
-    pick = pick_setting(n, P, alpha, beta, step)
-    assert pick.r == pytest.approx(collective_time("allreduce", 4 * n, P, alpha, beta) / step, rel=1e-12)
-    assert pick.short_round_s == pytest.approx(4 * alpha + 4 / 3 * n * 8 * beta, rel=1e-12)
-    assert pick.as_dict() == dict(name=pick.name, r=pick.r, step_s=step, short_round_s=pick.short_round_s,
-                                  alpha=alpha, beta=beta, round_share=0.5)
-    assert pick.name in pick.text() and f"r = {pick.r:.1f}" in pick.text()
-    pick.options["lr"] = 1.0  # a copy: the table is not changed through a pick
-    assert SETTINGS[pick.name]["lr"] != 1.0
-    assert pick_setting(n, 1, alpha, beta, step).name == "short"  # one worker: nothing crosses a link
+def test_the_module_examples_run_and_the_long_setting_is_a_valid_localcub():
     assert doctest.testmod(regime).failed == 0
+    options = {k: v for k, v in SETTINGS["long"].items() if k != "lr"}
+    inspect.signature(LocalCub).bind([torch.zeros(1)], lr=SETTINGS["long"]["lr"], **options)
 
 
-@pytest.mark.parametrize("kw, named", [
-    (dict(n_params=0), "n_params"), (dict(world_size=True), "world_size"), (dict(alpha=-1.0), "alpha"),
-    (dict(beta=math.nan), "beta"), (dict(step_s=math.inf), "step_s"), (dict(round_share=0.0), "round_share"),
-    (dict(round_share=1.5), "round_share")])
-def test_bad_arguments_are_refused_by_name(kw, named):
-    args = dict(n_params=10, world_size=2, alpha=0.0, beta=1e-9, step_s=0.01)
-    share = kw.pop("round_share", None)
-    args.update(kw)
-    with pytest.raises(ValueError, match=named):
-        pick_setting(**args, **({} if share is None else dict(round_share=share)))
-
-
-@pytest.mark.parametrize("name", sorted(SETTINGS))
-def test_each_setting_is_a_valid_localcub_and_harness_configuration(name):
-    from lioncub.harness.regime import apply_setting
-
-    options = {k: v for k, v in SETTINGS[name].items() if k != "lr"}
-    inspect.signature(LocalCub).bind([torch.zeros(1)], lr=SETTINGS[name]["lr"], **options)
-    from lioncub.harness.compare import LOCALCUB
-
-    start = TrainConfig(optimizer="lioncub", **{**LOCALCUB, "local_steps": "auto"}, min_local_steps=50, steps=10,
-                        eval_every=0)
-    pick = pick_setting(1000, 4, 0.0, BETA, 1.0 if name == "short" else 1e-6)
-    assert pick.name == name
-    config = apply_setting(start, pick)
-    for key, value in SETTINGS[name].items():
-        assert getattr(config, key) == value, key
-    assert config.quantizer == SETTINGS[name].get("quantizer")  # the lanes' L1 quantizer gone with the lanes
-    assert config.min_local_steps == SETTINGS[name].get("min_local_steps", TrainConfig.min_local_steps)
+def test_the_link_setting_is_the_optimizers_own_auto_setting():
+    """``--local-setting link`` is LocalCub(local_steps='auto', aggregation='auto') with AdamW at AUTO_LR, not a second
+    rule: the harness builds exactly those arguments, and its label says so."""
+    config = resolve_setting(TrainConfig(optimizer="lioncub", local_steps="auto", local_setting="link", steps=10,
+                                         eval_every=0, nonfinite="skip"))
+    assert (config.lr, config.inner, config.label) == (AUTO_LR, "adamw", "lioncub-link")
+    kind, kwargs = library_arguments(config)
+    assert kind == "localcub" and (kwargs["local_steps"], kwargs["aggregation"], kwargs["inner"]) == ("auto", "auto",
+                                                                                                       "adamw")
+    assert kwargs["options"].given() == dict(nonfinite="skip", check_every=0)
+    plain = TrainConfig(optimizer="lioncub", local_steps=5, steps=10)
+    assert resolve_setting(plain) is plain
 
 
 class _Batches:
@@ -100,9 +60,9 @@ NAP = 0.1
 milliseconds: 2-8 ms measured on a loaded 2-core host, a twelfth of the nap or less)."""
 
 
-def _setting_from_link(rank, world):
+def _measure_step(rank, world):
     from lioncub.harness.models.gpt import GPT, GPTConfig
-    from lioncub.harness.regime import _gpt_loss, setting_from_link
+    from lioncub.harness.regime import _gpt_loss, measure_step
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, vocab_size=64, block_size=16))
@@ -110,36 +70,25 @@ def _setting_from_link(rank, world):
     loader = _Batches(rank)
     loader.next_batch()
 
-    def loss(m, x, y):  # rank 1 made slower on purpose: every rank must price the step by its time
+    def loss(m, x, y):  # rank 1 made slower on purpose: every rank must get its time
         if rank == 1:
             time.sleep(NAP)
         return _gpt_loss(m, x, y)
-    pick = setting_from_link(model, loader, loss=loss)
+    step_s = measure_step(model, loader, loss=loss)
     untouched = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     no_grads = all(p.grad is None for p in model.parameters())
-    return pick.as_dict(), loader.pos, untouched, no_grads, sum(p.numel() for p in model.parameters())
+    return step_s, loader.pos, untouched, no_grads
 
 
-def test_every_rank_picks_the_same_setting_from_the_slowest_ranks_numbers():
-    out = run_workers(_setting_from_link, 2)
-    picks = [o[0] for o in out]
-    assert picks[0] == picks[1]  # the step and the link are the slowest rank's: one setting
+def test_every_rank_gets_the_slowest_ranks_step_and_nothing_is_changed():
+    out = run_workers(_measure_step, 2)
+    assert out[0][0] == out[1][0] and out[0][0] >= NAP  # rank 1's step (the slowest), on rank 0 too
     assert all(o[1] == 1 and o[2] and o[3] for o in out)  # loader position, parameters and gradients as they were
-    p = picks[0]
-    assert p["step_s"] >= NAP, p  # rank 1's step (the slowest), on rank 0 too: rank 0's own is milliseconds
-    assert p["beta"] >= 0
-    again = pick_setting(out[0][4], 2, p["alpha"], p["beta"], p["step_s"])
-    assert again.as_dict() == p  # the pick is the pure function of the agreed numbers
 
 
 def _link_run(rank, world, out, cache, resume):
-    import lioncub.harness.regime as harness_regime
     from lioncub.harness.train import train_worker
 
-    if resume:  # a resumed run takes its checkpoint's pick: measuring again would fail here
-        def measured(*a, **k):
-            raise AssertionError("a resumed run measured the link again")
-        harness_regime.setting_from_link = measured
     config = TrainConfig(model="gpt-tiny", batch_size=4, block_size=32, optimizer="lioncub", local_steps="auto",
                          local_setting="link", steps=20, eval_every=0, ckpt_every=10, out=out, cache_dir=cache,
                          progress=False, resume=resume)
@@ -148,20 +97,15 @@ def _link_run(rank, world, out, cache, resume):
     return summary, params
 
 
-def test_a_run_on_the_link_setting_saves_its_pick_and_a_resume_keeps_it(tmp_path, corpus_cache):
-    import json
-
+def test_a_run_on_the_link_setting_picks_in_the_optimizer_and_a_resume_keeps_the_pick(tmp_path, corpus_cache):
     first = run_workers(_link_run, 2, str(tmp_path / "a"), str(corpus_cache), None)
     summary = first[0][0]
-    assert summary["local_setting"] == "short"  # loopback: an 8-bit round costs far less than 10 steps
-    assert summary["steps"] == 20 and summary["regime_r"] > 0
-    with open(tmp_path / "a" / "ckpt" / "step_0000010" / "meta.json") as f:
-        meta = json.load(f)
-    assert meta["local_setting"]["name"] == "short" and meta["config"]["local_steps"] == SHORT_H
-    assert meta["config"]["lr"] == SETTINGS["short"]["lr"] and meta["config"]["outer"] == "sgd"
+    assert summary["local_setting"] == "lowbit"  # loopback: a 2-bit round costs far less than 4 x 5 steps
+    assert summary["steps"] == 20 and summary["local_steps_picked"] == regime.LOWBIT_H and summary["step_s"] > 0
     resumed = run_workers(_link_run, 2, str(tmp_path / "b"), str(corpus_cache),
                           str(tmp_path / "a" / "ckpt" / "step_0000010"))
-    assert resumed[0][0]["local_setting"] == "short"
+    assert resumed[0][0]["local_setting"] == "lowbit"  # the optimizer's checkpoint held the pick
+    assert resumed[0][0]["step_s"] == summary["step_s"]  # not timed again: the first run's numbers
     assert resumed[0][0]["final_val_loss"] == summary["final_val_loss"]  # the same run from step 10 on
     assert all(torch.equal(a, b) for a, b in zip(first[0][1], resumed[0][1]))
 
@@ -169,11 +113,10 @@ def test_a_run_on_the_link_setting_saves_its_pick_and_a_resume_keeps_it(tmp_path
 def test_link_setting_is_refused_where_it_cannot_apply():
     with pytest.raises(ValueError, match="local_steps='auto'"):
         TrainConfig(optimizer="lioncub", local_steps=50, local_setting="link", steps=100)
-    with pytest.raises(ValueError, match="steps must be a multiple"):
-        TrainConfig(optimizer="lioncub", local_steps="auto", local_setting="link", steps=105, eval_every=0)
+    with pytest.raises(ValueError, match=r"local_setting='link' picks .*: leave bits=4, outer='sgd' at the default"):
+        TrainConfig(optimizer="lioncub", local_steps="auto", local_setting="link", steps=10, eval_every=0,
+                    outer="sgd", bits=4)
     with pytest.raises(ValueError, match="local_setting"):
         TrainConfig(optimizer="lioncub", local_setting="fast")
     with pytest.raises(ValueError, match="local_setting='link'"):
         TrainConfig(optimizer="lioncub", local_setting="link")  # every step: no local steps to set
-    with pytest.raises(ValueError, match="name one of"):
-        regime.SettingPick.from_dict({"name": "medium"})

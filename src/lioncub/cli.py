@@ -98,9 +98,10 @@ def _add_train(sub) -> None:
                    help="LionCub: H inner steps per voted outer step (LocalCub; default: %(default)s = every step), "
                         "or 'auto': H picked from the measured link and compute (printed)")
     p.add_argument("--local-setting", choices=("given", "link"), default=d.local_setting,
-                   help="local steps: 'link' picks LocalCub's whole setting (H, outer rule, round code, inner lr) from "
-                        "the measured link and step, short rounds or long ones (needs --local-steps auto; printed, kept "
-                        "on resume); 'given': the flags (default: %(default)s)")
+                   help="local steps: 'link' runs LocalCub(aggregation='auto'), which picks its whole setting (H, "
+                        "the round's code, the outer rule) from the measured link and step in its first round, with "
+                        "AdamW inside at lr 4e-3 (needs --local-steps auto; in the summary, kept on resume); 'given': "
+                        "the flags (default: %(default)s)")
     p.add_argument("--inner", choices=("lion", "adamw"), default=d.inner, help="local steps: inner optimizer")
     p.add_argument("--outer", choices=tuple(OUTER_RULES), default=d.outer, help="local steps: outer rule")
     p.add_argument("--outer-lr", type=float, default=d.outer_lr, help="local steps: outer lr (default: %(default)s)")

@@ -127,7 +127,8 @@ class TrainConfig:
     min_local_steps: int = 10
     """``local_steps='auto'``: the smallest H it picks (the H the outer rule's rate was tuned at)."""
     local_setting: str = "given"
-    """``given`` (these fields) or ``link``: LocalCub's setting from the measured link (:mod:`lioncub.harness.regime`)."""
+    """``given`` (these fields) or ``link``: LocalCub's own ``aggregation='auto'`` (with ``local_steps='auto'``, AdamW
+    inside at the lr its rounds were raced at): the setting picked from the measured link (:mod:`lioncub.optim.regime`)."""
     inner: str = "lion"
     """Local steps: the inner optimizer, ``lion`` or ``adamw``."""
     outer: str = "nesterov"
@@ -247,6 +248,8 @@ class TrainConfig:
         """Run label: ``name`` or e.g. ``lioncub-pbit`` / ``lion-grad`` / ``adamw``."""
         if self.name:
             return self.name
+        if self.optimizer == "lioncub" and self.local_setting == "link":
+            return "lioncub-link"  # (LocalCub's aggregation='auto': the setting is picked in the run)
         if self.optimizer == "lioncub":
             stream = (("-streaming" if self.delay else "") + (f"-f{self.fragments}" if self.fragments > 1 else "")
                       + ("-eager" if self.eager else ""))
@@ -275,6 +278,9 @@ class TrainConfig:
 
 _LOCAL_ONLY = {"inner": "lion", "outer": "nesterov", "outer_lr": 1.0, "error_feedback": False, "aggregate": "vote",
                "delay": 0, "fragments": 1, "eager": False, "local_setting": "given"}
+_LINK_PICKS = ("vote", "bits", "quantizer", "aggregate", "error_feedback", "outer", "outer_lr", "delay", "fragments",
+               "eager", "min_local_steps")
+"""What ``local_setting='link'`` picks (LocalCub's ``aggregation='auto'``), so a run may not set it too."""
 _STEP_ONLY = {"tie": "alternate", "vote_error_feedback": "none", "stochastic_signs": False, **MEAN_DEFAULTS}
 _LIONCUB_ONLY = {**_STEP_ONLY, "bits": None, "quantizer": None, "momentum_sync": "none", "nonfinite": "raise", "check_every": 0,
                  "overlap": False, "local_steps": 1, "nodes": 1, "shard": True, **_LOCAL_ONLY}
@@ -330,13 +336,13 @@ def _check_local_steps(config: TrainConfig) -> None:
         if getattr(config, name) != default:
             raise ValueError(f"{name}={getattr(config, name)!r} is not supported with local_steps > 1")
     if config.local_setting == "link":
-        from ..optim.regime import SHORT_H
-
         if config.local_steps != "auto":
             raise ValueError(f"local_setting='link' picks H too: give local_steps='auto', got {config.local_steps!r}")
-        if config.steps % SHORT_H:
-            raise ValueError(f"local_setting='link' may pick H = {SHORT_H}: steps must be a multiple of it, "
-                             f"got {config.steps}")
+        fields = TrainConfig.__dataclass_fields__
+        changed = [f"{n}={getattr(config, n)!r}" for n in _LINK_PICKS if getattr(config, n) != fields[n].default]
+        if changed:
+            raise ValueError(f"local_setting='link' picks the round's aggregation and the outer rule (LocalCub's "
+                             f"aggregation='auto'): leave {', '.join(changed)} at the default")
     if config.local_steps != "auto" and config.min_local_steps != 10:
         raise ValueError(f"min_local_steps={config.min_local_steps} applies to local_steps='auto' only")
     if config.local_steps == "auto":
@@ -407,6 +413,10 @@ def library_arguments(config: TrainConfig) -> tuple[str, dict]:
     lanes = {k: getattr(config, k) for k in ("bits", "quantizer") if getattr(config, k) is not None}  # (refused
     # by the object where they do not apply)
     checks = dict(nonfinite=config.nonfinite, check_every=config.check_every)
+    if config.local and config.local_setting == "link":  # the optimizer's own setting from the link
+        from ..options import Options
+
+        return "localcub", dict(local_steps="auto", aggregation="auto", inner=config.inner, options=Options(**checks))
     if config.local:
         from ..optim.localcub import round_settings
 

@@ -1,10 +1,9 @@
-"""The regime of a run, measured in its workers: one step's compute and the link, then LocalCub's setting.
+"""The regime of a run: one step's compute, measured in its workers, and ``--local-setting link``.
 
 :func:`measure_step` times local AdamW's step with no communication (the compute-bound step a run is held
-against; the race's ``of compute rate`` column); :func:`setting_from_link` adds the link's α and β
-(:func:`lioncub.engine.cost.calibrate`) and picks LocalCub's setting (:func:`lioncub.optim.regime.pick_setting`).
-Both are collective and run before training: every rank of ``group`` calls them, and every rank gets the same
-numbers (the slowest rank's), so every rank picks the same setting.
+against; the race's ``of compute rate`` column): collective, before training, every rank gets the slowest rank's.
+:func:`resolve_setting` turns ``--local-setting link`` into LocalCub's own ``aggregation='auto'``, which picks the
+setting from the link inside the optimizer (:mod:`lioncub.optim.regime`).
 """
 from __future__ import annotations
 
@@ -15,10 +14,9 @@ import time
 import torch
 
 from .. import comm
-from ..engine.cost import calibrate
-from ..optim.regime import SettingPick, pick_setting
+from ..optim.regime import AUTO_LR
 
-__all__ = ["measure_step", "setting_from_link", "apply_setting", "resolve_setting"]
+__all__ = ["measure_step", "resolve_setting"]
 
 
 def _gpt_loss(model, x, y):
@@ -60,49 +58,12 @@ def measure_step(model: torch.nn.Module, loader, group=None, *, repeats: int = 8
     return float(slowest.item())
 
 
-def setting_from_link(model: torch.nn.Module, loader, group=None, *, round_share: float | None = None,
-                      device: torch.device | None = None, loss=_gpt_loss) -> SettingPick:
-    """LocalCub's setting for this model on this link (:mod:`lioncub.optim.regime`): the step timed
-    (:func:`measure_step`), α and β calibrated on ``group``, then :func:`~lioncub.optim.regime.pick_setting`.
-    Collective; set-up only (a second or two, plus the probe's all-reduces)."""
-    import torch.distributed as dist
-
-    device = next(model.parameters()).device if device is None else device
-    world = dist.get_world_size(group)
-    step_s = measure_step(model, loader, group, device=device, loss=loss)
-    alpha, beta = (0.0, 0.0) if world == 1 else calibrate(group, device=device)
-    n = sum(p.numel() for p in model.parameters())
-    kw = {} if round_share is None else dict(round_share=round_share)
-    return pick_setting(n, world, float(alpha), float(beta), step_s, **kw)
-
-
-def apply_setting(config, pick: SettingPick):
-    """``config`` (a :class:`~lioncub.harness.config.TrainConfig`) with LocalCub's options and inner lr replaced by
-    the picked setting's (the fields a setting leaves out back at their defaults: no quantizer for the scatter
-    mean, no floor for a fixed H), and ``local_setting='given'``: the pick is made, its fields are the run's."""
-    from .config import TrainConfig
-
-    fields = TrainConfig.__dataclass_fields__
-    cleared = {name: fields[name].default for name in ("quantizer", "min_local_steps", "delay", "fragments", "eager")}
-    return config.replace(**{**cleared, **pick.options}, local_setting="given")  # the pick is made
-
-
-def resolve_setting(config, model: torch.nn.Module, loader, resume_from: str | None = None,
-                    device: torch.device | None = None):
-    """``(config, pick)``: with ``config.local_setting == 'link'``, the setting picked from the link
-    (:func:`setting_from_link`) applied to ``config``, or on a resume the one saved in the checkpoint's
-    ``meta.json`` (``local_setting``: a resumed run continues the same algorithm, whatever the link measures now);
-    otherwise ``(config, None)``. Collective unless resuming."""
+def resolve_setting(config):
+    """``config`` with ``local_setting == 'link'`` as the run it stands for: LocalCub's own
+    ``aggregation='auto'`` (:mod:`lioncub.optim.regime`, one rule for the library and the harness) with AdamW inside
+    at :data:`~lioncub.optim.regime.AUTO_LR`, the lr its low-bit rounds were raced at; the optimizer times its first
+    round and picks, and its checkpoint keeps the pick (a resumed run continues the same setting). Other configs
+    unchanged. Pure."""
     if config.local_setting != "link":
-        return config, None
-    from .checkpoint import read_meta
-
-    saved = read_meta(resume_from).get("local_setting") if resume_from else None
-    if saved:
-        pick = SettingPick.from_dict(saved)
-    else:
-        from .method import batch_loss
-
-        pick = setting_from_link(model, loader, device=device,
-                                 loss=lambda m, x, y: batch_loss(m, x, y, config.is_gpt)[0])
-    return apply_setting(config, pick), pick
+        return config
+    return config.replace(inner="adamw", lr=AUTO_LR)

@@ -196,9 +196,7 @@ def train_worker(config: TrainConfig) -> dict:
         for t in model.state_dict().values():  # on ``device``, as the model is
             comm.broadcast(t, src=0)
     resume_from = _resume_path(config, device)
-    config, setting = resolve_setting(config, model, data.loader, resume_from, device)  # --local-setting link
-    if setting is not None and rank == 0:
-        print(f"[{config.label}] {setting.text()}", flush=True)
+    config = resolve_setting(config)  # --local-setting link: LocalCub(aggregation='auto') picks in its first round
     groups = param_groups(model, lr=config.lr, weight_decay=config.weight_decay,
                           lr_embed=config.lr_embed, lr_head=config.lr_head)
     cuda = device.type == "cuda"
@@ -250,8 +248,7 @@ def train_worker(config: TrainConfig) -> dict:
     def after_step(done: int) -> None:
         if config.ckpt_every and done % config.ckpt_every == 0:
             checkpoint.save_checkpoint(config.out, done, model=model, optimizer=opt, loader=data.loader,
-                                       meta={"label": config.label, "config": config.as_dict(),
-                                             **({"local_setting": setting.as_dict()} if setting else {})},
+                                       meta={"label": config.label, "config": config.as_dict()},
                                        keep=config.keep_ckpts)
 
     model.train()
@@ -269,7 +266,7 @@ def train_worker(config: TrainConfig) -> dict:
     if workers is not None:
         writer.write({"kind": "straggler", "workers": workers})
     summary = summarize(config, steps, evals, world=world, n_params=n_params,
-                        wall_s=time.perf_counter() - t_begin, device=str(device), optimizer=opt, setting=setting,
+                        wall_s=time.perf_counter() - t_begin, device=str(device), optimizer=opt,
                         workers=workers)
     if rank == 0:
         write_csv([summary], os.path.join(config.out, "summary.csv"))
@@ -312,12 +309,12 @@ def _resume_path(config: TrainConfig, device: torch.device | None = None) -> str
 
 
 def summarize(config: TrainConfig, steps: list[dict], evals: list[dict], *, world: int, n_params: int,
-              wall_s: float, device: str, optimizer=None, setting=None, workers: list[dict] | None = None) -> dict:
+              wall_s: float, device: str, optimizer=None, workers: list[dict] | None = None) -> dict:
     """One row per run: final losses and mean per-step costs (first 3 steps skipped as warm-up).
 
     With a LionCub ``optimizer``: ``vote_chosen`` (the method run, e.g. ``pbit/2b``; what
-    ``vote='auto'`` picked) and ``skipped_steps`` (non-finite steps skipped). With ``setting`` (``--local-setting
-    link``'s :class:`~lioncub.optim.regime.SettingPick`): ``local_setting`` and the regime ``r`` it was picked at.
+    ``vote='auto'`` picked) and ``skipped_steps`` (non-finite steps skipped). With LocalCub's ``aggregation='auto'``
+    (``--local-setting link``): ``local_setting`` (``'lowbit'`` or ``'long'``, :mod:`lioncub.optim.regime`).
     With ``workers`` (:func:`straggler_totals`, a run with ``--slow-worker``/``--pause-worker``): ``stragglers`` (the
     flags) and per rank, ``;``-separated, ``worker_compute_s``, ``worker_slept_s`` (the slowdown) and
     ``worker_paused_s``."""
@@ -341,9 +338,9 @@ def summarize(config: TrainConfig, steps: list[dict], evals: list[dict], *, worl
             row.update(nodes=config.nodes, shard=config.shard)
         row.update(vote_chosen=f"{vote}/{bits}b" if bits else vote, skipped_steps=optimizer.skipped_steps,
                    momentum_sync=config.momentum_sync)
-    if setting is not None:
-        row.update(local_setting=setting.name, regime_r=setting.r)
     pick = getattr(optimizer, "steps_pick", None)
+    if pick and pick.get("setting"):  # LocalCub(aggregation='auto'): the setting it picked from the link
+        row.update(local_setting=pick["setting"]["name"])
     if pick and pick.get("H") is not None:  # LocalCub(local_steps='auto'): what it picked, from what
         row.update(local_steps_picked=pick["H"], round_s=pick["round_s"], step_s=pick["step_s"],
                    link_alpha_s=pick["alpha"], link_beta_s_per_bit=pick["beta"], round_share=pick["round_share"])

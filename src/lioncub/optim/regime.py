@@ -1,60 +1,42 @@
-r"""LocalCub's whole setting from the link: short rounds where the wire is cheap, long ones where it decides.
+r"""LocalCub's whole setting from the link: ``LocalCub(local_steps='auto', aggregation='auto')`` (:class:`AutoSetting`).
 
-The races by regime (bench/README.md) found two settings, each the best of its regime, and they differ in more
-than H::
+One rule, here, for the optimizer and for everything built on it (``lioncub train --local-setting link``, the race's
+``lcub-link`` row). The first round runs the low-bit rounds (the 2-bit scatter mean, outer SGD at 1) for
+:data:`LOWBIT_H` timed steps; at its end :func:`pick_rounds` decides, every rank alike, from the α-β time of one such
+round (``round_s``: the exchange's own plan on the measured α and β) and the slowest rank's step ``step_s``::
 
-    short rounds   H = 10,  AdamW lr 4e-3, 8-bit L1 lane mean + EF, outer SGD at 1 (averaging)    r ≈ 1 and 9
-    long rounds    H ≥ 50,  AdamW lr 2e-3, 4-bit scatter mean + EF, outer Nesterov 0.7           r ≈ 70-200
+    H = max(5, ⌈round_s / (4 · step_s)⌉)        the smallest H >= 5 whose round costs at most 4 times H steps
+    low-bit rounds with that H                  while H <= 50 (the link kept busy beside compute)
+    long rounds otherwise                       4-bit scatter mean, outer Nesterov 0.7, H >= 50 priced by 'auto'
 
-where r = (one fp32 ring all-reduce of the gradient) / (one step's compute) is the regime. Short rounds
-average often and train best per step; long rounds and a 4-bit code spend less of each round on the wire.
-The switch is the rule ``local_steps='auto'`` prices rounds by (:mod:`lioncub.optim.auto_steps`): short
-rounds are taken while their own round, an 8-bit lane all-reduce every 10 steps, costs at most
-``round_share`` of those 10 steps' compute::
-
-    T_lanes(α, β) ≤ round_share · 10 · t_step        (about r ≤ 20 at the default share of a half:
-                                                     an 8-bit all-reduce is a quarter of an fp32 one)
-
-otherwise long rounds, whose H ``'auto'`` then lengthens past 50 where even a 50-step round would cost more
-than its share. Both times come from measurements: α and β from :func:`lioncub.engine.cost.calibrate`,
-t_step from a timed step (:func:`lioncub.harness.regime.measure_step`), each the slowest rank's, so every rank
-picks the same setting.
+The races behind it (bench/README.md, "Low-bit rounds for the library's default"; 3 seeds, 100 s each): the 2-bit
+rounds at H = 5 led the long setting at r ≈ 250 beyond the noise and the 8-bit lane mean at H = 10 at r ≈ 10; at
+r ≈ 330 they were level with the streamed long setting within the noise. The inner lr stays the caller's: the
+low-bit rounds were raced at :data:`AUTO_LR`, the long ones at 2e-3.
 
 Example::
 
-    >>> from lioncub.optim.regime import pick_setting
-    >>> pick_setting(834_304, 4, alpha=1e-4, beta=1e-8, step_s=0.05).name      # 100 Mbit/s, r ≈ 8
-    'short'
-    >>> pick_setting(834_304, 4, alpha=1e-4, beta=1e-7, step_s=0.05).name      # 10 Mbit/s, r ≈ 80
-    'long'
+    >>> from lioncub.optim.regime import pick_rounds
+    >>> pick_rounds(round_s=0.02, step_s=0.05)        # a 2-bit round worth 0.4 steps: averaging every 5 steps
+    ('lowbit', 5)
+    >>> pick_rounds(round_s=12.0, step_s=0.05)        # 60 steps' worth: long rounds
+    ('long', 50)
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
-from ..engine.cost import collective_time
-from .auto_steps import ROUND_SHARE
-
-__all__ = ["SETTINGS", "SHORT_H", "SettingPick", "pick_setting", "AutoSetting", "pick_rounds", "LOWBIT_H",
-           "LOWBIT_BITS", "LOWBIT_SHARE"]
-
-SHORT_H = 10
-"""H of the short-round setting."""
+__all__ = ["SETTINGS", "AutoSetting", "pick_rounds", "setting_text", "LOWBIT_H", "LOWBIT_BITS", "LOWBIT_SHARE",
+           "AUTO_LR"]
 
 SETTINGS: dict[str, dict] = {
-    # bench/README, "The race by regime": first beyond the noise at r ≈ 9, tied with local AdamW at r ≈ 1
-    "short": dict(local_steps=SHORT_H, inner="adamw", lr=4e-3, vote="pbit", bits=8, quantizer="l1",
-                  aggregate="mean", error_feedback=True, outer="sgd", outer_lr=1.0),
     # bench/README, the races at r ≈ 70-200: the 4-bit scatter mean led at r ≈ 71, 150, 170 and 200; lr 2e-3 ahead of
     # 1e-3 at equal steps beyond the noise (2.211 ± 0.007 against 2.230 ± 0.005) and at r = 71 within it
     "long": dict(local_steps="auto", min_local_steps=50, inner="adamw", lr=2e-3, vote="onebit", bits=4,
                  aggregate="mean", error_feedback=True, outer="nesterov", outer_lr=0.7),
 }
-"""The two settings, as :class:`~lioncub.LocalCub` keyword arguments plus the inner ``lr`` (the peak of the
-schedule: both were tuned with a warm-up then a cosine)."""
-ROUNDS = {"short": "the 8-bit L1 lane mean", "long": "the 4-bit scatter mean"}
-"""How each setting's round travels, in words (for the log line)."""
+"""The long rounds :func:`pick_rounds` switches to, as LocalCub's engine settings plus the inner ``lr`` they were
+raced at (a warm-up then a cosine)."""
 
 LOWBIT_H = 5
 """The least H of :class:`~lioncub.LocalCub`'s own ``aggregation='auto'`` low-bit rounds (and its default H)."""
@@ -62,6 +44,9 @@ LOWBIT_BITS = 2
 LOWBIT_SHARE = 4.0
 """``aggregation='auto'``: a low-bit round's α-β time may be up to this many times its H steps' compute (the link
 kept busy: the races with H = 5 measured r ≈ 10 and 250 there, bench/README.md, "Short low-bit rounds")."""
+AUTO_LR = 4e-3
+"""The inner (AdamW) lr the low-bit rounds were raced at: what ``lioncub train --local-setting link`` and the race's
+``lcub-link`` row run ``aggregation='auto'`` with."""
 AUTO_SETTINGS = ("lowbit", "long")
 """What ``LocalCub(aggregation='auto')`` picks between (:func:`pick_rounds`)."""
 
@@ -78,65 +63,15 @@ def pick_rounds(round_s: float, step_s: float) -> tuple[str, int]:
     return ("lowbit", int(H)) if H <= least_long else ("long", least_long)
 
 
-
-
-@dataclass(frozen=True)
-class SettingPick:
-    """What :func:`pick_setting` chose and from what (all times in seconds, the slowest rank's)."""
-
-    name: str
-    """``'short'`` or ``'long'``: a key of :data:`SETTINGS`."""
-    r: float
-    """The regime: an fp32 ring all-reduce of the model over one step, both as measured (α-β priced)."""
-    step_s: float
-    short_round_s: float
-    """The short setting's round on this link: one all-reduce of 8-bit lanes of the whole model."""
-    alpha: float
-    beta: float
-    round_share: float
-    options: dict = field(default_factory=dict)
-    """A copy of ``SETTINGS[name]``."""
-
-    def as_dict(self) -> dict:
-        """Plain numbers and strings (for a run's record or a checkpoint)."""
-        return dict(name=self.name, r=self.r, step_s=self.step_s, short_round_s=self.short_round_s,
-                    alpha=self.alpha, beta=self.beta, round_share=self.round_share)
-
-    @classmethod
-    def from_dict(cls, saved: dict) -> "SettingPick":
-        """The pick :meth:`as_dict` wrote (a checkpoint's): the same setting, whatever the link measures now."""
-        if not isinstance(saved, dict) or saved.get("name") not in SETTINGS:
-            raise ValueError(f"a saved local setting must name one of {sorted(SETTINGS)}, got {saved!r}")
-        numbers = {k: float(saved[k]) for k in ("r", "step_s", "short_round_s", "alpha", "beta", "round_share")}
-        return cls(saved["name"], **numbers, options=dict(SETTINGS[saved["name"]]))
-
-    def text(self) -> str:
-        """One line for a run's log."""
-        o = self.options
-        return (f"local setting from the link: r = {self.r:.1f} (one step {self.step_s * 1e3:.0f} ms; an 8-bit round "
-                f"{self.short_round_s * 1e3:.0f} ms against {self.round_share:g} of {SHORT_H} steps) -> {self.name} "
-                f"rounds: H = {o['local_steps']}{' (at least %d)' % o['min_local_steps'] if 'min_local_steps' in o else ''}, "
-                f"AdamW lr {o['lr']:g}, outer {o['outer']} {o['outer_lr']:g}, {ROUNDS[self.name]}")
-
-
-def pick_setting(n_params: int, world_size: int, alpha: float, beta: float, step_s: float, *,
-                 round_share: float = ROUND_SHARE) -> SettingPick:
-    """The setting for a model of ``n_params`` on ``world_size`` workers whose link is (α, β) and whose step
-    takes ``step_s`` (module docstring). Pure: every rank given the same numbers picks the same."""
-    for name, value in (("n_params", n_params), ("world_size", world_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    for name, value in (("alpha", alpha), ("beta", beta), ("step_s", step_s)):
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-    if isinstance(round_share, bool) or not isinstance(round_share, (int, float)) or not 0 < round_share <= 1:
-        raise ValueError(f"round_share must be a number in (0, 1], got {round_share!r}")
-    fp32 = collective_time("allreduce", 4 * n_params, world_size, alpha, beta)
-    lanes = collective_time("allreduce", n_params, world_size, alpha, beta)  # 8-bit lanes: a byte a parameter
-    r = fp32 / step_s if step_s > 0 else math.inf
-    name = "short" if lanes <= round_share * SHORT_H * step_s else "long"
-    return SettingPick(name, r, float(step_s), lanes, float(alpha), float(beta), float(round_share),
-                       dict(SETTINGS[name]))
+def setting_text(pick: dict) -> str:
+    """One line for a run's log from ``steps_pick`` (the optimizer's): what ``aggregation='auto'`` picked and why."""
+    s = pick.get("setting") or {}
+    if not s:
+        return "local setting from the link: not picked yet (the first round is timed)"
+    rounds = (f"low-bit rounds: the {LOWBIT_BITS}-bit scatter mean, outer SGD 1, H = {s['H']}" if s["name"] == "lowbit"
+              else f"long rounds: the 4-bit scatter mean, outer Nesterov 0.7, H = {pick.get('H')}")
+    return (f"local setting from the link: one step {s['step_s'] * 1e3:.0f} ms, a {LOWBIT_BITS}-bit round "
+            f"{s['round_s'] * 1e3:.0f} ms (alpha {s['alpha']:.2g} s, beta {s['beta']:.2g} s/bit) -> {rounds}")
 
 
 class AutoSetting:
