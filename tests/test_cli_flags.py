@@ -173,7 +173,7 @@ def test_untied_name_log_every_warmup_and_lr_head(runs):
     tied, untied = summary(d, "base"), summary(d, "untied")
     extra = int(untied["params"]) - int(tied["params"])
     assert extra > 0 and extra % 256 == 0  # a separate vocab x n_embd head
-    assert untied["label"] == "my-untied-run" and tied["label"] == "lioncub-pbit"  # --name labels the run
+    assert untied["label"] == "my-untied-run" and tied["label"] == "lioncub-onebit-mean"  # --name labels the run; LionCub's default
     steps = records(d, "untied")
     assert [r["step"] for r in steps] == [3, 4]  # --log-every 3 (and the last step)
     assert [r["step"] for r in records(d, "base")] == [1, 2, 3, 4]

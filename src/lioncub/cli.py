@@ -77,10 +77,12 @@ def _add_train(sub) -> None:
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help=f"default: {d.optimizer}")
     p.add_argument("--aggregation", choices=tuple(AGGREGATIONS), default=None,
                    help="how the update travels, the library's aggregation= (docs/api.md): every step 'onebit-mean' "
-                   "(the library's default), 'sign-vote' (its collective: --vote), 'mean'; local steps 'lane-mean' "
-                   "(the library's default), 'scatter-mean', 'sign-vote', 'mean'. --bits is its code width")
+                   "(the library's default, and this command's when no --aggregation/--vote/--bits is given), "
+                   "'sign-vote' (its collective: --vote), 'mean'; local steps 'scatter-mean' (the library's default, "
+                   "with --bits 2), 'lane-mean', 'sign-vote', 'mean'. --bits is its code width")
     p.add_argument("--vote", choices=VOTES, default=None,
-                   help=f"the vote's collective (SignVote's transport; default: {d.vote}), or 'grad' (Mean)")
+                   help=f"the vote's collective (SignVote's transport; {d.vote} where a vote is asked for without "
+                   "one), or 'grad' (Mean)")
     p.add_argument("--bits", type=int, choices=(1, 2, 4, 8), default=None,
                    help="the aggregation's code width: the lanes of 'pbit' and of the lane mean (2, 4, 8), or the "
                    "scatter mean's code (1, 2, 4, 8)")
@@ -265,9 +267,9 @@ def cmd_train(args) -> int:
     except ValueError as exc:
         args.parser.error(str(exc))
     fields["vote"] = fields["vote"] or "pbit"
-    if compare and args.vote is None and (args.bits, args.quantizer, args.aggregate, args.local_steps,
-                                          args.nodes) == (None, None, "vote", 1, 1):
-        fields.update(RECOMMENDED)  # the every-step row at README's recommendation: the 1-bit mean
+    if fields["optimizer"] == "lioncub" and (args.vote, args.aggregation, args.bits, args.quantizer, args.aggregate,
+                                             args.local_steps, args.nodes) == (None, None, None, None, "vote", 1, 1):
+        fields.update(RECOMMENDED)  # every step, nothing chosen: LionCub's own default, the 1-bit mean
     fields["betas"] = tuple(fields["betas"])
     if fields["resume"] == "":
         fields["resume"] = fields["out"]
