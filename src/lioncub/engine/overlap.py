@@ -63,7 +63,6 @@ launched raises ``RuntimeError`` (the vote would miss it).
 """
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 from concurrent.futures import Future
@@ -421,64 +420,3 @@ class Overlap(VoteDriver):
             h.remove()
         self._handles = []
         super().remove_hooks()
-
-
-class Driven:
-    """An optimizer whose votes a driver may launch during backward (overlap, the DDP hook): the
-    one-driver rule and the refusals, each the vote method's own, and the step's agreement with what
-    a driver saw during backward (LionCub's; a mixin). Uses ``_driver``, ``method`` and ``bucket_step``."""
-
-    def agree_step(self, params: list[Tensor], stats: CommStats, finite, scaler_inf) -> guard.Verdict:
-        """The step's one agreement (:func:`~lioncub.engine.guard.agree`) over ``agree_group``, carrying
-        (every ``check_every`` steps) the replica check of the previous step's result and, under a driver,
-        whether a rank saw a gradient arrive after its bucket's vote was launched: that rank alone knows, so
-        it says so here and every rank raises together, before anything else waits on a collective."""
-        check = None
-        if self.check_due(self.steps) and self._checked != self.steps:
-            check = guard.replicas_differ(params, self.group, self.world_size, step=self.steps, stats=stats)
-            self._checked = self.steps
-        late = getattr(self._driver, "late", None)
-        extra = [] if check is None else [check[0].reshape(-1)]
-        if self._driver is not None:  # (a fill, not a copy from the host: no sync)
-            extra.append(torch.zeros(1, dtype=torch.uint8, device=self.device).fill_(0 if late is None else 1))
-        verdict = guard.agree(params, self.agree_group, self.agree_size, self.device, stats, finite=finite,
-                              extra=torch.cat(extra) if extra else None, scaler_inf=scaler_inf)
-        if self._driver is not None and verdict.extra[-1]:
-            self._driver.discard()
-            raise RuntimeError(late or f"overlap: on {int(verdict.extra[-1])} other rank(s) a parameter got its "
-                               "gradient after its bucket's vote was launched (see that rank's error)")
-        if check is not None and verdict.extra[0]:
-            guard.report_replicas(check[1], params, step=self.steps, names=self._param_names)
-        return verdict
-
-    @property
-    def driver(self):
-        """What launches the votes during backward (overlap, the DDP hook), or None."""
-        return self._driver
-
-    def attach_driver(self, driver) -> None:
-        """Let ``driver`` (overlap, the DDP hook) launch the votes; ``step()`` then waits for
-        them and applies. One driver at a time."""
-        if self._driver is not None:
-            raise ValueError(f"this LionCub is already driven by {type(self._driver).__name__}; "
-                             "remove it first (remove_hooks())")
-        why = None if self.method is None else self.method.backward_refusal(type(driver).__name__)
-        if why is not None:
-            raise ValueError(why)
-        self._driver = driver
-
-    def detach_driver(self, driver) -> None:
-        """Undo :meth:`attach_driver`; the per-launch buffers go, step() makes its own again."""
-        if self._driver is driver:
-            self._driver = None
-            self.bucket_step.clear_buffers()
-
-    def no_sync(self):
-        """Context manager for gradient accumulation: backward passes inside launch no vote
-        (overlap / DDP hook). A no-op without them: votes happen in step() anyway."""
-        return self._driver.no_sync() if self._driver is not None else contextlib.nullcontext()
-
-    def remove_hooks(self) -> None:
-        """Stop overlapping: remove the backward hooks; step() votes after backward again."""
-        if self._driver is not None:
-            self._driver.remove_hooks()

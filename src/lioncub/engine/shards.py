@@ -30,7 +30,8 @@ from torch import Tensor
 
 from ..validate import check_float_params
 
-__all__ = ["Sharded", "Sharding", "LocalState", "sharding_of", "check_sharded_options", "refuse_dtensors", "is_dtensor", "local_of"]
+__all__ = ["Sharded", "Sharding", "LocalState", "sharding_of", "grads_on_shards", "check_sharded_options", "refuse_dtensors",
+           "is_dtensor", "local_of"]
 
 
 def _dtensor_type():
@@ -336,26 +337,16 @@ class Sharded:
             for bucket in self.buckets:
                 self.bucket_step.momenta(bucket)
 
-    def _run_step(self, closure, grad_scaler, verdict=None):
-        """``_step`` after the frozen parameters' check (:meth:`~lioncub.engine.step.BucketPlan.check_frozen`);
-        with FSDP2 parameters the local shards hold their gradients during it."""
-        self.plan.check_frozen()
-        if self.sharding is None:
-            return self._step(closure, grad_scaler, verdict)
-        loss = self.run_closure(closure)
-        with self.grads_on_shards():
-            out = self._step(None, grad_scaler, verdict)
-        return loss if closure is not None else out
 
-    @contextlib.contextmanager
-    def grads_on_shards(self):
-        """Inside the block (a step), each local shard's ``.grad`` is its parameter's local gradient; after it,
-        none (``zero_grad`` clears the DTensors' own). Nothing to do for plain parameters."""
-        if self.sharding is None:
-            yield
-            return
-        self.sharding.hand_grads()
-        try:
-            yield
-        finally:
-            self.sharding.drop_grads()
+@contextlib.contextmanager
+def grads_on_shards(sharding: Optional[Sharding]):
+    """Inside the block (a step), each local shard's ``.grad`` is its parameter's local gradient; after it,
+    none (``zero_grad`` clears the DTensors' own). Nothing to do for plain parameters (``sharding`` None)."""
+    if sharding is None:
+        yield
+        return
+    sharding.hand_grads()
+    try:
+        yield
+    finally:
+        sharding.drop_grads()

@@ -12,7 +12,8 @@ Replicas stay bit-identical because every rank applies the same ``u`` to the sam
 ``θ``. ``vote='grad'`` is the baseline (averaged fp32/bf16 gradients, then plain
 Lion, identical momenta). The arithmetic lives in :mod:`lioncub.lion` and
 :mod:`lioncub.votes` (one object per vote method), the per-bucket work in
-:mod:`lioncub.engine.step`; this class plans the buckets, checks, agrees and orchestrates.
+:mod:`lioncub.engine.step`; this module holds the step's whole order, top-down (``LionCub._step``:
+the checks, the driver's votes, the one agreement, the apply) and the set-up (:func:`configure`).
 
 Buckets: parameters are flattened into buckets of at most ``bucket_mb`` MiB of
 fp32, in reverse registration order (the order backward produces gradients, as in
@@ -37,15 +38,16 @@ Example (``torchrun --nproc-per-node 4 train.py``)::
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Iterable, Optional, Union
 
 import torch
+from torch import Tensor
 
-from ..engine import amp, auto, guard, momentum
+from ..engine import amp, auto, guard, momentum, shards
 from ..engine.shards import Sharded
 from .. import comm
 from ..fused import warn_if_unavailable
-from ..engine.overlap import Driven
 from ..engine.step import GRAD_DTYPES, BucketPlan, Bucketed, BucketStep
 from ..comm import CommStats
 from ..engine.config import OPTIMIZER_VOTES, StepSettings, VoteConfig
@@ -61,7 +63,7 @@ __all__ = ["LionCub", "OPTIMIZER_VOTES", "GRAD_DTYPES"]
 __all__ += ["NONFINITE_POLICIES", "NONFINITE_ALIASES"]
 
 
-class LionCub(StepCheckpoint, Sharded, Driven, Bucketed, CheckedGroups, Shell, StepSettings, torch.optim.Optimizer):
+class LionCub(StepCheckpoint, Sharded, Bucketed, CheckedGroups, Shell, StepSettings, torch.optim.Optimizer):
     """Lion with its update agreed across data-parallel ranks every step, in 1-8 bits per element.
 
     Args:
@@ -130,85 +132,8 @@ class LionCub(StepCheckpoint, Sharded, Driven, Bucketed, CheckedGroups, Shell, S
         flags = Options.of(options, "LionCub").for_("LionCub", STEP_OPTIONS)
         self.aggregation = agg
         """How the update travels (:mod:`lioncub.aggregations`)."""
-        self._configure(params, lr, betas, weight_decay, **agg.for_step(), **flags, process_group=process_group,
-                        overlap=overlap, model=model)
-
-    def _configure(  # the engine's flat settings (lioncub.optim.flags says which public argument sets each)
-        self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0,
-        *, vote: str = "pbit",
-        bits: Optional[int] = None,
-        quantizer: Optional[str] = None,
-        tie: str = "alternate",
-        error_feedback: str = "none",
-        stochastic_signs: Union[bool, float] = False,
-        aggregate: str = "vote",
-        mean_adapt: float = ADAPT_DEFAULT,
-        mean_range: float = RANGE_DEFAULT,
-        mean_norm: str = NORM_DEFAULT,
-        mean_restart: int = RESTART_DEFAULT,
-        grad_dtype: str = "fp32",
-        fused: Optional[bool] = None,
-        process_group=None,
-        bucket_mb: float = 25.0,
-        message_mb: float = 25.0,
-        overlap: bool = False,
-        maximize: bool = False,
-        seed: int = 0,
-        momentum_sync="none",
-        sync_every: int = 10,
-        sync_dtype: str = "fp32",
-        model: Optional[torch.nn.Module] = None,
-        nonfinite: str = "raise",
-        check_every: int = 0,
-        alpha: Optional[float] = None,
-        beta: Optional[float] = None,
-        gamma: Optional[dict] = None,
-        timing: Optional[bool] = None,
-        _verified: bool = False,
-    ):
-        check_hyperparameters(lr, betas, weight_decay)
-        check_optional_bool("timing", timing)
-        check_bool("maximize", maximize)
-        check_bool("overlap", overlap)
-        config = VoteConfig(vote=vote, bits=bits, quantizer=quantizer, tie=tie, seed=seed, grad_dtype=grad_dtype,
-                            fused=fused, bucket_mb=bucket_mb, message_mb=message_mb, error_feedback=error_feedback,
-                            stochastic_signs=stochastic_signs, aggregate=aggregate, mean_adapt=mean_adapt,
-                            mean_range=mean_range, mean_norm=mean_norm, mean_restart=mean_restart)
-        auto.check_auto_args(vote, alpha, beta, gamma)
-        defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize)
-        super().__init__(params, defaults)
-        sharding, process_group = self.find_sharding(process_group, momentum_sync=momentum_sync)
-        self.plan = BucketPlan(self.param_groups, config.bucket_mb, config.fused, self._local)
-        params = [p for _, p in self.plan.param_entries]  # FSDP2's: the local shards
-        self.open_shell(params, group=process_group, model=model, nonfinite=nonfinite, check_every=check_every,
-                        seed=seed, verify=not _verified, chunks=[b.params for b in self.plan.buckets],
-                        sharding=sharding, frozen=self.plan.frozen)  # (NodeCub's vote is ``_verified``)
-        if config.votes:
-            config.method(self.world_size)  # refuses what cannot be exact for P ranks, before any vote
-        self.timing = self.device.type == "cpu" if timing is None else timing
-        if fused is None:
-            warn_if_unavailable([p for _, p in self.param_entries], "LionCub", stacklevel=2)
-        self.steps = 0  # completed steps: sets the tie/zero parity of the 1-bit votes
-        self.skipped_steps = 0  # steps skipped by nonfinite='skip' (all ranks agree)
-        self._checked, self.last_step_stats = 0, CommStats()  # the steps check_every last verified; stats
-        self._driver = None  # attached by lioncub.engine.overlap (overlap=True) or lioncub.ddp.hook
-        self.bucket_step = BucketStep(self.local_state, self.world_size, self.group, self.generator,
-                                      config.message_mb)
-        self.vote_requested = vote
-        if vote == "auto":  # the cheapest valid vote over this optimizer's buckets, rank 0's pick for all
-            picked, picked_bits, self.auto_alpha_beta = auto.agree_on_vote(
-                [b.numel for b in self.buckets], self.world_size, self.group, alpha, beta, gamma=gamma,
-                device=self.device)
-            config = config.resolved(picked, picked_bits)
-        self._set_config(config)
-        self.momentum_sync = momentum.MomentumSync(
-            momentum_sync, every=sync_every, dtype=sync_dtype, model=model, params=params, group=self.group,
-            world_size=self.world_size, chunk_mb=config.bucket_mb)
-        self.make_sharded_state()
-        if overlap:
-            from ..engine.overlap import Overlap  # hooks every param; launches votes during backward
-
-            Overlap(self)
+        configure(self, params, lr, betas, weight_decay, **agg.for_step(), **flags, process_group=process_group,
+                  overlap=overlap, model=model)
 
     # ------------------------------------------------------------------ settings
     def _set_config(self, config: VoteConfig) -> None:
@@ -234,7 +159,7 @@ class LionCub(StepCheckpoint, Sharded, Driven, Bucketed, CheckedGroups, Shell, S
         together, and the agreed flag is written back so ``scaler.update()`` changes every
         rank's scale alike (see :mod:`lioncub.engine.amp`)."""
         with comm.step_context(self.steps):  # a failed collective names this step
-            return self._run_step(closure, grad_scaler)
+            return self._step(closure, grad_scaler)
 
     _step_supports_amp_scaling = True
     """``GradScaler.step`` always calls :meth:`step` (on every rank) and hands it the scaler."""
@@ -246,51 +171,108 @@ class LionCub(StepCheckpoint, Sharded, Driven, Bucketed, CheckedGroups, Shell, S
         this optimizer's: NodeCub's one agreement over the world, which its cross-node vote would otherwise
         repeat (an all-reduce and a host read more per step). Collective as :meth:`step`."""
         with comm.step_context(self.steps):
-            return self._run_step(None, None, verdict)
+            return self._step(None, None, verdict)
 
-    def _step(self, closure, grad_scaler=None, verdict: Optional[guard.Verdict] = None):
-        loss = self.run_closure(closure)
-        stats = self.new_stats()
-        params = [p for _, p in self.param_entries]
-        driver = self._driver  # overlap / DDP hook: votes already launched during backward
-        if driver is not None and amp.scaling(self, grad_scaler):
-            raise ValueError("fp16 loss scaling (GradScaler) with overlap=True or the DDP hook: the votes were "
-                             "encoded during backward from scaled gradients; use bf16 autocast (no scaler), or "
-                             "overlap=False without the DDP hook")
-        scaler_inf = amp.unscale(self, grad_scaler, params)  # None without a scaler
-        run, buckets = self.bucket_step, self.buckets
-        if driver is not None:
-            driver.finish_votes(stats)  # nothing in flight before the next collective
-        early = None  # fused encode first: it checks every gradient in the same read
-        finite = None
-        if driver is None and self.method is not None and run.encodes_ahead(buckets):
-            early, finite = run.encode_messages(buckets, stats, self.steps, ahead=self.encode_ahead)
-            if verdict is None:  # messages beyond the ones ahead
-                rest = [p for msg, buf in early if buf is None for b in msg for p in buckets[b].params]
-                finite = guard.all_finite(finite, guard.grads_finite(rest))
-        elif driver is not None:
-            finite = driver.finite() if callable(getattr(driver, "finite", None)) else None
-        if verdict is None:  # (NodeCub agrees over the whole world for its voter)
-            verdict = self.agree_step(params, stats, finite, scaler_inf)
-        active, bad_ranks = verdict.active, verdict.bad_ranks
-        amp.record_agreed(self, grad_scaler, bad_ranks)
-        if bad_ranks:
+    def _step(self, closure, grad_scaler, verdict: Optional[guard.Verdict] = None):
+        """The whole step, top-down (docs/design.md §9): the frozen parameters' check, the closure, FSDP2's local
+        gradients onto the shards, the loss scaler's unscale, then the driver's votes settled (overlap, the DDP
+        hook: launched during backward) or the first messages encoded ahead (a fused encode checks the gradients
+        in the same read), the one agreement (:meth:`_agree`; ``verdict``: the caller's, :meth:`step_agreed`),
+        and on its verdict: raise or skip on every rank, or apply, count the step and sync the momenta."""
+        self.plan.check_frozen()  # a parameter unfrozen since construction is in no bucket: say so (no device work)
+        loss = Shell.run_closure(closure)
+        with shards.grads_on_shards(self.sharding):  # FSDP2: each local shard holds its local gradient meanwhile
+            stats, driver = self.new_stats(), self._driver
+            params, buckets, run = [p for _, p in self.plan.param_entries], self.plan.buckets, self.bucket_step
+            if driver is not None and amp.scaling(self, grad_scaler):
+                raise ValueError("fp16 loss scaling (GradScaler) with overlap=True or the DDP hook: the votes were "
+                                 "encoded during backward from scaled gradients; use bf16 autocast (no scaler), "
+                                 "or overlap=False without the DDP hook")
+            scaler_inf = amp.unscale(self, grad_scaler, params)  # this rank's found-inf (None without a scaler)
+            early = finite = None  # the messages encoded ahead; this rank's "all finite?" when an encode read them
             if driver is not None:
-                driver.discard()
-            if scaler_inf is None:
-                guard.handle_nonfinite(self.nonfinite, params, bad_ranks, step=self.steps,
-                                      names=self._param_names)  # raises, or we skip this step
-            self.skipped_steps += 1
+                driver.finish_votes(stats)  # launches what backward did not; nothing in flight past here
+                finite = driver.finite() if callable(getattr(driver, "finite", None)) else None
+            elif self.method is not None and run.encodes_ahead(buckets):
+                early, finite = run.encode_messages(buckets, stats, self.steps, ahead=self.encode_ahead)
+                if verdict is None:  # the gradients of the messages beyond the ones ahead
+                    rest = [p for msg, buf in early if buf is None for b in msg for p in buckets[b].params]
+                    finite = guard.all_finite(finite, guard.grads_finite(rest))
+            if verdict is None:  # (NodeCub agrees over the whole world for its voter)
+                verdict = self._agree(params, stats, finite, scaler_inf)
+            amp.record_agreed(self, grad_scaler, verdict.bad_ranks)
+            if verdict.bad_ranks:  # non-finite on some rank: every rank raises, or every rank skips
+                if driver is not None:
+                    driver.discard()
+                if scaler_inf is None:  # (an overflow under a scaler is the scaler's skip, never an error)
+                    guard.handle_nonfinite(self.nonfinite, params, verdict.bad_ranks, step=self.steps,
+                                          names=self._param_names)
+                self.skipped_steps += 1
+            else:
+                if driver is not None:
+                    driver.apply(verdict.active, stats)
+                else:  # per message: the exchange (encoded now if not ahead), then each bucket applied
+                    run.step_active(buckets, verdict.active, early, stats, self.steps, self.config.grad_dtype)
+                self.steps += 1
+                self.momentum_sync.after_step(self.steps, self.local_state, stats)
             self.last_step_stats = stats
-            return loss
-        if driver is not None:
-            driver.apply(active, stats)
-        else:
-            run.step_active(buckets, active, early, stats, self.steps, self.grad_dtype)
-        self.steps += 1
-        self.momentum_sync.after_step(self.steps, self.local_state, stats)
-        self.last_step_stats = stats
         return loss
+
+    def _agree(self, params: list[Tensor], stats: CommStats, finite, scaler_inf) -> guard.Verdict:
+        """The step's one agreement (:func:`~lioncub.engine.guard.agree`) over ``agree_group``, carrying
+        (every ``check_every`` steps) the replica check of the previous step's result and, under a driver,
+        whether a rank saw a gradient arrive after its bucket's vote was launched: that rank alone knows, so
+        it says so here and every rank raises together, before anything else waits on a collective."""
+        check, driver = None, self._driver
+        if self.check_due(self.steps) and self._checked != self.steps:
+            check = guard.replicas_differ(params, self.group, self.world_size, step=self.steps, stats=stats)
+            self._checked = self.steps
+        late = getattr(driver, "late", None)
+        extra = [] if check is None else [check[0].reshape(-1)]
+        if driver is not None:  # (a fill, not a copy from the host: no sync)
+            extra.append(torch.zeros(1, dtype=torch.uint8, device=self.device).fill_(0 if late is None else 1))
+        verdict = guard.agree(params, self.agree_group, self.agree_size, self.device, stats, finite=finite,
+                              extra=torch.cat(extra) if extra else None, scaler_inf=scaler_inf)
+        if driver is not None and verdict.extra[-1]:
+            driver.discard()
+            raise RuntimeError(late or f"overlap: on {int(verdict.extra[-1])} other rank(s) a parameter got its "
+                               "gradient after its bucket's vote was launched (see that rank's error)")
+        if check is not None and verdict.extra[0]:
+            guard.report_replicas(check[1], params, step=self.steps, names=self._param_names)
+        return verdict
+
+    # ------------------------------------------------------------------ the driver (overlap, the DDP hook)
+    @property
+    def driver(self):
+        """What launches the votes during backward (overlap, the DDP hook), or None."""
+        return self._driver
+
+    def attach_driver(self, driver) -> None:
+        """Let ``driver`` (overlap, the DDP hook) launch the votes; ``step()`` then waits for
+        them and applies. One driver at a time; the vote method refuses what it cannot run so."""
+        if self._driver is not None:
+            raise ValueError(f"this LionCub is already driven by {type(self._driver).__name__}; "
+                             "remove it first (remove_hooks())")
+        why = None if self.method is None else self.method.backward_refusal(type(driver).__name__)
+        if why is not None:
+            raise ValueError(why)
+        self._driver = driver
+
+    def detach_driver(self, driver) -> None:
+        """Undo :meth:`attach_driver`; the per-launch buffers go, step() makes its own again."""
+        if self._driver is driver:
+            self._driver = None
+            self.bucket_step.clear_buffers()
+
+    def no_sync(self):
+        """Context manager for gradient accumulation: backward passes inside launch no vote
+        (overlap / DDP hook). A no-op without them: votes happen in step() anyway."""
+        return self._driver.no_sync() if self._driver is not None else contextlib.nullcontext()
+
+    def remove_hooks(self) -> None:
+        """Stop overlapping: remove the backward hooks; step() votes after backward again."""
+        if self._driver is not None:
+            self._driver.remove_hooks()
 
     def check_replicas(self) -> None:
         """Verify now (a collective: every rank calls it) that every rank holds the same
@@ -307,8 +289,89 @@ def engine_lioncub(params, lr, betas, weight_decay, **flags) -> LionCub:
     """A LionCub from the engine's flat settings (NodeCub's cross-node voter, which takes ``_verified``)."""
     self = torch.optim.Optimizer.__new__(LionCub)
     self.aggregation = None
-    self._configure(params, lr, betas, weight_decay, **flags)
+    configure(self, params, lr, betas, weight_decay, **flags)
     return self
+
+
+def configure(  # the engine's flat settings (lioncub.optim.flags says which public argument sets each)
+    self: LionCub, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0,
+    *, vote: str = "pbit",
+    bits: Optional[int] = None,
+    quantizer: Optional[str] = None,
+    tie: str = "alternate",
+    error_feedback: str = "none",
+    stochastic_signs: Union[bool, float] = False,
+    aggregate: str = "vote",
+    mean_adapt: float = ADAPT_DEFAULT,
+    mean_range: float = RANGE_DEFAULT,
+    mean_norm: str = NORM_DEFAULT,
+    mean_restart: int = RESTART_DEFAULT,
+    grad_dtype: str = "fp32",
+    fused: Optional[bool] = None,
+    process_group=None,
+    bucket_mb: float = 25.0,
+    message_mb: float = 25.0,
+    overlap: bool = False,
+    maximize: bool = False,
+    seed: int = 0,
+    momentum_sync="none",
+    sync_every: int = 10,
+    sync_dtype: str = "fp32",
+    model: Optional[torch.nn.Module] = None,
+    nonfinite: str = "raise",
+    check_every: int = 0,
+    alpha: Optional[float] = None,
+    beta: Optional[float] = None,
+    gamma: Optional[dict] = None,
+    timing: Optional[bool] = None,
+    _verified: bool = False,
+) -> None:
+    """LionCub's set-up from the engine's flat settings (``__init__`` turns the public arguments into them,
+    :func:`engine_lioncub` takes them as they are): the checks, torch's groups, FSDP2's layout, the bucket
+    plan, the shell (world, device, the same-model check and broadcast), the vote method, the driver."""
+    check_hyperparameters(lr, betas, weight_decay)
+    check_optional_bool("timing", timing)
+    check_bool("maximize", maximize)
+    check_bool("overlap", overlap)
+    config = VoteConfig(vote=vote, bits=bits, quantizer=quantizer, tie=tie, seed=seed, grad_dtype=grad_dtype,
+                        fused=fused, bucket_mb=bucket_mb, message_mb=message_mb, error_feedback=error_feedback,
+                        stochastic_signs=stochastic_signs, aggregate=aggregate, mean_adapt=mean_adapt,
+                        mean_range=mean_range, mean_norm=mean_norm, mean_restart=mean_restart)
+    auto.check_auto_args(vote, alpha, beta, gamma)
+    defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize)
+    super(LionCub, self).__init__(params, defaults)
+    sharding, process_group = self.find_sharding(process_group, momentum_sync=momentum_sync)
+    self.plan = BucketPlan(self.param_groups, config.bucket_mb, config.fused, self._local)
+    params = [p for _, p in self.plan.param_entries]  # FSDP2's: the local shards
+    self.open_shell(params, group=process_group, model=model, nonfinite=nonfinite, check_every=check_every,
+                    seed=seed, verify=not _verified, chunks=[b.params for b in self.plan.buckets],
+                    sharding=sharding, frozen=self.plan.frozen)  # (NodeCub's vote is ``_verified``)
+    if config.votes:
+        config.method(self.world_size)  # refuses what cannot be exact for P ranks, before any vote
+    self.timing = self.device.type == "cpu" if timing is None else timing
+    if fused is None:
+        warn_if_unavailable([p for _, p in self.param_entries], "LionCub", stacklevel=2)
+    self.steps = 0  # completed steps: sets the tie/zero parity of the 1-bit votes
+    self.skipped_steps = 0  # steps skipped by nonfinite='skip' (all ranks agree)
+    self._checked, self.last_step_stats = 0, CommStats()  # the steps check_every last verified; stats
+    self._driver = None  # attached by lioncub.engine.overlap (overlap=True) or lioncub.ddp.hook
+    self.bucket_step = BucketStep(self.local_state, self.world_size, self.group, self.generator,
+                                  config.message_mb)
+    self.vote_requested = vote
+    if vote == "auto":  # the cheapest valid vote over this optimizer's buckets, rank 0's pick for all
+        picked, picked_bits, self.auto_alpha_beta = auto.agree_on_vote(
+            [b.numel for b in self.buckets], self.world_size, self.group, alpha, beta, gamma=gamma,
+            device=self.device)
+        config = config.resolved(picked, picked_bits)
+    self._set_config(config)
+    self.momentum_sync = momentum.MomentumSync(
+        momentum_sync, every=sync_every, dtype=sync_dtype, model=model, params=params, group=self.group,
+        world_size=self.world_size, chunk_mb=config.bucket_mb)
+    self.make_sharded_state()
+    if overlap:
+        from ..engine.overlap import Overlap  # hooks every param; launches votes during backward
+
+        Overlap(self)
 
 
 BUILDS: dict = {}

@@ -87,6 +87,7 @@ from .. import comm, fused, votes
 from ..comm import CommStats
 from ..engine import amp, auto, guard
 from ..engine.config import VoteConfig, VoteSettings
+from ..engine import shards
 from ..engine.shards import Sharded
 from ..engine.shell import Shell
 from ..lion import Lion
@@ -331,7 +332,7 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSetting, AutoSteps,
         step); the round's collectives run on every rank regardless."""
         loss = self.run_closure(closure)
         self._mark_step()
-        with self.grads_on_shards():  # FSDP2: the local shards hold their gradients for the inner step's checks
+        with shards.grads_on_shards(self.sharding):  # FSDP2: the local shards hold their gradients for the inner step's checks
             self._inner_step(grad_scaler)
         self.local_step += 1
         self.synced = self.local_step == self.H

@@ -362,11 +362,12 @@ def uncovered_options() -> dict[str, set[str]]:
     or a reason here."""
     import inspect
 
-
     import lioncub as lc
+    from ..optim.lioncub import configure
 
     # the engine's settings (the flat keys the aggregation objects and Options become: lioncub.optim.flags)
-    named = {n: set(inspect.signature(getattr(lc, n)._configure).parameters) - {"self"} for n in ("LionCub", "LocalCub")}
+    named = {"LionCub": set(inspect.signature(configure).parameters) - {"self"},
+             "LocalCub": set(inspect.signature(lc.LocalCub._configure).parameters) - {"self"}}
     named["NodeCub"] = {"params", "lr", "betas", "weight_decay", "layout", "shard", "nonfinite", "check_every", "model"}
     set_by: dict[str, set[str]] = {n: set() for n in named}
     vote_args: set[str] = set()
