@@ -27,14 +27,10 @@ from torch import Tensor
 from .. import comm
 from . import guard, shards
 from ..votes.mean import saved_fingerprint
-from ..validate import check_hyperparameters, check_choice, check_int
+from ..options import NONFINITE_ALIASES, NONFINITE_POLICIES  # (re-exported: the engine's names for them)
+from ..validate import check_hyperparameters
 
 __all__ = ["Shell", "world_of", "NONFINITE_POLICIES", "NONFINITE_ALIASES"]
-
-NONFINITE_POLICIES = ("raise", "skip")
-"""What ``nonfinite=`` takes: raise on every rank, or every rank skips the step (round) together."""
-NONFINITE_ALIASES = {"skip_step": "skip", "skip_round": "skip"}
-"""Older spellings of ``'skip'`` (LionCub/NodeCub's and LocalCub's), still accepted."""
 
 
 def world_of(group) -> tuple[int, int]:
@@ -67,8 +63,8 @@ class Shell:
         ``sharding``: FSDP2's layout (:class:`~lioncub.engine.shards.Sharding`): ``params`` are then the
         local shards, ``group`` the replicas' group (this rank and size from the sharding: 0 of 1 without
         replicas), and the step's agreement spans the whole world (``agree_group``, ``agree_size``)."""
-        self.nonfinite = check_choice("nonfinite", nonfinite, NONFINITE_POLICIES, aliases=NONFINITE_ALIASES)
-        self.check_every = check_int("check_every", check_every, 0)
+        self.nonfinite = NONFINITE_ALIASES.get(nonfinite, nonfinite)  # (both checked by Options, where given)
+        self.check_every = check_every
         if sharding is None:
             shards.refuse_dtensors(params, type(self).__name__)
         self.sharding = sharding

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import math
 import time
-from numbers import Real
 from typing import Optional
 
 import torch
@@ -94,15 +93,11 @@ class AutoSteps:
         elif (alpha is None) != (beta is None) or gamma is not None:
             raise ValueError("local_steps='auto' takes alpha and beta together (a known link) or neither (measured); "
                              "gamma applies to vote='auto' only")
-        share = ROUND_SHARE if round_share is None else round_share
-        if isinstance(share, bool) or not isinstance(share, Real) or not 0 < share <= 1:
-            raise ValueError(f"round_share must be a number in (0, 1], got {round_share!r}")
+        share = ROUND_SHARE if round_share is None else round_share  # (each checked by Options, where given)
         most = MAX_LOCAL_STEPS if max_local_steps is None else max_local_steps
-        if isinstance(most, bool) or not isinstance(most, int) or most < 1:
-            raise ValueError(f"max_local_steps must be an int >= 1, got {max_local_steps!r}")
         least = FIRST_ROUND if min_local_steps is None else min_local_steps
-        if isinstance(least, bool) or not isinstance(least, int) or not 1 <= least <= most:
-            raise ValueError(f"min_local_steps must be an int in [1, max_local_steps={most}], got {min_local_steps!r}")
+        if least > most:  # (one of them the default: Options checks the pair only when both are given)
+            raise ValueError(f"min_local_steps must be at most max_local_steps={most}, got {least}")
         return dict(alpha=alpha, beta=beta, round_share=float(share), min_local_steps=least, max_local_steps=most,
                     step_s=None, round_s=None, H=None), least
 

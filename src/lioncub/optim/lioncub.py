@@ -54,7 +54,7 @@ from ..engine.config import OPTIMIZER_VOTES, StepSettings, VoteConfig
 from ..votes.mean import ADAPT_DEFAULT, NORM_DEFAULT, RANGE_DEFAULT, RESTART_DEFAULT
 from .checkpoint import StepCheckpoint
 from ..engine.shell import NONFINITE_ALIASES, NONFINITE_POLICIES, CheckedGroups, Shell
-from ..validate import check_bool, check_hyperparameters, check_optional_bool
+from ..validate import check_bool, check_hyperparameters
 from ..aggregations import Aggregation, aggregation_of
 from ..options import STEP_OPTIONS, Options
 
@@ -330,9 +330,7 @@ def configure(  # the engine's flat settings (lioncub.optim.flags says which pub
     :func:`engine_lioncub` takes them as they are): the checks, torch's groups, FSDP2's layout, the bucket
     plan, the shell (world, device, the same-model check and broadcast), the vote method, the driver."""
     check_hyperparameters(lr, betas, weight_decay)
-    check_optional_bool("timing", timing)
-    check_bool("maximize", maximize)
-    check_bool("overlap", overlap)
+    check_bool("overlap", overlap)  # (timing, maximize and the rest: checked by Options, where they were given)
     config = VoteConfig(vote=vote, bits=bits, quantizer=quantizer, tie=tie, seed=seed, grad_dtype=grad_dtype,
                         fused=fused, bucket_mb=bucket_mb, message_mb=message_mb, error_feedback=error_feedback,
                         stochastic_signs=stochastic_signs, aggregate=aggregate, mean_adapt=mean_adapt,

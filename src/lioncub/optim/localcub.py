@@ -232,8 +232,6 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSetting, AutoSteps,
         outer_state: str = "device",
     ):
         check_hyperparameters(lr, betas, weight_decay)
-        if outer_state not in OUTER_STATES:
-            raise ValueError(f"outer_state must be one of {OUTER_STATES}, got {outer_state!r}")
         self.outer_state = outer_state
         self.steps_pick, self.H = self._init_steps(local_steps, round_share, max_local_steps, vote, alpha, beta, gamma,
                                                    min_local_steps)
