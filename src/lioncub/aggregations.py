@@ -26,7 +26,7 @@ from numbers import Real
 from typing import Optional, Union
 
 from . import votes
-from .quantize import QUANTIZERS
+from .quantize import QUANTIZERS, STOCHASTIC
 from .votes.mean import ADAPT_DEFAULT, MEAN_DEFAULTS, NORM_DEFAULT, NORMS, RANGE_DEFAULT, RESTART_DEFAULT
 from .validate import check_choice
 
@@ -125,6 +125,10 @@ class SignVote:
         if self.tie == "hold":
             raise ValueError("SignVote.tie='hold' repeats the last step's vote; a round votes once: use "
                              "'alternate', 'plus' or 'minus'")
+        if self.error_feedback == "worker" and self.quantizer in STOCHASTIC:  # C(v) is computed apart from the message
+            raise ValueError(f"SignVote.error_feedback='worker' cannot replay the stochastic quantizer "
+                             f"{self.quantizer!r} in a round; use quantizer="
+                             + ", ".join(repr(q) for q in QUANTIZERS if q not in STOCHASTIC))
         return dict(vote=self.transport, bits=self.bits, quantizer=self.quantizer, tie=self.tie,
                     error_feedback=self.error_feedback == "worker")
 

@@ -91,10 +91,10 @@ from ..engine import shards
 from ..engine.shards import Sharded
 from ..engine.shell import Shell
 from ..lion import Lion
-from ..validate import check_bool, check_hyperparameters, check_int
+from ..validate import check_hyperparameters, check_int
 from ..votes.pbit import MEAN_CLIP
 from ..votes.rounds import ROUND_AGGREGATES as AGGREGATES
-from ..votes.rounds import check_round_aggregate, round_aggregation, round_bits
+from ..votes.rounds import round_aggregation, round_bits
 from .outer import OUTER_RULES, make_outer
 from .checkpoint import RoundCheckpoint
 from .auto_steps import AutoSteps
@@ -235,11 +235,7 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSetting, AutoSteps,
         self.outer_state = outer_state
         self.steps_pick, self.H = self._init_steps(local_steps, round_share, max_local_steps, vote, alpha, beta, gamma,
                                                    min_local_steps)
-        if tie == "hold":
-            raise ValueError("tie='hold' (ties repeat the chunk owner's last vote) is LionCub's: a LocalCub round "
-                             "votes once per round; use tie='alternate', 'plus' or 'minus'")
-        self.error_feedback = check_bool("error_feedback", error_feedback)
-        check_round_aggregate(aggregate, votes.METHODS.get(vote), vote, quantizer, error_feedback=error_feedback)
+        self.error_feedback = error_feedback  # (the settings were checked by the aggregation object: for_round)
         self.aggregate = aggregate
         self.round_bits = round_bits(vote, aggregate, quantizer, bits)
         """The code width of the round's own aggregation (the scatter mean's 1-8 bits), or None: ``bits`` is the
