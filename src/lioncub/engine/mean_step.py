@@ -1,6 +1,7 @@
 """The every-step message of a method that sends a compressed mean (``shared_momentum``: the 1-bit
 mean, :mod:`lioncub.votes.mean`): encode the innovations ``g − m`` with the method's residuals, its two
-collectives, decode ``ĝ`` and run Lion on it with the momentum every rank shares. A step of
+collectives (the two-phase mean, :mod:`lioncub.votes.twophase`), decode ``ĝ`` and run Lion on it with the
+momentum every rank shares. A step of
 :class:`~lioncub.engine.step.BucketStep` (its buffers, momenta, residuals and chunk-owner state), torch ops."""
 from __future__ import annotations
 
@@ -47,17 +48,11 @@ def mean_message(run, parts: list, msg: list[int], buckets: list, stats: CommSta
                                          h))
         offset += nb
         stats.t_quantize_pack += comm.clock(stats) - t0
-    gathered = method.exchange_mean(buf, m, torch.cat(alphas), tensors, step, run.group, stats, residual,
-                                    shape)
-    t0 = comm.clock(stats)
-    bits = gathered[:, :gathered.shape[1] - 4 * len(tensors)].reshape(-1)
-    stats.t_unpack_vote += comm.clock(stats) - t0
+    two, got = method.exchange_mean(buf, m, torch.cat(alphas), tensors, step, run.group, stats, residual, shape)
     offset = 0
     for bucket, nb in zip(parts, nbs):
         t0 = comm.clock(stats)
-        ghat = method.decode_mean(gathered, offset, bucket.numel, tensors,
-                                  run.buffer("c", bucket.numel, torch.float32, device),
-                                  shape[8 * offset:8 * offset + bucket.numel], bits=bits)
+        ghat = two.decode(got, 8 * offset, bucket.numel, run.buffer("c", bucket.numel, torch.float32, device))
         params, exp_avgs = bucket.params, run.momenta(bucket)
         for piece, signed in zip(ghat.split(bucket.sizes), shapes(run, bucket)):
             method.adapt_shape_(signed.view(-1), piece)

@@ -35,6 +35,11 @@ compression error only as the difference of two residuals. The bytes per rank an
 per tensor). The state beside Lion's momentum: one residual per parameter element (``ef_residual``,
 local) and the owner's fp32 residual of its chunk (as ``error_feedback='server'``: saved in
 ``state_dict``, not resharded).
+
+The two collectives, the owner's stage between them and the decode are the two-phase compressed mean's
+(:class:`~lioncub.votes.twophase.TwoPhase`, shared with a round's scatter mean); what is the 1-bit mean's own is
+its :class:`SignCodec` (the owner's α-weighted sum, the fit of β to ``h``), the workers' encode with their
+residuals (:meth:`OneBitMean.encode_mean`) and ``h`` (:meth:`OneBitMean.adapt_shape_`).
 """
 from __future__ import annotations
 
@@ -46,13 +51,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .. import comm
 from ..comm import CommStats
 from ..wire import kernels
 from .feedback import add_residuals_
 from .onebit import OneBit
+from .twophase import Codec, TwoPhase
 
-__all__ = ["OneBitMean", "AGGREGATES", "NORMS", "pieces", "MEAN_DEFAULTS", "check_step_aggregate", "mean_fingerprint",
+__all__ = ["OneBitMean", "SignCodec", "AGGREGATES", "NORMS", "MEAN_DEFAULTS", "check_step_aggregate", "mean_fingerprint",
            "saved_fingerprint", "make_step_method"]
 
 AGGREGATES = ("vote", "mean")
@@ -69,25 +74,45 @@ NORM_DEFAULT = NORMS[0]
 RESTART_DEFAULT = 50
 
 
-def pieces(tensors: list[tuple[int, int]], chunk: int) -> list[tuple[int, int, int, int]]:
-    """Each tensor's elements cut at the chunk boundaries: ``(tensor, chunk, lo, hi)`` for the
-    message elements ``[lo, hi)`` of tensor ``tensor`` (``tensors[k] = (start, numel)`` in message
-    elements) that lie in chunk ``chunk`` (elements ``[chunk·E, (chunk+1)·E)``, ``E`` = ``chunk``)."""
-    out = []
-    for t, (start, n) in enumerate(tensors):
-        lo, end = start, start + n
-        while lo < end:
-            j = lo // chunk
-            hi = min(end, (j + 1) * chunk)
-            out.append((t, j, lo, hi))
-            lo = hi
-    return out
+class SignCodec(Codec):
+    """The 1-bit mean's code (:class:`~lioncub.votes.twophase.Codec`): signs; each rank's scaled by its own ``α``
+    of the tensor (sent with its codes), their sum times ``h`` over ``P`` on the owner; the owner's scale the
+    least-squares fit ``Σ|s|·h / Σh²`` of each piece; ``parity``: where a zero goes; ``shape``: ``h`` over the
+    message's elements (module docstring)."""
+
+    def __init__(self, parity: int, shape: Tensor):
+        self.parity, self.shape = parity, shape
+
+    def owner_sum(self, codes, scales, mine, h):
+        P, E = codes.shape[0], 8 * codes.shape[1]
+        a = torch.zeros(E, dtype=torch.float32, device=codes.device)
+        signs = torch.empty(E, dtype=torch.float32, device=codes.device)
+        for i in range(P):
+            kernels.unpack_pm1(codes[i], E, torch.float32, out=signs)
+            for t, lo, hi in mine:
+                a[lo:hi].addcmul_(signs[lo:hi], scales[i, t])
+        return a.mul_(h).div_(P)  # padding: 0
+
+    def scales(self, x, mine, count, h):
+        betas = torch.zeros(count, dtype=torch.float32, device=x.device)
+        for t, lo, hi in mine:
+            ht = h[lo:hi]
+            betas[t] = torch.dot(x[lo:hi].abs(), ht).div_(torch.dot(ht, ht))
+        return betas
+
+    def levels(self, x, scales, mine):
+        bits = kernels.sign_bits(x, self.parity)
+        w = bits[:x.numel()].to(torch.float32).mul_(2).sub_(1)  # (before the packing, which reuses bits)
+        return w, kernels.pack_bytes(bits, x.numel(), 1)
+
+    def unpack(self, packed, n, out):
+        return kernels.unpack_pm1(packed, n, torch.float32, out=out)
 
 
 class OneBitMean(OneBit):
     """``onebit``'s collectives carrying the 1-bit compressed mean (module docstring). Used through
     :class:`~lioncub.LionCub` (``vote='onebit', aggregate='mean'``), whose step calls
-    :meth:`encode_mean`, :meth:`exchange_mean` and :meth:`decode_mean` per message."""
+    :meth:`encode_mean` and :meth:`exchange_mean` per message, then decodes each part with the exchange."""
 
     shared_momentum = True
     ADAPT = ADAPT_DEFAULT
@@ -143,65 +168,16 @@ class OneBitMean(OneBit):
 
     # ------------------------------------------------------------------ the collectives and the owner
     def exchange_mean(self, msg: Tensor, m: int, alphas: Tensor, tensors: list[tuple[int, int]], step: int,
-                      group, stats: CommStats, residual: Tensor, shape: Tensor) -> Tensor:
+                      group, stats: CommStats, residual: Tensor, shape: Tensor) -> tuple[TwoPhase, tuple]:
         """The two collectives of a message (``msg``: ``message_nbytes(m)`` bytes; ``alphas``: the T
-        scales of ``tensors``, ``(start, numel)`` in message elements) with this rank's chunk
-        re-compressed in between (``residual``: its fp32 owner residual, updated). Returns the
-        gathered ``(P, C + 4T)`` bytes: row j the owner j's packed ``τ`` then its T scales ``β``."""
-        P, T = self.world, alphas.numel()
-        N = self.message_nbytes(m)
-        C = N // P
-        E = 8 * C
-        t0 = comm.clock(stats)
-        send = torch.empty((P, C + 4 * T), dtype=torch.uint8, device=msg.device)
-        send[:, :C].copy_(msg[:N].view(P, C))
-        send[:, C:].copy_(alphas.contiguous().view(torch.uint8).expand(P, 4 * T))
-        stats.t_quantize_pack += comm.clock(stats) - t0
-        got = comm.all_to_all(send.view(-1), group, stats).view(P, C + 4 * T)
-        t0 = comm.clock(stats)
-        me = dist.get_rank(group)
-        mine = [(t, lo - me * E, hi - me * E) for t, j, lo, hi in pieces(tensors, E) if j == me]
-        weights = got[:, C:].contiguous().view(torch.float32)  # (P, T): every rank's α
-        a = torch.zeros(E, dtype=torch.float32, device=msg.device)
-        signs = torch.empty(E, dtype=torch.float32, device=msg.device)
-        for i in range(P):
-            kernels.unpack_pm1(got[i, :C], E, torch.float32, out=signs)
-            for t, lo, hi in mine:
-                a[lo:hi].addcmul_(signs[lo:hi], weights[i, t])
-        h = shape[me * E:(me + 1) * E]
-        s = a.mul_(h).div_(P).add_(residual)  # padding: 0 + 0
-        bits = kernels.sign_bits(s, self.parity(step))
-        betas = torch.zeros(T, dtype=torch.float32, device=msg.device)
-        sent = torch.zeros(E, dtype=torch.float32, device=msg.device)  # β·τ; padding 0
-        for t, lo, hi in mine:
-            ht = h[lo:hi]
-            beta = torch.dot(s[lo:hi].abs(), ht).div_(torch.dot(ht, ht))
-            betas[t] = beta
-            torch.mul(bits[lo:hi].to(torch.float32).mul_(2).sub_(1).mul_(ht), beta, out=sent[lo:hi])
-        torch.sub(s, sent, out=residual)
-        out = torch.empty(C + 4 * T, dtype=torch.uint8, device=msg.device)
-        out[:C].copy_(kernels.pack_bytes(bits, E, 1))
-        out[C:].copy_(betas.view(torch.uint8))
-        stats.t_unpack_vote += comm.clock(stats) - t0
-        return comm.all_gather(out, group, stats)
-
-    def decode_mean(self, gathered: Tensor, offset: int, n: int, tensors: list[tuple[int, int]],
-                    out: Tensor, shape: Tensor, bits: Optional[Tensor] = None) -> Tensor:
-        """``β·h·τ`` of the part at byte ``offset`` (``n`` elements, whole tensors of the message's
-        ``tensors``; ``shape``: their ``h``) into the flat fp32 ``out``. ``bits``: the gathered ``τ``
-        bytes as one flat message (``gathered[:, :C]`` flattened; made here when None)."""
-        T = len(tensors)
-        C = gathered.shape[1] - 4 * T
-        if bits is None:
-            bits = gathered[:, :C].reshape(-1)
-        betas = gathered[:, C:].contiguous().view(torch.float32)  # (P, T)
-        kernels.unpack_pm1(bits[offset:offset + self.part_nbytes(n)], n, torch.float32, out=out)
-        out.mul_(shape)
-        base, end = 8 * offset, 8 * offset + n
-        for t, j, lo, hi in pieces(tensors, 8 * C):
-            if base <= lo and hi <= end:
-                out[lo - base:hi - base].mul_(betas[j, t])
-        return out
+        scales of ``tensors``, ``(start, numel)`` in message elements; ``shape``: their ``h``), this rank's
+        chunk re-compressed in between (``residual``: its fp32 owner residual, updated): the two-phase mean
+        (:class:`~lioncub.votes.twophase.TwoPhase`) with :class:`SignCodec`, waited at once. Returns the exchange
+        and its gathered ``(τ, β)`` (:meth:`TwoPhase.split <lioncub.votes.twophase.TwoPhase.split>`), which
+        :meth:`TwoPhase.decode <lioncub.votes.twophase.TwoPhase.decode>` turns into ``β·h·τ`` part by part."""
+        two = TwoPhase(SignCodec(self.parity(step), shape), self.world, self.owner_elements(m), tensors)
+        agreement = two.launch(msg, alphas, residual, dist.get_rank(group), group, stats, two.split, timed=stats)
+        return two, agreement.result(stats)[0]
 
     def adapt_shape_(self, signed: Tensor, tau: Tensor) -> None:
         """One tensor's shared magnitudes after a step, in place: ``signed`` holds ``h·τ_prev``

@@ -35,7 +35,7 @@ The contract, in the order a round uses it:
 """
 from __future__ import annotations
 
-from typing import Callable, ClassVar, Optional
+from typing import ClassVar, Optional
 
 import torch
 import torch.distributed as dist
@@ -46,62 +46,12 @@ from ..comm import CommStats
 from ..quantize import QUANTIZERS, STOCHASTIC, quantize
 from .base import VoteMethod
 from .registry import METHODS
-from .scatter import SCATTER_BITS, codes, from_codes, owner_span, piece_scales, spans_in, to_levels, unit_of
+from .scatter import SCATTER_BITS, LevelCodec, codes, owner_span, to_levels, unit_of
+from .twophase import Agreement, TwoPhase
 
 __all__ = ["Agreement", "RoundAggregation", "Fp32Mean", "SignVote", "LaneMean", "ROUND_AGGREGATIONS",
            "ScatterMean", "round_aggregation", "round_class", "round_bits", "round_partial", "sent_value",
            "ROUND_AGGREGATES", "check_round_aggregate", "PARTIAL_NEEDS"]
-
-
-class Agreement:
-    """A round's agreement: its collective in flight (or none: one rank, an empty vote, an exchange
-    already complete) and ``read``, which turns the collective's result into the round's ``d``, or into the
-    next stage of an exchange of several collectives: another :class:`Agreement`, its collective launched
-    (the scatter mean's all-gather after its all-to-all). :meth:`result` waits for every stage (once) and
-    returns ``(d, signed)``; after it only ``d`` is kept. :meth:`advance` takes the stages whose collectives
-    are already complete, without waiting; :meth:`launch` takes them, waiting, until the last is in flight (``last``:
-    whether this stage is the exchange's last)."""
-
-    def __init__(self, pending: Optional[comm.Pending], read: Callable[[Optional[Tensor]], object], signed: bool,
-                 last: bool = True):
-        self.pending, self.read, self.signed, self.d, self.last = pending, read, signed, None, last
-
-    @classmethod
-    def finished(cls, d: Tensor, signed: bool) -> "Agreement":
-        """An agreement whose ``d`` is already known (one rank, or restored from a checkpoint)."""
-        done = cls(None, None, signed)
-        done.d = d
-        return done
-
-    def _take(self, stats: Optional[CommStats]) -> None:
-        """The next stage: wait for the collective in flight and read it. A read that returns a callable hands it
-        ``stats`` to launch the next stage: its bytes count in the step that launches it."""
-        out = self.read(None if self.pending is None else self.pending.wait(stats))
-        if callable(out):
-            out = out(stats)
-        if isinstance(out, Agreement):  # the next stage, its collective launched
-            self.pending, self.read, self.last = out.pending, out.read, out.last
-        else:
-            self.d, self.pending, self.read = out, None, None
-
-    def advance(self, stats: Optional[CommStats] = None) -> bool:
-        """Take every stage whose collective is complete (:meth:`comm.Pending.ready`: no wait); whether ``d``
-        is known. Called between a streaming round's steps (``stats``: that step's), so that a later stage's
-        collective is launched while compute goes on."""
-        while self.d is None and (self.pending is None or self.pending.ready()):
-            self._take(stats)
-        return self.d is not None
-
-    def launch(self, stats: Optional[CommStats] = None) -> None:
-        """Take every stage before the last, waiting: the last one's collective is then in flight on every rank,
-        whatever :meth:`advance` took on each (the collectives a caller issues next come after it everywhere)."""
-        while self.d is None and not self.last:
-            self._take(stats)
-
-    def result(self, stats: Optional[CommStats] = None) -> tuple[Tensor, bool]:
-        while self.d is None:
-            self._take(stats)
-        return self.d, self.signed
 
 
 def sent_value(v: Tensor, sizes: list[int], method: VoteMethod, scales: Optional[Tensor] = None) -> Tensor:
@@ -298,9 +248,10 @@ class ScatterMean(RoundAggregation):
 
     Levels (:mod:`lioncub.votes.scatter`): ``b = 1`` the sign at ±unit, ``b ≥ 2`` ``2^(b−1) − 1`` levels a side.
     Bytes per rank: ``2(P−1)/P·b/8`` per element, what an all-reduce of ``b``-bit lanes would send, for any P
-    (lanes of summed levels need wider lanes as P grows). Two collectives, each launched asynchronously (the
-    all-gather as a second stage of the :class:`Agreement`, so a streaming round keeps both in flight); every rank
-    must send (not :attr:`partial`)."""
+    (lanes of summed levels need wider lanes as P grows). The exchange is the two-phase mean's
+    (:class:`~lioncub.votes.twophase.TwoPhase`, with :class:`~lioncub.votes.scatter.LevelCodec`): two collectives,
+    each launched asynchronously (the all-gather as a second stage of the :class:`Agreement`, so a streaming round
+    keeps both in flight); every rank must send (not :attr:`partial`)."""
 
     name = "scatter_mean"
     BITS = SCATTER_BITS
@@ -335,49 +286,22 @@ class ScatterMean(RoundAggregation):
             raise ValueError(f"owner: the scatter mean needs this rank's residual of {E} elements for a message of {n}")
         units = [unit_of(h / count, bits) for h in head]
         q = torch.zeros(n, dtype=torch.float32, device=v.device)
-        offset = 0
+        tensors, offset = [], 0  # (start, numel) of each piece
         for size, unit in zip(sizes, units):
             to_levels(v[offset:offset + size], unit, bits, parity, q[offset:offset + size])
+            tensors.append((offset, size))
             offset += size
         msg = codes(q, bits, P * E)
         for unit, qt in zip(units, q.split(sizes)):  # q becomes C(v_i) (the message holds its codes)
             qt.mul_(unit)
         me = dist.get_rank(group) if P > 1 else 0
-        mine = spans_in(sizes, me * E, min(n, (me + 1) * E))
-
-        def owner_stage(got: Tensor):
-            """On span ``me``'s owner: exact sums of the levels, their mean, its residual, its own levels; the
-            all-gather of every owner's levels and units, to launch (on the stats of the step that takes it)."""
-            total = from_codes(got, P * E, bits).view(P, E).sum(0)
-            x = torch.zeros(E, dtype=torch.float32, device=v.device)
-            for t, lo, hi in mine:
-                torch.mul(total[lo:hi], units[t] / count, out=x[lo:hi])
-            x.add_(owner.to(x.device, non_blocking=True))  # (LocalCub may keep it on the host)
-            unit2 = unit_of(piece_scales(x, mine, len(sizes), v.device), bits)
-            w = torch.zeros(E, dtype=torch.float32, device=v.device)
-            for t, lo, hi in mine:
-                to_levels(x[lo:hi], unit2[t], bits, parity, w[lo:hi])
-                x[lo:hi].sub_(w[lo:hi] * unit2[t])
-            owner.copy_(x, non_blocking=True)  # r ← x − unit'·w (0 beyond the message's end)
-            reply = torch.cat([codes(w, bits, E), unit2.view(torch.uint8)])
-            if P == 1:
-                return Agreement(None, lambda _: decode(reply.view(1, -1)), False)
-            return lambda now: Agreement(comm.all_gather_async(reply, group, now), decode, False)
+        two = TwoPhase(LevelCodec(bits, parity, units, count), P, E, tensors)
 
         def decode(gathered: Tensor) -> Tensor:
             """d from every owner's levels and units: the same on every rank."""
-            C = E * bits // 8
-            d = from_codes(gathered[:, :C].reshape(-1), P * E, bits)[:n]
-            rows = torch.empty((P, 4 * len(sizes)), dtype=torch.uint8, device=v.device)
-            rows = rows.copy_(gathered[:, C:]).view(torch.float32)  # (P, T): every owner's unit'
-            for j in range(P):
-                for t, lo, hi in spans_in(sizes, j * E, min(n, (j + 1) * E)):
-                    d[j * E + lo:j * E + hi].mul_(rows[j, t])
-            return d
+            return two.decode(two.split(gathered), 0, n, torch.empty(n, dtype=torch.float32, device=v.device))
 
-        if P == 1:
-            return Agreement(None, lambda _: owner_stage(msg), False, last=False), q
-        return Agreement(comm.all_to_all_async(msg, group, stats), owner_stage, False, last=False), q
+        return two.launch(msg, None, owner, me, group, stats, decode, alone=P == 1), q
 
 
 ROUND_AGGREGATIONS: dict[str, type[RoundAggregation]] = {cls.name: cls for cls in (Fp32Mean, SignVote, LaneMean,

@@ -1,5 +1,6 @@
-r"""The arithmetic of a round's two-phase compressed mean (:class:`~lioncub.votes.rounds.ScatterMean`): values
-to ``b``-bit codes and back, with a scale per piece of a tensor.
+r"""The code of a round's two-phase compressed mean (:class:`~lioncub.votes.rounds.ScatterMean`): values
+to ``b``-bit codes and back, with a scale per piece of a tensor, and :class:`LevelCodec`, the
+:class:`~lioncub.votes.twophase.Codec` its exchange (:mod:`lioncub.votes.twophase`) runs.
 
 A ``b``-bit code holds one of the levels ``q`` (the value sent is ``unit·q``, ``M`` the mean magnitude):
 
@@ -18,16 +19,17 @@ lanes of bytes.
 """
 from __future__ import annotations
 
-from typing import Union
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
 
 from ..wire import kernels
 from .pbit import MEAN_CLIP
+from .twophase import Codec
 
-__all__ = ["SCATTER_BITS", "levels_of", "unit_of", "to_levels", "codes", "from_codes", "owner_span", "spans_in",
-           "piece_scales"]
+__all__ = ["SCATTER_BITS", "levels_of", "unit_of", "to_levels", "codes", "from_codes", "owner_span", "piece_scales",
+           "LevelCodec"]
 
 SCATTER_BITS = (1, 2, 4, 8)
 """The code widths a two-phase mean takes, bits per element in each of its two collectives."""
@@ -81,9 +83,10 @@ def codes(q: Tensor, bits: int, length: int) -> Tensor:
     return kernels.pack_bytes(values, length, bits)
 
 
-def from_codes(packed: Tensor, n: int, bits: int) -> Tensor:
-    """The first ``n`` levels of ``packed`` codes as fp32."""
-    values = kernels.unpack_bytes(packed, n, bits).to(torch.float32)
+def from_codes(packed: Tensor, n: int, bits: int, out: Optional[Tensor] = None) -> Tensor:
+    """The first ``n`` levels of ``packed`` codes as fp32 (into ``out`` when given)."""
+    values = kernels.unpack_bytes(packed, n, bits)
+    values = values.to(torch.float32) if out is None else out.copy_(values)
     return values.mul_(2).sub_(1) if bits == 1 else values.sub_(_offset(bits))
 
 
@@ -104,14 +107,30 @@ def piece_scales(values: Tensor, spans: list[tuple[int, int, int]], count: int, 
     return out
 
 
-def spans_in(sizes: list[int], lo: int, hi: int) -> list[tuple[int, int, int]]:
-    """``(tensor, start, end)`` of each of the consecutive pieces of ``sizes`` that overlap the element range
-    ``[lo, hi)``, relative to ``lo``."""
-    out, start = [], 0
-    for t, size in enumerate(sizes):
-        a, b = max(start, lo), min(start + size, hi)
-        if a < b:
-            out.append((t, a - lo, b - lo))
-        start += size
-    return out
+class LevelCodec(Codec):
+    """The scatter mean's code (:class:`~lioncub.votes.rounds.ScatterMean`): ``bits``-wide levels; the ranks'
+    levels summed exactly and scaled by each tensor's shared unit (``units``, over ``count`` ranks); the owner's
+    unit from its mean |x| over each piece. ``parity``: where a zero goes on the codes without a zero level."""
 
+    def __init__(self, bits: int, parity: int, units: list[float], count: int):
+        self.bits, self.parity, self.units, self.count = bits, parity, units, count
+
+    def owner_sum(self, codes, scales, mine, h):
+        P, E = codes.shape[0], codes.shape[1] * 8 // self.bits
+        total = from_codes(codes.reshape(-1), P * E, self.bits).view(P, E).sum(0)
+        x = torch.zeros(E, dtype=torch.float32, device=codes.device)
+        for t, lo, hi in mine:
+            torch.mul(total[lo:hi], self.units[t] / self.count, out=x[lo:hi])
+        return x
+
+    def scales(self, x, mine, count, h):
+        return unit_of(piece_scales(x, mine, count, x.device), self.bits)
+
+    def levels(self, x, scales, mine):
+        w = torch.zeros_like(x)
+        for t, lo, hi in mine:
+            to_levels(x[lo:hi], scales[t], self.bits, self.parity, w[lo:hi])
+        return w, codes(w, self.bits, x.numel())
+
+    def unpack(self, packed, n, out):
+        return from_codes(packed, n, self.bits, out)
