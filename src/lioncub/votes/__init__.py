@@ -13,13 +13,13 @@ from .base import TIE_RULES, VoteMethod, binary_signs, check_sign_options, check
 from .feedback import ERROR_FEEDBACK
 from .pbit import pbit_levels
 from .registry import METHODS
-from .rounds import (ROUND_AGGREGATES, ROUND_AGGREGATIONS, Agreement, RoundAggregation, check_round_aggregate,
-                     round_aggregation, round_class)
+from .rounds import (ROUND_AGGREGATES, ROUND_AGGREGATIONS, Agreement, RoundAggregation, round_aggregation,
+                     round_class)
 
 __all__ = ["METHODS", "VOTE_METHODS", "AUTO_CANDIDATES", "TIE_RULES", "VoteMethod", "lookup", "make",
-           "check_lane_options", "check_tie", "check_sign_options", "ERROR_FEEDBACK", "parity_step", "binary_signs",
+           "check_tie", "check_sign_options", "ERROR_FEEDBACK", "parity_step", "binary_signs",
            "decide", "pbit_levels", "ROUND_AGGREGATES", "ROUND_AGGREGATIONS", "Agreement", "RoundAggregation",
-           "check_round_aggregate", "round_aggregation", "round_class", "STREAMING_VOTES"]
+           "round_aggregation", "round_class", "STREAMING_VOTES"]
 
 
 VOTE_METHODS = tuple(METHODS)
@@ -42,16 +42,6 @@ def make(method: str, world: int, bits: Optional[int] = None, quantizer: Optiona
     ``error_feedback`` / ``stochastic_signs``: :mod:`lioncub.votes.feedback`)."""
     return lookup(method)(world, bits, quantizer, tie, error_feedback=error_feedback,
                           stochastic_signs=stochastic_signs)
-
-
-def check_lane_options(vote: str, bits: Optional[int], quantizer: Optional[str]) -> None:
-    """An optimizer's check that ``bits`` / ``quantizer`` go only to a vote method that uses
-    them (not to ``'grad'`` or ``'auto'`` either)."""
-    cls = METHODS.get(vote)
-    if ((bits is not None and not (cls and cls.LANE_BITS))
-            or (quantizer is not None and not (cls and cls.TAKES_QUANTIZER))):
-        users = " or ".join(f"vote={name!r}" for name, c in METHODS.items() if c.LANE_BITS or c.TAKES_QUANTIZER)
-        raise ValueError(f"bits and quantizer apply to {users} only, got vote={vote!r}")
 
 
 def check_tie(tie: str, vote: str, quantizer: Optional[str] = None) -> None:

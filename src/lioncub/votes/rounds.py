@@ -43,7 +43,7 @@ from torch import Tensor
 
 from .. import comm
 from ..comm import CommStats
-from ..quantize import QUANTIZERS, STOCHASTIC, quantize
+from ..quantize import quantize
 from .base import VoteMethod
 from .registry import METHODS
 from .scatter import SCATTER_BITS, LevelCodec, codes, owner_span, to_levels, unit_of
@@ -51,7 +51,7 @@ from .twophase import Agreement, TwoPhase
 
 __all__ = ["Agreement", "RoundAggregation", "Fp32Mean", "SignVote", "LaneMean", "ROUND_AGGREGATIONS",
            "ScatterMean", "round_aggregation", "round_class", "round_bits", "round_partial", "sent_value",
-           "ROUND_AGGREGATES", "check_round_aggregate", "PARTIAL_NEEDS"]
+           "ROUND_AGGREGATES", "PARTIAL_NEEDS"]
 
 
 def sent_value(v: Tensor, sizes: list[int], method: VoteMethod, scales: Optional[Tensor] = None) -> Tensor:
@@ -309,9 +309,6 @@ ROUND_AGGREGATIONS: dict[str, type[RoundAggregation]] = {cls.name: cls for cls i
 """The table: every round aggregation by its name."""
 
 
-ROUND_MEAN_NEEDS = "it needs vote='pbit' with quantizer='l1' (the lane mean) or vote='onebit' (the two-phase mean)"
-
-
 def round_class(vote: str, aggregate: str = "vote", quantizer: Optional[str] = None) -> type[RoundAggregation]:
     """The aggregation a round of ``vote`` (a method's name, or ``'grad'``) and ``aggregate`` runs: the
     one place that decides it, from :data:`ROUND_AGGREGATIONS` (``'mean'``: the method's
@@ -346,29 +343,6 @@ def round_bits(vote: str, aggregate: str, quantizer: Optional[str], bits: Option
     if vote not in ("grad", "auto") and round_class(vote, aggregate, quantizer).takes_bits:
         return check_choice("bits", 1 if bits is None else bits, ScatterMean.BITS)
     return None
-
-
-def check_round_aggregate(aggregate: str, method_cls: Optional[type[VoteMethod]], vote: str,
-                          quantizer: Optional[str], *, error_feedback: bool = False) -> None:
-    """Refuse a round ``aggregate`` the vote cannot run (``'mean'`` needs lanes that sum exactly:
-    :meth:`VoteMethod.round_mean <lioncub.votes.base.VoteMethod.round_mean>`), and error
-    feedback where it has nothing to keep (a :attr:`~RoundAggregation.lossless` aggregation) or cannot
-    replay the message (a quantizer that draws: ``C(v)`` is computed apart from the message)."""
-    from ..validate import check_choice
-
-    check_choice("aggregate", aggregate, ROUND_AGGREGATES)
-    if aggregate == "mean" and not (method_cls is not None and method_cls.round_mean(quantizer)):
-        raise ValueError(f"aggregate='mean' averages Δ on the vote's collectives: {ROUND_MEAN_NEEDS}, "
-                         f"got vote={vote!r}, quantizer={quantizer!r}")
-    if aggregate == "mean" and method_cls is not None and round_class(vote, aggregate, quantizer).takes_bits \
-            and not error_feedback:
-        raise ValueError(f"aggregate='mean' on vote={vote!r} sends Δ in 1-8 bits and keeps what it loses: it needs "
-                         "error_feedback=True")
-    if error_feedback and round_class(vote, aggregate, quantizer).lossless:
-        raise ValueError(f"error_feedback needs a compressed vote: vote={vote!r} sends Δ exactly")
-    if error_feedback and quantizer in STOCHASTIC:
-        raise ValueError(f"error_feedback cannot replay the stochastic quantizer {quantizer!r}; use quantizer="
-                         + ", ".join(repr(q) for q in QUANTIZERS if q not in STOCHASTIC))
 
 
 ROUND_AGGREGATES = ("vote", "mean")
