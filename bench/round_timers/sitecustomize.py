@@ -19,7 +19,7 @@ import time
 from collections import defaultdict
 
 _TOTAL, _CALLS = defaultdict(float), defaultdict(int)
-TIMED = {"StreamingRounds": ("_receive_pending", "_fragment_round", "_send_late", "_advance", "_stream_round"),
+TIMED = {"StreamingRounds": ("_receive_pending", "_fragment_round", "_send_late", "_advance", "_stream_chunks"),
          "Rounds": ("_agree", "_send", "_measure", "_round"), "LocalCub": ("_inner_step",)}
 
 

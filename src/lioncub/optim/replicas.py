@@ -12,6 +12,8 @@ Each *replica group* (one worker here) trains its H inner steps alone, exactly a
         if should_commit(): break       # every replica in the quorum finished every collective
     e_r ← v_r − C(v_r);  θ_s ← outer(θ_s, d);  θ_r ← θ_s          (only on a commit)
 
+(The round's end is LocalCub's, :func:`lioncub.optim.round_end.end_round`, on the quorum's group,
+with :class:`ManagedQuorum` deciding who contributes and whether the round stands.)
 A round that loses a member mid-collective is not committed on any survivor: θ_s, the outer
 state and the error-feedback residuals are untouched, and the agreement is retried on the next
 quorum **with the same Δ** (the survivors' H inner steps are still pseudo-gradients from the
@@ -45,11 +47,10 @@ import torch
 from torch import Tensor
 
 from .. import comm
-from ..engine import guard
 from . import lioncub as _lioncub
 from . import localcub as _localcub
 from .localcub import LocalCub
-from .rounds import Measured
+from .round_end import Quorum, RoundGroup, end_round
 from ..validate import check_int
 from ..votes.rounds import PARTIAL_NEEDS, round_aggregation, round_partial
 from ..aggregations import SignVote, aggregation_of
@@ -118,6 +119,49 @@ def TensorTransport(host: str = "127.0.0.1", timeout: timedelta = timedelta(seco
     return transport
 
 
+class ManagedQuorum(Quorum):
+    """A round's quorum under torchft (:meth:`FTLocalCub._quorum`): each attempt on the quorum the manager forms
+    (which may heal this replica first), contributing unless this replica joins or was healed this round; the
+    agreement also sums who contributed (C, the exchange's count) and who asked to stop; the chunks' results are
+    held until ``should_commit()``, and a round that does not commit is tried again on a new quorum with the same
+    Δ, at most ``max_attempts`` times."""
+
+    holds = True
+
+    def attempts(self):
+        opt, self.began = self.opt, time.perf_counter()
+        opt._healed = False  # a heal in any attempt of this round voids this replica's Δ
+        for _ in range(opt.max_attempts):
+            opt._start_quorum()
+            opt._fault("head", self.contributing)
+            yield self.contributing and not opt._healed
+            opt.uncommitted += 1  # (not committed) θ_s, outer state and residuals untouched: retry on a new quorum
+        raise QuorumError(f"round {opt.rounds} did not commit in {opt.max_attempts} agreements "
+                          "(max_attempts): replicas keep failing")
+
+    def slots(self, took_part: bool) -> list[float]:
+        return [float(took_part), float(self.opt.stop_requested)]  # C, and a stop asked for
+
+    def sends(self, verdict) -> bool:
+        if self.opt.manager.errored() is None and verdict.bad_ranks == 0 and self.count(verdict) > 0:
+            self.opt._fault("lanes", self.contributing)
+            return True
+        return False
+
+    def count(self, verdict) -> int:
+        return int(round(verdict.extra[0]))
+
+    def commits(self) -> bool:
+        self.opt._fault("commit", self.contributing)
+        return self.opt.manager.should_commit()
+
+    def close(self, verdict, group: RoundGroup) -> None:
+        opt = self.opt
+        opt.participants, opt.contributors = group.agree_size, self.count(verdict)
+        opt.stop_agreed = opt.stop_agreed or verdict.extra[1] > 0
+        opt.last_stall_s = time.perf_counter() - self.began
+
+
 class FTLocalCub(LocalCub):
     """:class:`~lioncub.LocalCub` across torchft replica groups (see the module docstring); what
     ``LocalCub(..., manager=m)`` builds, with LocalCub's arguments.
@@ -147,6 +191,9 @@ class FTLocalCub(LocalCub):
     Stopping together: a replica that sets ``stop_requested = True`` (its clock ran out) says so
     in the next agreement; ``stop_agreed`` then turns True on every replica of that commit at
     once, so no replica is left waiting for a quorum that will not come.
+
+    Its round's end is LocalCub's (:func:`lioncub.optim.round_end.end_round`); this class overrides only the group
+    (:meth:`_round_group`: the quorum's replicas) and the quorum (:meth:`_quorum`: :class:`ManagedQuorum`).
     """
 
     def _configure(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, manager=None,
@@ -203,10 +250,7 @@ class FTLocalCub(LocalCub):
         contribute, healed from a peer when this replica is behind. Every replica's first."""
         self._joined = True
         with comm.step_context(self.rounds):
-            self._agree(contributing=False)
-
-    def _round(self) -> None:
-        self._agree(contributing=True)
+            end_round(self, contributing=False)
 
     def _fault(self, point: str, contributing: bool) -> None:
         if self.fault_hook is not None and contributing:
@@ -217,76 +261,16 @@ class FTLocalCub(LocalCub):
             self._aggregations[P] = round_aggregation(self.config.vote, self.config.method(P), P, self.aggregate)
         return self._aggregations[P]
 
-    def _agree(self, contributing: bool) -> None:
-        """The round's agreement on the quorum torchft forms, retried until it commits. The same
-        pieces as LocalCub's round (its pseudo-gradient, :func:`~lioncub.engine.guard.agree`, its
-        aggregation); only the group, the count C of contributing replicas and the commit differ."""
-        plan = self._plan()  # the round a chunk at a time (optim/rounds.py); d is held until the commit
-        began = time.perf_counter()
-        self._healed = False  # a heal in any attempt of this round voids this replica's Δ
-        for _ in range(self.max_attempts):
-            stats = comm.step_stats(self.device)
-            self._start_quorum()
-            self._fault("head", contributing)
-            took_part = contributing and not self._healed
-            group = ReplicaGroup(self.manager)
-            P = group.size()
-            aggregation = self._aggregation(P)
-            seen = self._measure("start", plan, aggregation) if took_part else self._nothing_to_send(aggregation)
-            head = aggregation.head(seen.scales)  # (zeros from a replica with nothing to send)
-            extra = torch.zeros(2 + (0 if head is None else head.numel()), dtype=torch.float64, device=self.device)
-            extra[0], extra[1] = float(took_part), float(self.stop_requested)  # C, and a stop asked for
-            if head is not None:
-                extra[2:] = head
-            verdict = guard.agree([], group, P, self.device, stats, extra=extra,
-                                  finite=self._marked(seen.finite) if took_part else seen.finite)
-            bad, C = verdict.bad_ranks, int(round(verdict.extra[0]))
-            agreed = None
-            if self.manager.errored() is None and bad == 0 and C > 0:
-                self._fault("lanes", contributing)
-                agreed = [self._exchange(pieces, seen, took_part, verdict.extra[2:], C, stats, aggregation, group)
-                          for pieces in plan]
-            self._fault("commit", contributing)
-            if self.manager.should_commit():
-                break
-            self.uncommitted += 1  # θ_s, outer state and residuals untouched: retry on a new quorum
-        else:
-            raise QuorumError(f"round {self.rounds} did not commit in {self.max_attempts} agreements "
-                              "(max_attempts): replicas keep failing")
-        self._bad_round = False
-        self.participants, self.contributors = P, C
-        self.stop_agreed = self.stop_agreed or verdict.extra[1] > 0
-        self.last_stall_s = time.perf_counter() - began
-        self.last_round_stats = stats
-        if bad > 0:
-            self._nonfinite(bad)
-            return
-        if agreed is None:  # nobody had anything to send (every replica joining): nothing to apply
-            return
-        for pieces, (result, residual) in zip(plan, agreed):
-            if residual is not None:
-                self._write_residuals(residual, pieces)
-            self._outer_step(result, pieces)
-        self.rounds += 1
+    def _round_group(self) -> RoundGroup:
+        """The round's group: the replicas of the manager's current quorum, the agreement and the exchanges on it,
+        with the aggregation sized for its P."""
+        group = ReplicaGroup(self.manager)
+        P = group.size()
+        return RoundGroup(group, P, group, self._aggregation(P))
 
-    def _nothing_to_send(self, aggregation) -> Measured:
-        """A replica that joins (or was healed) this round: zero scales, finite."""
-        n = len(self.params)
-        scales = torch.zeros(n, dtype=torch.float64, device=self.device) if aggregation.needs_scales(
-            self.error_feedback) else None
-        return Measured(True, scales, None)
-
-    def _exchange(self, pieces, seen: Measured, took_part: bool, head, C: int, stats, aggregation, group):
-        """One chunk's exchange of an attempt: (its (d, signed), its new residual v − C(v) or None). Both
-        wait for the commit; nothing of the optimizer's state changes here."""
-        if took_part:
-            delta, v = seen.kept or self._pseudo_gradient("start", pieces)
-        else:
-            v = torch.zeros(sum(pc.size for pc in pieces), dtype=torch.float32, device=self.device)
-        agreement, sent = self._launch(v, pieces, head, seen.scales, C, stats, aggregation=aggregation, group=group,
-                                       abstain=not took_part)
-        residual = v.sub_(sent) if took_part and sent is not None and self.error_feedback else None
-        return agreement.result(stats), residual
+    def _quorum(self, contributing: bool) -> "ManagedQuorum":
+        """Who takes part in the round and when it stands: torchft's quorum, until its manager commits."""
+        return ManagedQuorum(self, contributing)
 
     def _start_quorum(self) -> None:
         try:

@@ -1,10 +1,13 @@
-"""The end of a LocalCub round, as a mixin: this worker's pseudo-gradient, the round's one finite agreement
-(:func:`~lioncub.engine.guard.agree`), its aggregation (:mod:`lioncub.votes.rounds`), the residuals and the
-outer step, a chunk of the model at a time. Streaming rounds (:mod:`.streaming`) and torchft's rounds
-(:class:`~lioncub.ft.FTLocalCub`) reuse every piece; they differ only in when the agreement is read, and on
-which group and count. Uses what LocalCub defines: ``params``, ``state`` (``start`` = θ_s, ``origin`` = o_i,
-``residual`` = e_i), ``outer_state``, ``aggregation``, ``rule``, ``error_feedback``, ``delay``, ``world_size``,
-``group``, ``generator``, ``rounds``, ``nonfinite``.
+"""The steps of a LocalCub round's end, as a mixin: this worker's pseudo-gradient and what the round agrees on
+(:meth:`Rounds._measure`), the round's one finite agreement (:meth:`Rounds._agree`:
+:func:`~lioncub.engine.guard.agree_async`), a chunk's exchange (:meth:`Rounds._launch`: its aggregation,
+:mod:`lioncub.votes.rounds`), the residuals, the outer step and a non-finite round's drop, a chunk of the model at a
+time. One sequence runs them for the blocking rounds, the streaming rounds (:mod:`.streaming`) and torchft's
+(:class:`~lioncub.ft.FTLocalCub`, which overrides only the two hooks :meth:`Rounds._round_group` and
+:meth:`Rounds._quorum`): :func:`lioncub.optim.round_end.end_round`; a fragment's round runs them spread over the
+inner steps. Uses what LocalCub defines: ``params``, ``state`` (``start`` = θ_s, ``origin`` = o_i, ``residual`` =
+e_i), ``outer_state``, ``exchange``, ``rule``, ``error_feedback``, ``delay``, ``world_size``, ``group``,
+``stream_group``, ``generator``, ``rounds``, ``nonfinite``.
 
 How a round stays within a chunk of memory: :meth:`Rounds._plan` cuts the model into chunks
 (:func:`lioncub.chunks.plan_chunks`: whole tensors together, a larger tensor in slices cut on the blocks of
@@ -22,16 +25,17 @@ wrote). So the device holds a chunk's copy at a time, and nothing waits for the 
 writes the state (:meth:`Rounds._settle`: a checkpoint, a heal)."""
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from functools import partial
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from .. import comm
 from ..chunks import Piece, chunk_cap, plan_fragments
 from ..comm import CommStats
 from ..engine import guard
 from ..votes.rounds import Agreement
+from .round_end import Quorum, RoundGroup, end_round
 
 __all__ = ["Rounds", "block_sums", "abs_means", "SCALE_BLOCK", "OUTER_STATES"]
 
@@ -62,6 +66,11 @@ def abs_means(blocks: list[list[Tensor]], sizes: list[int], device) -> Tensor:
     return sums / torch.tensor([max(n, 1) for n in sizes], dtype=torch.float64, device=device)
 
 
+def _shard_slot(sharding, k: int, n: int, verdict: guard.Verdict) -> guard.Verdict:
+    """``verdict`` with this rank's shard's ``n`` head sums (after ``k`` slots) out of the world's, spread by shard."""
+    return verdict._replace(extra=verdict.extra[:k] + sharding.slot(verdict.extra[k:], n))
+
+
 def _slot(t: Tensor, piece: Piece) -> Tensor:
     """The elements of ``piece`` in ``t``, writable: a flat view, or ``t`` itself when it is not contiguous
     (such a tensor is never cut: :meth:`Rounds._plan`)."""
@@ -79,7 +88,8 @@ class Measured(NamedTuple):
 
 
 class Rounds:
-    """A round's end: :meth:`_round`, and the pieces every kind of round shares."""
+    """The steps of a round's end that every kind of round shares (:func:`~lioncub.optim.round_end.end_round` runs
+    them), and its two hooks: :meth:`_round_group` and :meth:`_quorum`."""
 
     round_chunk = 1 << 22
     """Elements of pseudo-gradient a round holds at once, at most (and at most a 16th of the model, but not
@@ -87,29 +97,18 @@ class Rounds:
     element), not of the model. Each chunk is one more exchange; the round still agrees once."""
 
     def _round(self) -> None:
-        if self.delay:
-            self._stream_round()
-            return
-        stats = comm.step_stats(self.device)
-        plan = self._plan()
-        seen = self._measure("start", plan)
-        verdict = self._agree(self.exchange.head(seen.scales), seen.finite, stats)
-        if verdict.bad_ranks:
-            self._nonfinite(verdict.bad_ranks)
-            return
-        for index, pieces in enumerate(plan):  # second pass: each chunk's Δ again, its exchange, residuals, outer step
-            self._chunk_round(pieces, seen, verdict.extra, stats, index)
-        self.rounds += 1
-        if self.check_due(self.rounds):  # (the replicas, on the device, whatever outer_state)
-            guard.check_replicas(self.params, self.group, self.world_size, step=self.rounds,
-                                 names=self._param_names)
+        """The end of a round, blocking or streaming: :func:`~lioncub.optim.round_end.end_round`."""
+        end_round(self)
 
-    def _chunk_round(self, pieces: list[Piece], seen: "Measured", head: list[float], stats: CommStats,
-                     index: int = 0) -> None:
-        """Chunk ``index`` of a ``delay=0`` round (its buffers freed on return, before the next chunk's are made)."""
-        delta, v = seen.kept or self._pseudo_gradient("start", pieces)
-        agreement = self._send(v, pieces, head, seen.scales, stats, index)
-        self._outer_step(agreement.result(stats), pieces)
+    def _round_group(self) -> RoundGroup:
+        """Where this optimizer's round ends run: the finite agreement over ``agree_group``, the exchanges over its
+        ranks (streaming: on their own group, :func:`lioncub.comm.own_group`) with its ``exchange``."""
+        group = self.stream_group if self.stream_group is not None else self.group
+        return RoundGroup(self.agree_group, self.agree_size, group, self.exchange)
+
+    def _quorum(self, contributing: bool) -> Quorum:
+        """Who takes part in a round's end and when it stands: every rank, at once (:class:`Quorum`)."""
+        return Quorum(self, contributing)
 
     def _plan(self) -> list[list[Piece]]:
         """The round's chunks for this optimizer's parameters: :func:`lioncub.chunks.plan_chunks`, slices cut on
@@ -158,23 +157,26 @@ class Rounds:
                 sizes[pc.index] += pc.size
         return Measured(finite, abs_means(blocks, sizes, self.device) if scaled else None, kept)
 
-    def _agree(self, head: Optional[Tensor], finite, stats: CommStats) -> guard.Verdict:
-        """The round's one small all-reduce and host read: how many ranks hold a non-finite value (``finite``:
-        this rank's verdict), and the aggregation's per-tensor sums (the lane mean's shared scale)."""
-        return self._agree_late(head, finite, stats).read(stats)
+    def _nothing_to_send(self, aggregation) -> Measured:
+        """What a rank with no Δ this round measures (torchft's joining or healed replica): finite, zero scales."""
+        scaled = aggregation.needs_scales(self.error_feedback)
+        return Measured(True, torch.zeros(len(self.params), dtype=torch.float64, device=self.device) if scaled
+                        else None, None)
 
-    def _agree_late(self, head: Optional[Tensor], finite, stats: CommStats) -> guard.Agreeing:
-        """:meth:`_agree` launched only; its :meth:`~lioncub.engine.guard.Agreeing.read` waits for the all-reduce
-        and returns the verdict (the ranks meet there, not here)."""
-        sharded = self.sharding is not None and head is not None  # the world agrees; a shard's replicas sum
-        finish = (lambda verdict: verdict._replace(extra=self.sharding.slot(verdict.extra, head.numel()))) \
-            if sharded else None
-        agreeing = guard.agree_async([], self.agree_group, self.agree_size, self.device, stats,
-                                     finite=self._marked(finite),
-                                     extra=self.sharding.spread(head) if sharded else head, finish=finish)
-        self._bad_round = False
-        self.last_round_stats = stats
-        return agreeing
+    def _agree(self, head: Optional[Tensor], finite, stats: CommStats, group: RoundGroup,
+               slots: Sequence[float] = ()) -> guard.Agreeing:
+        """The round's one small all-reduce over ``group``'s agreement group, launched: how many ranks hold a
+        non-finite value (``finite``: this rank's verdict) and the sums of ``slots`` (the quorum's) then of ``head``
+        (the aggregation's per-tensor sums: the lane mean's shared scale). Its
+        :meth:`~lioncub.engine.guard.Agreeing.read` waits for it and gives the verdict (the ranks meet there)."""
+        extra, finish = head, None
+        if self.sharding is not None and head is not None:  # the world agrees; a shard's replicas sum
+            extra, finish = self.sharding.spread(head), partial(_shard_slot, self.sharding, len(slots), head.numel())
+        if slots:
+            ahead = torch.tensor(slots, dtype=torch.float64, device=self.device)
+            extra = ahead if extra is None else torch.cat([ahead, extra])
+        return guard.agree_async([], group.agree_group, group.agree_size, self.device, stats, finite=finite,
+                                 extra=extra, finish=finish)
 
     def _marked(self, finite):
         """This rank's verdict for the round: ``finite`` (its Δ), and no inner step marked non-finite (``_bad_round``:
@@ -234,25 +236,27 @@ class Rounds:
             torch.cuda.synchronize(self.device)
 
     def _launch(self, v: Tensor, pieces: list[Piece], head: list[float], scales: Optional[Tensor], count: int,
-                stats: CommStats, *, aggregation=None, group=None, owner: Optional[Tensor] = None,
-                abstain: bool = False) -> tuple[Agreement, Optional[Tensor]]:
-        """Start the agreement of ``v`` over ``pieces`` (:mod:`lioncub.votes.rounds`): the agreement, and C(v_i)
-        with error feedback (None without). ``head``: the agreed per-tensor sums, ``scales``: this rank's
+                stats: CommStats, index: int, group: RoundGroup, abstain: bool = False) -> tuple[Agreement, Optional[Tensor]]:
+        """Start chunk ``index``'s agreement of ``v`` over ``pieces`` on ``group`` (its aggregation,
+        :mod:`lioncub.votes.rounds`, with the chunk's owner state: :meth:`_owner_state`): the agreement, and this
+        rank's new residual v − C(v) (in ``v``'s buffer; None without error feedback, or when ``abstain``: a rank with
+        nothing to send, not among the ``count``). ``head``: the agreed per-tensor sums, ``scales``: this rank's
         per-tensor mean |v| (each indexed by parameter; empty / None when the aggregation has none)."""
-        aggregation = self.exchange if aggregation is None else aggregation
         idx = [pc.index for pc in pieces]
-        return aggregation.launch(v, [pc.size for pc in pieces], head=[head[i] for i in idx] if len(head) else [],
-                                  scales=None if scales is None else scales[idx], count=count, step=self.rounds,
-                                  generator=self.generator, group=self.group if group is None else group,
-                                  stats=stats, feedback=self.error_feedback, owner=owner, abstain=abstain)
+        agreement, sent = group.aggregation.launch(
+            v, [pc.size for pc in pieces], head=[head[i] for i in idx] if len(head) else [],
+            scales=None if scales is None else scales[idx], count=count, step=self.rounds, generator=self.generator,
+            group=group.group, stats=stats, feedback=self.error_feedback, owner=self._owner_state(index, v.numel()),
+            abstain=abstain)
+        return agreement, v.sub_(sent) if sent is not None and self.error_feedback and not abstain else None
 
     def _send(self, v: Tensor, pieces: list[Piece], head: list[float], scales: Optional[Tensor], stats: CommStats,
-              index: int, group=None) -> Agreement:
-        """Chunk ``index``'s exchange over every rank (:meth:`_launch`, with the chunk's owner state) started, and
-        this rank's residual of it kept (:meth:`_keep_residuals`); its agreement."""
-        agreement, sent = self._launch(v, pieces, head, scales, self.world_size, stats, group=group,
-                                       owner=self._owner_state(index, v.numel()))
-        self._keep_residuals(v, sent, pieces)
+              index: int) -> Agreement:
+        """Chunk ``index``'s exchange over every rank of :meth:`_round_group` (:meth:`_launch`) started, and this
+        rank's residual of it kept; its agreement."""
+        agreement, residual = self._launch(v, pieces, head, scales, self.world_size, stats, index, self._round_group())
+        if residual is not None:
+            self._write_residuals(residual, pieces)
         return agreement
 
     def _owner_state(self, index: int, n: int) -> Optional[Tensor]:
@@ -266,12 +270,6 @@ class Rounds:
         if kept is None or kept.numel() != size:  # (the aggregation reads and writes it where it lives)
             kept = self.owner_residuals[index] = torch.zeros(size, dtype=torch.float32, **self._placed())
         return kept
-
-    def _keep_residuals(self, v: Tensor, sent: Optional[Tensor], pieces: list[Piece]) -> None:
-        """e_i ← v_i − C(v_i) over ``pieces`` (nothing without error feedback: ``sent`` None)."""
-        if sent is None or not self.error_feedback:
-            return
-        self._write_residuals(v.sub_(sent), pieces)
 
     def _write_residuals(self, e: Tensor, pieces: list[Piece]) -> None:
         """The residuals of ``pieces`` ← ``e`` (flat, in their order)."""

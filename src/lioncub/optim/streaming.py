@@ -1,13 +1,15 @@
 """Streaming rounds (``delay=1``) of :class:`~lioncub.optim.localcub.LocalCub`, as a mixin.
 
-The end of a streaming round k: wait for round k−1's agreement and take its outer step on θ_s,
-rebase this worker onto it (θ_i ← θ_s − Δ_i^k, o_i ← θ_i), and launch round k's agreement
-asynchronously, one exchange per chunk of the model (:mod:`.rounds`, :mod:`lioncub.votes.rounds`),
-each left in flight for a round. With ``fragments=F`` the same happens to one fragment of the model every
-H/F steps, each in flight for H/F steps (:meth:`StreamingRounds._fragment_round`). The rule and why it is
-this one: docs/local_steps.md. The mixin uses what LocalCub defines: ``params``, ``state`` (``start`` = θ_s,
-``origin`` = o_i), ``world_size``, ``stream_group``, ``fragments``, ``rounds``, ``_pending`` (the chunks'
-agreements in flight) and ``_pending_fragment``, and the round helpers of :class:`~lioncub.optim.rounds.Rounds`.
+The end of a streaming round k is the one round end every round runs (:func:`lioncub.optim.round_end.end_round`),
+with Δ measured since o_i and its exchanges here (:meth:`StreamingRounds._stream_chunks`): per chunk of the model,
+wait for round k−1's agreement and take its outer step on θ_s, rebase this worker onto it (θ_i ← θ_s − Δ_i^k,
+o_i ← θ_i), and launch round k's agreement asynchronously (:mod:`.rounds`, :mod:`lioncub.votes.rounds`), left in
+flight for a round. With ``fragments=F`` the same steps happen to one fragment of the model every H/F steps, each in
+flight for H/F steps, spread over the inner steps (:meth:`StreamingRounds._fragment_round`, ``_send_late``,
+``_receive_pending``). The rule and why it is this one: docs/local_steps.md. The mixin uses what LocalCub defines:
+``params``, ``state`` (``start`` = θ_s, ``origin`` = o_i), ``world_size``, ``stream_group``, ``fragments``,
+``rounds``, ``_pending`` (the chunks' agreements in flight) and ``_pending_fragment``, and the round's steps of
+:class:`~lioncub.optim.rounds.Rounds`.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from ..engine import guard
 from ..validate import check_bool, check_int
 from ..votes import STREAMING_VOTES
 from ..votes.rounds import Agreement
+from .round_end import applied
 from .rounds import _slot
 
 __all__ = ["StreamingRounds", "check_fragments"]
@@ -57,8 +60,8 @@ class LateFragment(NamedTuple):
 
 
 class StreamingRounds:
-    """The ``delay=1`` half of LocalCub's round: :meth:`_stream_round`, :meth:`flush`, :meth:`agreed` and their
-    helpers."""
+    """The ``delay=1`` half of LocalCub's round: a streaming round's exchanges (:meth:`_stream_chunks`), the fragments'
+    round ends, :meth:`flush`, :meth:`agreed` and their helpers."""
 
     def _open_streaming(self, fragments: int, vote: str, quantizer, eager) -> None:
         """Set-up: the fragments (:func:`check_fragments`), ``eager`` and the refusals of what cannot stream; the
@@ -101,13 +104,12 @@ class StreamingRounds:
             with comm.step_context(self.rounds):
                 self._round()
 
-    def _stream_round(self) -> None:
-        """The end of a streaming round: per chunk, the previous round's outer step, the rebase and this
-        round's agreement launched; the finite check and the head agreed first, over the whole model."""
-        stats = comm.step_stats(self.device)
-        plan = self._plan()
-        seen = self._measure("origin", plan)
-        verdict = self._agree(self.exchange.head(seen.scales), seen.finite, stats)
+    def _stream_chunks(self, plan: list[list[Piece]], seen, verdict: guard.Verdict, head: list[float],
+                       stats: CommStats) -> list:
+        """A streaming round's exchanges (:func:`~lioncub.optim.round_end.end_round`, once the round is agreed on),
+        a chunk at a time: the last round's agreement of the chunk applied to θ_s, the rebase and this round's
+        agreement of the chunk launched (:meth:`_chunk_stream`); then the last round counted. The agreements launched,
+        one per chunk (None each when the round is not finite everywhere)."""
         pending, self._pending, launched = self._pending, None, []
         for agreement in pending or []:  # every last stage in flight before a new exchange: one order on every rank
             agreement.launch(stats)
@@ -115,16 +117,13 @@ class StreamingRounds:
             previous = None if pending is None else pending[c]
             if pending is not None:
                 pending[c] = None  # (its d is freed with this chunk)
-            launched.append(self._chunk_stream(pieces, seen, verdict, previous, stats, c))
+            launched.append(self._chunk_stream(pieces, seen, verdict, head, previous, stats, c))
         if pending is not None:
-            self._applied()
-        if verdict.bad_ranks:
-            self._nonfinite(verdict.bad_ranks)
-            return
-        self._pending = launched
+            applied(self)
+        return launched
 
-    def _chunk_stream(self, pieces: list[Piece], seen, verdict: guard.Verdict, previous, stats: CommStats,
-                      index: int):
+    def _chunk_stream(self, pieces: list[Piece], seen, verdict: guard.Verdict, head: list[float], previous,
+                      stats: CommStats, index: int):
         """One chunk of a streaming round's end: ``previous`` (the last round's agreement of this chunk, or
         None) applied to θ_s, the rebase, and this round's agreement of the chunk launched and returned (None
         when the round is not finite everywhere)."""
@@ -140,7 +139,7 @@ class StreamingRounds:
         else:  # nothing in flight (the first round, after a skip or a flush): θ_i stays
             for pc in pieces:
                 self._store(pc, "origin", _slot(self.params[pc.index], pc))
-        return self._send(v, pieces, verdict.extra, seen.scales, stats, index, group=self.stream_group)
+        return self._send(v, pieces, head, seen.scales, stats, index)
 
     # ------------------------------------------------------------------ fragments
     def _fragment_ending(self):
@@ -164,7 +163,8 @@ class StreamingRounds:
         self._receive_pending(stats)
         lo, hi = spans[j]
         seen = self._measure("start", plan[lo:hi])
-        agreeing = self._agree_late(self.exchange.head(seen.scales), seen.finite, stats)
+        agreeing = self._agree(self.exchange.head(seen.scales), self._marked(seen.finite), stats, self._round_group())
+        self._bad_round = False
         kept = []
         for pieces in plan[lo:hi]:
             if self.eager:  # (its v kept for the send: θ_i no longer tells Δ_i)
@@ -195,7 +195,7 @@ class StreamingRounds:
         for n, index in enumerate(range(lo, hi)):
             pieces = plan[index]
             v = late.kept[n] if late.kept else self._pseudo_gradient("start", pieces, until="origin")[1]
-            launched.append(self._send(v, pieces, verdict.extra, late.scales, stats, index, group=self.stream_group))
+            launched.append(self._send(v, pieces, verdict.extra, late.scales, stats, index))
             v = None
         self._pending, self._pending_fragment = launched, late.fragment
         self.last_round_stats = stats
@@ -215,7 +215,7 @@ class StreamingRounds:
             for pc, start, moved in zip(pieces, starts, progress):
                 _slot(self.params[pc.index], pc).copy_(start.float() + moved)
         if self._pending_fragment == self.fragments - 1:
-            self._applied()
+            applied(self)
 
     def _advance(self) -> None:
         """Between inner steps: launch the next stage of each exchange in flight whose first is complete, in the
@@ -223,15 +223,6 @@ class StreamingRounds:
         for agreement in self._pending:
             if not agreement.advance(self.last_step_stats):
                 return
-
-    def _applied(self) -> None:
-        """A round's outer step is complete: count it, and check the replicas' θ_s when due (checksummed on the
-        device, where host state goes a slice at a time)."""
-        self.rounds += 1
-        if self.check_due(self.rounds):
-            self._settle()  # (a strided θ_s on the host is read there, by its reshape)
-            guard.check_replicas([self.local_state[p]["start"] for p in self.params], self.group, self.world_size,
-                                 step=self.rounds, names=self._param_names, device=self.device)
 
     def _stand_in(self, delta: Tensor, pieces: list[Piece]) -> None:
         """``eager``: θ_i ← the outer rule's step from θ_s by this worker's own Δ_i (``delta``, over ``pieces``),
@@ -289,5 +280,5 @@ class StreamingRounds:
                                - _slot(self.params[pc.index], pc).float().reshape(-1) for pc in pieces])
             self._rebase(delta, pieces, self._outer_step(agreement.result(stats), pieces, replicas=False))
             agreement = delta = None
-        self._applied()
+        applied(self)
         self.last_round_stats = stats
