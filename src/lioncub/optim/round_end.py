@@ -2,21 +2,21 @@
 
     measure → agree → non-finite → per-chunk exchange → outer step → count → replica check
 
-Every step is one method of :class:`~lioncub.optim.rounds.Rounds` (``_measure``, ``_agree``, ``_nonfinite``,
-``_launch``, ``_outer_step``, :func:`applied`), and every round runs them in this order:
+Each step is written once: ``_measure``, ``_agree``, ``_nonfinite``, ``_launch`` and ``_outer_step`` of
+:class:`~lioncub.optim.rounds.Rounds`, the count and replica check here (:func:`applied`). The kinds of round:
 
-* a blocking round (``delay=0``): all of it at the round's end, each chunk's outer step as soon as its exchange is
+* blocking (``delay=0``): all of it at the round's end, each chunk's outer step taken as soon as its exchange is
   done (:func:`exchange`);
-* a streaming round (``delay=1``): Δ measured since o_i, and each chunk's exchange preceded by the outer step of
-  the same chunk's agreement of the last round and the rebase
-  (:meth:`~lioncub.optim.streaming.StreamingRounds._stream_chunks`), this round's left in flight;
-* torchft's round (:class:`~lioncub.optim.replicas.FTLocalCub`): the blocking one, over another group
-  (:meth:`~lioncub.optim.rounds.Rounds._round_group`: the manager's quorum, the aggregation sized for it) and another
-  :class:`Quorum` (:meth:`~lioncub.optim.rounds.Rounds._quorum`: who contributes, retried until the manager
+* streaming (``delay=1``): Δ measured since o_i, and each chunk's exchange preceded by the outer step of the
+  chunk's agreement of the last round and the rebase
+  (:meth:`~lioncub.optim.streaming.StreamingRounds._stream_chunks`); this round's left in flight;
+* torchft's (:class:`~lioncub.optim.replicas.FTLocalCub`): the blocking one with two hooks overridden, the group
+  (:meth:`~lioncub.optim.rounds.Rounds._round_group`: the manager's quorum, the aggregation sized for it) and the
+  :class:`Quorum` (:meth:`~lioncub.optim.rounds.Rounds._quorum`: who contributes, the retries until the manager
   commits, the chunks' results held until then);
-* a fragment's round (``fragments > 1``): the same steps spread over the inner steps, because each waits for the
-  one before without holding the replica up (:meth:`~lioncub.optim.streaming.StreamingRounds._fragment_round`:
-  measure and agree; ``_send_late``: non-finite and exchange; ``_receive_pending``: outer step, count, check).
+* a fragment's (``fragments > 1``): the same steps spread over the inner steps, so that no rank waits for the
+  others (:meth:`~lioncub.optim.streaming.StreamingRounds._fragment_round`: measure, agree; ``_send_late``:
+  non-finite, exchange; ``_receive_pending``: outer step, count, check).
 """
 from __future__ import annotations
 
@@ -128,18 +128,19 @@ def exchange(opt, plan: list, seen, verdict: guard.Verdict, head: list[float], g
         return None
     count, held = quorum.count(verdict), []
     for index, pieces in enumerate(plan):
-        if took_part:
-            delta, v = seen.kept or opt._pseudo_gradient("start", pieces)
+        if took_part:  # (v only: Δ is not needed here)
+            v = (seen.kept or opt._pseudo_gradient("start", pieces))[1]
         else:
             v = torch.zeros(sum(pc.size for pc in pieces), dtype=torch.float32, device=opt.device)
         agreement, residual = opt._launch(v, pieces, head, seen.scales, count, stats, index, group,
                                           abstain=not took_part)
         if quorum.holds:
             held.append((agreement.result(stats), residual))
-            continue
-        if residual is not None:
-            opt._write_residuals(residual, pieces)
-        opt._outer_step(agreement.result(stats), pieces)
+        else:
+            if residual is not None:
+                opt._write_residuals(residual, pieces)
+            opt._outer_step(agreement.result(stats), pieces)
+        v = agreement = residual = None  # (freed before the next chunk's are made)
     return held
 
 
