@@ -35,21 +35,11 @@ from bench import _runner
 from lioncub.testbed.straggler import add_arguments as add_straggler_arguments, format_specs, parse_flags
 
 
-def _short_options() -> list[str]:
-    from lioncub.harness.compare import LOCALCUB
-    from lioncub.optim.regime import SETTINGS
-
-    short = SETTINGS["short"]
-    assert all(short[k] == LOCALCUB[k] for k in ("inner", "vote", "bits", "quantizer", "aggregate", "error_feedback"))
-    return ["--local-steps", str(short["local_steps"]), "--outer", short["outer"], "--outer-lr",
-            f"{short['outer_lr']:g}", "--lr", f"{short['lr']:g}"]
-
-
 METHODS = {
     "localcub": [],  # lioncub train --ft's default: the comparison's LocalCub (H = 50)
-    # LocalCub's short-round setting (lioncub.optim.regime.SETTINGS['short'], what --local-setting link picks up to
-    # r ≈ 20): H = 10 and its outer rule and lr; the round's 8-bit lane mean, EF and AdamW are the default's too
-    "localcub-h10": _short_options(),
+    # short rounds of the 8-bit lane mean (first at r ≈ 9 in the races by regime): H = 10, outer SGD 1, AdamW lr 4e-3;
+    # the lane mean, EF and AdamW are the comparison's LocalCub's too (a sum a quorum can leave a replica out of)
+    "localcub-h10": ["--local-steps", "10", "--outer", "sgd", "--outer-lr", "1", "--lr", "4e-3"],
     "vote": ["--optimizer", "lioncub", "--vote", "pbit", "--local-steps", "1"],  # LionCub's vote every step
 }
 """``--method``: the training options each adds to ``lioncub train --ft``."""

@@ -47,24 +47,41 @@ def run_tree(tree: str, steps: int, workdir: str) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--before", required=True, help="a worktree of the older commit")
+    ap.add_argument("--before", help="a worktree of the older commit (required unless --report-only)")
     ap.add_argument("--after", default=HERE)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--out", default=os.path.join(HERE, "bench", "results", "study_ab_issue64.json"))
+    ap.add_argument("--report-only", metavar="JSON", help="print the verdict of a study_ab JSON; run nothing")
     a = ap.parse_args(argv)
+    if a.report_only:
+        with open(a.report_only) as f:
+            res = json.load(f)
+        report(res)
+        return 0
+    if a.before is None:
+        ap.error("--before is required (a worktree of the older commit)")
     with tempfile.TemporaryDirectory() as d:
         before, after = run_tree(os.path.abspath(a.before), a.steps, d), run_tree(os.path.abspath(a.after), a.steps, d)
     keys = ("curve", "final", "train_loss_last20")
     verdict = {k: all(before[k][x] == after.get(k, {}).get(x) for x in keys) for k in LABELS}
-    for k, same in verdict.items():
-        print(f"{k}: {'bit-identical' if same else 'DIFFERENT'} (val {before[k]['final']['val_loss']:.6f})")
     with open(a.out, "w") as f:
         commit = {k: subprocess.run(["git", "-C", t, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
                   for k, t in (("before", a.before), ("after", a.after))}
         json.dump(dict(steps=a.steps, before=a.before, after=a.after, commits=commit, identical=verdict, before_runs=before,
                        after_runs=after), f, indent=1)
+    with open(a.out) as f:
+        report(json.load(f))
     print(f"wrote {a.out}")
     return 0 if all(verdict.values()) else 1
+
+
+def report(res: dict) -> None:
+    """The verdict table of a study_ab JSON."""
+    print(f"| run ({res['steps']} steps, seed 0) | before {res['commits']['before'][:7]} | after "
+          f"{res['commits']['after'][:7]} | bit-identical |\n|---|---|---|---|")
+    for k, same in res["identical"].items():
+        b, a = res["before_runs"][k]["final"]["val_loss"], res["after_runs"][k]["final"]["val_loss"]
+        print(f"| {k} | {b:.6f} | {a:.6f} | {'yes' if same else 'NO'} |")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ CASES = (
      "| B=12 1-bit lr=0.0001 | 0-400 |"),
     ("worker_start", "worker_start.json", ["--report-only", "{json}"], "| workers | spawn (median s) |"),
     ("study", "study_recipe.jsonl", ["--report-only", "{json}"], "| Lion lr=0.0001 wd=1 | 3 | 2000 | 2.1239 ± 0.0104 |"),
+    ("study_ab", "study_ab_issue64.json", ["--report-only", "{json}"], "| 1-bit (onebit) | 4.256273 | 4.256273 | yes |"),
     ("fault_tolerance", "fault_tolerance.json", ["--report-only", "{json}"], "| 0 | 5 |"),
     ("import_graph", "import_graph_issue46.json", ["--report-only", "--out", "{json}"], "upward"),
     ("memory", "memory.json", ["--report-only", "--out", "{json}", "--md", "{dir}/memory.md"], "| 70B | fsdp_lioncub_onebit |"),

@@ -39,8 +39,8 @@ from .round_end import Quorum, RoundGroup, end_round
 
 __all__ = ["Rounds", "block_sums", "abs_means", "SCALE_BLOCK", "OUTER_STATES"]
 
-OUTER_STATES = ("device", "host")
-"""LocalCub's ``outer_state=``: where θ_s, o_i, e_i, the outer rule's state and the owner residuals live."""
+from ..options import OUTER_STATES  # (Options.outer_state's choices: where θ_s, o_i, e_i, the outer rule's state and
+# the owner residuals live)
 
 SCALE_BLOCK = 1 << 20
 """Elements per block of a tensor's mean |v| (:func:`abs_means`); a tensor is sliced on these blocks."""
