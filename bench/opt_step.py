@@ -51,7 +51,7 @@ def worker(rank, world, methods, steps, out, gpt=None):
 
 METHODS = [("grad fp32", dict(vote="grad")), ("onebit", dict(vote="onebit")), ("gather", dict(vote="gather")),
            ("pbit4", dict(vote="pbit", bits=4)), ("pbit8 l1", dict(vote="pbit", bits=8, quantizer="l1")),
-           ("sign int8", dict(vote="sign_allreduce"))]
+           ("sign int8", dict(vote="sign_allreduce")), ("onebit mean", dict(vote="onebit", aggregate="mean"))]
 
 
 def table(r: dict) -> str:
