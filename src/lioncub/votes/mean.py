@@ -43,8 +43,6 @@ residuals (:meth:`OneBitMean.encode_mean`) and ``h`` (:meth:`OneBitMean.adapt_sh
 """
 from __future__ import annotations
 
-import math
-from numbers import Real
 from typing import Optional, Union
 
 import torch
@@ -57,7 +55,7 @@ from .feedback import add_residuals_
 from .onebit import OneBit
 from .twophase import Codec, TwoPhase
 
-__all__ = ["OneBitMean", "SignCodec", "AGGREGATES", "NORMS", "MEAN_DEFAULTS", "check_step_aggregate", "mean_fingerprint",
+__all__ = ["OneBitMean", "SignCodec", "AGGREGATES", "NORMS", "MEAN_DEFAULTS", "mean_fingerprint",
            "saved_fingerprint", "make_step_method"]
 
 AGGREGATES = ("vote", "mean")
@@ -202,38 +200,6 @@ MEAN_DEFAULTS = dict(mean_adapt=ADAPT_DEFAULT, mean_range=RANGE_DEFAULT, mean_no
 SAVED_BEFORE = {"mean_norm": "arithmetic", "mean_restart": 0}
 """Fingerprint settings added after checkpoints of ``aggregate='mean'`` were first saved, with the
 value those checkpoints ran with (:func:`saved_fingerprint`)."""
-
-
-def check_step_aggregate(aggregate: str, vote: str, *, error_feedback: str, stochastic_signs: Union[bool, float],
-                         tie: str, **mean) -> None:
-    """Refuse an unknown every-step ``aggregate``, a ``mean_*`` setting (``mean``: the four of
-    :data:`MEAN_DEFAULTS`) out of range or given to the vote, and ``'mean'`` anywhere but on
-    ``vote='onebit'`` without the vote's own residuals, draws or held ties."""
-    from ..validate import check_choice, check_int
-
-    check_choice("aggregate", aggregate, AGGREGATES)
-    for name in ("mean_adapt", "mean_range"):
-        value = mean[name]
-        if isinstance(value, bool) or not isinstance(value, Real) or not (math.isfinite(value) and value >= 1):
-            raise ValueError(f"{name} must be a finite number >= 1, got {value!r}")
-    check_choice("mean_norm", mean["mean_norm"], NORMS)
-    check_int("mean_restart", mean["mean_restart"], 0)
-    for name, default in MEAN_DEFAULTS.items():
-        if aggregate != "mean" and mean[name] != default:
-            raise ValueError(f"{name} applies to aggregate='mean' only, got aggregate={aggregate!r}")
-    if aggregate != "mean":
-        return
-    if vote != OneBitMean.name:
-        raise ValueError(f"aggregate='mean' runs on onebit's all-to-all and all-gather: it needs vote='onebit', "
-                         f"got vote={vote!r}")
-    if error_feedback != "none" or stochastic_signs:
-        name = "error_feedback" if error_feedback != "none" else "stochastic_signs"
-        value = error_feedback if error_feedback != "none" else stochastic_signs
-        raise ValueError(f"aggregate='mean' keeps its own residuals on both sides: {name} must keep its default, "
-                         f"got {name}={value!r}")
-    if tie == "hold":
-        raise ValueError("tie='hold' repeats a voted sign; aggregate='mean' votes none: use tie='alternate', "
-                         "'plus' or 'minus'")
 
 
 def make_step_method(vote: str, world: int, bits: Optional[int], quantizer: Optional[str], tie: str, *,
