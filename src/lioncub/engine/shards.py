@@ -246,7 +246,6 @@ def sharding_of(params: Sequence[Tensor], process_group, who: str) -> Optional[S
     shard_ranks = _mesh_group_ranks(mesh)
     if process_group is None:
         root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
-        names = tuple(getattr(root, "mesh_dim_names", None) or ())
         if root is mesh or root.ndim == 1:
             replicas = None
         elif _other_dim(root, mesh) is not None:
