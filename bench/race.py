@@ -343,6 +343,7 @@ def main(argv=None) -> int:
     if bad:
         print(f"a worker failed ({bad[0].returncode}); keeping the runs that finished:\n{bad[0].stderr[-3000:]}")
     runs = merge([r or [] for r in ran.ranks])
+    load_after = os.getloadavg()  # (before the reference's runs, if any)
     loopback = None
     if args.reference_loopback is not None:  # the same job on a fast network: unshaped, same seeds, same budget
         before = os.getloadavg()
@@ -362,7 +363,7 @@ def main(argv=None) -> int:
         runs = [r for r in earlier["runs"] if _run_key(r) not in new_keys] + runs
         loopback = loopback or earlier.get("loopback")
     _runner.write_json(args.out, {"args": vars(args), "rate": ran.rate or "unshaped", "wall_s": ran.wall_s,
-                                  "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
+                                  "load_avg_before": load_before, "load_avg_after": load_after,
                                   "earlier": {k: earlier[k] for k in ("args", "wall_s", "load_avg_before",
                                                                        "load_avg_after", "replaced_runs")
                                               if k in earlier} or None,
