@@ -279,7 +279,7 @@ def test_opt_step(tmp_path):
     out = tmp_path / "opt_step.json"
     proc = _bench("opt_step.py", "--steps", "1", "--layers", "1", "--embd", "96", "--vocab", "256", "--out", out)
     data = json.loads(out.read_text())
-    assert list(data) == ["grad fp32", "onebit", "gather", "pbit4", "pbit8 l1", "sign int8"]
+    assert list(data) == ["grad fp32", "onebit", "gather", "pbit4", "pbit8 l1", "sign int8", "onebit mean"]
     for label, v in data.items():
         assert set(v) == {"step", "pack", "coll", "unpack", "apply"}, label
         assert _pos(v["step"]), label
