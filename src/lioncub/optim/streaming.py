@@ -23,7 +23,7 @@ from .. import comm
 from ..chunks import Piece
 from ..comm import CommStats
 from ..engine import guard
-from ..validate import check_bool, check_int
+from ..validate import check_int
 from ..votes import STREAMING_VOTES
 from ..votes.rounds import Agreement
 from .round_end import applied
@@ -67,12 +67,7 @@ class StreamingRounds:
         """Set-up: the fragments (:func:`check_fragments`), ``eager`` and the refusals of what cannot stream; the
         process group the agreements run on (:func:`lioncub.comm.own_group`; with ``delay=1``); nothing in flight."""
         self.fragments = check_fragments(fragments, self.delay, self.steps_pick is not None, self.H)
-        self.eager = check_bool("eager", eager)
-        if self.eager and not self.delay:
-            raise ValueError("eager=True stands in for an agreement in flight: it needs delay=1")
-        if self.eager and self.exchange.signed:
-            raise ValueError(f"eager=True stands in this worker's own Δ for the agreed mean: it needs a mean "
-                             f"(vote='grad' or aggregate='mean'), got vote={vote!r}, aggregate={self.aggregate!r}")
+        self.eager = eager  # (checked by Streaming and optim.localcub.round_settings: a bool, streamed, on a mean)
         if self.delay and not self.exchange.streams:
             raise ValueError(f"delay=1 keeps the round's exchange in flight: vote must be 'grad', one of "
                              f"{STREAMING_VOTES}, or 'onebit' with aggregate='mean', got vote={vote!r}")
