@@ -127,14 +127,15 @@ def test_auto_refuses_what_it_would_pick_itself(kw):
 
 @pytest.mark.parametrize("round_s, step_s, want", [
     (0.0, 0.04, ("lowbit", 5)),          # a free link
-    (0.8, 0.04, ("lowbit", 5)),          # a round of exactly 4 x 5 steps' compute
-    (0.8001, 0.04, ("lowbit", 6)),       # a hair more: one step more
-    (8.0, 0.04, ("lowbit", 50)),         # exactly 4 x 50 steps: the last low-bit H
-    (8.001, 0.04, ("long", 50)),         # beyond it: long rounds
+    (0.2, 0.04, ("lowbit", 5)),          # a round of exactly 5 steps' compute
+    (0.2001, 0.04, ("lowbit", 6)),       # a hair more: one step more
+    (0.48, 0.04, ("lowbit", 12)),        # 12 steps' worth (the 5 Mbit/s race's): H = 12
+    (2.0, 0.04, ("lowbit", 50)),         # exactly 50 steps: the last low-bit H
+    (2.001, 0.04, ("long", 50)),         # beyond it: long rounds
     (0.1, 0.0, ("long", 50)),            # no compute to hide a round behind
 ])
 def test_the_auto_rule_is_its_docstring(round_s, step_s, want):
-    """pick_rounds: the smallest H >= 5 with round <= 4·H·step, low-bit rounds while H <= 50 (the round's α-β time
+    """pick_rounds: the smallest H >= 5 with round <= H·step, low-bit rounds while H <= 50 (the round's α-β time
     is round_seconds of the 2-bit scatter mean's exchange, tested with the scatter mean's plan)."""
     from lioncub.optim.regime import pick_rounds
 

@@ -100,7 +100,7 @@ def _link_run(rank, world, out, cache, resume):
 def test_a_run_on_the_link_setting_picks_in_the_optimizer_and_a_resume_keeps_the_pick(tmp_path, corpus_cache):
     first = run_workers(_link_run, 2, str(tmp_path / "a"), str(corpus_cache), None)
     summary = first[0][0]
-    assert summary["local_setting"] == "lowbit"  # loopback: a 2-bit round costs far less than 4 x 5 steps
+    assert summary["local_setting"] == "lowbit"  # loopback: a 2-bit round costs far less than 5 steps
     assert summary["steps"] == 20 and summary["local_steps_picked"] == regime.LOWBIT_H and summary["step_s"] > 0
     resumed = run_workers(_link_run, 2, str(tmp_path / "b"), str(corpus_cache),
                           str(tmp_path / "a" / "ckpt" / "step_0000010"))

@@ -5,13 +5,15 @@ One rule, here, for the optimizer and for everything built on it (``lioncub trai
 :data:`LOWBIT_H` timed steps; at its end :func:`pick_rounds` decides, every rank alike, from the α-β time of one such
 round (``round_s``: the exchange's own plan on the measured α and β) and the slowest rank's step ``step_s``::
 
-    H = max(5, ⌈round_s / (4 · step_s)⌉)        the smallest H >= 5 whose round costs at most 4 times H steps
-    low-bit rounds with that H                  while H <= 50 (the link kept busy beside compute)
+    H = max(5, ⌈round_s / step_s⌉)              the smallest H >= 5 whose round costs at most H steps' compute
+    low-bit rounds with that H                  while H <= 50 (the link busy about half the time)
     long rounds otherwise                       4-bit scatter mean, outer Nesterov 0.7, H >= 50 priced by 'auto'
 
-The races behind it (bench/README.md, "Low-bit rounds for the library's default"; 3 seeds, 100 s each): the 2-bit
-rounds at H = 5 led the long setting at r ≈ 250 beyond the noise and the 8-bit lane mean at H = 10 at r ≈ 10; at
-r ≈ 330 they were level with the streamed long setting within the noise. The inner lr stays the caller's: the
+The races behind it (bench/README.md, "Low-bit rounds for the library's default" and "The rule's share from 4 to
+1"; 3 seeds, 100 s each): the 2-bit rounds at H = 5 led the long setting at r ≈ 250 beyond the noise and the 8-bit
+lane mean at H = 10 at r ≈ 10; at 5 Mbit/s (r ≈ 480) H = 12, this rule's pick there, reached AdamW + DDP's
+loopback loss at 1.17 times its time where H = 5 (a share of 4) needed 1.84 and H = 25 1.41. Streaming these short
+rounds (one round in flight) ran at 0.89 of the compute rate but stalled on 2 of 3 seeds: they stay blocking. The inner lr stays the caller's: the
 low-bit rounds were raced at :data:`AUTO_LR`, the long ones at 2e-3.
 
 Example::
@@ -19,7 +21,9 @@ Example::
     >>> from lioncub.optim.regime import pick_rounds
     >>> pick_rounds(round_s=0.02, step_s=0.05)        # a 2-bit round worth 0.4 steps: averaging every 5 steps
     ('lowbit', 5)
-    >>> pick_rounds(round_s=12.0, step_s=0.05)        # 60 steps' worth: long rounds
+    >>> pick_rounds(round_s=0.54, step_s=0.045)       # 12 steps' worth (5 Mbit/s here): every 12 steps
+    ('lowbit', 12)
+    >>> pick_rounds(round_s=3.0, step_s=0.05)         # 60 steps' worth: long rounds
     ('long', 50)
 """
 from __future__ import annotations
@@ -41,9 +45,11 @@ raced at (a warm-up then a cosine)."""
 LOWBIT_H = 5
 """The least H of :class:`~lioncub.LocalCub`'s own ``aggregation='auto'`` low-bit rounds (and its default H)."""
 LOWBIT_BITS = 2
-LOWBIT_SHARE = 4.0
-"""``aggregation='auto'``: a low-bit round's α-β time may be up to this many times its H steps' compute (the link
-kept busy: the races with H = 5 measured r ≈ 10 and 250 there, bench/README.md, "Short low-bit rounds")."""
+LOWBIT_SHARE = 1.0
+"""``aggregation='auto'``: a low-bit round's α-β time may be up to this many times its H steps' compute. It was 4
+until the 5 Mbit/s race (bench/README.md, "The rule's share from 4 to 1"): at r ≈ 480 the share of 4 kept H = 5,
+whose rounds waited on the wire (0.37 of the compute rate, level with not communicating); H = 12 (a share of 1)
+reached DDP-loopback's loss at 1.17x its time."""
 AUTO_LR = 4e-3
 """The inner (AdamW) lr the low-bit rounds were raced at: what ``lioncub train --local-setting link`` and the race's
 ``lcub-link`` row run ``aggregation='auto'`` with."""
