@@ -18,7 +18,7 @@ from .validate import (check_bool, check_choice, check_fraction, check_hyperpara
                        check_optional_bool)
 
 __all__ = ["Options", "Outer", "Streaming", "STEP_OPTIONS", "ROUND_OPTIONS", "NONFINITE_POLICIES",
-           "NONFINITE_ALIASES", "OUTER_STATES", "SYNC_DTYPE_NAMES"]
+           "NONFINITE_ALIASES", "OUTER_STATES", "SYNC_DTYPE_NAMES", "PACES"]
 
 NONFINITE_POLICIES = ("raise", "skip")
 """What ``Options.nonfinite`` takes: on a NaN/Inf gradient anywhere, raise (naming the parameter) or skip."""
@@ -28,6 +28,9 @@ OUTER_STATES = ("device", "host")
 """Where ``Options.outer_state`` keeps LocalCub's θ_s and outer state."""
 SYNC_DTYPE_NAMES = ("fp32", "bf16")
 """What ``Options.sync_dtype`` takes (the momentum sync's all-reduce dtype)."""
+PACES = ("slowest", "timed")
+"""What ``Options.pace`` takes: LocalCub's rounds of H steps on every rank, at the slowest rank's pace; or rounds of
+a time each rank fills with as many steps as fit, its Δ weighted by its steps (:mod:`lioncub.optim.pace`)."""
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,9 @@ class Options:
 
     :class:`~lioncub.LocalCub` only: ``round_share`` (0.5), ``min_local_steps`` (10), ``max_local_steps`` (500)
     of ``local_steps='auto'``; ``outer_state`` (``'device'`` or ``'host'``: where θ_s and the outer state
-    live); ``max_attempts`` (20: agreements tried per round under a torchft ``manager``).
+    live); ``max_attempts`` (20: agreements tried per round under a torchft ``manager``); ``pace`` (``'slowest'``:
+    H steps a round on every rank; ``'timed'``: each rank fills the round's time with its own count of steps, its Δ
+    weighted by its steps: docs/stragglers.md).
     """
 
     seed: Optional[int] = None
@@ -69,6 +74,7 @@ class Options:
     max_local_steps: Optional[int] = None
     outer_state: Optional[str] = None
     max_attempts: Optional[int] = None
+    pace: Optional[str] = None
 
     def __post_init__(self):
         """Each field checks itself here, once, in one line naming it (``Options.seed must be an int``); the
@@ -106,6 +112,8 @@ class Options:
                              f"{self.min_local_steps}")
         if self.outer_state is not None:
             check_choice("Options.outer_state", self.outer_state, OUTER_STATES)
+        if self.pace is not None:
+            check_choice("Options.pace", self.pace, PACES)
 
     def given(self) -> dict:
         """The fields set (not None)."""
@@ -133,7 +141,8 @@ COMMON_OPTIONS = ("seed", "nonfinite", "check_every", "alpha", "beta", "gamma")
 STEP_OPTIONS = COMMON_OPTIONS + ("fused", "bucket_mb", "message_mb", "timing", "maximize", "momentum_sync",
                                  "sync_every", "sync_dtype")
 """The :class:`Options` fields :class:`~lioncub.LionCub` takes."""
-ROUND_OPTIONS = COMMON_OPTIONS + ("round_share", "min_local_steps", "max_local_steps", "outer_state", "max_attempts")
+ROUND_OPTIONS = COMMON_OPTIONS + ("round_share", "min_local_steps", "max_local_steps", "outer_state", "max_attempts",
+                                  "pace")
 """The :class:`Options` fields :class:`~lioncub.LocalCub` takes."""
 
 

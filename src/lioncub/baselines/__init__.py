@@ -85,8 +85,9 @@ METHODS = {
 # auto: local_steps='auto', H from the measured link; auto<N>: the same, never below N, min_local_steps=N)
 # (-stream: delay=1, the round's agreement in flight during the next round; -stream-f<F>: in F fragments;
 # -eager after either: eager=True, the outer step by the worker's own Δ standing in while the agreement flies)
+# (-timed, last: Options(pace='timed'), each rank's own steps in the round's time, its Δ weighted by them)
 _LOCAL = re.compile(r"lcub-(onebit|gather|pbit4|pbit8l1|mean4|mean8|smean1|smean2|smean4|smean8|grad)-h(\d+|auto\d*)-(sgd|nest|lion)(\d+(?:\.\d+)?)(-ef)?(-adamw)?"
-                    r"(-stream(?:-f(\d+))?(-eager)?)?")
+                    r"(-stream(?:-f(\d+))?(-eager)?)?(-timed)?")
 _LOCAL_VOTES = {"onebit": dict(vote="onebit"), "gather": dict(vote="gather"), "pbit4": dict(vote="pbit", bits=4),
                 "pbit8l1": dict(vote="pbit", bits=8, quantizer="l1"), "grad": dict(vote="grad"),
                 # the lanes' sums as a quantized mean of Δ (aggregate='mean'), 4- or 8-bit lanes
@@ -100,12 +101,12 @@ def _local_builder(name: str):
     m = _LOCAL.fullmatch(name)
     if m is None:
         return None
-    vote, H, outer, outer_lr, ef, adamw, stream, fragments, eager = m.groups()
+    vote, H, outer, outer_lr, ef, adamw, stream, fragments, eager, timed = m.groups()
     floor = {"min_local_steps": int(H[4:])} if H.startswith("auto") and H != "auto" else {}
     return partial(cub.LocalCubMethod, H="auto" if H.startswith("auto") else int(H), **floor, outer={"nest": "nesterov"}.get(outer, outer),
                    outer_lr=float(outer_lr), error_feedback=ef is not None, inner="adamw" if adamw else "lion",
                    delay=1 if stream else 0, **({"fragments": int(fragments)} if fragments else {}),
-                   **({"eager": True} if eager else {}), **_LOCAL_VOTES[vote])
+                   **({"eager": True} if eager else {}), **({"pace": "timed"} if timed else {}), **_LOCAL_VOTES[vote])
 
 
 def options(name: str) -> tuple[type, dict]:
@@ -137,6 +138,6 @@ def _builder(name: str):
     """The registry entry of ``name``, or the LocalCub configuration it spells; ValueError otherwise."""
     builder = METHODS.get(name) or _local_builder(name)
     if builder is None:
-        raise ValueError(f"method must be one of {', '.join(METHODS)} or lcub-<vote>-h<H>-<outer><lr>[-ef][-adamw][-stream[-f<F>][-eager]]; "
+        raise ValueError(f"method must be one of {', '.join(METHODS)} or lcub-<vote>-h<H>-<outer><lr>[-ef][-adamw][-stream[-f<F>][-eager]][-timed]; "
                          f"got {name!r}")
     return builder

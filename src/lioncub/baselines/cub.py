@@ -47,14 +47,16 @@ class LocalCubMethod(Adapter):
                  quantizer: str | None = None, outer: str = "nesterov", outer_lr: float = 1.0,
                  outer_momentum: float = 0.9, error_feedback: bool = False, aggregate: str = "vote",
                  inner="lion", delay: int = 0, fragments: int = 1, group=None, weight_decay: float = 0.0,
-                 min_local_steps: int | None = None, eager: bool = False):
+                 min_local_steps: int | None = None, eager: bool = False, pace: str | None = None):
         super().__init__(module, group=group)
         self.family = self.family_for(inner=inner)
         self.opt = LocalCub(module.parameters(), lr=lr, betas=BETAS, weight_decay=weight_decay, **round_kwargs(dict(
             local_steps=H, inner=inner, vote=vote, bits=bits, quantizer=quantizer, outer=outer, outer_lr=outer_lr,
             outer_momentum=outer_momentum, error_feedback=error_feedback, delay=delay, fragments=fragments,
             aggregate=aggregate, process_group=group, model=module, eager=eager,
-            **({"min_local_steps": min_local_steps} if min_local_steps is not None else {}))))
+            **({"min_local_steps": min_local_steps} if min_local_steps is not None else {}),
+            **({"pace": pace} if pace is not None else {}))))
+        self.uneven_steps = self.opt.pace == "timed"  # each rank's own steps a round (docs/stragglers.md)
 
     def step(self, lr: float) -> bool:
         set_lr(self.opt, lr)

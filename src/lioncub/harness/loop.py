@@ -128,6 +128,9 @@ class Loop:
         ``method.evaluation()``. ``cuda``: time steps by CUDA events (:class:`StepClock`)."""
         if self.steps is None and self.budget is None:
             raise ValueError("a loop needs steps or a budget to stop")
+        if getattr(method, "uneven_steps", False) and (self.steps is not None or self.eval_every):
+            raise ValueError("a method whose ranks take their own steps a round (Options(pace='timed')) stops and "
+                             "evaluates on the agreed clock: give a budget and eval_every_s, not steps or eval_every")
         timer = StepClock(cuda)
         evals: list[dict] = []
         clock = own = train_time = 0.0  # agreed seconds; this rank's since the last sync point; its total

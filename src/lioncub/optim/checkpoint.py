@@ -137,7 +137,8 @@ class RoundCheckpoint:
             # one rank's)
             params=[p.detach().clone() for p in self.params] if self.local_step or self.fragments > 1 else None,
             pending=pending,
-            owner_residuals={str(k): r.clone() for k, r in self.owner_residuals.items()}, steps_pick=self.steps_pick)
+            owner_residuals={str(k): r.clone() for k, r in self.owner_residuals.items()}, steps_pick=self.steps_pick,
+            **({} if self.pace == "slowest" else dict(pace=self._pace_saved())))
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -185,6 +186,7 @@ class RoundCheckpoint:
             raise ValueError("state_dict holds a fragment's verdict without its exchange ('agreeing'), saved by a "
                              "LocalCub before 2026-12-05 that this one cannot resume; resume from a checkpoint of another step")
         self._restore_steps(extra.get("steps_pick"))
+        self._restore_pace(extra.get("pace"))  # Options(pace='timed'): T and the time into the round
         self._restore_owner_residuals(extra.get("owner_residuals") or {})
         if extra.get("params") is not None:
             with torch.no_grad():

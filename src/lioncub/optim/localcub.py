@@ -100,6 +100,7 @@ from .checkpoint import RoundCheckpoint
 from .auto_steps import AutoSteps
 from .rounds import OUTER_STATES, Rounds
 from .streaming import StreamingRounds
+from .pace import Pace, check_timed
 from ..aggregations import Aggregation, ScatterMean, SignVote, aggregation_of
 from .regime import LOWBIT_BITS, LOWBIT_H, AutoSetting
 from .lioncub import _is_layout
@@ -133,7 +134,7 @@ def _make_inner(inner, groups: list[dict], betas) -> torch.optim.Optimizer:
                      f"got {inner!r}")
 
 
-class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSetting, AutoSteps, Sharded, Shell, VoteSettings, torch.optim.Optimizer):
+class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, Pace, AutoSetting, AutoSteps, Sharded, Shell, VoteSettings, torch.optim.Optimizer):
     """Lion Cub with local steps: ``local_steps`` inner steps per agreed outer step.
 
     Args:
@@ -161,11 +162,12 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSetting, AutoSteps,
         manager: a ``torchft.Manager``: rounds that survive a lost replica (:class:`~lioncub.ft.FTLocalCub`).
         model: the module, to name parameters in errors.
         options: a :class:`lioncub.Options`: ``nonfinite``, ``check_every``, ``seed``, α and β, the ``'auto'``
-            bounds, ``outer_state`` (``'host'`` keeps θ_s and the outer state off the device): docs/api.md.
+            bounds, ``outer_state`` (``'host'`` keeps θ_s and the outer state off the device), ``pace``
+            (``'timed'``: rounds of a time, each rank's own steps, its Δ weighted by them: docs/stragglers.md).
 
     Attributes: ``synced`` (the last ``step()`` ended a round: replicas are identical; streaming: the starts
     θ_s are), ``rounds``, ``local_step``, ``last_round_stats``, ``last_step_stats`` (the round's when the step
-    ended one, else empty).
+    ended one, else empty), ``last_round_pace`` (``pace='timed'``: every rank's steps in the last round).
 
     Memory per parameter: θ_s, plus e_i with error feedback, plus the outer momentum for ``'nesterov'``/``'lion'``,
     plus the inner optimizer's state; streaming also o_i and the message in flight.
@@ -230,6 +232,7 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSetting, AutoSteps,
         min_local_steps: Optional[int] = None,
         max_local_steps: Optional[int] = None,
         outer_state: str = "device",
+        pace: Optional[str] = None,
     ):
         check_hyperparameters(lr, betas, weight_decay)
         self.outer_state = outer_state
@@ -252,6 +255,7 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSetting, AutoSteps,
         self.param_groups = self.inner.param_groups  # one set of groups: schedulers drive both loops
         sharding, process_group = self.find_sharding(process_group, momentum_sync="none")
         self.params = [self._local(p) for g in self.param_groups for p in g["params"]]  # FSDP2: local shards
+        self._open_pace(pace, sharding)  # (Options.pace: lioncub.optim.pace)
         self.open_shell(self.params, group=process_group, model=model, nonfinite=nonfinite,
                         check_every=check_every, seed=seed, sharding=sharding)
         if config.votes:
@@ -329,11 +333,12 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSetting, AutoSteps,
         with shards.grads_on_shards(self.sharding):  # FSDP2: the local shards hold their gradients for the inner step's checks
             self._inner_step(grad_scaler)
         self.local_step += 1
-        self.synced = self.local_step == self.H
+        self.synced = self._round_due()  # H steps, or Options(pace='timed')'s round time (optim.pace)
         self.last_step_stats = comm.step_stats(self.device)
         self._round_ends()
         if self.synced:
             self.local_step = 0
+            self._pace_restart()
             if self.steps_pick is not None and self.steps_pick["H"] is None:
                 self._pick_steps()
             self.last_step_stats = self.last_round_stats
@@ -367,7 +372,8 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, AutoSetting, AutoSteps,
             return dict(local_steps="auto", aggregation="auto", tie=self.tie, delay=self.delay)
         return dict(local_steps="auto" if self.steps_pick else self.H, vote=self.vote, bits=self.bits, quantizer=self.quantizer, tie=self.tie,
                     outer=self.outer, error_feedback=self.error_feedback, aggregate=self.aggregate, delay=self.delay,
-                    fragments=self.fragments, **({"eager": True} if self.eager else {}))
+                    fragments=self.fragments, **({"eager": True} if self.eager else {}),
+                    **self._pace_key())
 
 
 def round_settings(aggregation=ScatterMean(bits=LOWBIT_BITS), local_steps=LOWBIT_H, outer="sgd", streaming=False,
@@ -392,6 +398,8 @@ def round_settings(aggregation=ScatterMean(bits=LOWBIT_BITS), local_steps=LOWBIT
     if stream is not None and stream.eager and isinstance(agg, SignVote):
         raise ValueError(f"LocalCub: Streaming's eager=True stands in this worker's own Δ for the agreed mean: it "
                          f"needs a mean (Mean, LaneMean or ScatterMean), got {agg!r}")
+    if flags.get("pace") == "timed":
+        check_timed(agg, local_steps, stream, manager, SignVote)
     if manager is not None:
         flags["manager"] = manager
     elif "max_attempts" in flags:

@@ -86,6 +86,7 @@ def end_round(opt, contributing: bool = True) -> None:
     plan, quorum = opt._plan(), opt._quorum(contributing)
     for took_part in quorum.attempts():
         stats = comm.step_stats(opt.device)
+        opt._weigh_round(stats)  # Options(pace='timed'): every rank's steps, this rank's weight (optim.pace)
         group = opt._round_group()
         if took_part:
             seen = opt._measure("origin" if opt.delay else "start", plan, group.aggregation)

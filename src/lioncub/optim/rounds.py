@@ -96,6 +96,10 @@ class Rounds:
     below 2^20: :func:`lioncub.chunks.chunk_cap`): Δ, v, the message and d of one chunk (about 13 bytes an
     element), not of the model. Each chunk is one more exchange; the round still agrees once."""
 
+    _weight = None
+    """``Options(pace='timed')``: this rank's weight c_i = P·s_i/Σs in the round ending (:mod:`lioncub.optim.pace`),
+    by which :meth:`_pseudo_gradient` scales the Δ it sends; None: unscaled."""
+
     def _round(self) -> None:
         """The end of a round, blocking or streaming: :func:`~lioncub.optim.round_end.end_round`."""
         end_round(self)
@@ -188,17 +192,23 @@ class Rounds:
     def _pseudo_gradient(self, began: str, pieces: list[Piece], until: Optional[str] = None) -> tuple[Tensor, Tensor]:
         """(Δ_i, v_i = Δ_i + e_i) flat fp32 over ``pieces``: this worker's progress since ``state[p][began]``
         (to ``state[p][until]`` when given, else to the parameter), written piece by piece into the two buffers
-        (Δ's values those of ``start.float() - p.float()``)."""
-        total = sum(pc.size for pc in pieces)
+        (Δ's values those of ``start.float() - p.float()``). A timed round's weight c (:attr:`_weight`) scales what is
+        sent: v_i = c·Δ_i + e_i."""
+        total, weight = sum(pc.size for pc in pieces), self._weight
         delta = torch.empty(total, dtype=torch.float32, device=self.device)
-        v = torch.empty_like(delta) if self.error_feedback else delta
+        v = torch.empty_like(delta) if self.error_feedback or weight is not None else delta
         offset = 0
         for pc in pieces:
             out = delta[offset:offset + pc.size]
             now = _slot(self.params[pc.index], pc) if until is None else self._held(pc, until)
             out.copy_(self._held(pc, began).reshape(-1)).sub_(now.reshape(-1))
-            if self.error_feedback:
+            if self.error_feedback and weight is None:
                 torch.add(out, self._held(pc, "residual").reshape(-1), out=v[offset:offset + pc.size])
+            elif self.error_feedback:
+                residual = self._held(pc, "residual").reshape(-1)
+                torch.add(residual, out, alpha=weight, out=v[offset:offset + pc.size])
+            elif weight is not None:
+                torch.mul(out, weight, out=v[offset:offset + pc.size])
             offset += pc.size
         return delta, v
 

@@ -271,6 +271,10 @@ def _paths() -> dict[str, Callable]:
     out["localcub scatter mean fragments eager"] = p(localcub, steps=8, local_steps=4, vote="onebit", aggregate="mean",
                                                      bits=4, error_feedback=True, delay=1, fragments=2, eager=True,
                                                      outer="nesterov")
+    # Options(pace='timed'): rounds of a time (each rank's steps gathered once a round, its Δ weighted by them)
+    out["localcub timed scatter mean"] = p(localcub, steps=6, local_steps=2, vote="onebit", aggregate="mean", bits=2,
+                                           error_feedback=True, pace="timed")
+    out["localcub timed mean delay 1"] = p(localcub, steps=6, local_steps=2, vote="grad", delay=1, pace="timed")
     out["localcub auto skip check"] = p(localcub, vote="auto", alpha=1e-4, beta=1e-9, gamma={"pbit": (1e-9, 0.0)},
                                         nonfinite="skip", check_every=1)
     # the outer state on the host: every copy to and from it non_blocking, no collective on it (issue 68)
@@ -319,6 +323,8 @@ for _name in PATHS:
         SYNC_BUDGET[_name] = 3  # + check_every=1's replica check on each step
     if _name in ("localcub auto skip check", "localcub host state mean delay 1 skip check"):
         SYNC_BUDGET[_name] = 3  # + check_every=1's replica check after each round
+    if "timed" in _name:
+        SYNC_BUDGET[_name] = 3  # + the round's gathered steps and step times (one read a round: who contributed)
     if _name == "localcub local_steps auto":
         SYNC_BUDGET[_name] = 3  # + once, at the first round's end, the slowest rank's timed iteration (the pick)
 
