@@ -179,6 +179,11 @@ def main() -> None:
         torch.save(dict(model=model.state_dict(), opt=opt.state_dict()), a.save)
     log.write(json.dumps(dict(replica=a.replica, done=True, round=opt.rounds, heals=getattr(opt, "heals", 0),
                               digest=params_digest(model)[0])) + "\n")
+    exit_cleanly(log, manager)
+
+
+def exit_cleanly(log, manager) -> None:
+    """Close the log, shut the manager's servers down (without waiting) and end the process at once."""
     log.close()
     if manager is not None:
         manager.shutdown(wait=False)

@@ -3,16 +3,19 @@
 :class:`FTLocalCub` runs LocalCub's rounds through a torchft ``Manager``: a round that loses a
 replica is not committed and is retried by the survivors, and a replica that (re)joins heals
 from a live peer (docs/fault_tolerance.md). :func:`make_manager` and :func:`start_lighthouse`
-build what it needs for one worker per replica group, every server on the address given
+build what it needs for a replica group of one worker or of many ranks (its own torch.distributed world,
+FSDP2 shards inside), every server on the address given
 (loopback by default).
 """
 from __future__ import annotations
 
 from datetime import timedelta
 
-from ..optim.replicas import FTLionCub, FTLocalCub, QuorumError, ReplicaGroup, TensorTransport, require_torchft
+from .. import comm
+from ..optim.replicas import (FTLionCub, FTLocalCub, QuorumError, QuorumRanks, ReplicaGroup, TensorTransport,
+                              require_torchft)
 
-__all__ = ["FTLocalCub", "FTLionCub", "ReplicaGroup", "TensorTransport", "QuorumError", "require_torchft",
+__all__ = ["FTLocalCub", "FTLionCub", "ReplicaGroup", "QuorumRanks", "TensorTransport", "QuorumError", "require_torchft",
            "make_manager", "process_group_name", "start_lighthouse"]
 
 
@@ -38,7 +41,12 @@ def process_group_name(device) -> str:
 def make_manager(replica_id: str, lighthouse: str, *, min_replicas: int = 2, host: str = "127.0.0.1",
                  timeout_s: float = 10.0, quorum_timeout_s: float = 60.0, connect_timeout_s: float = 10.0,
                  device="cpu"):
-    """A torchft ``Manager`` for a replica group of one worker, every server on ``host``.
+    """A torchft ``Manager`` for this rank of its replica group, every server on ``host``.
+
+    The replica group is this process's torch.distributed world when one is initialised (each replica group its
+    own world, e.g. the FSDP2 mesh over a node's ranks: call this on every rank of it, with the same
+    ``replica_id``), else one worker. Its group rank 0 holds the group's store and torchft's ManagerServer (the
+    store's port goes to the other ranks by a broadcast in the group).
 
     ``timeout_s``: a collective's (and the healing transfer's) limit, the longest a death
     inside a collective can stall the survivors; ``quorum_timeout_s``: how long a replica
@@ -52,12 +60,15 @@ def make_manager(replica_id: str, lighthouse: str, *, min_replicas: int = 2, hos
     from torchft import process_group
 
     pg = getattr(process_group, process_group_name(device))(timeout=timedelta(seconds=timeout_s))
-    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-    _check_reachable(lighthouse, connect_timeout_s)
+    rank, ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False) if rank == 0 else None
+    port = store.port if ranks == 1 else comm.broadcast_object(store.port if rank == 0 else None, device=device)
+    if rank == 0:
+        _check_reachable(lighthouse, connect_timeout_s)
     manager = Manager(
         pg=pg, load_state_dict=None, state_dict=None,
         min_replica_size=min_replicas, use_async_quorum=False, replica_id=replica_id,
-        lighthouse_addr=lighthouse, store_addr=host, store_port=store.port, rank=0, world_size=1, hostname=host,
+        lighthouse_addr=lighthouse, store_addr=host, store_port=port, rank=rank, world_size=ranks, hostname=host,
         timeout=timedelta(seconds=timeout_s), quorum_timeout=timedelta(seconds=quorum_timeout_s),
         connect_timeout=timedelta(seconds=connect_timeout_s),
         checkpoint_transport=TensorTransport(host, timeout=timedelta(seconds=timeout_s)))

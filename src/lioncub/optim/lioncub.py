@@ -388,7 +388,8 @@ def _elsewhere(params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, aggregat
     if manager is not None:
         if _is_layout(process_group):
             raise ValueError("LionCub: a torchft manager with a node layout (replicas of many ranks) is not built "
-                             "yet; give one of them")
+                             "yet; give one of them, or run LocalCub's rounds with FSDP2 shards inside each replica "
+                             "group (docs/fault_tolerance.md)")
         if overlap:
             raise ValueError("LionCub: overlap=True with a torchft manager: the step waits for its quorum first; "
                              "use overlap=False")

@@ -1,7 +1,7 @@
 r"""LocalCub whose rounds survive a lost replica: the agreement through a torchft ``Manager``.
 
-Each *replica group* (one worker here) trains its H inner steps alone, exactly as
-:class:`~lioncub.LocalCub` does. At a round's end it agrees with whichever replicas are alive::
+Each *replica group* (one worker, or the ranks of a node with FSDP2 shards inside: below) trains its H inner steps
+alone, exactly as :class:`~lioncub.LocalCub` does. At a round's end it agrees with whichever replicas are alive::
 
     repeat:
         start_quorum()                  # the lighthouse's quorum of live replicas (may heal us)
@@ -35,6 +35,18 @@ survivors from that commit on.
 On a fresh start every replica does the same empty agreement (``C = 0``: nothing is applied,
 no round is counted); torchft's ``init_sync`` makes the starts identical.
 
+A replica group of G ranks (torchft's FT-HSDP layout) is its own torch.distributed world, the model sharded over
+it by FSDP2 (a 1-D mesh), each rank with its own Manager (the group's ``replica_id``, its ``group_rank``; torchft's
+ManagerServer on group rank 0 asks the lighthouse once for the group). The round is the HSDP round of
+:class:`~lioncub.LocalCub` with the groups as its replicas: the agreement sums over the group's ranks, then over
+the quorum's groups (:class:`QuorumRanks`; the shards' head sums each in its shard's slot), and each rank's exchange
+travels on torchft's managed group of its group rank (rank k of every group: the same shard). ``should_commit()``
+is the group's: its ManagerServer commits only when every rank of the group does, so a group's ranks commit or
+retry together. A rank that dies takes its group out of the quorum (its peers in the group fail on their next
+collective inside it, or wait on a quorum that their ManagerServer cannot ask for, and are restarted with it); the
+restarted group's ranks heal, each its own shard from the same group rank of a live group (torchft's heal is per
+group rank).
+
 The healing transfer is loaded with ``weights_only=True`` (:class:`TensorTransport`): a peer's
 state can hold tensors, numbers and strings only, never code.
 """
@@ -51,12 +63,14 @@ from . import lioncub as _lioncub
 from . import localcub as _localcub
 from .localcub import LocalCub
 from .round_end import Quorum, RoundGroup, end_round
+from ..engine.shards import local_of
 from ..validate import check_int
 from ..votes.rounds import PARTIAL_NEEDS, round_aggregation, round_partial
-from ..aggregations import SignVote, aggregation_of
+from ..aggregations import OneBitMean, SignVote, aggregation_of
 from ..options import Options
 
-__all__ = ["FTLocalCub", "FTLionCub", "ReplicaGroup", "TensorTransport", "QuorumError", "require_torchft"]
+__all__ = ["FTLocalCub", "FTLionCub", "ReplicaGroup", "QuorumRanks", "TensorTransport", "QuorumError",
+           "require_torchft"]
 
 
 def require_torchft():
@@ -73,7 +87,9 @@ class QuorumError(RuntimeError):
 
 
 class ReplicaGroup(comm.ExternalGroup):
-    """The replicas of the manager's current quorum, as a group :func:`lioncub.comm.all_reduce` takes.
+    """The replicas of the manager's current quorum, as a group :func:`lioncub.comm.all_reduce` takes: with replica
+    groups of many ranks, this rank and the ranks of the same group rank in the quorum's other groups (torchft's
+    managed process group is per group rank).
 
     Failures do not raise: torchft records them, later all-reduces of the quorum are no-ops,
     and ``Manager.should_commit()`` is then False on every replica."""
@@ -86,6 +102,23 @@ class ReplicaGroup(comm.ExternalGroup):
 
     def launch(self, t: Tensor, op: str):
         return self.manager.allreduce(t, reduce_op=comm.REDUCE_OPS[op])
+
+
+class QuorumRanks(ReplicaGroup):
+    """Every rank of every replica group in the quorum (a round's agreement with FSDP2 shards inside the groups): a
+    sum over this replica group's own ranks (its torch.distributed world, blocking: a dead peer there raises, and the
+    group is out), then over the quorum's groups (:class:`ReplicaGroup`, this group rank's managed group)."""
+
+    def __init__(self, manager, ranks: int):
+        super().__init__(manager)
+        self.ranks = ranks
+
+    def size(self) -> int:
+        return self.ranks * super().size()
+
+    def launch(self, t: Tensor, op: str):
+        comm.all_reduce(t, None, op=op)
+        return super().launch(t, op)
 
 
 def _transport_class():
@@ -149,7 +182,7 @@ class ManagedQuorum(Quorum):
         return False
 
     def count(self, verdict) -> int:
-        return int(round(verdict.extra[0]))
+        return int(round(verdict.extra[0] / self.opt.group_ranks))  # (every rank of a group adds its group's flag)
 
     def commits(self) -> bool:
         self.opt._fault("commit", self.contributing)
@@ -157,7 +190,7 @@ class ManagedQuorum(Quorum):
 
     def close(self, verdict, group: RoundGroup) -> None:
         opt = self.opt
-        opt.participants, opt.contributors = group.agree_size, self.count(verdict)
+        opt.participants, opt.contributors = group.group.size(), self.count(verdict)
         opt.stop_agreed = opt.stop_agreed or verdict.extra[1] > 0
         opt.last_stall_s = time.perf_counter() - self.began
 
@@ -176,7 +209,8 @@ class FTLocalCub(LocalCub):
             failed one costs at most the process group's timeout, then a new quorum; default 20).
         aggregation: one whose sum a replica with nothing to send leaves unchanged (``LaneMean``, ``Mean``,
             ``SignVote('pbit')`` binary lanes, ``SignVote('sign_allreduce')``); no ``streaming``, no
-            ``process_group``: one worker per replica group.
+            ``process_group``: one worker per replica group, or FSDP2 parameters sharded over the group's own
+            world (the module docstring).
 
     Attributes beyond LocalCub's: ``uncommitted`` (agreements that did not commit), ``heals``
     (times this replica was healed from a peer), ``participants`` (P of the last committed
@@ -195,6 +229,9 @@ class FTLocalCub(LocalCub):
     Its round's end is LocalCub's (:func:`lioncub.optim.round_end.end_round`); this class overrides only the group
     (:meth:`_round_group`: the quorum's replicas) and the quorum (:meth:`_quorum`: :class:`ManagedQuorum`).
     """
+
+    many_ranks = True
+    """Whether a replica group may be many ranks with FSDP2 shards inside (:meth:`_check_group`)."""
 
     def _configure(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, manager=None,
                    max_attempts: int = 20, **kwargs):
@@ -217,11 +254,8 @@ class FTLocalCub(LocalCub):
                              "start_quorum, at a round's end)")
         self.max_attempts = check_int("max_attempts", max_attempts, 1)
         super()._configure(params, lr, betas, weight_decay, **kwargs)
-        if self.sharding is not None:
-            raise ValueError("under torchft a replica is one worker for now: FSDP2 (DTensor) parameters, a replica of "
-                             "many ranks, are not supported yet; use plain parameters")
-        if self.world_size != 1:
-            raise ValueError(f"FTLocalCub runs one worker per replica group, got a process group of {self.world_size}")
+        self.group_ranks = self._check_group(manager)
+        """The ranks of this replica group (torchft's ``group_world_size``): 1, or its FSDP2 shard mesh's."""
         pg = getattr(manager, "_pg", None)
         if pg is not None and self.device.type == "cuda" and "NCCL" not in type(pg).__name__.upper():
             raise ValueError(f"manager: its process group is {type(pg).__name__} but the parameters are on "
@@ -234,6 +268,28 @@ class FTLocalCub(LocalCub):
         self._aggregations: dict = {}
         self.fault_hook = None  # fault_hook(point, round): failures at chosen points (lioncub.ft.faults)
         manager.register_state_dict_fn("lioncub", self._load_heal, self._heal_state)
+
+    def _check_group(self, manager) -> int:
+        """The ranks of this replica group, checked: one worker, or FSDP2 shards over the group's own world (each
+        replica group its own torch.distributed world, every rank with its Manager)."""
+        ranks = getattr(manager, "_group_world_size", 1)
+        if self.sharding is not None and self.sharding.replicas is not None:
+            raise ValueError("under torchft the replicas are the manager's replica groups: shard the model with FSDP2 "
+                             "over the replica group's own world (a 1-D mesh, each group its own torch.distributed "
+                             "world), not on a 2-D mesh with replicas of its own")
+        if self.sharding is None and self.world_size != 1:
+            raise ValueError(f"under torchft a replica group of {self.world_size} ranks needs FSDP2 shards inside it "
+                             "(fully_shard over the group's own world); a mean over plain copies inside the group is "
+                             "not supported: shard the model, or run one worker per replica group")
+        mine = 1 if self.sharding is None else self.agree_size
+        if mine > 1 and not self.many_ranks:
+            raise ValueError(f"{type(self).__name__} runs one worker per replica group for now; on replica groups of "
+                             "many ranks (FSDP2 inside) run LocalCub's rounds with the manager")
+        if ranks != mine:
+            raise ValueError(f"manager: its replica group has {ranks} ranks (world_size=) but the parameters are "
+                             f"sharded over {mine}; build it on each rank of the group with make_manager, which takes "
+                             "the group's torch.distributed world")
+        return ranks
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -266,7 +322,10 @@ class FTLocalCub(LocalCub):
         with the aggregation sized for its P."""
         group = ReplicaGroup(self.manager)
         P = group.size()
-        return RoundGroup(group, P, group, self._aggregation(P))
+        if self.group_ranks == 1:
+            return RoundGroup(group, P, group, self._aggregation(P))
+        ranks = QuorumRanks(self.manager, self.group_ranks)  # the agreement over every shard of every group
+        return RoundGroup(ranks, ranks.size(), group, self._aggregation(P))
 
     def _quorum(self, contributing: bool) -> "ManagedQuorum":
         """Who takes part in the round and when it stands: torchft's quorum, until its manager commits."""
@@ -287,7 +346,7 @@ class FTLocalCub(LocalCub):
         keys = self.rule.state_keys
         return dict(start=[self.local_state[p]["start"].detach().clone() for p in self.params],
                     outer=[{k: self.local_state[p][k].clone() for k in keys} for p in self.params],
-                    inner=_clone(self.inner.state_dict()),
+                    inner=_clone(self.inner.state_dict()),  # (FSDP2: this rank's shard, plain tensors)
                     counters=dict(rounds=self.rounds, skipped_rounds=self.skipped_rounds))
 
     def _load_heal(self, sd: dict) -> None:
@@ -304,6 +363,11 @@ class FTLocalCub(LocalCub):
                 if self.error_feedback:
                     s["residual"].zero_()
         self.inner.load_state_dict(sd["inner"])
+        if self.sharding is not None:  # the inner state as its parameters' DTensors again
+            for p, entry in self.inner.state.items():
+                for k, value in entry.items():
+                    if torch.is_tensor(value) and value.ndim and value.shape == local_of(p).shape:
+                        entry[k] = self.sharding.wrap(local_of(p), value)
         self.param_groups = self.inner.param_groups
         self.rounds = int(sd["counters"]["rounds"])
         self.skipped_rounds = int(sd["counters"]["skipped_rounds"])
@@ -332,12 +396,20 @@ class FTLionCub(FTLocalCub):
 
     ``vote``: a vote whose all-reduce leaves a replica out by adding nothing: ``'pbit'`` without a quantizer
     (binary lanes sized for the quorum, the vote decided among the C that voted) or ``'sign_allreduce'``.
-    With no failure it equals LionCub on a fixed group bit for bit (tests/test_ft.py)."""
+    With no failure it equals LionCub on a fixed group bit for bit (tests/test_ft.py). One worker per replica group
+    (a group of many ranks is LocalCub's)."""
+
+    many_ranks = False
 
     def __init__(self, params, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0, *, manager,
                  aggregation="sign-vote", model=None, options=None):
         agg = aggregation_of(aggregation, "LionCub")
         flags = agg.for_step()
+        if isinstance(agg, OneBitMean):
+            raise ValueError("LionCub with a torchft manager votes with SignVote(transport='pbit') every step, not the "
+                             "1-bit mean (OneBitMean, its default): its all-to-all makes every replica the decoder of "
+                             "a chunk, so a lost replica cannot be left out by adding nothing; or run LocalCub's "
+                             "rounds (LaneMean, Mean) with the manager")
         if not isinstance(agg, SignVote) or agg.error_feedback != "none" or agg.stochastic_signs:
             raise ValueError(f"LionCub with a torchft manager votes with SignVote(transport='pbit') (binary lanes) or "
                              f"SignVote(transport='sign_allreduce'), whose all-reduce leaves a replica out by adding "
@@ -354,7 +426,7 @@ class FTLionCub(FTLocalCub):
 
 def _clone(obj):
     if isinstance(obj, Tensor):
-        return obj.detach().clone()
+        return local_of(obj).detach().clone()
     if isinstance(obj, dict):
         return {k: _clone(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

@@ -1,0 +1,157 @@
+"""One rank of the replica-group fault-tolerance tests (tests/test_ft_groups.py), run as its own process.
+
+``--mode ft``: rank ``--rank`` of replica group ``--group``, a group of ``--ranks`` ranks that is its own gloo world
+(``--master-port``), the model sharded over it by FSDP2 (a 1-D mesh), each rank with its own torchft Manager
+(lioncub.ft.make_manager: the group's world) and FTLocalCub; the quorum's groups meet on torchft's managed groups.
+``--mode plain``: the reference without torchft: rank ``group * ranks + rank`` of one gloo world of ``--groups``
+x ``--ranks``, a 2-D mesh (replicate, shard), FSDP2 on its shard dimension and LocalCub across the replicate one
+(the library's HSDP rounds, tests/test_sharded.py), each rank on the same batches as its ft counterpart.
+
+Each rank appends a JSON line per committed round to ``--out``: the round, the participants P and contributors C,
+uncommitted agreements, heals, and a hash of its own shard's bytes (equal hashes across groups at the same rank:
+bit-identical shards). ``--fault REPLICA:ROUND:POINT[:ACTION]``: a failure at a chosen point (lioncub.ft.faults),
+REPLICA being ``group * ranks + rank``; ``--nan-at GROUP:RANK:STEP``: that rank's gradient is NaN at its inner step STEP
+(once). ``--ready-dir``: every rank of a fresh start writes a file there once its
+Manager is made and waits for ``--ready-count`` of them before its first quorum (so that the lighthouse sees every
+group before any asks for a quorum). ``--rounds`` with ``--stop-file``: stop together at the first commit from
+round ``--rounds`` on once the file exists.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.flat, run as a script
+
+
+def model_of(mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def shard_digest(model) -> str:
+    flat = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
+
+
+def batch(group: int, rank: int, t: int):
+    g = torch.Generator().manual_seed(1000 * (10 * group + rank) + t)
+    x = torch.randn(16, 8, generator=g)
+    y = x @ torch.linspace(-1, 1, 8).unsqueeze(1) + 0.1 * torch.randn(16, 1, generator=g)
+    return x, y
+
+
+SETTING = dict(lr=1e-2, inner="adamw", outer="nesterov", outer_lr=0.7, outer_momentum=0.9, weight_decay=0.01,
+               nonfinite="skip", vote="pbit", bits=8, quantizer="l1", aggregate="mean", error_feedback=True)
+
+
+def wait_ready(a) -> None:
+    open(os.path.join(a.ready_dir, f"{a.group}_{a.rank}"), "w").close()
+    while len(os.listdir(a.ready_dir)) < a.ready_count:
+        time.sleep(0.05)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=("ft", "plain"), required=True)
+    ap.add_argument("--group", type=int, required=True)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--groups", type=int, default=2)
+    ap.add_argument("--master-port", type=int, required=True)
+    ap.add_argument("--lighthouse", default="")
+    ap.add_argument("--H", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--stop-file", default="")
+    ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--fault", action="append", default=[])
+    ap.add_argument("--nan-at", default="-1:-1:-1", help="GROUP:RANK:STEP: that rank's gradient is NaN there, once")
+    ap.add_argument("--ready-dir", default="")
+    ap.add_argument("--ready-count", type=int, default=0)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lioncub.ft import QuorumError  # (importable without torchft: only FTLocalCub needs it)
+    from tests.ft_worker import exit_cleanly
+
+    ft = a.mode == "ft"
+    world, me = (a.ranks, a.rank) if ft else (a.groups * a.ranks, a.group * a.ranks + a.rank)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.master_port}", rank=me, world_size=world,
+                            timeout=timedelta(seconds=60))
+    if ft:
+        from lioncub.ft import make_manager
+        from lioncub.ft.faults import install, parse_fault
+        from tests.flat import FTLocalCub
+
+        model = model_of(init_device_mesh("cpu", (a.ranks,)))
+        manager = make_manager(str(a.group), a.lighthouse, min_replicas=1, timeout_s=3.0, quorum_timeout_s=60.0)
+        opt = FTLocalCub(model.parameters(), manager, local_steps=a.H, **SETTING)
+        install(opt, [parse_fault(spec) for spec in a.fault], a.group * a.ranks + a.rank)
+    else:
+        from tests.flat import LocalCub
+
+        mesh = init_device_mesh("cpu", (a.groups, a.ranks), mesh_dim_names=("replicate", "shard"))
+        model = model_of(mesh["shard"])
+        opt, manager = LocalCub(model.parameters(), local_steps=a.H, **SETTING), None
+
+    log = open(a.out, "a")
+
+    def log_round() -> None:
+        rec = dict(group=a.group, rank=a.rank, round=opt.rounds, skipped=opt.skipped_rounds, digest=shard_digest(model))
+        if ft:
+            rec.update(participants=opt.participants, contributors=opt.contributors, uncommitted=opt.uncommitted,
+                       heals=opt.heals)
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
+
+    if ft:
+        if a.ready_dir:
+            wait_ready(a)
+        opt.join()  # the quorum (and a heal, for a group that restarts) before the first inner step
+        if opt.rounds:  # it healed, then took the round's outer step with the others
+            log_round()
+    while True:
+        if not ft and opt.rounds >= a.rounds:
+            break
+        if ft:  # stop together, at the commit that carries the first request
+            if opt.stop_agreed:
+                break
+            opt.stop_requested = opt.rounds >= a.rounds - 1 and (not a.stop_file or os.path.exists(a.stop_file))
+        step = opt.rounds * a.H + opt.local_step
+        x, y = batch(a.group, a.rank, step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if [a.group, a.rank, step] == [int(v) for v in a.nan_at.split(":")] and opt.skipped_rounds == 0:
+            model[0].weight.grad.to_local()[0, 0] = float("nan")
+        before, skipped = opt.rounds, opt.skipped_rounds
+        try:
+            opt.step()
+        except QuorumError as exc:
+            print(f"QuorumError: {exc}", file=sys.stderr, flush=True)
+            os._exit(3)
+        if a.step_sleep:
+            time.sleep(a.step_sleep)
+        if opt.rounds != before or opt.skipped_rounds != skipped:
+            log_round()
+    log.write(json.dumps(dict(group=a.group, rank=a.rank, done=True, round=opt.rounds,
+                              digest=shard_digest(model))) + "\n")
+    exit_cleanly(log, manager)
+
+
+if __name__ == "__main__":
+    main()

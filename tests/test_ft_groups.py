@@ -1,0 +1,256 @@
+"""Replica groups of many ranks under torchft: 2 groups x 2 ranks, FSDP2 shards inside each group, LocalCub's rounds
+across the groups rank by rank (lioncub.ft, docs/fault_tolerance.md "Replica groups of many ranks").
+
+Each rank is tests/ft_groups_worker.py in its own process: a group is its own gloo world (the FSDP2 mesh over its two
+ranks), every rank holds its own torchft Manager, and the lighthouse runs in the test process. Ranks log a line per
+committed round with a hash of their own shard's bytes: equal hashes at the same rank of two groups are bit-identical
+shards. Failures strike at chosen points of a chosen round (lioncub.ft.faults), so each expected log is exact.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import require
+from tests.dist import run_workers
+
+require("torchft")  # (probed, not imported: see tests/test_ft.py)
+
+from lioncub.ft import start_lighthouse  # noqa: E402
+from tests.test_ft import HEARTBEAT_MS, free_port, records, rounds_of  # noqa: E402
+
+WORKER = Path(__file__).with_name("ft_groups_worker.py")
+GROUPS, RANKS = 2, 2
+KILLED = 5  # the round in which a fault strikes
+
+
+def launch(mode: str, group: int, rank: int, out: Path, port: int, *args: str, lighthouse=None) -> subprocess.Popen:
+    import os
+
+    cmd = [sys.executable, str(WORKER), "--mode", mode, "--group", str(group), "--rank", str(rank),
+           "--master-port", str(port), "--out", str(out), *args]
+    if lighthouse is not None:
+        cmd += ["--lighthouse", lighthouse.address()]
+    env = dict(os.environ, OMP_NUM_THREADS="1", RUST_LOG="error")
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def out_of(tmp_path: Path, mode: str, group: int, rank: int) -> Path:
+    return tmp_path / f"{mode}_{group}_{rank}.jsonl"
+
+
+def start_group(tmp_path, group: int, *args: str, lighthouse) -> list[subprocess.Popen]:
+    port = free_port()  # (a group's own world: its own rendezvous)
+    return [launch("ft", group, k, out_of(tmp_path, "ft", group, k), port, *args, lighthouse=lighthouse)
+            for k in range(RANKS)]
+
+
+def finish(procs: dict, exits=None, timeout=240) -> dict:
+    """Each process's stderr once it ended with its expected exit code (0 unless ``exits`` says otherwise); every
+    process is killed if one does not end in time."""
+    errs = {}
+    for key, p in procs.items():
+        try:
+            _, errs[key] = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{key} did not finish in time")
+        assert p.returncode == (exits or {}).get(key, 0), f"{key} exited {p.returncode}: {errs[key][-3000:]}"
+    return errs
+
+
+def kill_all(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def run_ft(tmp_path, rounds: int, *args: str, restart: bool = False) -> tuple[dict, dict]:
+    """Both groups on torchft (lighthouse min_replicas=1: one group may commit alone) until they stop together at
+    the first commit from round ``rounds`` on. ``restart``: a ``--fault`` kills a rank of group 1; its other rank is
+    then killed too (a failed rank takes its group out, as torchelastic restarts a node's ranks together), and once
+    group 0 committed two rounds alone, group 1 starts again (no faults) and rejoins through a heal. Returns each
+    (group, rank)'s records by round, and the restarted group's first life's by round under ``("first", rank)`` and
+    its second life's records under ``("after", rank)``."""
+    lh = start_lighthouse(1, heartbeat_timeout_ms=HEARTBEAT_MS, join_timeout_ms=10000)
+    stop, ready = tmp_path / "stop", tmp_path / "ready"
+    ready.mkdir()
+    if not restart:
+        stop.touch()
+    common = ("--rounds", str(rounds), "--stop-file", str(stop), "--H", "4", "--step-sleep", "0.02")
+    first = (*common, "--ready-dir", str(ready), "--ready-count", str(GROUPS * RANKS), *args)
+    procs = {}
+    try:
+        for g in range(GROUPS):
+            procs.update({(g, k): p for k, p in enumerate(start_group(tmp_path, g, *first, lighthouse=lh))})
+        before = {}
+        if restart:
+            victims = [procs[(1, k)] for k in range(RANKS)]
+            deadline = time.time() + 180
+            while all(p.poll() is None for p in victims):
+                assert time.time() < deadline, "the fault did not strike"
+                time.sleep(0.05)
+            killed = [p.returncode for p in victims]
+            kill_all(victims)  # the group's other rank goes with it
+            assert -9 in killed, killed
+            while sum(1 for r in records(out_of(tmp_path, "ft", 0, 0)) if r.get("participants") == 1) < 2:
+                assert time.time() < deadline, "group 0 did not commit without group 1"
+                time.sleep(0.1)
+            before = {k: len(records(out_of(tmp_path, "ft", 1, k))) for k in range(RANKS)}
+            procs.update({(1, k): p for k, p in enumerate(start_group(tmp_path, 1, *common, lighthouse=lh))})
+            while any(len(records(out_of(tmp_path, "ft", 1, k))) == before[k] for k in range(RANKS)):
+                assert time.time() < deadline + 120, "group 1 did not rejoin"
+                assert all(procs[(1, k)].poll() is None for k in range(RANKS)), "group 1 died again"
+                time.sleep(0.1)
+            stop.touch()
+        finish(procs)
+    finally:
+        kill_all(procs.values())
+        lh.shutdown()
+    logs = {(g, k): rounds_of(out_of(tmp_path, "ft", g, k)) for g in range(GROUPS) for k in range(RANKS)}
+    for k in range(RANKS) if restart else ():
+        lines = records(out_of(tmp_path, "ft", 1, k))
+        logs[("first", k)] = {r["round"]: r for r in lines[:before[k]] if "done" not in r}
+        logs[("after", k)] = [r for r in lines[before[k]:] if "done" not in r]
+    return logs, procs
+
+
+def run_plain(tmp_path, rounds: int, *args: str) -> dict:
+    """The reference: LocalCub on one gloo world of 2 x 2 ranks, FSDP2 over the shard dimension of a 2-D mesh and
+    the rounds across its replicate dimension (no torchft, no quorum)."""
+    port = free_port()
+    procs = {(g, k): launch("plain", g, k, out_of(tmp_path, "plain", g, k), port, "--rounds", str(rounds), "--H", "4",
+                            *args) for g in range(GROUPS) for k in range(RANKS)}
+    try:
+        finish(procs)
+    finally:
+        kill_all(procs.values())
+    return {key: rounds_of(out_of(tmp_path, "plain", *key)) for key in procs}
+
+
+def assert_groups_identical(logs, groups=(0, 1)) -> None:
+    """At every rank, every round the groups both logged holds the same shard on both."""
+    for k in range(RANKS):
+        a, b = (logs[(g, k)] for g in groups)
+        shared = set(a) & set(b)
+        assert shared and all(a[r]["digest"] == b[r]["digest"] for r in shared), k
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nan", [False, True], ids=["clean", "nan"])
+def test_no_failure_equals_hsdp_localcub_without_torchft(tmp_path, nan):
+    """2 groups x 2 ranks, no failure: every round of every rank's shard bit-identical to LocalCub's HSDP rounds on
+    one 4-rank gloo world (a 2-D mesh: FSDP2 over 'shard', the rounds over 'replicate'), a reference that shares
+    nothing of torchft (no Manager, no quorum, no managed group, one all-reduce over the world for the agreement
+    where the groups sum twice) and is itself checked against the whole model in tests/test_sharded.py. ``nan``:
+    rank 1 of group 1 holds a NaN gradient at its inner step 13 (round 4): every rank of both groups drops round 4
+    (the agreement's flag crosses the group and the groups) and redoes it, record for record as the reference."""
+    rounds = 6
+    args = ("--nan-at", "1:1:13") if nan else ()
+    ft, _ = run_ft(tmp_path, rounds, *args)
+    plain = run_plain(tmp_path, rounds, *args)
+    for key in plain:
+        assert sorted(plain[key]) == list(range(1, rounds + 1)), key
+        assert sorted(ft[key]) == sorted(plain[key]), key
+        assert [ft[key][r]["digest"] for r in plain[key]] == [plain[key][r]["digest"] for r in plain[key]], key
+        assert {(x["participants"], x["contributors"], x["uncommitted"]) for x in ft[key].values()} == {(2, 2, 0)}
+        mine, reference = ([(x["round"], x["skipped"], x["digest"]) for x in records(out_of(tmp_path, mode, *key))
+                            if "done" not in x] for mode in ("ft", "plain"))
+        assert mine == reference, key
+        assert [x[:2] for x in mine] == [(r, 0) for r in range(1, 4)] + [(3, 1)] * nan + [(r, nan) for r in range(4, 7)]
+    assert_groups_identical(ft)
+
+
+@pytest.mark.slow
+def test_a_groups_verdict_is_one_for_all_its_ranks(tmp_path):
+    """Rank 1 of group 1 reports an error before round 5's commit while every collective succeeded: its group's
+    other rank does not commit round 5 either (torchft's ManagerServer ANDs should_commit over the group's ranks),
+    group 0 commits it (P = C = 2). At the retry both ranks of group 1 are one commit behind and heal, each from the
+    same rank of group 0 (their Δ void: C = 1 in round 6), and every shard is bit-identical across the groups."""
+    rounds = 8
+    logs, _ = run_ft(tmp_path, rounds, "--fault", f"3:{KILLED}:commit:error")
+    assert_groups_identical(logs)
+    for k in range(RANKS):
+        assert sorted(logs[(0, k)]) == list(range(1, rounds + 1))
+        assert sorted(logs[(1, k)]) == [r for r in range(1, rounds + 1) if r != KILLED], k
+        assert (logs[(0, k)][KILLED]["participants"], logs[(0, k)][KILLED]["contributors"]) == (2, 2)
+        for g in range(GROUPS):
+            assert (logs[(g, k)][KILLED + 1]["participants"], logs[(g, k)][KILLED + 1]["contributors"]) == (2, 1)
+        assert logs[(1, k)][KILLED + 1]["heals"] == logs[(1, k)][KILLED - 1]["heals"] + 1
+        assert logs[(1, k)][rounds]["uncommitted"] == 1 and logs[(0, k)][rounds]["uncommitted"] == 0
+        assert logs[(0, k)][rounds]["heals"] == logs[(0, k)][1]["heals"]  # a live group never heals
+
+
+@pytest.mark.slow
+def test_a_rank_killed_inside_the_agreement_takes_its_group_out(tmp_path):
+    """Rank 1 of group 1 is killed as round 5's lane all-reduce starts; its group goes with it. Group 0's attempt
+    fails (on rank 1's managed group at least, so on both its ranks: one uncommitted each), is retried with the same
+    Δ on a quorum of its own, and commits (P = C = 1); group 1 restarts, heals each rank's shard from the same rank
+    of group 0 (P = 2, C = 1: it adds nothing that round) and from then on is bit-identical to group 0. Nothing lost,
+    nothing twice: group 0 logs every round once, in order."""
+    rounds = 12
+    logs, _ = run_ft(tmp_path, rounds, "--fault", f"3:{KILLED}:lanes", restart=True)
+    for k in range(RANKS):
+        a = logs[(0, k)]
+        last = max(a)
+        assert sorted(a) == list(range(1, last + 1)) and last >= rounds
+        assert [(a[r]["participants"], a[r]["contributors"]) for r in range(1, KILLED)] == [(2, 2)] * (KILLED - 1)
+        assert (a[KILLED]["participants"], a[KILLED]["contributors"]) == (1, 1)
+        assert {a[r]["uncommitted"] for r in range(1, KILLED)} == {0}
+        assert {a[r]["uncommitted"] for r in range(KILLED, last + 1)} == {1}  # the one failed attempt
+        assert {a[r]["heals"] for r in a} == {a[1]["heals"]}
+        assert max(logs[("first", k)]) == KILLED - 1  # group 1 never committed round 5
+        after = logs[("after", k)]
+        assert after and after[0]["heals"] == 1 and (after[0]["participants"], after[0]["contributors"]) == (2, 1)
+        assert all(rec["digest"] == a[rec["round"]]["digest"] for rec in after)
+        rejoined = after[0]["round"]
+        assert {(a[r]["participants"], a[r]["contributors"]) for r in range(KILLED + 1, rejoined)} <= {(1, 1)}
+        assert (a[rejoined]["participants"], a[rejoined]["contributors"]) == (2, 1)
+        assert {(a[r]["participants"], a[r]["contributors"]) for r in range(rejoined + 1, last + 1)} == {(2, 2)}
+
+
+def _refusal_worker(rank, world):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.flat import FTLocalCub
+    from tests.ft_groups_worker import model_of
+
+    class StandIn:  # refused before it is used
+        _use_async_quorum = False
+
+        def __init__(self, ranks):
+            self._group_world_size = ranks
+
+        def register_state_dict_fn(self, *a):
+            raise AssertionError("not reached")
+
+    def refused(build) -> str:
+        try:
+            build()
+        except ValueError as exc:
+            return str(exc)
+        return "built"
+
+    plain = torch.nn.Linear(4, 2)
+    out = dict(plain=refused(lambda: FTLocalCub(plain.parameters(), StandIn(2), vote="grad")))
+    sharded = model_of(init_device_mesh("cpu", (world,)))
+    out["ranks"] = refused(lambda: FTLocalCub(sharded.parameters(), StandIn(1), vote="grad"))
+    two_d = model_of(init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))["shard"])
+    out["two_d"] = refused(lambda: FTLocalCub(two_d.parameters(), StandIn(1), vote="grad"))
+    return out
+
+
+def test_what_a_replica_group_of_many_ranks_cannot_run_is_refused_in_one_line():
+    """Plain copies inside a group (a node mean), a manager whose group is not the shards' world, and FSDP2 on a 2-D
+    mesh with replicas of its own: each one line saying what to use instead."""
+    out = run_workers(_refusal_worker, 2)[0]
+    assert out["plain"].startswith("under torchft a replica group of 2 ranks needs FSDP2 shards inside it")
+    assert out["ranks"].startswith("manager: its replica group has 1 ranks (world_size=) but the parameters are "
+                                   "sharded over 2")
+    assert out["two_d"].startswith("under torchft the replicas are the manager's replica groups: shard the model")
+    assert all("\n" not in text for text in out.values())
