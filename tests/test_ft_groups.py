@@ -186,14 +186,16 @@ def test_a_groups_verdict_is_one_for_all_its_ranks(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_rank_killed_inside_the_agreement_takes_its_group_out(tmp_path):
-    """Rank 1 of group 1 is killed as round 5's lane all-reduce starts; its group goes with it. Group 0's attempt
-    fails (on rank 1's managed group at least, so on both its ranks: one uncommitted each), is retried with the same
-    Δ on a quorum of its own, and commits (P = C = 1); group 1 restarts, heals each rank's shard from the same rank
-    of group 0 (P = 2, C = 1: it adds nothing that round) and from then on is bit-identical to group 0. Nothing lost,
-    nothing twice: group 0 logs every round once, in order."""
+@pytest.mark.parametrize("point, failed", [("lanes", 1), ("inner", 0)])
+def test_a_rank_killed_takes_its_group_out(tmp_path, point, failed):
+    """Rank 1 of group 1 is killed as round 5's lane all-reduce starts (``lanes``) or at its first inner step
+    (``inner``); its group goes with it. In the lanes, group 0's attempt fails (on rank 1's managed group at least, so
+    on both its ranks: one uncommitted each), is retried with the same Δ on a quorum of its own, and commits
+    (P = C = 1); in the inner steps, round 5's quorum is group 0 alone from the start (nothing uncommitted). Group 1
+    restarts, heals each rank's shard from the same rank of group 0 (P = 2, C = 1: it adds nothing that round) and
+    from then on is bit-identical to group 0. Nothing lost, nothing twice: group 0 logs every round once, in order."""
     rounds = 12
-    logs, _ = run_ft(tmp_path, rounds, "--fault", f"3:{KILLED}:lanes", restart=True)
+    logs, _ = run_ft(tmp_path, rounds, "--fault", f"3:{KILLED}:{point}", restart=True)
     for k in range(RANKS):
         a = logs[(0, k)]
         last = max(a)
@@ -201,7 +203,7 @@ def test_a_rank_killed_inside_the_agreement_takes_its_group_out(tmp_path):
         assert [(a[r]["participants"], a[r]["contributors"]) for r in range(1, KILLED)] == [(2, 2)] * (KILLED - 1)
         assert (a[KILLED]["participants"], a[KILLED]["contributors"]) == (1, 1)
         assert {a[r]["uncommitted"] for r in range(1, KILLED)} == {0}
-        assert {a[r]["uncommitted"] for r in range(KILLED, last + 1)} == {1}  # the one failed attempt
+        assert {a[r]["uncommitted"] for r in range(KILLED, last + 1)} == {failed}  # the one failed attempt, or none
         assert {a[r]["heals"] for r in a} == {a[1]["heals"]}
         assert max(logs[("first", k)]) == KILLED - 1  # group 1 never committed round 5
         after = logs[("after", k)]
