@@ -243,3 +243,30 @@ def test_the_race_loop_with_a_timed_method_ends_on_every_rank_at_the_same_sync_p
     assert n0 == n1 and syncs0 == syncs1 and len(syncs0) >= 2
     assert any(s[1] < s[0] for s in syncs0[1:])  # the ranks' steps were uneven (rank 1's rounds shorter)
     assert all(torch.equal(a, b) for a, b in zip(final0, final1))
+
+
+def _harness_row(rank, world):
+    """The race's timed row built as the race builds it: through the harness's factory (lioncub train's)."""
+    from bench.race import build_method
+    from lioncub.harness.models.gpt import GPT, GPTConfig
+
+    def gpt():
+        torch.manual_seed(0)
+        return GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, vocab_size=64, block_size=16))
+    method = build_method("lcub-smean2-h4-sgd1-ef-adamw-timed", gpt(), 4e-3, 0)
+    plain = build_method("lcub-smean2-h4-sgd1-ef-adamw", gpt(), 4e-3, 0)
+    return method.config.pace, method.opt.pace, method.uneven_steps, plain.opt.pace, plain.uneven_steps
+
+
+def test_the_race_builds_its_timed_row_through_the_harness_and_the_harness_refuses_it_where_it_cannot_run():
+    from lioncub.harness.config import TrainConfig
+
+    assert run_workers(_harness_row, 1)[0] == ("timed", "timed", True, "slowest", False)
+    with pytest.raises(ValueError, match=r"^pace='timed' apply to local_steps > 1 only"):
+        TrainConfig(optimizer="lioncub", pace="timed")  # every step: no rounds to time
+    with pytest.raises(ValueError, match=r"^pace='timed' apply to optimizer='lioncub' only"):
+        TrainConfig(optimizer="adamw", pace="timed")
+    with pytest.raises(ValueError, match=r"^pace='timed' times rounds of a fixed H"):
+        TrainConfig(optimizer="lioncub", local_steps="auto", local_setting="link", eval_every=0, pace="timed")
+    with pytest.raises(ValueError, match=r"Options.pace must be one of"):
+        TrainConfig(optimizer="lioncub", local_steps=5, pace="fast")

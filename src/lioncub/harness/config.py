@@ -145,6 +145,10 @@ class TrainConfig:
     """Local steps with ``delay=1``: stream the model in this many fragments (``LocalCub(fragments=...)``)."""
     eager: bool = False
     """Local steps with ``delay=1`` and a mean: the outer step by the worker's own Δ stands in (``LocalCub(eager=)``)."""
+    pace: str = "slowest"
+    """LocalCub: ``'slowest'`` (every rank H steps a round) or ``'timed'`` (``Options(pace='timed')``: each rank as
+    many steps as fit the round's time, its Δ weighted by them; docs/stragglers.md). A timed run stops and
+    evaluates on the agreed clock: the race's budget, not ``steps``."""
     nodes: int = 1
     """LionCub: split the workers into this many nodes of consecutive ranks (equal sizes):
     gradients are averaged inside a node, the vote runs across nodes (``lioncub.NodeCub``).
@@ -277,7 +281,8 @@ class TrainConfig:
 
 
 _LOCAL_ONLY = {"inner": "lion", "outer": "nesterov", "outer_lr": 1.0, "error_feedback": False, "aggregate": "vote",
-               "delay": 0, "fragments": 1, "eager": False, "local_setting": "given"}
+               "delay": 0, "fragments": 1, "eager": False, "local_setting": "given",
+               "pace": "slowest"}
 _LINK_PICKS = ("vote", "bits", "quantizer", "aggregate", "error_feedback", "outer", "outer_lr", "delay", "fragments",
                "eager", "min_local_steps")
 """What ``local_setting='link'`` picks (LocalCub's ``aggregation='auto'``), so a run may not set it too."""
@@ -413,8 +418,14 @@ def library_arguments(config: TrainConfig) -> tuple[str, dict]:
     lanes = {k: getattr(config, k) for k in ("bits", "quantizer") if getattr(config, k) is not None}  # (refused
     # by the object where they do not apply)
     checks = dict(nonfinite=config.nonfinite, check_every=config.check_every)
+    if config.pace != "slowest":  # (LocalCub's only: TrainConfig refuses it without local steps)
+        checks["pace"] = config.pace
     if config.local and config.local_setting == "link":  # the optimizer's own setting from the link
         from ..options import Options
+
+        if config.pace != "slowest":
+            raise ValueError(f"pace={config.pace!r} times rounds of a fixed H; --local-setting link picks H itself "
+                             "(local_steps='auto'): give a fixed --local-steps")
 
         return "localcub", dict(local_steps="auto", aggregation="auto", inner=config.inner, options=Options(**checks))
     if config.local:
