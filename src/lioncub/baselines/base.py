@@ -31,9 +31,12 @@ class Adapter:
     family: str = "?"
     """'adamw' or 'lion': which learning-rate grid the method sweeps. A class states its own;
     one whose family depends on its options sets it per instance (:meth:`family_for`)."""
-    uneven_steps: bool = False
-    """Whether the ranks' step counts differ between sync points (LocalCub with ``Options(pace='timed')``): a loop
-    then decides only at sync points, never at a step index (:class:`lioncub.harness.loop.Loop` refuses ``steps``)."""
+    @property
+    def uneven_steps(self) -> bool:
+        """Whether the ranks' step counts differ between sync points (an optimizer ``opt`` with
+        ``Options(pace='timed')``): a loop then decides only at sync points, never at a step index
+        (:class:`lioncub.harness.loop.Loop` refuses ``steps``)."""
+        return getattr(getattr(self, "opt", None), "pace", "slowest") == "timed"
 
     def __init__(self, module: nn.Module, *, group=None):
         self.module = module

@@ -56,7 +56,6 @@ class LocalCubMethod(Adapter):
             aggregate=aggregate, process_group=group, model=module, eager=eager,
             **({"min_local_steps": min_local_steps} if min_local_steps is not None else {}),
             **({"pace": pace} if pace is not None else {}))))
-        self.uneven_steps = self.opt.pace == "timed"  # each rank's own steps a round (docs/stragglers.md)
 
     def step(self, lr: float) -> bool:
         set_lr(self.opt, lr)

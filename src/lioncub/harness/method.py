@@ -108,7 +108,6 @@ class OptimizerMethod(Adapter):
         self.shares = [g["lr"] / config.lr for g in opt.param_groups]
         self.params = [p for g in opt.param_groups for p in g["params"]]
         self.steps, self.traffic, self.t_vote = start, {}, 0.0
-        self.uneven_steps = getattr(opt, "pace", "slowest") == "timed"  # each rank its own steps (docs/stragglers.md)
 
     def backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with self.autocast():

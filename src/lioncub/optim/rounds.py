@@ -202,11 +202,9 @@ class Rounds:
             out = delta[offset:offset + pc.size]
             now = _slot(self.params[pc.index], pc) if until is None else self._held(pc, until)
             out.copy_(self._held(pc, began).reshape(-1)).sub_(now.reshape(-1))
-            if self.error_feedback and weight is None:
-                torch.add(out, self._held(pc, "residual").reshape(-1), out=v[offset:offset + pc.size])
-            elif self.error_feedback:
-                residual = self._held(pc, "residual").reshape(-1)
-                torch.add(residual, out, alpha=weight, out=v[offset:offset + pc.size])
+            if self.error_feedback:  # (alpha 1: e + Δ, bit for bit the unweighted sum)
+                torch.add(self._held(pc, "residual").reshape(-1), out, alpha=1.0 if weight is None else weight,
+                          out=v[offset:offset + pc.size])
             elif weight is not None:
                 torch.mul(out, weight, out=v[offset:offset + pc.size])
             offset += pc.size
