@@ -152,6 +152,95 @@ def test_a_timed_round_resumes_mid_round_from_its_checkpoint():
         assert torch.equal(resumed[0], straight[0])
 
 
+# ------------------------------------------------------------------ 'auto' at the rounds' own pace
+# local_steps='auto' on a known link (beta 0): round_s = 2 ring all-reduces (the round's head and Mean's exchange) of
+# 2(P - 1) messages each = 4·3·alpha = 6 s for P = 4. H = clamp(ceil(round_s / (share · t)), least, most) by hand:
+# timed, t = t_ref = the lower median of [1, 1, 1, 5] = 1 s -> ceil(6 / 0.5) = 12 and T = 12 · 1 = 12 s (rank 3:
+# ceil(12 / 5) = 3 steps a round); slowest, t = 5 s (rank 3's) -> ceil(6 / 2.5) = 3, and 3 steps everywhere.
+AUTO_LINK = dict(alpha=0.5, beta=0.0, min_local_steps=3, max_local_steps=100)
+AUTO_ROUND_S, AUTO_STEPS = 4 * 3 * 0.5, {"timed": 12, "slowest": 3}
+
+
+def _auto(rank, world, pace):
+    import lioncub.optim.auto_steps as auto_steps
+
+    def run(step_s: float, now: float, saved=None):
+        param = torch.nn.Parameter(torch.arange(8, dtype=torch.float32) / 4)
+        opt = LocalCub([param], lr=LR, local_steps="auto", aggregation=Mean(), inner=lambda g: torch.optim.SGD(g),
+                       options=Options(pace=pace, **AUTO_LINK))
+        clock = Clock(step_s, now)
+        opt._clock = clock  # the timed rounds' clock; the synchronous first round reads perf_counter: this one too
+        auto_steps.time = type("Time", (), {"perf_counter": staticmethod(clock)})
+        if saved is not None:
+            opt.load_state_dict(saved)
+        return opt, param, clock
+
+    opt, param, clock = run(STEP_S[rank], 0.0)
+    rounds = [_round(opt, param, clock, rank) for _ in range(2)]
+    pick = dict(opt.steps_pick)
+    budget = getattr(opt, "budget_s", None)
+    clock.now += clock.step_s  # one step into the third round, then a checkpoint
+    param.grad = _grad(rank).clone()
+    opt.step()
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    opt, param, clock = run(3.0, 1000.0, torch.load(io.BytesIO(buf.getvalue()), weights_only=True))  # 3 s steps now
+    rest = [_round(opt, param, clock, rank) for _ in range(2)]
+    return dict(rounds=rounds, pick=pick, budget=budget, rest=rest, resumed=(dict(opt.steps_pick), opt.H,
+                                                                              getattr(opt, "budget_s", None)))
+
+
+@pytest.mark.parametrize("pace", ["timed", "slowest"])
+def test_auto_picks_h_at_the_rounds_pace_the_median_step_when_timed_the_slowest_when_not(pace):
+    res = run_workers(_auto, 4, pace)
+    H = AUTO_STEPS[pace]
+    for rank, out in enumerate(res):
+        assert out["pick"]["round_s"] == AUTO_ROUND_S and out["pick"]["H"] == H, (rank, out["pick"])
+        assert out["pick"] == res[0]["pick"]  # every rank the same pick, from the same numbers
+        assert out["resumed"] == (out["pick"], H, out["budget"])  # the checkpoint kept it: nothing re-timed
+        if pace == "timed":
+            assert out["pick"]["step_s"] == 1.0 and out["budget"] == 12.0  # t_ref, and T = H · t_ref
+            assert out["rounds"] == [3, [12, 12, 12, 3][rank]]  # the timed first round (3 steps), then T's
+            # resumed with 3 s steps: the rest of round 3 (1 s in: 4 more steps; rank 3, 5 s in: 3), then 12 / 3
+            assert out["rest"] == [[4, 4, 4, 3][rank], 4]
+        else:
+            assert out["pick"]["step_s"] == 5.0 and out["budget"] is None
+            assert out["rounds"] == [3, 3] and out["rest"] == [2, 3]
+
+
+# aggregation='auto': the first round is the low-bit rounds' 5 timed steps; pick_rounds by hand from round_s (the
+# 2-bit scatter mean's α-β price, whatever the pace) and t: H = max(5, ceil(round_s / t)), low-bit while H <= 50.
+def _setting(rank, world, pace):
+    import lioncub.optim.auto_steps as auto_steps
+
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(8))
+    opt = LocalCub([param], lr=LR, local_steps="auto", aggregation="auto", options=Options(pace=pace, alpha=2.0,
+                                                                                          beta=0.0))
+    opt._clock = clock = Clock(STEP_S[rank])
+    auto_steps.time = type("Time", (), {"perf_counter": staticmethod(clock)})
+    rounds = [_round(opt, param, clock, rank) for _ in range(2)]
+    return rounds, opt.steps_pick["setting"], getattr(opt, "budget_s", None), param.detach().clone()
+
+
+@pytest.mark.parametrize("pace", ["timed", "slowest"])
+def test_the_setting_from_the_link_prices_its_rounds_at_the_rounds_pace(pace):
+    import math
+
+    res = run_workers(_setting, 4, pace)
+    round_s = res[0][1]["round_s"]
+    t = {"timed": 1.0, "slowest": 5.0}[pace]  # the lower median of STEP_S, or its largest
+    H = max(5, math.ceil(round_s / t - 1e-9))
+    assert 5 < H <= 50 if pace == "timed" else H == 5  # (alpha 2: the timed pick is not the floor)
+    for rank, (rounds, setting, budget, theta) in enumerate(res):
+        assert setting == res[0][1] and setting["name"] == "lowbit" and setting["H"] == H, (rank, setting)
+        assert setting["step_s"] == t and torch.equal(theta, res[0][3])
+        if pace == "timed":
+            assert budget == H * t and rounds == [5, H if rank < 3 else math.ceil(H * t / STEP_S[rank])]
+        else:
+            assert budget is None and rounds == [5, H]
+
+
 # ------------------------------------------------------------------ the default waits for the slowest
 def _slowest(rank, world):
     param = torch.nn.Parameter(torch.arange(8, dtype=torch.float32) / 4)
@@ -176,8 +265,8 @@ def test_options_pace_is_checked_and_refused_where_it_cannot_run():
         LionCub([torch.nn.Parameter(torch.zeros(2))], options=timed)
     refusals = [
         (dict(manager=object()), "torchft manager"),
-        (dict(local_steps="auto"), "local_steps must be an int >= 2"),
-        (dict(local_steps=1), "local_steps must be an int >= 2"),
+        (dict(local_steps="auto", options=Options(pace="timed", min_local_steps=1)), "min_local_steps must be >= 2"),
+        (dict(local_steps=1), "local_steps must be an int >= 2 or 'auto'"),
         (dict(aggregation=SignVote()), "needs a mean"),
         (dict(streaming=Streaming(fragments=2), local_steps=4), "streaming must be False or True"),
     ]
@@ -187,6 +276,8 @@ def test_options_pace_is_checked_and_refused_where_it_cannot_run():
         assert "\n" not in message
     agg, flags = round_settings(streaming=True, options=timed)  # one round in flight: allowed
     assert flags["pace"] == "timed" and flags["delay"] == 1
+    for kw in (dict(local_steps="auto"), dict(local_steps="auto", aggregation="auto")):  # the first round times both
+        assert round_settings(**kw, options=timed)[1]["pace"] == "timed"
 
 
 # ------------------------------------------------------------------ the race's spec and loop
@@ -259,14 +350,40 @@ def _harness_row(rank, world):
 
 
 def test_the_race_builds_its_timed_row_through_the_harness_and_the_harness_refuses_it_where_it_cannot_run():
-    from lioncub.harness.config import TrainConfig
+    from lioncub.harness.config import TrainConfig, library_arguments
 
     assert run_workers(_harness_row, 1)[0] == ("timed", "timed", True, "slowest", False)
     with pytest.raises(ValueError, match=r"^pace='timed' apply to local_steps > 1 only"):
         TrainConfig(optimizer="lioncub", pace="timed")  # every step: no rounds to time
     with pytest.raises(ValueError, match=r"^pace='timed' apply to optimizer='lioncub' only"):
         TrainConfig(optimizer="adamw", pace="timed")
-    with pytest.raises(ValueError, match=r"^pace='timed' times rounds of a fixed H"):
-        TrainConfig(optimizer="lioncub", local_steps="auto", local_setting="link", eval_every=0, pace="timed")
+    link = TrainConfig(optimizer="lioncub", local_steps="auto", local_setting="link", eval_every=0, pace="timed")
+    assert library_arguments(link)[1]["options"].pace == "timed"  # 'auto' picks at the timed rounds' pace
     with pytest.raises(ValueError, match=r"Options.pace must be one of"):
         TrainConfig(optimizer="lioncub", local_steps=5, pace="fast")
+
+
+# ------------------------------------------------------------------ lioncub train --pace timed
+def _train(rank, world, argv):
+    from lioncub.cli import main
+
+    assert main(argv) == 0
+
+
+@pytest.mark.slow
+def test_lioncub_train_pace_timed_runs_a_slowed_worker_with_fewer_steps_a_round(tmp_path, corpus_cache):
+    """Rank 0 is slowed 4x (--slow-worker): T = 4 · the lower median of the two step times (rank 1's), so rank 0's
+    rounds after the first are shorter than H = 4 (the synchronous rounds: 4). Its records are at rounds' ends."""
+    import json
+
+    argv = ["train", "--model", "gpt-tiny", "--batch-size", "2", "--block-size", "16", "--local-steps", "4",
+            "--vote", "grad", "--pace", "timed", "--slow-worker", "0:4", "--budget", "1.5", "--no-progress",
+            "--nproc", "2", "--cache-dir", str(corpus_cache), "--out", str(tmp_path)]
+    run_workers(_train, 2, argv, timeout_s=120.0)
+    with open(tmp_path / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    steps = [r["step"] for r in records if r["kind"] == "step"]
+    rounds = [b - a for a, b in zip([0] + steps, steps)]  # rank 0's steps in each round (a record at each end)
+    assert rounds[0] == 4 and len(rounds) >= 3, rounds
+    assert all(1 <= k <= 16 for k in rounds) and min(rounds[1:]) < 4, rounds  # (16: the cap, 4·H)
+    assert sum(r["kind"] == "eval" for r in records) >= 2  # on the agreed clock

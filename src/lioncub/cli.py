@@ -23,6 +23,7 @@ from .ft.command import _FT_KEYS, cmd_train_ft
 from .harness.config import aggregation_fields
 from .optim.auto_steps import MAX_LOCAL_STEPS
 from .optim.outer import OUTER_RULES
+from .options import PACES
 from .votes.mean import AGGREGATES as STEP_AGGREGATES
 from .votes.rounds import ROUND_AGGREGATES
 from .testbed import TESTBED_SWITCH, testbed_unavailable
@@ -120,6 +121,11 @@ def _add_train(sub) -> None:
     p.add_argument("--eager", action="store_true", default=d.eager,
                    help="local steps with --delay 1 and a mean: while a round (or fragment) is in flight, the outer step "
                    "by the worker's own pseudo-gradient stands in for the agreed one")
+    p.add_argument("--pace", choices=PACES, default=d.pace,
+                   help="local steps: 'slowest' (every worker H steps a round, at the slowest one's pace) or 'timed' "
+                   "(each worker as many steps as fit the round's time, its pseudo-gradient weighted by its steps, "
+                   "so a slow worker does not set everyone's pace: docs/stragglers.md; needs --budget) "
+                   "(default: %(default)s)")
     p.add_argument("--nodes", type=int, default=d.nodes,
                    help="LionCub: the workers form this many nodes of consecutive ranks; average inside a node, "
                    "vote across nodes (NodeCub; with --link, each node is one namespace behind one shaped link)")

@@ -49,6 +49,9 @@ def cmd_train_ft(args) -> int:
         config = TrainConfig(**fields)
         if config.local_steps == "auto":
             raise ValueError("--ft: --local-steps must be an int (1: LionCub's every-step vote, FTLionCub)")
+        if config.pace != "slowest":
+            raise ValueError(f"--ft: --pace {config.pace} needs every replica's steps in each round; torchft's quorum "
+                             "decides who is in a round: leave --pace at slowest")
         from ..votes.rounds import PARTIAL_NEEDS, round_partial
 
         if not round_partial(config.vote, config.aggregate, config.quantizer):

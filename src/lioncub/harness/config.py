@@ -147,8 +147,9 @@ class TrainConfig:
     """Local steps with ``delay=1`` and a mean: the outer step by the worker's own Δ stands in (``LocalCub(eager=)``)."""
     pace: str = "slowest"
     """LocalCub: ``'slowest'`` (every rank H steps a round) or ``'timed'`` (``Options(pace='timed')``: each rank as
-    many steps as fit the round's time, its Δ weighted by them; docs/stragglers.md). A timed run stops and
-    evaluates on the agreed clock: the race's budget, not ``steps``."""
+    many steps as fit the round's time, its Δ weighted by them; docs/stragglers.md; ``local_steps='auto'`` then picks
+    H at the rounds' pace). A timed run stops and evaluates on the agreed clock: the race's budget or
+    ``time_budget`` (``lioncub train --pace timed --budget S``), not ``steps``."""
     nodes: int = 1
     """LionCub: split the workers into this many nodes of consecutive ranks (equal sizes):
     gradients are averaged inside a node, the vote runs across nodes (``lioncub.NodeCub``).
@@ -423,10 +424,7 @@ def library_arguments(config: TrainConfig) -> tuple[str, dict]:
     if config.local and config.local_setting == "link":  # the optimizer's own setting from the link
         from ..options import Options
 
-        if config.pace != "slowest":
-            raise ValueError(f"pace={config.pace!r} times rounds of a fixed H; --local-setting link picks H itself "
-                             "(local_steps='auto'): give a fixed --local-steps")
-
+        # (pace='timed' too: its first round times both, 'auto' picks H at the rounds' pace: lioncub.optim.pace)
         return "localcub", dict(local_steps="auto", aggregation="auto", inner=config.inner, options=Options(**checks))
     if config.local:
         from ..optim.localcub import round_settings

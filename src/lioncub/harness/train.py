@@ -81,6 +81,13 @@ def check_inputs(config: TrainConfig, world: int, *, prepare: bool = True) -> No
         except ImportError:
             raise ValueError(f"--tensorboard {config.tensorboard!r}: needs the tensorboard package "
                              "(pip install tensorboard)") from None
+    if config.pace == "timed":  # each rank takes its own steps a round: a step count is not the same on every rank
+        if config.time_budget is None:
+            raise ValueError("--pace timed: each worker takes its own steps a round, so the run stops and evaluates "
+                             "on the agreed clock: give --budget SECONDS")
+        if config.ckpt_every:
+            raise ValueError("--pace timed: each worker takes its own steps a round; --ckpt-every counts steps: "
+                             "leave it 0")
     _check_data(config, world, prepare)
     try:
         os.makedirs(config.out, exist_ok=True)
@@ -222,7 +229,10 @@ def train_worker(config: TrainConfig) -> dict:
     def on_step(info: StepInfo) -> None:
         done = info.step
         trained["s"] = info.train_time
-        if done % config.log_every and done != config.steps:
+        if method.uneven_steps:  # (--pace timed) a record, and its all-reduce, at each round's end: every rank alike
+            if not info.synced:
+                return
+        elif done % config.log_every and done != config.steps:
             return
         mean_loss = info.loss.float().clone()
         comm.all_reduce(mean_loss)
@@ -254,7 +264,8 @@ def train_worker(config: TrainConfig) -> dict:
     model.train()
     straggler = (Straggler.for_rank(rank, config.slow_workers, config.pause_workers)
                  if config.slow_workers or config.pause_workers else None)  # the testbed's slower worker
-    loop = Loop(lr=lambda step, clock: config.lr * lr_factor(step, config), steps=config.steps, budget=budget,
+    loop = Loop(lr=lambda step, clock: config.lr * lr_factor(step, config), budget=budget,
+                steps=None if method.uneven_steps else config.steps,  # (timed: the agreed clock alone stops it)
                 eval_every=config.eval_every, eval_every_s=config.eval_every_s, device=device,
                 on_step=on_step, on_eval=on_eval, after_step=after_step, straggler=straggler)
     if start < config.steps:

@@ -24,8 +24,11 @@ was tuned at): ``'auto'`` then only lengthens rounds where the link makes them c
 
 ``t_step`` is measured on the first round, which runs ``min_local_steps`` steps (so a run whose floor is its
 tuned H runs exactly that H until the pick): the median time between consecutive ``step()`` calls (a whole
-iteration: data, forward, backward and the inner step), the slowest rank's (one MAX all-reduce, once). Every
-rank then computes the same H from the same agreed numbers. The pick is kept in :attr:`AutoSteps.steps_pick`,
+iteration: data, forward, backward and the inner step), the slowest rank's (one MAX all-reduce, once): a synchronous
+round runs at the slowest rank's pace. With ``Options(pace='timed')`` the rounds run at t_ref instead, the lower
+median of the ranks' step times (:mod:`lioncub.optim.pace`: each rank's mean gap after its first step, gathered at
+the first round's end), so t_step = t_ref there, and the same first round sets the round time T = H · t_ref. Every
+rank then computes the same H (and T) from the same agreed numbers. The pick is kept in :attr:`AutoSteps.steps_pick`,
 saved in checkpoints and taken back on resume.
 """
 from __future__ import annotations
@@ -39,6 +42,7 @@ import torch
 from .. import comm
 from ..engine import auto
 from ..engine.cost import calibrate, collective_time
+from .pace import reference_step
 
 __all__ = ["AutoSteps", "FIRST_ROUND", "ROUND_SHARE", "MAX_LOCAL_STEPS", "round_seconds", "pick_local_steps"]
 
@@ -70,7 +74,7 @@ def pick_local_steps(round_s: float, step_s: float, share: float, most: int, lea
 
 class AutoSteps:
     """The mixin of ``local_steps='auto'`` (module docstring). Uses what LocalCub defines: ``H``, ``group``,
-    ``world_size``, ``device``, ``aggregation``, ``_plan``."""
+    ``world_size``, ``device``, ``aggregation``, ``_plan``, and :class:`~lioncub.optim.pace.Pace`'s ``pace``."""
 
     steps_pick: Optional[dict] = None
     """``local_steps='auto'``: ``{'alpha', 'beta', 'round_share', 'max_local_steps', 'step_s', 'round_s', 'H'}``
@@ -110,19 +114,25 @@ class AutoSteps:
         self._marks: list[float] = []
 
     def _mark_step(self) -> None:
-        """The time of this ``step()`` call while the first round is being timed."""
-        if self.steps_pick is not None and self.steps_pick["H"] is None:
+        """The time of this ``step()`` call while the first round is being timed (``pace='timed'`` times it
+        itself: :mod:`lioncub.optim.pace`)."""
+        if self.steps_pick is not None and self.steps_pick["H"] is None and self.pace == "slowest":
             self._marks.append(time.perf_counter())
 
     def _pick_steps(self) -> None:
-        """At the end of the first round: the slowest rank's median iteration, the round's α-β time, and H."""
+        """At the end of the first round: the step time its rounds run at (the slowest rank's median iteration;
+        ``pace='timed'``: t_ref, the lower median of the ranks' gathered step times), the round's α-β time, and H
+        (then, timed, T = H · t_ref)."""
         pick = self.steps_pick
-        gaps = sorted(b - a for a, b in zip(self._marks, self._marks[1:]))
-        mine = gaps[len(gaps) // 2] if gaps else 0.0
-        agreed = torch.tensor([mine], dtype=torch.float64, device=self.device)
-        if self.world_size > 1:
-            comm.all_reduce(agreed, self.group, op="max")
-        step_s = float(agreed.item())  # one host read, once
+        if self.pace == "timed":  # the round's end gathered every rank's (s_i, t_i): the same list on every rank
+            step_s = reference_step(self.last_round_pace["step_s"])
+        else:
+            gaps = sorted(b - a for a, b in zip(self._marks, self._marks[1:]))
+            mine = gaps[len(gaps) // 2] if gaps else 0.0
+            agreed = torch.tensor([mine], dtype=torch.float64, device=self.device)
+            if self.world_size > 1:
+                comm.all_reduce(agreed, self.group, op="max")
+            step_s = float(agreed.item())  # one host read, once
         chunks = [(sum(pc.size for pc in pieces), len(pieces)) for pieces in self._plan()]
         round_s = round_seconds(self.exchange, chunks, self.world_size, pick["alpha"], pick["beta"])
         H = None
@@ -135,6 +145,8 @@ class AutoSteps:
                                  pick.get("min_local_steps", FIRST_ROUND))
         pick.update(step_s=step_s, round_s=round_s, H=H)
         self.H, self._marks = pick["H"], []
+        if self.pace == "timed":
+            self._time_rounds()  # T = H · t_ref (optim.pace)
 
     def _restore_steps(self, saved: Optional[dict]) -> None:
         """A checkpoint's pick (saved by :meth:`RoundCheckpoint.state_dict`): H as the saved run picked it."""

@@ -97,7 +97,7 @@ from ..votes.rounds import ROUND_AGGREGATES as AGGREGATES
 from ..votes.rounds import round_aggregation, round_bits
 from .outer import OUTER_RULES, make_outer
 from .checkpoint import RoundCheckpoint
-from .auto_steps import AutoSteps
+from .auto_steps import FIRST_ROUND, AutoSteps
 from .rounds import OUTER_STATES, Rounds
 from .streaming import StreamingRounds
 from .pace import Pace, check_timed
@@ -369,7 +369,7 @@ class LocalCub(RoundCheckpoint, StreamingRounds, Rounds, Pace, AutoSetting, Auto
     # ------------------------------------------------------------------ state
     def fingerprint(self) -> dict:
         if self.steps_pick is not None and "setting" in self.steps_pick:  # (whatever the link picks)
-            return dict(local_steps="auto", aggregation="auto", tie=self.tie, delay=self.delay)
+            return dict(local_steps="auto", aggregation="auto", tie=self.tie, delay=self.delay, **self._pace_key())
         return dict(local_steps="auto" if self.steps_pick else self.H, vote=self.vote, bits=self.bits, quantizer=self.quantizer, tie=self.tie,
                     outer=self.outer, error_feedback=self.error_feedback, aggregate=self.aggregate, delay=self.delay,
                     fragments=self.fragments, **({"eager": True} if self.eager else {}),
@@ -399,7 +399,7 @@ def round_settings(aggregation=ScatterMean(bits=LOWBIT_BITS), local_steps=LOWBIT
         raise ValueError(f"LocalCub: Streaming's eager=True stands in this worker's own Δ for the agreed mean: it "
                          f"needs a mean (Mean, LaneMean or ScatterMean), got {agg!r}")
     if flags.get("pace") == "timed":
-        check_timed(agg, local_steps, stream, manager, SignVote)
+        check_timed(agg, local_steps, stream, manager, SignVote, flags.get("min_local_steps", FIRST_ROUND))
     if manager is not None:
         flags["manager"] = manager
     elif "max_attempts" in flags:

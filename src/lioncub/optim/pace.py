@@ -8,9 +8,12 @@ and every rank computes the same round time from the same numbers::
 
     T = H · t_ref,    t_ref = the lower median of the t_i (sorted, index ⌊(P − 1)/2⌋)
 
-so with one straggler among P >= 2 ranks the others keep their H steps a round. From then on each rank ends its
-round at the first ``step()`` after which its own time since the round began is at least T, but at least 1 step
-and at most ``CAP·H`` (a fast rank does not run away)::
+so with one straggler among P >= 2 ranks the others keep their H steps a round. With ``local_steps='auto'`` (and
+``aggregation='auto'``) the first round, of ``min_local_steps`` steps, serves both: ``'auto'`` picks H from t_ref
+(:mod:`lioncub.optim.auto_steps`, where the synchronous rounds take the slowest rank's step), then T = H · t_ref.
+
+From then on each rank ends its round at the first ``step()`` after which its own time since the round began is at
+least T, but at least 1 step and at most ``CAP·H`` (a fast rank does not run away)::
 
     s_i = min(CAP·H, the least k >= 1 with clock(k-th step's return) − clock(round began) >= T)
 
@@ -41,20 +44,25 @@ import torch
 
 from .. import comm
 
-__all__ = ["Pace", "CAP", "check_timed", "round_time"]
+__all__ = ["Pace", "CAP", "check_timed", "reference_step", "round_time"]
 
 CAP = 4
 """A timed round's most steps, in multiples of H."""
 
 
-def check_timed(aggregation, local_steps, streaming, manager, sign_vote: type) -> None:
-    """Refuse, in one line, what ``Options(pace='timed')`` cannot run with (before any parameter is seen)."""
+def check_timed(aggregation, local_steps, streaming, manager, sign_vote: type, first_round: int = 0) -> None:
+    """Refuse, in one line, what ``Options(pace='timed')`` cannot run with (before any parameter is seen);
+    ``first_round``: ``local_steps='auto'``'s first round (its ``min_local_steps``)."""
     if manager is not None:
         raise ValueError("LocalCub: Options.pace='timed' needs every replica's steps in the round; a torchft manager "
                          "decides who is in a round itself: leave pace at 'slowest' with manager=")
-    if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 2:
+    if local_steps == "auto":
+        if first_round < 2:
+            raise ValueError(f"LocalCub: Options.pace='timed' times the first round's steps (its gaps): with "
+                             f"local_steps='auto' Options.min_local_steps must be >= 2, got {first_round}")
+    elif isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 2:
         raise ValueError(f"LocalCub: Options.pace='timed' times the first round's H steps (its H - 1 gaps): "
-                         f"local_steps must be an int >= 2, got {local_steps!r}")
+                         f"local_steps must be an int >= 2 or 'auto', got {local_steps!r}")
     if isinstance(aggregation, sign_vote):
         raise ValueError(f"LocalCub: Options.pace='timed' weights each rank's Δ by its steps: it needs a mean "
                          f"(Mean, LaneMean or ScatterMean), got {aggregation!r}")
@@ -63,9 +71,14 @@ def check_timed(aggregation, local_steps, streaming, manager, sign_vote: type) -
                          f"False or True (one round in flight), got {streaming!r}")
 
 
+def reference_step(step_s: list[float]) -> float:
+    """t_ref: the lower median of the ranks' step times (module docstring), the timed rounds' pace."""
+    return sorted(step_s)[(len(step_s) - 1) // 2]
+
+
 def round_time(H: int, step_s: list[float]) -> float:
-    """T = H · the lower median of the ranks' step times (module docstring)."""
-    return H * sorted(step_s)[(len(step_s) - 1) // 2]
+    """T = H · t_ref (module docstring)."""
+    return H * reference_step(step_s)
 
 
 class Pace:
@@ -120,6 +133,12 @@ class Pace:
         if len(set(steps)) > 1:
             self._weight = self.world_size * s / sum(steps)
         self.last_round_pace = dict(steps=steps, step_s=list(step_s), budget_s=self.budget_s)
+
+    def _time_rounds(self) -> None:
+        """``local_steps='auto'``, once its H is picked from t_ref (:meth:`AutoSteps._pick_steps`): T = H · t_ref,
+        from the first round's gathered step times, as every rank holds them."""
+        self.budget_s = round_time(self.H, self.last_round_pace["step_s"])
+        self.last_round_pace["budget_s"] = self.budget_s
 
     def _pace_restart(self) -> None:
         """After a round's end: the next round's time begins now."""

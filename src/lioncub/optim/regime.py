@@ -3,7 +3,8 @@ r"""LocalCub's whole setting from the link: ``LocalCub(local_steps='auto', aggre
 One rule, here, for the optimizer and for everything built on it (``lioncub train --local-setting link``, the race's
 ``lcub-link`` row). The first round runs the low-bit rounds (the 2-bit scatter mean, outer SGD at 1) for
 :data:`LOWBIT_H` timed steps; at its end :func:`pick_rounds` decides, every rank alike, from the α-β time of one such
-round (``round_s``: the exchange's own plan on the measured α and β) and the slowest rank's step ``step_s``::
+round (``round_s``: the exchange's own plan on the measured α and β) and the slowest rank's step ``step_s``
+(``Options(pace='timed')``: the rounds' own pace t_ref, the lower median of the ranks' steps; docs/stragglers.md)::
 
     H = max(5, ⌈round_s / step_s⌉)              the smallest H >= 5 whose round costs at most H steps' compute
     low-bit rounds with that H                  while H <= 50 (the link busy beside compute: 0.66-0.76 measured)
