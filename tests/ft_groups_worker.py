@@ -6,6 +6,8 @@
 ``--mode plain``: the reference without torchft: rank ``group * ranks + rank`` of one gloo world of ``--groups``
 x ``--ranks``, a 2-D mesh (replicate, shard), FSDP2 on its shard dimension and LocalCub across the replicate one
 (the library's HSDP rounds, tests/test_sharded.py), each rank on the same batches as its ft counterpart.
+``--vote every-pbit`` / ``every-sign_allreduce``: LionCub's vote every step instead (FTLionCub; the reference LionCub
+on the same 2-D mesh, the vote across 'replicate').
 
 Each rank appends a JSON line per committed round to ``--out``: the round, the participants P and contributors C,
 uncommitted agreements, heals, and a hash of its own shard's bytes (equal hashes across groups at the same rank:

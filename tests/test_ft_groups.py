@@ -186,14 +186,16 @@ def test_a_groups_verdict_is_one_for_all_its_ranks(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("point, failed, vote", [("lanes", 1, "mean8"), ("inner", 0, "mean8")])
+@pytest.mark.parametrize("point, failed, vote", [("lanes", 1, "mean8"), ("inner", 0, "mean8"),
+                                                 ("lanes", 1, "every-pbit")])
 def test_a_rank_killed_takes_its_group_out(tmp_path, point, failed, vote):
     """Rank 1 of group 1 is killed as round 5's lane all-reduce starts (``lanes``) or at its first inner step
     (``inner``); its group goes with it. In the lanes, group 0's attempt fails (on rank 1's managed group at least, so
     on both its ranks: one uncommitted each), is retried with the same Δ on a quorum of its own, and commits
     (P = C = 1); in the inner steps, round 5's quorum is group 0 alone from the start (nothing uncommitted). Group 1
     restarts, heals each rank's shard from the same rank of group 0 (P = 2, C = 1: it adds nothing that round) and
-    from then on is bit-identical to group 0. Nothing lost, nothing twice: group 0 logs every round once, in order."""
+    from then on is bit-identical to group 0. Nothing lost, nothing twice: group 0 logs every round once, in order.
+    ``every-pbit``: the same for FTLionCub, LionCub's vote every step (a round is one step), on the groups' shards."""
     rounds = 12
     logs, _ = run_ft(tmp_path, rounds, "--fault", f"3:{KILLED}:{point}", restart=True, setting=("--vote", vote))
     for k in range(RANKS):
@@ -213,6 +215,25 @@ def test_a_rank_killed_takes_its_group_out(tmp_path, point, failed, vote):
         assert {(a[r]["participants"], a[r]["contributors"]) for r in range(KILLED + 1, rejoined)} <= {(1, 1)}
         assert (a[rejoined]["participants"], a[rejoined]["contributors"]) == (2, 1)
         assert {(a[r]["participants"], a[r]["contributors"]) for r in range(rejoined + 1, last + 1)} == {(2, 2)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("vote", ["every-pbit", "every-sign_allreduce"])
+def test_the_every_step_vote_on_groups_equals_lioncub_on_a_2d_mesh(tmp_path, vote):
+    """FTLionCub (LionCub's vote every step on torchft) on 2 groups x 2 ranks, FSDP2 inside, no failure: every step
+    of every rank's shard bit-identical to LionCub on one 4-rank gloo world, FSDP2 over the 'shard' dimension of a
+    2-D mesh and the vote across its 'replicate' dimension (no torchft, no quorum; checked against the whole model
+    in tests/test_sharded.py), for the binary pbit lanes and sign_allreduce."""
+    steps = 10
+    ft, _ = run_ft(tmp_path, steps, setting=("--vote", vote))
+    plain = run_plain(tmp_path, steps, "--vote", vote)
+    for key in plain:
+        assert sorted(plain[key]) == list(range(1, steps + 1)), key
+        assert sorted(ft[key]) == sorted(plain[key]), key
+        assert [ft[key][r]["digest"] for r in plain[key]] == [plain[key][r]["digest"] for r in plain[key]], key
+        assert {(x["participants"], x["contributors"], x["uncommitted"]) for x in ft[key].values()} == {(2, 2, 0)}
+    assert_groups_identical(ft)
+    assert ft[(0, 0)][steps]["digest"] != ft[(0, 1)][steps]["digest"]  # two different shards
 
 
 def _refusal_worker(rank, world):
@@ -280,7 +301,9 @@ def finals(logs) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_lioncub_train_ft_on_groups_of_two_ranks_survives_a_killed_rank(tmp_path):
+@pytest.mark.parametrize("method", [(), ("--optimizer", "lioncub", "--vote", "pbit", "--local-steps", "1")],
+                         ids=["localcub", "vote"])
+def test_lioncub_train_ft_on_groups_of_two_ranks_survives_a_killed_rank(tmp_path, method):
     """`lioncub train --ft --replicas 2 --nproc-per-replica 2`: each group its own gloo world with gpt-tiny
     FSDP2-sharded over its two ranks. Group 1's last rank is killed as round 4's lane all-reduce starts
     (--ft-fault 1:4:lanes); the supervisor kills the group's other rank, restarts both 1 s later, and each heals its
@@ -288,8 +311,9 @@ def test_lioncub_train_ft_on_groups_of_two_ranks_survives_a_killed_rank(tmp_path
     uncommitted agreement (group 0's failed attempt of round 4, retried alone), two heals (the fresh start's, torchft's
     init_sync of one group from the other at round 0, and the restarted group's), nothing lost or repeated;
     round 4 on group 0 alone (P = C = 1), group 1 back with nothing to add (P = 2, C = 1); at the end both ranks'
-    shards (distinct halves of the model) bit-identical across the groups."""
-    summary_file, logs, stdout = train_ft(tmp_path, "--ft-stop-round", "6", "--ft-fault", "1:4:lanes")
+    shards (distinct halves of the model) bit-identical across the groups. ``vote``: the same for LionCub's vote every
+    step (FTLionCub, a round of one step), what bench.fault_tolerance --method vote runs."""
+    summary_file, logs, stdout = train_ft(tmp_path, "--ft-stop-round", "6", "--ft-fault", "1:4:lanes", *method)
     summary = summary_file["summary"]
     assert "2 replica groups of 2 ranks" in stdout and "identical at the end: True" in stdout
     assert [k["replica"] for k in summary_file["kills"]] == [1] and [k["replica"] for k in summary_file["restarts"]] == [1]

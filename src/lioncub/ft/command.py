@@ -52,9 +52,6 @@ def cmd_train_ft(args) -> int:
             raise ValueError("--ft: --local-steps must be an int (1: LionCub's every-step vote, FTLionCub)")
         if args.nproc_per_replica < 1:
             raise ValueError(f"--nproc-per-replica must be >= 1 (ranks per replica group), got {args.nproc_per_replica}")
-        if args.nproc_per_replica > 1 and config.local_steps == 1:
-            raise ValueError("--nproc-per-replica > 1 runs LocalCub's rounds (--local-steps H > 1); LionCub's vote "
-                             "every step (--local-steps 1) runs one worker per replica group")
         from ..votes.rounds import PARTIAL_NEEDS, round_partial
 
         if not round_partial(config.vote, config.aggregate, config.quantizer):
