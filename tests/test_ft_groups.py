@@ -5,6 +5,7 @@ Each rank is tests/ft_groups_worker.py in its own process: a group is its own gl
 ranks), every rank holds its own torchft Manager, and the lighthouse runs in the test process. Ranks log a line per
 committed round with a hash of their own shard's bytes: equal hashes at the same rank of two groups are bit-identical
 shards. Failures strike at chosen points of a chosen round (lioncub.ft.faults), so each expected log is exact.
+The last tests run the same layout through the command, `lioncub train --ft --nproc-per-replica 2`.
 """
 from __future__ import annotations
 
