@@ -1,6 +1,7 @@
 """What a lost replica costs: ``lioncub train --ft`` with and without failures, side by side.
 
-Runs the fault-tolerant LocalCub (3 replica groups of one worker, the comparison's LocalCub setting:
+Runs the fault-tolerant LocalCub (3 replica groups of one worker, or of ``--nproc-per-replica N`` ranks with the
+model FSDP2-sharded over them; the comparison's LocalCub setting:
 H = 50 AdamW steps at lr 1e-3, the 8-bit L1 lane mean with error feedback, Nesterov 0.7) behind an
 emulated link (root; default 100 Mbit/s) for ``--budget`` seconds of training, alternating by seed:
 failure-free, then with a replica killed (SIGKILL) every ``--kill-every`` seconds and restarted
@@ -14,6 +15,7 @@ them and gathers their ``ft_summary.json`` into one JSON with the comparison::
     ... -m bench.fault_tolerance --method vote --warm-spare 2 --out bench/results/fault_tolerance_vote_spares.json
     ... -m bench.fault_tolerance --seeds 0 --budget 30 --model gpt-tiny --link none --out /tmp/ft.json
     ... -m bench.fault_tolerance --slow-worker 2:1.5 --out /tmp/ft_slow.json      # replica 2 1.5x slower
+    ... -m bench.fault_tolerance --replicas 2 --nproc-per-replica 2 --kill-every 30 --budget 120   # groups of 2 ranks
 
 ``--slow-worker`` / ``--pause-worker`` (docs/stragglers.md) go to every run; each run's summary holds every
 replica's compute and sleep (``straggler``).
@@ -58,6 +60,11 @@ def run_argv(args, seed: int, kill_every: float, out: str) -> list[str]:
     argv = ["lioncub", "train", "--ft", *METHODS[args.method], "--model", args.model, "--budget", str(args.budget),
             "--seed", str(seed), "--replicas", str(args.replicas), "--kill-every", f"{kill_every:g}", "--restart-after",
             f"{args.restart_after:g}", "--heartbeat-ms", str(args.heartbeat_ms), "--out", out, "--no-progress"]
+    min_replicas = args.min_replicas or (2 if args.replicas > 2 else 1)  # a kill must leave a quorum
+    if min_replicas != 2:  # (2: lioncub train's own default)
+        argv += ["--min-replicas", str(min_replicas)]
+    if args.nproc_per_replica != 1:  # replica groups of many ranks, FSDP2 inside (each rank a shard)
+        argv += ["--nproc-per-replica", str(args.nproc_per_replica)]
     if args.warm_spare:
         argv += ["--warm-spare", str(args.warm_spare)]
     if args.ft_timeout is not None:
@@ -70,7 +77,10 @@ def run_argv(args, seed: int, kill_every: float, out: str) -> list[str]:
 
 def r_estimate(summary: dict, args, n_params: int) -> dict:
     """The regime r: a ring fp32 all-reduce of the gradient on this link over one inner step's compute
-    (a round's time less its agreement, over H)."""
+    (a round's time less its agreement, over H). P is the replica groups: with ``--nproc-per-replica N`` each rank
+    of a group exchanges its shard (1/N of the model) with the same rank of the other groups, and the group's N
+    ranks share its one link (one namespace), so the link carries the whole model, as with one worker; the
+    compute is a group's step (its N ranks' batches, sharded)."""
     from lioncub.testbed import parse_rate
 
     H = local_steps(args.method)
@@ -102,9 +112,12 @@ def kill_to_join(run: dict) -> list:
 def table(result: dict) -> str:
     """The runs and their comparison as markdown (bench/README.md, "A lost replica")."""
     H = result.get("local_steps", 50)
-    lines = ["| seed | kills | steps/s | replica-steps/s | round (agree) s | stall per failure mean / max s "
-             "| kill to join s | uncommitted | lost/repeated rounds | identical | val loss |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    ranks = result.get("nproc_per_replica", 1)
+    lines = [f"replica groups of {ranks} ranks (FSDP2 inside; a group's step is its {ranks} ranks' batches, counted "
+             "once in replica-steps; a kill takes the whole group out)", ""] if ranks > 1 else []
+    lines += ["| seed | kills | steps/s | replica-steps/s | round (agree) s | stall per failure mean / max s "
+              "| kill to join s | uncommitted | lost/repeated rounds | identical | val loss |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in result["runs"]:
         s = run["summary"]
         stall = (f"{s['stall_mean_s']:.2f} / {s['stall_max_s']:.2f}" if s["stall_mean_s"] is not None else "-")
@@ -134,7 +147,12 @@ def main(argv=None) -> None:
     ap.add_argument("--kill-every", type=float, default=30.0, help="seconds between kills in the failure runs")
     ap.add_argument("--restart-after", type=float, default=5.0, help="seconds a killed replica stays down")
     ap.add_argument("--heartbeat-ms", type=int, default=1000, help="the lighthouse's heartbeat timeout")
-    ap.add_argument("--replicas", type=int, default=3, help="replica groups of one worker")
+    ap.add_argument("--replicas", type=int, default=3, help="replica groups")
+    ap.add_argument("--min-replicas", type=int, default=None,
+                    help="replica groups a round needs (default: 2, or 1 with --replicas 2: a kill leaves one)")
+    ap.add_argument("--nproc-per-replica", type=int, default=1, metavar="N",
+                    help="ranks per replica group (lioncub train --ft --nproc-per-replica N: FSDP2 over them; a kill "
+                         "takes one rank and its whole group out)")
     ap.add_argument("--model", default="gpt-mini")
     ap.add_argument("--method", choices=sorted(METHODS), default="localcub",
                     help="localcub: the comparison's LocalCub (H = 50); localcub-h10: its short-round setting "
@@ -174,6 +192,7 @@ def main(argv=None) -> None:
                 runs.append(dict(seed=seed, kill_every=kill, **record))
                 result = dict(command=" ".join(run_argv(args, 0, args.kill_every, "OUT")), host=host_note(), runs=runs,
                               method=args.method, local_steps=local_steps(args.method), warm_spare=args.warm_spare,
+                              nproc_per_replica=args.nproc_per_replica,
                               compare=compare(runs, args))
                 _runner.write_json(args.out, result)
     print(table(result))

@@ -6,6 +6,8 @@
 ``--mode plain``: the reference without torchft: rank ``group * ranks + rank`` of one gloo world of ``--groups``
 x ``--ranks``, a 2-D mesh (replicate, shard), FSDP2 on its shard dimension and LocalCub across the replicate one
 (the library's HSDP rounds, tests/test_sharded.py), each rank on the same batches as its ft counterpart.
+``--vote every-pbit`` / ``every-sign_allreduce``: LionCub's vote every step instead (FTLionCub; the reference LionCub
+on the same 2-D mesh, the vote across 'replicate').
 
 Each rank appends a JSON line per committed round to ``--out``: the round, the participants P and contributors C,
 uncommitted agreements, heals, and a hash of its own shard's bytes (equal hashes across groups at the same rank:
@@ -56,6 +58,8 @@ def batch(group: int, rank: int, t: int):
 
 SETTING = dict(lr=1e-2, inner="adamw", outer="nesterov", outer_lr=0.7, outer_momentum=0.9, weight_decay=0.01,
                nonfinite="skip", vote="pbit", bits=8, quantizer="l1", aggregate="mean", error_feedback=True)
+EVERY_STEP = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.01, nonfinite="skip")
+"""LionCub's every-step vote (``--vote every-pbit``, ``every-sign_allreduce``): FTLionCub, or LionCub on the 2-D mesh."""
 
 
 def wait_ready(a) -> None:
@@ -81,6 +85,8 @@ def main() -> None:
     ap.add_argument("--nan-at", default="-1:-1:-1", help="GROUP:RANK:STEP: that rank's gradient is NaN there, once")
     ap.add_argument("--ready-dir", default="")
     ap.add_argument("--ready-count", type=int, default=0)
+    ap.add_argument("--vote", default="mean8", help="mean8: LocalCub's rounds (SETTING); every-pbit, "
+                    "every-sign_allreduce: LionCub's vote every step (EVERY_STEP; FTLionCub on torchft)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     import torch.distributed as dist
@@ -90,6 +96,9 @@ def main() -> None:
     from tests.ft_worker import exit_cleanly
 
     ft = a.mode == "ft"
+    every_step = a.vote.startswith("every-")
+    if every_step:
+        a.H = 1
     world, me = (a.ranks, a.rank) if ft else (a.groups * a.ranks, a.group * a.ranks + a.rank)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.master_port}", rank=me, world_size=world,
                             timeout=timedelta(seconds=60))
@@ -100,14 +109,29 @@ def main() -> None:
 
         model = model_of(init_device_mesh("cpu", (a.ranks,)))
         manager = make_manager(str(a.group), a.lighthouse, min_replicas=1, timeout_s=3.0, quorum_timeout_s=60.0)
-        opt = FTLocalCub(model.parameters(), manager, local_steps=a.H, **SETTING)
+        if every_step:
+            from tests.flat import FTLionCub
+
+            opt = FTLionCub(model.parameters(), manager, vote=a.vote[len("every-"):], **EVERY_STEP)
+        else:
+            opt = FTLocalCub(model.parameters(), manager, local_steps=a.H, **SETTING)
         install(opt, [parse_fault(spec) for spec in a.fault], a.group * a.ranks + a.rank)
     else:
         from tests.flat import LocalCub
 
         mesh = init_device_mesh("cpu", (a.groups, a.ranks), mesh_dim_names=("replicate", "shard"))
         model = model_of(mesh["shard"])
-        opt, manager = LocalCub(model.parameters(), local_steps=a.H, **SETTING), None
+        if every_step:
+            from tests.flat import LionCub
+
+            class EveryStep(LionCub):  # LionCub's counters under the names this loop reads
+                rounds = property(lambda self: self.steps)
+                skipped_rounds = property(lambda self: self.skipped_steps)
+                local_step = 0
+
+            opt, manager = EveryStep(model.parameters(), vote=a.vote[len("every-"):], **EVERY_STEP), None
+        else:
+            opt, manager = LocalCub(model.parameters(), local_steps=a.H, **SETTING), None
 
     log = open(a.out, "a")
 

@@ -85,3 +85,29 @@ def test_the_summary_counts_a_heal_after_an_uncommitted_round_not_a_loss(tmp_pat
     assert (s["healed_over_rounds"], s["lost_or_repeated_rounds"]) == (0, 1)
     s = logs([rnd(1, 1), rnd(1, 2), rnd(1, 2), rnd(1, 3)])
     assert (s["healed_over_rounds"], s["lost_or_repeated_rounds"]) == (0, 1)
+
+
+def test_identical_compares_every_shard_of_replica_groups_of_many_ranks(tmp_path):
+    """--nproc-per-replica: a group's final line holds every rank's hash (``digests``, rank order); ``identical``
+    needs each shard equal across the groups, not only rank 0's (``digest``)."""
+    from lioncub.ft.train import FTPlan, FTRun, summarize
+
+    def finals(second):
+        for g, digests in enumerate((["a", "b"], ["a", second])):
+            _write_log(tmp_path / f"replica_{g}.jsonl", [dict(kind="start"), dict(kind="joined", wall=0.0),
+                       rnd(g, 1, 1.0, c=2), dict(kind="final", round=1, wall=2.0, digest=digests[0], digests=digests,
+                                                 val_loss=2.0)])
+        return summarize(str(tmp_path), FTPlan(replicas=2, nproc_per_replica=2), FTRun(), budget=4)
+
+    assert finals("b")["identical"] and not finals("c")["identical"]
+
+
+def test_bad_rank_settings_are_refused_in_one_line():
+    """--nproc-per-replica below 1, and warm spares (one worker each) with groups of many ranks."""
+    from lioncub.ft.train import FTPlan
+
+    with pytest.raises(ValueError, match=r"^--nproc-per-replica must be >= 1 \(ranks per replica group\), got 0$"):
+        FTPlan(nproc_per_replica=0).check()
+    with pytest.raises(ValueError, match="^--warm-spare runs one worker per replica group: give --nproc-per-replica 1"):
+        FTPlan(nproc_per_replica=2, warm_spare=1).check()
+    FTPlan(nproc_per_replica=2, replicas=2, min_replicas=1, kill_every=30, faults=()).check()

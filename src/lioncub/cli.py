@@ -171,6 +171,10 @@ def _add_train(sub) -> None:
                     "killed on that schedule and restarted --restart-after seconds later (lioncub.ft)")
     ft.add_argument("--replicas", type=int, default=3, help="--ft: replica groups (default: %(default)s)")
     ft.add_argument("--min-replicas", type=int, default=2, help="--ft: replicas a round needs (default: %(default)s)")
+    ft.add_argument("--nproc-per-replica", type=int, default=1, metavar="N",
+                    help="--ft/--ft-replica: ranks per replica group, its own torch.distributed world with the model "
+                    "FSDP2-sharded over them (a node's GPUs); a failed rank takes its group out and the whole group "
+                    "restarts and heals (default: %(default)s)")
     ft.add_argument("--kill-every", type=float, default=0.0, metavar="SECONDS",
                     help="--ft: SIGKILL a replica every SECONDS (round-robin; 0 = no failures)")
     ft.add_argument("--ft-fault", action="append", default=[], metavar="REPLICA:ROUND:POINT[:ACTION]",
@@ -195,6 +199,9 @@ def _add_train(sub) -> None:
                     "--lighthouse or TORCHFT_LIGHTHOUSE)")
     ft.add_argument("--lighthouse", default=None, help="--ft-replica: the lighthouse's address (http://HOST:PORT)")
     ft.add_argument("--ft-host", default="127.0.0.1", help="--ft-replica: the address peers reach this replica at")
+    ft.add_argument("--ft-rank", type=int, default=0, help=argparse.SUPPRESS)  # this rank of its replica group
+    ft.add_argument("--ft-group-port", type=int, default=0, help=argparse.SUPPRESS)  # the group's rendezvous
+    ft.add_argument("--ft-ready-dir", default=None, help=argparse.SUPPRESS)  # a fresh start's barrier (lioncub.ft.train)
     ft.add_argument("--ft-deadline", type=float, default=None, help=argparse.SUPPRESS)
     ft.add_argument("--ft-config", default=None, help=argparse.SUPPRESS)
     ft.add_argument("--ft-timeout", type=float, default=10.0, metavar="SECONDS",

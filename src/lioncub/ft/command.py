@@ -10,7 +10,8 @@ from ..harness.config import TrainConfig, aggregation_fields
 FT_DEFAULT_BUDGET_S = 60.0
 _FT_KEYS = ("ft", "replicas", "min_replicas", "kill_every", "restart_after", "heartbeat_ms", "ft_replica", "lighthouse",
             "ft_host", "ft_deadline", "ft_config", "ft_timeout", "ft_fault", "warm_spare", "ft_standby",
-            "ft_stop_round")
+            "ft_stop_round", "nproc_per_replica", "ft_rank", "ft_group_port",
+           "ft_ready_dir")
 
 
 def cmd_train_ft(args) -> int:
@@ -52,6 +53,8 @@ def cmd_train_ft(args) -> int:
         if config.pace != "slowest":
             raise ValueError(f"--ft: --pace {config.pace} needs every replica's steps in each round; torchft's quorum "
                              "decides who is in a round: leave --pace at slowest")
+        if args.nproc_per_replica < 1:
+            raise ValueError(f"--nproc-per-replica must be >= 1 (ranks per replica group), got {args.nproc_per_replica}")
         from ..votes.rounds import PARTIAL_NEEDS, round_partial
 
         if not round_partial(config.vote, config.aggregate, config.quantizer):
@@ -74,7 +77,9 @@ def cmd_train_ft(args) -> int:
             faults = [parse_fault(spec) for spec in args.ft_fault]
             return replica_main(config, args.ft_replica, args.replicas, lighthouse, host=args.ft_host,
                                 deadline=args.ft_deadline, min_replicas=args.min_replicas, timeout_s=args.ft_timeout,
-                                faults=faults, standby=args.ft_standby, stop_round=args.ft_stop_round)
+                                faults=faults, standby=args.ft_standby, stop_round=args.ft_stop_round,
+                                rank=args.ft_rank, ranks=args.nproc_per_replica, group_port=args.ft_group_port,
+                                ready_dir=args.ft_ready_dir)
         except (ConnectionError, QuorumError) as exc:  # what a user fixes: one line, not a traceback
             print(f"lioncub train --ft-replica {args.ft_replica}: {exc}", file=sys.stderr)
             return 1
@@ -85,10 +90,10 @@ def cmd_train_ft(args) -> int:
     plan = FTPlan(replicas=args.replicas, min_replicas=args.min_replicas, kill_every=args.kill_every,
                   restart_after=args.restart_after, heartbeat_ms=args.heartbeat_ms, timeout_s=args.ft_timeout,
                   link=link, faults=tuple(args.ft_fault), warm_spare=args.warm_spare,
-                  stop_round=args.ft_stop_round)
+                  stop_round=args.ft_stop_round, nproc_per_replica=args.nproc_per_replica)
     try:
         plan.check()
-        check_inputs(config, args.replicas)
+        check_inputs(config, args.replicas * args.nproc_per_replica)
         if link is not None:
             from ..testbed import testbed_unavailable
 

@@ -81,7 +81,8 @@ def summarize(out: str, plan, run, *, budget: float) -> dict:
         rejoin_s=rejoin, kill_to_join_s=back, uncommitted=max((r.get("uncommitted", 0) for log in logs for r in log), default=0),
         heals=sum(1 for log in logs for r in log if r["kind"] == "joined" and r.get("heals", 0)),
         lost_or_repeated_rounds=lost_or_repeated, healed_over_rounds=healed_over,
-        finished=len(done), identical=len({f["digest"] for f in done}) == 1 if done else False,
+        # each shard across the groups (a group of many ranks: its final line holds every rank's hash, in rank order)
+        finished=len(done), identical=len({tuple(f.get("digests", [f["digest"]])) for f in done}) == 1 if done else False,
         final_round=done[0]["round"] if done else None,
         val_loss=done[0].get("val_loss") if done else None, budget_s=budget)
     if any(f is not None and "straggler" in f for f in finals):  # --slow-worker/--pause-worker: each replica's
@@ -93,7 +94,9 @@ def format_summary(summary: dict, plan, H: int) -> str:
     """The summary's lines for the terminal (``plan``: the run's :class:`~lioncub.ft.train.FTPlan`)."""
     s = summary
     what = "LionCub (the vote every step)" if H == 1 else "LocalCub"
-    lines = [f"fault-tolerant {what}: {plan.replicas} replicas, kill every {plan.kill_every:g} s "
+    ranks = getattr(plan, "nproc_per_replica", 1)
+    groups = f"{plan.replicas} replica groups of {ranks} ranks (FSDP2 inside)" if ranks > 1 else f"{plan.replicas} replicas"
+    lines = [f"fault-tolerant {what}: {groups}, kill every {plan.kill_every:g} s "
              f"(restart after {plan.restart_after:g} s), link {plan.link or 'loopback'}",
              f"  committed rounds {s['rounds']} in {s['span_s']:.1f} s: {s['rounds_per_s'] * H:.2f} steps/s "
              f"(H={H}; median round {s['round_s_median']:.2f} s, of which {s['agree_s_median']:.2f} s agreeing), "

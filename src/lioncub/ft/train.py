@@ -16,6 +16,11 @@ Two roles, both reached from the CLI:
   rounds a live replica took from a peer by a heal, after its own agreement did not commit), the
   final loss and whether the replicas ended identical.
 
+With ``--nproc-per-replica N`` a replica is a group of N rank processes (``--ft-rank``), its own torch.distributed
+world with the model FSDP2-sharded over it (:func:`shard_model`); rank 0 writes the group's log, and a kill or
+a fault strikes the group's last rank, after which the supervisor kills the rest of the group and restarts it
+whole (its ranks heal each its own shard from a live group).
+
 The replicas stop together: each asks to stop once the run's deadline passed
 (``FTLocalCub.stop_requested``), or, with ``--ft-stop-round R``, at a commit of round R or later whose quorum
 holds every replica (an end set by events, not the clock: what the failure tests use), and all stop at the
@@ -26,20 +31,25 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from typing import Optional
 
 import torch
 
+from .. import comm
 from .summary import summarize
 
 LIGHTHOUSE_PORT = 29510
 JOIN_TIMEOUT_MS = 10_000
 """The first quorum waits this long for every replica to start (later ones form at once)."""
+GROUP_PORT = 29520
+"""With ``--link``, a replica group's rendezvous port (plus its life, mod 64) on its namespace's address."""
 STARTUP_S = 30.0
 """Seconds granted to the replicas' start (imports, data) before the run's clock starts."""
 
@@ -59,6 +69,7 @@ class FTPlan:
     link: Optional[str] = None  # a rate (testbed, root), or None: loopback
     faults: tuple = ()  # lioncub.ft.faults specs, REPLICA:ROUND:POINT[:ACTION], each armed in its replica's first life
     stop_round: Optional[int] = None  # stop at a commit of this round or later with every replica in it
+    nproc_per_replica: int = 1  # ranks per replica group (its own world, the model FSDP2-sharded over them)
 
     def check(self) -> "FTPlan":
         if self.replicas < 2:
@@ -80,6 +91,11 @@ class FTPlan:
             raise ValueError(f"--ft-stop-round must be a round >= 1, got {self.stop_round}")
         if not 0 <= self.warm_spare <= 8:
             raise ValueError(f"--warm-spare must be 0..8 spares per replica, got {self.warm_spare}")
+        if self.nproc_per_replica < 1:
+            raise ValueError(f"--nproc-per-replica must be >= 1 (ranks per replica group), got {self.nproc_per_replica}")
+        if self.nproc_per_replica > 1 and self.warm_spare:
+            raise ValueError("--warm-spare runs one worker per replica group: give --nproc-per-replica 1 (a spare "
+                             "group of many ranks is not supported)")
         if self.faults and self.kill_every:
             raise ValueError("--ft-fault and --kill-every are two schedules of failures: give one")
         return self
@@ -87,19 +103,30 @@ class FTPlan:
 
 # ---------------------------------------------------------------------- the replica
 def params_digest(params) -> str:
-    flat = torch.cat([p.detach().reshape(-1).float().cpu() for p in params])
+    """A hash of this rank's parameters (its own shards, when the model is FSDP2-sharded over its replica group)."""
+    from ..engine.shards import local_of
+
+    flat = torch.cat([local_of(p).detach().reshape(-1).float().cpu() for p in params])
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
 
 
 def replica_main(config, replica: int, replicas: int, lighthouse: str, *, host: str = "127.0.0.1",
                  deadline: Optional[float] = None, min_replicas: int = 2, timeout_s: float = 10.0,
-                 faults=(), standby: bool = False, stop_round: Optional[int] = None) -> int:
+                 faults=(), standby: bool = False, stop_round: Optional[int] = None, rank: int = 0, ranks: int = 1,
+                 group_port: int = 0, ready_dir: Optional[str] = None) -> int:
     """One replica's run (see the module docstring); returns the exit code. ``deadline``: the
     wall time after which it asks to stop; None: ``config.time_budget`` seconds after it joined
     (the replicas of a fresh start join at the same commit). ``faults``: the
     :class:`~lioncub.ft.faults.Fault` s to arm (this replica's only fire). ``standby``: a warm spare
     (:mod:`lioncub.ft.spare`): everything before the Manager is made, then wait to be activated. ``stop_round``:
-    also ask to stop at a commit of that round or later whose quorum holds all ``replicas``."""
+    also ask to stop at a commit of that round or later whose quorum holds all ``replicas``. ``rank`` of ``ranks``:
+    this process's rank in its replica group of ``ranks`` ranks, the group's own torch.distributed world (its
+    rendezvous at ``host:group_port``; one worker when ``ranks`` is 1), the model FSDP2-sharded over it, the data
+    shard of worker ``replica * ranks + rank``; its faults armed on the group's last rank, its log written by rank 0
+    (the final line with every rank's hash, ``digests``). ``ready_dir``: a fresh start's barrier (the supervisor's,
+    first lives only): every rank of every replica marks itself there once its Manager is made and waits for all
+    of them before its first quorum, so that none forms without a replica still starting (a lighthouse forms one
+    as soon as ``min_replicas`` ask)."""
     import importlib
 
     import torch.distributed as dist
@@ -110,12 +137,19 @@ def replica_main(config, replica: int, replicas: int, lighthouse: str, *, host: 
     from .. import LionCub, LocalCub
     from ..optim.flags import round_kwargs, step_kwargs
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # the harness's world of one
     device = torch.device("cpu")
+    if ranks == 1:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # the harness's world of one
+    else:  # the replica group's own world (NCCL for CUDA parameters), its rendezvous on the group's host
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://{host}:{group_port}",
+                                rank=rank, world_size=ranks, timeout=timedelta(seconds=max(60.0, 4 * timeout_s)))
+    worker = replica * ranks + rank
     torch.manual_seed(config.seed)
-    data = _Data(config, replica, replicas, device)
+    data = _Data(config, worker, replicas * ranks, device)
     model = build_model(config, data.info).to(device)
-    torch.manual_seed(config.seed + 1000 + replica)
+    if ranks > 1:
+        shard_model(model, device, ranks)
+    torch.manual_seed(config.seed + 1000 + worker)
     groups = param_groups(model, lr=config.lr, weight_decay=config.weight_decay, lr_embed=config.lr_embed,
                           lr_head=config.lr_head)
     base_lrs = [g["lr"] for g in groups]
@@ -138,12 +172,14 @@ def replica_main(config, replica: int, replicas: int, lighthouse: str, *, host: 
             aggregate=config.aggregate, model=model, nonfinite=config.nonfinite, **lane_options(config))))
     from .faults import install
 
-    install(opt, faults, replica)
+    install(opt, faults if rank == ranks - 1 else (), replica)  # a group's failure: its last rank's
     os.makedirs(config.out, exist_ok=True)
-    log = open(os.path.join(config.out, f"replica_{replica}.jsonl"), "a")
+    log = open(os.path.join(config.out, f"replica_{replica}.jsonl"), "a") if rank == 0 else None
     params = [p for g in groups for p in g["params"]]
 
     def write(kind: str, **rec) -> None:
+        if log is None:  # the group's log is its rank 0's
+            return
         log.write(json.dumps(dict(kind=kind, replica=replica, pid=os.getpid(), wall=time.time(), **rec)) + "\n")
         log.flush()
 
@@ -162,6 +198,8 @@ def replica_main(config, replica: int, replicas: int, lighthouse: str, *, host: 
 
         straggler = Straggler.for_rank(replica, config.slow_workers, config.pause_workers)
     write("start")
+    if ready_dir is not None:
+        _ready(ready_dir, f"{replica}_{rank}", replicas * ranks)
     model.train()
     before = opt.rounds
     opt.join()  # the quorum, and a heal when this replica (re)joins a running job
@@ -190,13 +228,36 @@ def replica_main(config, replica: int, replicas: int, lighthouse: str, *, host: 
         if opt.rounds != before:
             committed(float(loss.detach()))
     scores = evaluate(model, data.val, config.is_gpt, device)
-    write("final", round=opt.rounds, digest=params_digest(params), **scores,
+    digests = [params_digest(params)] if ranks == 1 else comm.all_gather_object(params_digest(params), device=device)
+    write("final", round=opt.rounds, digest=digests[0], **({"digests": digests} if ranks > 1 else {}), **scores,
           **({"straggler": dict(straggler.totals(), train_s=time.perf_counter() - began)} if straggler else {}))
-    log.close()
+    if log is not None:
+        log.close()
     manager.shutdown(wait=False)
     dist.destroy_process_group()
     return 0
 
+
+
+def _ready(folder: str, me: str, count: int) -> None:
+    """Mark ``me`` ready in ``folder`` and wait until ``count`` are (at most ``4 * STARTUP_S``: a replica that
+    fails to start is the supervisor's to report)."""
+    open(os.path.join(folder, me), "w").close()
+    end = time.time() + 4 * STARTUP_S
+    while len(os.listdir(folder)) < count and time.time() < end:
+        time.sleep(0.05)
+
+
+def shard_model(model, device, ranks: int) -> None:
+    """FSDP2 over the replica group's world (a 1-D mesh of its ``ranks``): each of ``model.blocks`` (a transformer's)
+    its own unit, then the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (ranks,))
+    for block in getattr(model, "blocks", ()):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 
 
 def _warm_up(model, data, loss_of) -> None:
@@ -225,6 +286,17 @@ class _Replica:
     down_since: Optional[float] = None
     spares: list = field(default_factory=list)  # its warm spares (lioncub.ft.spare), waiting, first used first
     kill_planned: bool = False  # a kill fault is armed in this life: its SIGKILL is a scheduled kill
+    ranks: int = 1  # ranks in its replica group (``proc`` is rank 0)
+    others: list = field(default_factory=list)  # the group's ranks 1.. of this life
+    own_host: bool = False  # its group alone on its host (a namespace): a fixed rendezvous port, not a free one
+
+    @property
+    def procs(self) -> list:
+        """Every rank of this life of the group, rank 0 first."""
+        return [] if self.proc is None else [self.proc, *self.others]
+
+    def running(self) -> bool:
+        return any(p.poll() is None for p in self.procs)
 
 
 @dataclass
@@ -290,20 +362,25 @@ def run_ft(config, plan: FTPlan, replica_argv: list[str], *, budget: float) -> F
                     "--lighthouse", address, "--ft-host", hosts[k], "--ft-timeout", str(plan.timeout_s)]
             if plan.stop_round is not None:
                 argv += ["--ft-stop-round", str(plan.stop_round)]
+            if plan.nproc_per_replica > 1:
+                argv += ["--nproc-per-replica", str(plan.nproc_per_replica)]
             env = dict(os.environ, OMP_NUM_THREADS="1", RUST_LOG="error")
             env.pop("TORCHFT_LIGHTHOUSE", None)
             if testbed is not None:
                 env["GLOO_SOCKET_IFNAME"] = testbed.ifnames[k]
                 argv = ["ip", "netns", "exec", testbed.namespaces[k]] + argv
-            replicas.append(_Replica(k, argv, env))
+            replicas.append(_Replica(k, argv, env, ranks=plan.nproc_per_replica, own_host=testbed is not None))
         from .faults import parse_fault
 
         faults = [(spec, parse_fault(spec)) for spec in plan.faults]
         if plan.warm_spare:  # every spare set up before the replicas start: none takes their CPU once the clock runs
             _start_spares(replicas, plan.warm_spare)
+        ready = os.path.join(config.out, "ready")  # the first lives' barrier before their first quorum
+        shutil.rmtree(ready, ignore_errors=True)
+        os.makedirs(ready)
         for r in replicas:  # each replica's faults, armed in its first life only
             mine = [(spec, f) for spec, f in faults if f.replica == r.index]
-            _start(r, [arg for spec, _ in mine for arg in ("--ft-fault", spec)])
+            _start(r, [arg for spec, _ in mine for arg in ("--ft-fault", spec)] + ["--ft-ready-dir", ready])
             r.kill_planned = any(f.action == "kill" for _, f in mine)
         try:
             _supervise(config, plan, replicas, run, budget)
@@ -332,8 +409,15 @@ def _free_port() -> int:
 
 
 def _start(r: _Replica, extra: tuple = ()) -> None:
-    r.proc = subprocess.Popen(list(r.argv) + list(extra), env=r.env, start_new_session=True, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
+    """Start the next life of ``r``: its one worker, or every rank of its group (a rendezvous port of this life's)."""
+    group = []
+    if r.ranks > 1:
+        port = GROUP_PORT + r.lives % 64 if r.own_host else _free_port()
+        group = ["--ft-group-port", str(port)]
+    procs = [subprocess.Popen(list(r.argv) + list(extra) + group + (["--ft-rank", str(k)] if k else []), env=r.env,
+                              start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for k in range(r.ranks)]
+    r.proc, r.others = procs[0], procs[1:]
     r.lives += 1
     r.down_since = None
     r.kill_planned = False
@@ -368,6 +452,14 @@ def _replace(r: _Replica, deadline: Optional[float]) -> bool:
             return True
         _kill(spare)
     return False
+
+
+def _kill_group(r: _Replica) -> None:
+    """SIGKILL every rank of ``r``'s group, its last rank first (the rest go with it: a group whose rank 0 lived on
+    would keep its Manager's heartbeat, and the others would wait for a quorum with it)."""
+    for proc in reversed(r.procs):
+        if proc.poll() is None:
+            _kill(proc)
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -417,28 +509,30 @@ def _supervise(config, plan: FTPlan, replicas: list, run: FTRun, budget: float) 
     hard_stop = time.time() + STARTUP_S * 4 + budget + 120 + plan.timeout_s * 4
     while True:
         now = time.time()
-        alive = [r for r in replicas if r.proc is not None and r.proc.poll() is None]
+        alive = [r for r in replicas if r.running()]
         if not alive and all(r.down_since is None for r in replicas):
             break
         if _stopped(config.out, replicas):  # the run is over: a replica still starting has nothing to join
             for r in alive:
                 if not _joined_since(config.out, r):
-                    _kill(r.proc)
+                    _kill_group(r)
                     run.late.append(r.index)
             for r in replicas:
                 r.down_since = None
-        for r in replicas:  # one poll a replica: a fault's kill between two polls would read as a failure
-            code = r.proc.poll() if r.proc is not None else None
-            if r.kill_planned and code == -signal.SIGKILL and r.down_since is None:
-                # killed by its armed fault: a scheduled kill, restarted on schedule
+        for r in replicas:  # one poll a rank: a fault's kill between two polls would read as a failure
+            codes = [p.poll() for p in r.procs]
+            failed = [k for k, code in enumerate(codes) if code not in (None, 0)]
+            if r.kill_planned and -signal.SIGKILL in codes and r.down_since is None:
+                # killed by its armed fault: a scheduled kill, restarted on schedule (its whole group)
+                _kill_group(r)
                 r.down_since, r.kill_planned = time.time(), False
                 run.kills.append(dict(replica=r.index, wall=r.down_since))
-            elif code not in (None, 0) and r.down_since is None:  # failed on its own: an error of the run
-                err = r.proc.stderr.read()[-3000:]
+            elif failed and r.down_since is None:  # failed on its own: an error of the run
+                err = r.procs[failed[0]].stderr.read()[-3000:]
                 for other in replicas:
-                    if other.proc is not None and other.proc.poll() is None:
-                        _kill(other.proc)
-                raise RuntimeError(f"replica {r.index} exited with {r.proc.returncode}:\n{err}")
+                    _kill_group(other)
+                rank = f" rank {failed[0]}" if r.ranks > 1 else ""
+                raise RuntimeError(f"replica {r.index}{rank} exited with {codes[failed[0]]}:\n{err}")
         if deadline is None:
             first = _first_commit(config.out)
             if first is not None:
@@ -446,8 +540,8 @@ def _supervise(config, plan: FTPlan, replicas: list, run: FTRun, budget: float) 
                 next_kill = first + plan.kill_every if plan.kill_every else None
         if next_kill is not None and now >= next_kill and now < deadline - plan.restart_after - plan.rejoin_margin_s:
             r = replicas[victim]
-            if r.proc is not None and r.proc.poll() is None:
-                _kill(r.proc)
+            if r.running():
+                _kill_group(r)
                 r.down_since = time.time()
                 run.kills.append(dict(replica=r.index, wall=r.down_since))
             victim = (victim - 1) % plan.replicas
@@ -464,7 +558,7 @@ def _supervise(config, plan: FTPlan, replicas: list, run: FTRun, budget: float) 
                 r.spares.append(start_spare(r.argv, r.env))  # a spare again once this life has joined
         if now > hard_stop:
             for r in alive:
-                _kill(r.proc)
+                _kill_group(r)
             raise RuntimeError("the replicas did not stop within 2 minutes of the deadline")
         time.sleep(0.05)
 

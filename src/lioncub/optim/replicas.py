@@ -230,9 +230,6 @@ class FTLocalCub(LocalCub):
     (:meth:`_round_group`: the quorum's replicas) and the quorum (:meth:`_quorum`: :class:`ManagedQuorum`).
     """
 
-    many_ranks = True
-    """Whether a replica group may be many ranks with FSDP2 shards inside (:meth:`_check_group`)."""
-
     def _configure(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, manager=None,
                    max_attempts: int = 20, **kwargs):
         require_torchft()
@@ -282,9 +279,6 @@ class FTLocalCub(LocalCub):
                              "(fully_shard over the group's own world); a mean over plain copies inside the group is "
                              "not supported: shard the model, or run one worker per replica group")
         mine = 1 if self.sharding is None else self.agree_size
-        if mine > 1 and not self.many_ranks:
-            raise ValueError(f"{type(self).__name__} runs one worker per replica group for now; on replica groups of "
-                             "many ranks (FSDP2 inside) run LocalCub's rounds with the manager")
         if ranks != mine:
             raise ValueError(f"manager: its replica group has {ranks} ranks (world_size=) but the parameters are "
                              f"sharded over {mine}; build it on each rank of the group with make_manager, which takes "
@@ -396,10 +390,9 @@ class FTLionCub(FTLocalCub):
 
     ``vote``: a vote whose all-reduce leaves a replica out by adding nothing: ``'pbit'`` without a quantizer
     (binary lanes sized for the quorum, the vote decided among the C that voted) or ``'sign_allreduce'``.
-    With no failure it equals LionCub on a fixed group bit for bit (tests/test_ft.py). One worker per replica group
-    (a group of many ranks is LocalCub's)."""
-
-    many_ranks = False
+    With no failure it equals LionCub on a fixed group bit for bit (tests/test_ft.py); on replica groups of many
+    ranks (FSDP2 inside, the module docstring) LionCub on a 2-D mesh whose replicas are the groups
+    (tests/test_ft_groups.py)."""
 
     def __init__(self, params, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0, *, manager,
                  aggregation="sign-vote", model=None, options=None):
