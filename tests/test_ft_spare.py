@@ -67,7 +67,7 @@ def test_a_spares_warm_up_leaves_no_trace():
     loader's position and torch's random state as they were (a dropout layer draws from it)."""
     import torch
 
-    from lioncub.ft.train import _warm_up
+    from lioncub.ft.replica import _warm_up
 
     class Loader:
         def __init__(self):

@@ -64,7 +64,7 @@ def cmd_train_ft(args) -> int:
     from ..harness.train import check_inputs
 
     if args.ft_replica is not None:
-        from .train import replica_main
+        from .replica import replica_main
 
         lighthouse = args.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
         if not lighthouse:
