@@ -161,3 +161,42 @@ def test_a_killed_replica_is_replaced_by_its_warm_spare_long_before_its_restart(
             [(k, 3, 3, 0) for k in range(1, 20)] + [(k, 2, 2, 1) for k in range(20, back)] + [(back, 3, 2, 1)] + \
             [(k, 3, 3, 1) for k in range(back + 1, last + 1)]
         assert {rec["heals"] for rec in rounds} == {rounds[0]["heals"]}
+
+
+@pytest.mark.slow  # ~40-60 s: two groups of two ranks of gpt-tiny and a spare group each
+def test_a_killed_group_is_replaced_by_its_spare_group_long_before_its_restart(tmp_path):
+    """Replica groups of 2 ranks (`--nproc-per-replica 2`, FSDP2 inside) with a spare group each (`--warm-spare 1`):
+    group 1's last rank is killed as round 4's lanes start (--ft-fault 1:4:lanes), the supervisor kills its other rank
+    and activates both ranks of the group's spare (set up, sharded and warmed up in their own world before the run),
+    each of which heals its own shard from the same rank of group 0. The group is back within a fifth of the restart
+    delay; the counts are those of the restart the slow way (tests/test_ft_groups.py): one kill, one restart (a spare
+    one), one uncommitted agreement, two heals (the fresh start's init_sync and the spare group's), nothing lost or
+    repeated; round 4 on group 0 alone, the spare group's first commit with nothing to add (P = 2, C = 1) and every
+    later one both; at the end each rank's shard bit-identical across the groups."""
+    from tests.test_ft_groups import GROUPS, RANKS, finals, train_ft
+
+    record, logs, stdout = train_ft(tmp_path, "--ft-stop-round", "8", "--ft-fault", "1:4:lanes", "--warm-spare", "1",
+                                    "--restart-after", f"{RESTART_S:g}")
+    summary = record["summary"]
+    assert "identical at the end: True" in stdout and "warm spares" in stdout
+    assert [k["replica"] for k in record["kills"]] == [1]
+    assert [(r["replica"], r.get("spare")) for r in record["restarts"]] == [(1, True)] and record["late"] == []
+    kill_to_join = summary["kill_to_join_s"]
+    assert len(kill_to_join) == 1 and kill_to_join[0] is not None and 0 < kill_to_join[0] < RESTART_S / 5
+    assert summary["kills"] == summary["restarts"] == 1 and summary["uncommitted"] == 1 and summary["heals"] == 2
+    assert summary["lost_or_repeated_rounds"] == 0 and summary["healed_over_rounds"] == 0
+    assert summary["identical"] and summary["finished"] == GROUPS
+    ends = finals(logs)
+    assert ends[0]["digests"] == ends[1]["digests"] and len(set(ends[0]["digests"])) == RANKS
+    joins = [rec for rec in logs[1] if rec["kind"] == "joined"]
+    assert len(joins) == 2 and joins[1]["heals"] == 1 and joins[1]["pid"] != joins[0]["pid"]
+    rounds = [[(rec["round"], rec["participants"], rec["contributors"]) for rec in log if rec["kind"] == "round"]
+              for log in logs]
+    first = [rec["round"] for rec in logs[1] if rec["kind"] == "round" and rec["pid"] == joins[0]["pid"]]
+    assert first == [1, 2, 3]  # it never committed round 4
+    spare = [(rec["round"], rec["participants"], rec["contributors"]) for rec in logs[1]
+             if rec["kind"] == "round" and rec["pid"] == joins[1]["pid"]]
+    back, last = spare[0][0], spare[-1][0]
+    assert back >= 4 and last >= 8 and spare == [(back, 2, 1)] + [(k, 2, 2) for k in range(back + 1, last + 1)]
+    assert rounds[0] == [(k, 2, 2) for k in range(1, 4)] + [(k, 1, 1) for k in range(4, back)] + [(back, 2, 1)] + \
+        [(k, 2, 2) for k in range(back + 1, last + 1)]

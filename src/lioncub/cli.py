@@ -186,7 +186,8 @@ def _add_train(sub) -> None:
     ft.add_argument("--warm-spare", type=int, nargs="?", const=1, default=0, metavar="N",
                     help="--ft: keep N started spares per replica (imports, data, model done; waiting; N=1 when "
                     "not given), set up before the run; one takes a lost replica's place at once, instead of a "
-                    "restart --restart-after seconds later; one more starts when the last is used (lioncub.ft.spare)")
+                    "restart --restart-after seconds later; one more starts when the last is used (lioncub.ft.spare); with "
+                    "--nproc-per-replica a spare is a group of as many ranks")
     ft.add_argument("--ft-standby", action="store_true",
                     help="--ft-replica: start as a warm spare, waiting on standard input to be activated")
     ft.add_argument("--ft-stop-round", type=int, default=None, metavar="R",

@@ -15,6 +15,12 @@ replaces it, and its data shard is sought to the healed round), so it can wait a
 whose standard input closes exits 0 (the run ended without needing it). On a real cluster the spare is a
 process on a spare machine started with the same ``--ft-replica K`` options plus ``--ft-standby``, and
 whatever starts the replacement writes the line.
+
+A replica group of many ranks (``--nproc-per-replica N``) has spare *groups*: N processes started together, which
+rendezvous in their own torch.distributed world (a port of the spare's), shard the model over it with FSDP2 and
+warm up together before each waits for its line; the supervisor activates all N at once, and each rank makes its
+Manager under the lost group's id and heals its own shard from the same rank of a live group. A spare group is
+used whole or not at all: one of its ranks gone, the supervisor kills the rest.
 """
 from __future__ import annotations
 
@@ -31,10 +37,13 @@ READY = "ready"
 """The line a spare prints on its standard output once it waits to be activated."""
 
 
-def start_spare(argv: list, env: dict) -> subprocess.Popen:
-    """Start a spare of the replica ``argv`` runs (its options with no faults: a spare's life is not a first life)."""
-    return subprocess.Popen(list(argv) + [STANDBY_FLAG], env=env, start_new_session=True, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def start_spare(argv: list, env: dict, ranks: int = 1, port: int = 0) -> list:
+    """Start a spare of the replica ``argv`` runs (its options with no faults: a spare's life is not a first life):
+    its ``ranks`` processes, rank 0 first (a group's rendezvous at ``port`` on the replica's host when ``ranks`` > 1)."""
+    group = ["--ft-group-port", str(port)] if ranks > 1 else []
+    return [subprocess.Popen(list(argv) + [STANDBY_FLAG] + group + (["--ft-rank", str(k)] if k else []), env=env,
+                             start_new_session=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for k in range(ranks)]
 
 
 def wait_ready(proc: subprocess.Popen, timeout_s: float) -> bool:

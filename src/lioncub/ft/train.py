@@ -89,9 +89,6 @@ class FTPlan:
             raise ValueError(f"--warm-spare must be 0..8 spares per replica, got {self.warm_spare}")
         if self.nproc_per_replica < 1:
             raise ValueError(f"--nproc-per-replica must be >= 1 (ranks per replica group), got {self.nproc_per_replica}")
-        if self.nproc_per_replica > 1 and self.warm_spare:
-            raise ValueError("--warm-spare runs one worker per replica group: give --nproc-per-replica 1 (a spare "
-                             "group of many ranks is not supported)")
         if self.faults and self.kill_every:
             raise ValueError("--ft-fault and --kill-every are two schedules of failures: give one")
         return self
@@ -106,11 +103,12 @@ class _Replica:
     proc: Optional[subprocess.Popen] = None
     lives: int = 0
     down_since: Optional[float] = None
-    spares: list = field(default_factory=list)  # its warm spares (lioncub.ft.spare), waiting, first used first
+    spares: list = field(default_factory=list)  # its warm spares (lioncub.ft.spare), each a list of its ranks, first used first
     kill_planned: bool = False  # a kill fault is armed in this life: its SIGKILL is a scheduled kill
     ranks: int = 1  # ranks in its replica group (``proc`` is rank 0)
     others: list = field(default_factory=list)  # the group's ranks 1.. of this life
     own_host: bool = False  # its group alone on its host (a namespace): a fixed rendezvous port, not a free one
+    spares_started: int = 0  # spare groups started so far (a spare group's rendezvous port follows it)
 
     @property
     def procs(self) -> list:
@@ -209,7 +207,8 @@ def run_ft(config, plan: FTPlan, replica_argv: list[str], *, budget: float) -> F
         finally:
             for r in replicas:
                 for spare in r.spares:
-                    _kill(spare)
+                    for proc in spare:
+                        _kill(proc)
     finally:
         if lighthouse_proc is not None:
             _kill(lighthouse_proc)
@@ -245,34 +244,48 @@ def _start(r: _Replica, extra: tuple = ()) -> None:
     r.kill_planned = False
 
 
+def _new_spare(r: _Replica) -> list:
+    """Start one warm spare of ``r`` (:func:`lioncub.ft.spare.start_spare`): its group's processes, with a rendezvous
+    port of its own (with ``--link``, after the 64 that the group's lives take)."""
+    from .spare import start_spare
+
+    port = 0
+    if r.ranks > 1:
+        port = GROUP_PORT + 64 + r.spares_started % 64 if r.own_host else _free_port()
+    r.spares_started += 1
+    return start_spare(r.argv, r.env, r.ranks, port)
+
+
 def _start_spares(replicas: list, count: int) -> None:
-    """Start ``count`` warm spares for every replica and wait until each is set up (:func:`lioncub.ft.spare.wait_ready`)."""
-    from .spare import start_spare, wait_ready
+    """Start ``count`` warm spares for every replica and wait until each of their processes is set up
+    (:func:`lioncub.ft.spare.wait_ready`)."""
+    from .spare import wait_ready
 
     for r in replicas:
-        r.spares += [start_spare(r.argv, r.env) for _ in range(count)]
+        r.spares += [_new_spare(r) for _ in range(count)]
     for r in replicas:
-        for spare in r.spares:
-            if not wait_ready(spare, STARTUP_S * len(replicas) * count):
+        for proc in (p for spare in r.spares for p in spare):
+            if not wait_ready(proc, STARTUP_S * len(replicas) * count * r.ranks):
                 try:
-                    spare.wait(timeout=5)
-                    err = spare.stderr.read()[-3000:]
+                    proc.wait(timeout=5)
+                    err = proc.stderr.read()[-3000:]
                 except subprocess.TimeoutExpired:
                     err = "not ready in time"
                 raise RuntimeError(f"a warm spare of replica {r.index} did not start:\n{err}")
 
 
 def _replace(r: _Replica, deadline: Optional[float]) -> bool:
-    """Activate ``r``'s first waiting warm spare as its next life (:func:`lioncub.ft.spare.activate`); False when
-    none is running."""
+    """Activate ``r``'s first waiting warm spare, every process of its group, as its next life
+    (:func:`lioncub.ft.spare.activate`); False when none is running whole (a spare group with a rank gone is killed)."""
     from .spare import activate
 
     while r.spares:
         spare = r.spares.pop(0)
-        if activate(spare, deadline):
-            r.proc, r.lives, r.down_since, r.kill_planned = spare, r.lives + 1, None, False
+        if all(p.poll() is None for p in spare) and all([activate(p, deadline) for p in spare]):
+            r.proc, r.others, r.lives, r.down_since, r.kill_planned = spare[0], spare[1:], r.lives + 1, None, False
             return True
-        _kill(spare)
+        for proc in spare:
+            _kill(proc)
     return False
 
 
@@ -375,9 +388,7 @@ def _supervise(config, plan: FTPlan, replicas: list, run: FTRun, budget: float) 
                 _start(r, ["--ft-deadline", f"{deadline:.3f}"])
                 run.restarts.append(dict(replica=r.index, wall=time.time()))
             elif plan.warm_spare and not r.spares and r.proc is not None and _joined_since(config.out, r):
-                from .spare import start_spare
-
-                r.spares.append(start_spare(r.argv, r.env))  # a spare again once this life has joined
+                r.spares.append(_new_spare(r))  # a spare again once this life has joined
         if now > hard_stop:
             for r in alive:
                 _kill_group(r)
