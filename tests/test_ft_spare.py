@@ -200,3 +200,35 @@ def test_a_killed_group_is_replaced_by_its_spare_group_long_before_its_restart(t
     assert back >= 4 and last >= 8 and spare == [(back, 2, 1)] + [(k, 2, 2) for k in range(back + 1, last + 1)]
     assert rounds[0] == [(k, 2, 2) for k in range(1, 4)] + [(k, 1, 1) for k in range(4, back)] + [(back, 2, 1)] + \
         [(k, 2, 2) for k in range(back + 1, last + 1)]
+
+
+def _niceness(pid: int) -> list[int]:
+    """The niceness of every thread of ``pid`` (field 19 of /proc/PID/task/TID/stat)."""
+    import os
+
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            out.append(int(f.read().rsplit(")", 1)[1].split()[16]))
+    return out
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="lowering a niceness needs root")
+def test_a_spare_started_low_runs_at_the_supervisors_priority_once_restored():
+    """start_spare(nice=19): the spare and the threads it starts run at niceness 19 (its set-up takes idle CPU only);
+    restore_priority gives every thread of it the supervisor's niceness back, threads started before it included."""
+    from lioncub.ft.spare import restore_priority, start_spare
+
+    code = ("import sys, threading, time; t = threading.Thread(target=time.sleep, args=(60,), daemon=True); t.start(); "
+            "print('ready', flush=True); sys.stdin.readline()")
+    [proc] = start_spare([sys.executable, "-c", code], dict(os.environ), nice=19)
+    try:
+        assert wait_ready(proc, 30)
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        low = _niceness(proc.pid)
+        assert len(low) == 2 and set(low) == {min(mine + 19, 19)}
+        restore_priority(proc)
+        assert _niceness(proc.pid) == [mine, mine]
+    finally:
+        proc.kill()
+        proc.wait()

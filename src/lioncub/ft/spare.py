@@ -8,7 +8,9 @@ done everything up to making its torchft Manager and then waits on its standard 
 lost the supervisor writes one line to its spare (the run's deadline, JSON), and the spare makes its Manager
 under the lost replica's id, joins the next quorum and heals from a peer at once; the supervisor starts the
 next spare for that replica once the replacement has joined (not before: on a small host its start would
-take the CPU the heal needs).
+take the CPU the heal needs), and, where it may (root), at the lowest priority (niceness 19), so that on a shared
+host its set-up takes only the CPU the replicas leave idle, as a spare machine's would take none of theirs; on
+activation its priority is the supervisor's again (:func:`restore_priority`).
 
 A spare holds no state of the run before it is activated (its model is the seed's initial one; the heal
 replaces it, and its data shard is sought to the healed round), so it can wait any length of time. A spare
@@ -29,7 +31,7 @@ import subprocess
 import sys
 from typing import Optional
 
-__all__ = ["STANDBY_FLAG", "READY", "start_spare", "wait_ready", "activate", "wait_for_activation"]
+__all__ = ["STANDBY_FLAG", "READY", "start_spare", "wait_ready", "activate", "wait_for_activation", "restore_priority"]
 
 STANDBY_FLAG = "--ft-standby"
 """The replica option that makes it a spare (``lioncub train --ft-replica K --ft-standby``)."""
@@ -37,13 +39,29 @@ READY = "ready"
 """The line a spare prints on its standard output once it waits to be activated."""
 
 
-def start_spare(argv: list, env: dict, ranks: int = 1, port: int = 0) -> list:
+def start_spare(argv: list, env: dict, ranks: int = 1, port: int = 0, nice: int = 0) -> list:
     """Start a spare of the replica ``argv`` runs (its options with no faults: a spare's life is not a first life):
-    its ``ranks`` processes, rank 0 first (a group's rendezvous at ``port`` on the replica's host when ``ranks`` > 1)."""
+    its ``ranks`` processes, rank 0 first (a group's rendezvous at ``port`` on the replica's host when ``ranks`` > 1),
+    each its own process group, ``nice`` added to their niceness (see :func:`restore_priority`)."""
+    import os
+
     group = ["--ft-group-port", str(port)] if ranks > 1 else []
     return [subprocess.Popen(list(argv) + [STANDBY_FLAG] + group + (["--ft-rank", str(k)] if k else []), env=env,
                              start_new_session=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True) for k in range(ranks)]
+                             stderr=subprocess.PIPE, text=True, preexec_fn=(lambda: os.nice(nice)) if nice else None)
+            for k in range(ranks)]
+
+
+def restore_priority(proc: subprocess.Popen) -> None:
+    """Give every thread of the spare ``proc`` (its process group) the supervisor's own niceness back: a spare started
+    during the run sets itself up at a low priority on a shared host, and runs as a replica at the others' once
+    activated. Lowering niceness needs root (or CAP_SYS_NICE): the supervisor only starts spares low when it has it."""
+    import os
+
+    try:
+        os.setpriority(os.PRIO_PGRP, proc.pid, os.getpriority(os.PRIO_PROCESS, 0))
+    except ProcessLookupError:  # it exited: the activation that follows finds it gone
+        pass
 
 
 def wait_ready(proc: subprocess.Popen, timeout_s: float) -> bool:

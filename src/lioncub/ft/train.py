@@ -244,16 +244,17 @@ def _start(r: _Replica, extra: tuple = ()) -> None:
     r.kill_planned = False
 
 
-def _new_spare(r: _Replica) -> list:
+def _new_spare(r: _Replica, low: bool = False) -> list:
     """Start one warm spare of ``r`` (:func:`lioncub.ft.spare.start_spare`): its group's processes, with a rendezvous
-    port of its own (with ``--link``, after the 64 that the group's lives take)."""
+    port of its own (with ``--link``, after the 64 that the group's lives take). ``low``: a spare started while the run
+    goes on, at niceness 19 where its priority can be restored on activation (root), so its set-up takes only idle CPU."""
     from .spare import start_spare
 
     port = 0
     if r.ranks > 1:
         port = GROUP_PORT + 64 + r.spares_started % 64 if r.own_host else _free_port()
     r.spares_started += 1
-    return start_spare(r.argv, r.env, r.ranks, port)
+    return start_spare(r.argv, r.env, r.ranks, port, nice=19 if low and os.geteuid() == 0 else 0)
 
 
 def _start_spares(replicas: list, count: int) -> None:
@@ -277,10 +278,14 @@ def _start_spares(replicas: list, count: int) -> None:
 def _replace(r: _Replica, deadline: Optional[float]) -> bool:
     """Activate ``r``'s first waiting warm spare, every process of its group, as its next life
     (:func:`lioncub.ft.spare.activate`); False when none is running whole (a spare group with a rank gone is killed)."""
-    from .spare import activate
+    from .spare import activate, restore_priority
 
     while r.spares:
         spare = r.spares.pop(0)
+        if os.geteuid() == 0:
+            for p in spare:
+                if p.poll() is None:
+                    restore_priority(p)
         if all(p.poll() is None for p in spare) and all([activate(p, deadline) for p in spare]):
             r.proc, r.others, r.lives, r.down_since, r.kill_planned = spare[0], spare[1:], r.lives + 1, None, False
             return True
@@ -388,7 +393,7 @@ def _supervise(config, plan: FTPlan, replicas: list, run: FTRun, budget: float) 
                 _start(r, ["--ft-deadline", f"{deadline:.3f}"])
                 run.restarts.append(dict(replica=r.index, wall=time.time()))
             elif plan.warm_spare and not r.spares and r.proc is not None and _joined_since(config.out, r):
-                r.spares.append(_new_spare(r))  # a spare again once this life has joined
+                r.spares.append(_new_spare(r, low=True))  # a spare again once this life has joined
         if now > hard_stop:
             for r in alive:
                 _kill_group(r)
