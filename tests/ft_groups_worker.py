@@ -8,6 +8,11 @@ x ``--ranks``, a 2-D mesh (replicate, shard), FSDP2 on its shard dimension and L
 (the library's HSDP rounds, tests/test_sharded.py), each rank on the same batches as its ft counterpart.
 ``--vote every-pbit`` / ``every-sign_allreduce``: LionCub's vote every step instead (FTLionCub; the reference LionCub
 on the same 2-D mesh, the vote across 'replicate').
+``--inside mean``: a node mean inside the groups instead of FSDP2: ``ft``, every rank the whole model (plain
+parameters on the group's world: FTLocalCub averages each step's gradients over the group); ``plain``, the reference
+written out here: one gloo world of ``--groups`` x ``--ranks``, each rank's gradients summed over its node's ranks by
+``dist.all_reduce`` and divided by ``--ranks``, then LocalCub (or LionCub) on the cross-node group of its local rank
+(rank k of every node) as its ``process_group``.
 
 Each rank appends a JSON line per committed round to ``--out``: the round, the participants P and contributors C,
 uncommitted agreements, heals, and a hash of its own shard's bytes (equal hashes across groups at the same rank:
@@ -34,10 +39,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 
 def model_of(mesh):
+    """The model, FSDP2-sharded over ``mesh`` (None: plain, every rank the whole of it)."""
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    if mesh is None:
+        return model
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
@@ -45,7 +53,7 @@ def model_of(mesh):
 
 
 def shard_digest(model) -> str:
-    flat = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
+    flat = torch.cat([getattr(p, "to_local", p.detach)().detach().reshape(-1) for p in model.parameters()])
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
 
 
@@ -87,6 +95,7 @@ def main() -> None:
     ap.add_argument("--ready-count", type=int, default=0)
     ap.add_argument("--vote", default="mean8", help="mean8: LocalCub's rounds (SETTING); every-pbit, "
                     "every-sign_allreduce: LionCub's vote every step (EVERY_STEP; FTLionCub on torchft)")
+    ap.add_argument("--inside", choices=("fsdp2", "mean"), default="fsdp2")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     import torch.distributed as dist
@@ -107,7 +116,7 @@ def main() -> None:
         from lioncub.ft.faults import install, parse_fault
         from tests.flat import FTLocalCub
 
-        model = model_of(init_device_mesh("cpu", (a.ranks,)))
+        model = model_of(init_device_mesh("cpu", (a.ranks,)) if a.inside == "fsdp2" else None)
         manager = make_manager(str(a.group), a.lighthouse, min_replicas=1, timeout_s=3.0, quorum_timeout_s=60.0)
         if every_step:
             from tests.flat import FTLionCub
@@ -119,8 +128,13 @@ def main() -> None:
     else:
         from tests.flat import LocalCub
 
-        mesh = init_device_mesh("cpu", (a.groups, a.ranks), mesh_dim_names=("replicate", "shard"))
-        model = model_of(mesh["shard"])
+        if a.inside == "fsdp2":
+            mesh = init_device_mesh("cpu", (a.groups, a.ranks), mesh_dim_names=("replicate", "shard"))
+            model, across = model_of(mesh["shard"]), {}
+        else:  # the node's ranks (one all-reduce of each gradient), the cross-node group of this local rank
+            nodes = [dist.new_group(list(range(g * a.ranks, (g + 1) * a.ranks))) for g in range(a.groups)]
+            local = [dist.new_group(list(range(k, a.groups * a.ranks, a.ranks))) for k in range(a.ranks)]
+            model, across, node = model_of(None), dict(process_group=local[a.rank]), nodes[a.group]
         if every_step:
             from tests.flat import LionCub
 
@@ -129,9 +143,10 @@ def main() -> None:
                 skipped_rounds = property(lambda self: self.skipped_steps)
                 local_step = 0
 
-            opt, manager = EveryStep(model.parameters(), vote=a.vote[len("every-"):], **EVERY_STEP), None
+            opt = EveryStep(model.parameters(), vote=a.vote[len("every-"):], **across, **EVERY_STEP)
         else:
-            opt, manager = LocalCub(model.parameters(), local_steps=a.H, **SETTING), None
+            opt = LocalCub(model.parameters(), local_steps=a.H, **across, **SETTING)
+        manager = None
 
     log = open(a.out, "a")
 
@@ -161,7 +176,12 @@ def main() -> None:
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         if [a.group, a.rank, step] == [int(v) for v in a.nan_at.split(":")] and opt.skipped_rounds == 0:
-            model[0].weight.grad.to_local()[0, 0] = float("nan")
+            grad = model[0].weight.grad
+            getattr(grad, "to_local", grad.detach)()[0, 0] = float("nan")
+        if not ft and a.inside == "mean":  # the reference's node mean: fp32 sums over the node, halved
+            for p in model.parameters():
+                dist.all_reduce(p.grad, group=node)
+                p.grad.div_(a.ranks)
         before, skipped = opt.rounds, opt.skipped_rounds
         try:
             opt.step()

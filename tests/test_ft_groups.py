@@ -199,6 +199,13 @@ def test_a_rank_killed_takes_its_group_out(tmp_path, point, failed, vote):
     ``every-pbit``: the same for FTLionCub, LionCub's vote every step (a round is one step), on the groups' shards."""
     rounds = 12
     logs, _ = run_ft(tmp_path, rounds, "--fault", f"3:{KILLED}:{point}", restart=True, setting=("--vote", vote))
+    assert_killed_group_healed(logs, rounds, failed)
+
+
+def assert_killed_group_healed(logs, rounds: int, failed: int) -> None:
+    """run_ft(restart=True)'s logs of group 1 killed in round KILLED: group 0 commits every round once, in order
+    (``failed`` uncommitted attempts of round KILLED, then alone: P = C = 1), group 1 never committed round KILLED,
+    and its next life heals once, adds nothing to its first round (P = 2, C = 1) and equals group 0 from then on."""
     for k in range(RANKS):
         a = logs[(0, k)]
         last = max(a)
@@ -237,8 +244,16 @@ def test_the_every_step_vote_on_groups_equals_lioncub_on_a_2d_mesh(tmp_path, vot
     assert ft[(0, 0)][steps]["digest"] != ft[(0, 1)][steps]["digest"]  # two different shards
 
 
+def refused(run) -> str:
+    """The ValueError's message that ``run()`` raises, or ``'ran'``."""
+    try:
+        run()
+    except ValueError as exc:
+        return str(exc)
+    return "ran"
+
+
 def _refusal_worker(rank, world):
-    import torch
     from torch.distributed.device_mesh import init_device_mesh
 
     from tests.flat import FTLocalCub
@@ -253,27 +268,17 @@ def _refusal_worker(rank, world):
         def register_state_dict_fn(self, *a):
             raise AssertionError("not reached")
 
-    def refused(build) -> str:
-        try:
-            build()
-        except ValueError as exc:
-            return str(exc)
-        return "built"
-
-    plain = torch.nn.Linear(4, 2)
-    out = dict(plain=refused(lambda: FTLocalCub(plain.parameters(), StandIn(2), vote="grad")))
     sharded = model_of(init_device_mesh("cpu", (world,)))
-    out["ranks"] = refused(lambda: FTLocalCub(sharded.parameters(), StandIn(1), vote="grad"))
+    out = dict(ranks=refused(lambda: FTLocalCub(sharded.parameters(), StandIn(1), vote="grad")))
     two_d = model_of(init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))["shard"])
     out["two_d"] = refused(lambda: FTLocalCub(two_d.parameters(), StandIn(1), vote="grad"))
     return out
 
 
 def test_what_a_replica_group_of_many_ranks_cannot_run_is_refused_in_one_line():
-    """Plain copies inside a group (a node mean), a manager whose group is not the shards' world, and FSDP2 on a 2-D
-    mesh with replicas of its own: each one line saying what to use instead."""
+    """A manager whose group is not the shards' world, and FSDP2 on a 2-D mesh with replicas of its own: each one
+    line saying what to use instead (plain copies inside a group are a node mean: tests/test_ft_node_mean.py)."""
     out = run_workers(_refusal_worker, 2)[0]
-    assert out["plain"].startswith("under torchft a replica group of 2 ranks needs FSDP2 shards inside it")
     assert out["ranks"].startswith("manager: its replica group has 1 ranks (world_size=) but the parameters are "
                                    "sharded over 2")
     assert out["two_d"].startswith("under torchft the replicas are the manager's replica groups: shard the model")

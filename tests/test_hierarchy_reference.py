@@ -7,7 +7,7 @@ each step, the parameters and momenta after it). This process then recomputes ev
 from every rank's gradients, in the order and dtype the code uses:
 
 * node mean ``ḡ_k``: fp32 gradients (a missing one counts as zero), summed over the node's
-  two ranks, divided by 2 (``NodeCub._average_in_node``);
+  two ranks, divided by 2 (``lioncub.optim.nodecub.node_mean``);
 * the voters of a parameter: with ``shard=True`` local rank ``shard_owners(...)[i]`` of
   every node, with ``shard=False`` every local rank; their vote's LionCub has one bucket
   (``bucket_mb`` large), its parameters in reversed registration order (``_make_buckets``);

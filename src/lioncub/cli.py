@@ -31,7 +31,6 @@ from .testbed.straggler import add_arguments as add_straggler_arguments, parse_f
 from .harness.config import RECOMMENDED, DEVICES, MODELS, MOMENTUM_SYNCS, NONFINITE, OPTIMIZERS, QUANTIZERS, VOTES, TrainConfig
 
 
-
 def _local_steps(text: str):
     """``--local-steps``: an int, or ``auto``."""
     if text == "auto":
@@ -172,9 +171,12 @@ def _add_train(sub) -> None:
     ft.add_argument("--replicas", type=int, default=3, help="--ft: replica groups (default: %(default)s)")
     ft.add_argument("--min-replicas", type=int, default=2, help="--ft: replicas a round needs (default: %(default)s)")
     ft.add_argument("--nproc-per-replica", type=int, default=1, metavar="N",
-                    help="--ft/--ft-replica: ranks per replica group, its own torch.distributed world with the model "
-                    "FSDP2-sharded over them (a node's GPUs); a failed rank takes its group out and the whole group "
+                    help="--ft/--ft-replica: ranks per replica group, its own torch.distributed world (a node's "
+                    "GPUs; the model inside: --inside); a failed rank takes its group out and the whole group "
                     "restarts and heals (default: %(default)s)")
+    ft.add_argument("--inside", choices=("fsdp2", "mean"), default="fsdp2", help="--nproc-per-replica N > 1: the "
+                    "model FSDP2-sharded over the group's ranks (fsdp2, the default) or whole on each, its gradients "
+                    "averaged over them every step (mean: a node mean; N copies of the exchange cross the groups)")
     ft.add_argument("--kill-every", type=float, default=0.0, metavar="SECONDS",
                     help="--ft: SIGKILL a replica every SECONDS (round-robin; 0 = no failures)")
     ft.add_argument("--ft-fault", action="append", default=[], metavar="REPLICA:ROUND:POINT[:ACTION]",
@@ -184,10 +186,9 @@ def _add_train(sub) -> None:
     ft.add_argument("--restart-after", type=float, default=5.0, metavar="SECONDS",
                     help="--ft: restart a killed replica after SECONDS (default: %(default)s)")
     ft.add_argument("--warm-spare", type=int, nargs="?", const=1, default=0, metavar="N",
-                    help="--ft: keep N started spares per replica (imports, data, model done; waiting; N=1 when "
-                    "not given), set up before the run; one takes a lost replica's place at once, instead of a "
-                    "restart --restart-after seconds later; one more starts when the last is used (lioncub.ft.spare); with "
-                    "--nproc-per-replica a spare is a group of as many ranks")
+                    help="--ft: keep N started spares (a group of --nproc-per-replica ranks) per replica, set up before "
+                    "the run (N=1 when not given); one takes a lost replica's place at once, instead of a restart "
+                    "--restart-after seconds later; one more starts when the last is used (lioncub.ft.spare)")
     ft.add_argument("--ft-standby", action="store_true",
                     help="--ft-replica: start as a warm spare, waiting on standard input to be activated")
     ft.add_argument("--ft-stop-round", type=int, default=None, metavar="R",
@@ -208,7 +209,6 @@ def _add_train(sub) -> None:
     ft.add_argument("--ft-timeout", type=float, default=10.0, metavar="SECONDS",
                     help="--ft/--ft-replica: a collective's time limit (default: %(default)s)")
     p.set_defaults(func=cmd_train, parser=p)
-
 
 
 def _without_link(argv: list[str]) -> list[str]:

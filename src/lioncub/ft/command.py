@@ -11,7 +11,7 @@ FT_DEFAULT_BUDGET_S = 60.0
 _FT_KEYS = ("ft", "replicas", "min_replicas", "kill_every", "restart_after", "heartbeat_ms", "ft_replica", "lighthouse",
             "ft_host", "ft_deadline", "ft_config", "ft_timeout", "ft_fault", "warm_spare", "ft_standby",
             "ft_stop_round", "nproc_per_replica", "ft_rank", "ft_group_port",
-           "ft_ready_dir")
+           "ft_ready_dir", "inside")
 
 
 def cmd_train_ft(args) -> int:
@@ -55,6 +55,9 @@ def cmd_train_ft(args) -> int:
                              "decides who is in a round: leave --pace at slowest")
         if args.nproc_per_replica < 1:
             raise ValueError(f"--nproc-per-replica must be >= 1 (ranks per replica group), got {args.nproc_per_replica}")
+        if args.inside != "fsdp2" and args.nproc_per_replica == 1:
+            raise ValueError("--inside mean averages the gradients over a replica group's ranks: give "
+                             "--nproc-per-replica N > 1 (with one rank a group is one worker)")
         from ..votes.rounds import PARTIAL_NEEDS, round_partial
 
         if not round_partial(config.vote, config.aggregate, config.quantizer):
@@ -79,7 +82,7 @@ def cmd_train_ft(args) -> int:
                                 deadline=args.ft_deadline, min_replicas=args.min_replicas, timeout_s=args.ft_timeout,
                                 faults=faults, standby=args.ft_standby, stop_round=args.ft_stop_round,
                                 rank=args.ft_rank, ranks=args.nproc_per_replica, group_port=args.ft_group_port,
-                                ready_dir=args.ft_ready_dir)
+                                ready_dir=args.ft_ready_dir, inside=args.inside)
         except (ConnectionError, QuorumError) as exc:  # what a user fixes: one line, not a traceback
             print(f"lioncub train --ft-replica {args.ft_replica}: {exc}", file=sys.stderr)
             return 1
@@ -107,10 +110,11 @@ def cmd_train_ft(args) -> int:
     with open(path, "w") as f:
         json.dump(config.as_dict(), f)
     try:
-        run = run_ft(config, plan, ["--ft-config", path, "--out", config.out], budget=config.time_budget)
+        inside = ["--inside", args.inside] if args.inside != "fsdp2" else []  # (every replica's, every life)
+        run = run_ft(config, plan, ["--ft-config", path, "--out", config.out, *inside], budget=config.time_budget)
     except RuntimeError as exc:
         print(f"lioncub train --ft: {exc}", file=sys.stderr)
         return 1
-    print(format_summary(run.summary, plan, config.local_steps))
+    print(format_summary(run.summary, plan, config.local_steps, inside=args.inside))
     print(f"\nwrote {config.out}/ft_summary.json and {config.out}/replica_*.jsonl")
     return 0

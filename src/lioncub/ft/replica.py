@@ -16,7 +16,8 @@ from .. import comm
 from .train import STARTUP_S
 
 def params_digest(params) -> str:
-    """A hash of this rank's parameters (its own shards, when the model is FSDP2-sharded over its replica group)."""
+    """A hash of this rank's parameters (its own shards, when the model is FSDP2-sharded over its replica group; the
+    whole model with a node mean inside it)."""
     from ..engine.shards import local_of
 
     flat = torch.cat([local_of(p).detach().reshape(-1).float().cpu() for p in params])
@@ -26,7 +27,7 @@ def params_digest(params) -> str:
 def replica_main(config, replica: int, replicas: int, lighthouse: str, *, host: str = "127.0.0.1",
                  deadline: Optional[float] = None, min_replicas: int = 2, timeout_s: float = 10.0,
                  faults=(), standby: bool = False, stop_round: Optional[int] = None, rank: int = 0, ranks: int = 1,
-                 group_port: int = 0, ready_dir: Optional[str] = None) -> int:
+                 group_port: int = 0, ready_dir: Optional[str] = None, inside: str = "fsdp2") -> int:
     """One replica's run (see the module docstring); returns the exit code. ``deadline``: the
     wall time after which it asks to stop; None: ``config.time_budget`` seconds after it joined
     (the replicas of a fresh start join at the same commit). ``faults``: the
@@ -39,7 +40,8 @@ def replica_main(config, replica: int, replicas: int, lighthouse: str, *, host: 
     (the final line with every rank's hash, ``digests``). ``ready_dir``: a fresh start's barrier (the supervisor's,
     first lives only): every rank of every replica marks itself there once its Manager is made and waits for all
     of them before its first quorum, so that none forms without a replica still starting (a lighthouse forms one
-    as soon as ``min_replicas`` ask)."""
+    as soon as ``min_replicas`` ask). ``inside``: with ``ranks`` > 1, ``'fsdp2'`` (the model sharded over the group)
+    or ``'mean'`` (every rank the whole model, each step's gradients averaged over the group: a node mean)."""
     import importlib
 
     import torch.distributed as dist
@@ -60,7 +62,7 @@ def replica_main(config, replica: int, replicas: int, lighthouse: str, *, host: 
     torch.manual_seed(config.seed)
     data = _Data(config, worker, replicas * ranks, device)
     model = build_model(config, data.info).to(device)
-    if ranks > 1:
+    if ranks > 1 and inside == "fsdp2":  # ('mean': plain copies, whose gradients the optimizer averages)
         shard_model(model, device, ranks)
     torch.manual_seed(config.seed + 1000 + worker)
     groups = param_groups(model, lr=config.lr, weight_decay=config.weight_decay, lr_embed=config.lr_embed,

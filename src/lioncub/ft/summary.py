@@ -90,12 +90,14 @@ def summarize(out: str, plan, run, *, budget: float) -> dict:
     return summary
 
 
-def format_summary(summary: dict, plan, H: int) -> str:
-    """The summary's lines for the terminal (``plan``: the run's :class:`~lioncub.ft.train.FTPlan`)."""
+def format_summary(summary: dict, plan, H: int, inside: str = "fsdp2") -> str:
+    """The summary's lines for the terminal (``plan``: the run's :class:`~lioncub.ft.train.FTPlan`; ``inside``: what
+    a replica group of many ranks runs inside, ``'fsdp2'`` shards or ``'mean'``, a node mean)."""
     s = summary
     what = "LionCub (the vote every step)" if H == 1 else "LocalCub"
     ranks = getattr(plan, "nproc_per_replica", 1)
-    groups = f"{plan.replicas} replica groups of {ranks} ranks (FSDP2 inside)" if ranks > 1 else f"{plan.replicas} replicas"
+    within = "FSDP2 inside" if inside == "fsdp2" else "a node mean inside"
+    groups = f"{plan.replicas} replica groups of {ranks} ranks ({within})" if ranks > 1 else f"{plan.replicas} replicas"
     lines = [f"fault-tolerant {what}: {groups}, kill every {plan.kill_every:g} s "
              f"(restart after {plan.restart_after:g} s), link {plan.link or 'loopback'}",
              f"  committed rounds {s['rounds']} in {s['span_s']:.1f} s: {s['rounds_per_s'] * H:.2f} steps/s "

@@ -63,7 +63,7 @@ from ..validate import check_bool, check_hyperparameters, check_int
 from ..aggregations import aggregation_of
 from ..options import STEP_OPTIONS, Options
 
-__all__ = ["NodeLayout", "node_groups", "NodeCub"]
+__all__ = ["NodeLayout", "node_groups", "node_mean", "NodeCub"]
 
 # LionCub arguments NodeCub sets itself (the vote's group) or does not offer
 
@@ -129,6 +129,44 @@ def shard_owners(sizes: list[int], local_size: int) -> list[int]:
 NODE_CHUNK = 1 << 22
 """Elements of gradients (in-node mean) or parameters (in-node share) one collective carries: whole tensors, a
 larger tensor in slices. The step's transient is a chunk, not the model."""
+
+
+def node_mean(params: list, group, size: int, device: torch.device, stats: CommStats) -> None:
+    """Every rank's gradients become their mean over ``group`` of ``size`` ranks (NodeCub's step 1, and the node mean
+    inside a torchft replica group, :class:`~lioncub.ft.FTLocalCub`): fp32 SUM all-reduces, ``NODE_CHUNK`` elements at
+    a time (a large tensor in slices), divided by ``size``. A missing gradient counts as zero; a parameter without a
+    gradient on any rank of the group keeps ``None``, which the host reads from the flags only where this rank lacks
+    one (a parameter no rank has one for lacks one here too): none of the usual steps syncs with the host."""
+    lacking = any(p.grad is None for p in params)
+    missing = torch.zeros(len(params), device=device)  # ranks without a gradient: 0 usually
+    for i, p in enumerate(params):
+        if p.grad is None:
+            missing[i] = 1.0  # a scalar fill: no host-to-device copy
+    uncut = frozenset(i for i, p in enumerate(params) if p.grad is not None and not p.grad.is_contiguous())
+    plan = chunks.plan_chunks([p.numel() for p in params], NODE_CHUNK, uncut=uncut)
+    for k, pieces in enumerate(plan):  # fp32 of a chunk at a time (a large tensor in slices); flags on the last
+        parts = [(params[pc.index].grad.detach().reshape(-1)[pc.lo:pc.hi].float()
+                  if params[pc.index].grad is not None else torch.zeros(pc.size, device=device))
+                 for pc in pieces]
+        flat = torch.cat(parts + ([missing] if k == len(plan) - 1 else []))
+        parts = None
+        if size > 1:
+            comm.all_reduce(flat, group, stats)
+        if k == len(plan) - 1:
+            missing = flat[-len(params):]
+        sums = flat[:sum(pc.size for pc in pieces)].div_(size)
+        for pc, piece in zip(pieces, sums.split([pc.size for pc in pieces])):
+            p = params[pc.index]
+            if p.grad is None:  # some rank of the group may have one: decided below (a later slice reads 0)
+                p.grad = torch.zeros(p.shape, dtype=p.dtype, device=p.device)  # (contiguous)
+            if p.grad.is_contiguous():
+                p.grad.view(-1)[pc.lo:pc.hi].copy_(piece)
+            else:  # (never cut)
+                p.grad.copy_(piece.view_as(p))
+    if lacking:  # one host read
+        for p, n in zip(params, missing.tolist()):
+            if n == size:  # no rank of the group has one
+                p.grad = None
 
 
 class NodeCub(Shell, torch.optim.Optimizer):
@@ -215,39 +253,6 @@ class NodeCub(Shell, torch.optim.Optimizer):
         self.last_intra_stats = CommStats()
 
     # ------------------------------------------------------------------ step
-    def _average_in_node(self, stats: CommStats) -> None:
-        """Every rank's gradients become the node's mean (a missing one counts as zero;
-        a parameter without a gradient on any rank of the node keeps ``None``). One all-reduce."""
-        local = self.layout.local_size
-        missing = torch.zeros(len(self.params), device=self.device)  # ranks without a gradient: 0 usually
-        for i, p in enumerate(self.params):
-            if p.grad is None:
-                missing[i] = 1.0  # a scalar fill: no host-to-device copy
-        uncut = frozenset(i for i, p in enumerate(self.params) if p.grad is not None and not p.grad.is_contiguous())
-        plan = chunks.plan_chunks([p.numel() for p in self.params], NODE_CHUNK, uncut=uncut)
-        for k, pieces in enumerate(plan):  # fp32 of a chunk at a time (a large tensor in slices); flags on the last
-            parts = [(self.params[pc.index].grad.detach().reshape(-1)[pc.lo:pc.hi].float()
-                      if self.params[pc.index].grad is not None else torch.zeros(pc.size, device=self.device))
-                     for pc in pieces]
-            flat = torch.cat(parts + ([missing] if k == len(plan) - 1 else []))
-            parts = None
-            if local > 1:
-                comm.all_reduce(flat, self.layout.intra, stats)
-            if k == len(plan) - 1:
-                missing = flat[-len(self.params):]
-            sums = flat[:sum(pc.size for pc in pieces)].div_(local)
-            for pc, piece in zip(pieces, sums.split([pc.size for pc in pieces])):
-                p = self.params[pc.index]
-                if p.grad is None:  # some rank of the node may have one: decided below (a later slice reads 0)
-                    p.grad = torch.zeros(p.shape, dtype=p.dtype, device=p.device)  # (contiguous)
-                if p.grad.is_contiguous():
-                    p.grad.view(-1)[pc.lo:pc.hi].copy_(piece)
-                else:  # (never cut)
-                    p.grad.copy_(piece.view_as(p))
-        for p, n in zip(self.params, missing.tolist()):  # one host read
-            if n == local:  # no rank of the node has one
-                p.grad = None
-
     def _share_in_node(self, stats: CommStats) -> None:
         """shard=True: every rank gets every shard's updated values; one all-gather per dtype and chunk."""
         me = self.layout.local_rank
@@ -279,7 +284,7 @@ class NodeCub(Shell, torch.optim.Optimizer):
         with comm.step_context(self.steps):
             intra, inter = comm.step_stats(self.device), comm.step_stats(self.device)
             scaler_inf = amp.unscale(self, grad_scaler, self.params)
-            self._average_in_node(intra)
+            node_mean(self.params, self.layout.intra, self.layout.local_size, self.device, intra)
             mine = [self.params[i] for i in self._mine]
             # the one agreement of the step, over the world: per parameter the ranks without a gradient
             # (a node's ranks agree after the node's mean), and the ranks with a non-finite shard mean

@@ -47,6 +47,15 @@ collective inside it, or wait on a quorum that their ManagerServer cannot ask fo
 restarted group's ranks heal, each its own shard from the same group rank of a live group (torchft's heal is per
 group rank).
 
+Or a **node mean** inside the group: plain parameters (no FSDP2) on the group's own world of G ranks, every rank
+holding the whole model. After each backward the group's gradients become their mean over the group (one fp32 SUM
+all-reduce over the group's world, divided by G: :func:`lioncub.optim.nodecub.node_mean`, NodeCub's step 1), so the
+group's ranks take the same inner steps and hold the same Δ; the round then runs on each rank's own managed group
+alone (rank k of every group in the quorum, the whole model), with no sum over the group: every rank of a group adds
+the same head and Δ, so rank k's agreement is the group's. Each group sends G copies of the exchange (one per rank);
+the ranks' quantizer generators are seeded alike (``seed``, as a one-worker replica's), so their draws are too. A
+restarted group's ranks heal each from the same rank of a live group (the whole model, identical on every rank).
+
 The healing transfer is loaded with ``weights_only=True`` (:class:`TensorTransport`): a peer's
 state can hold tensors, numbers and strings only, never code.
 """
@@ -62,6 +71,7 @@ from .. import comm
 from . import lioncub as _lioncub
 from . import localcub as _localcub
 from .localcub import LocalCub
+from .nodecub import node_mean
 from .round_end import Quorum, RoundGroup, end_round
 from ..engine.shards import local_of
 from ..validate import check_int
@@ -181,8 +191,8 @@ class ManagedQuorum(Quorum):
             return True
         return False
 
-    def count(self, verdict) -> int:
-        return int(round(verdict.extra[0] / self.opt.group_ranks))  # (every rank of a group adds its group's flag)
+    def count(self, verdict) -> int:  # (with shards, every rank of a group adds its group's flag)
+        return int(round(verdict.extra[0] / (1 if self.opt.node_mean else self.opt.group_ranks)))
 
     def commits(self) -> bool:
         self.opt._fault("commit", self.contributing)
@@ -209,13 +219,15 @@ class FTLocalCub(LocalCub):
             failed one costs at most the process group's timeout, then a new quorum; default 20).
         aggregation: one whose sum a replica with nothing to send leaves unchanged (``LaneMean``, ``Mean``,
             ``SignVote('pbit')`` binary lanes, ``SignVote('sign_allreduce')``); no ``streaming``, no
-            ``process_group``: one worker per replica group, or FSDP2 parameters sharded over the group's own
-            world (the module docstring).
+            ``process_group``: one worker per replica group, FSDP2 parameters sharded over the group's own
+            world, or plain parameters on the group's own world, whose gradients each step averages over the
+            group first (a node mean: the module docstring).
 
     Attributes beyond LocalCub's: ``uncommitted`` (agreements that did not commit), ``heals``
     (times this replica was healed from a peer), ``participants`` (P of the last committed
     round), ``contributors`` (its C), ``last_stall_s`` (seconds from the round's end to its
-    commit, quorums and retries included).
+    commit, quorums and retries included), ``node_mean`` (whether each step averages the gradients over the
+    replica group's ranks first), ``last_intra_stats`` (that mean's bytes in the last step).
 
     ``fault_hook``: None, or ``fault_hook(point, round)`` called at the first inner step of a round
     (``'inner'``), after its quorum (``'head'``), before its data all-reduce (``'lanes'``) and before
@@ -252,7 +264,12 @@ class FTLocalCub(LocalCub):
         self.max_attempts = check_int("max_attempts", max_attempts, 1)
         super()._configure(params, lr, betas, weight_decay, **kwargs)
         self.group_ranks = self._check_group(manager)
-        """The ranks of this replica group (torchft's ``group_world_size``): 1, or its FSDP2 shard mesh's."""
+        """The ranks of this replica group (torchft's ``group_world_size``): 1, its FSDP2 shard mesh's, or its
+        world's (a node mean)."""
+        self.node_mean = self.sharding is None and self.group_ranks > 1
+        self.last_intra_stats = comm.CommStats()
+        if self.node_mean and self.generator is not None:  # the group's ranks draw alike (a one-worker replica's)
+            self.generator = comm.make_generator(self.device, self.config.seed)
         pg = getattr(manager, "_pg", None)
         if pg is not None and self.device.type == "cuda" and "NCCL" not in type(pg).__name__.upper():
             raise ValueError(f"manager: its process group is {type(pg).__name__} but the parameters are on "
@@ -267,32 +284,39 @@ class FTLocalCub(LocalCub):
         manager.register_state_dict_fn("lioncub", self._load_heal, self._heal_state)
 
     def _check_group(self, manager) -> int:
-        """The ranks of this replica group, checked: one worker, or FSDP2 shards over the group's own world (each
-        replica group its own torch.distributed world, every rank with its Manager)."""
+        """The ranks of this replica group, checked: one worker, FSDP2 shards over the group's own world, or plain
+        parameters on it (a node mean; each replica group its own torch.distributed world, every rank with its
+        Manager)."""
         ranks = getattr(manager, "_group_world_size", 1)
         if self.sharding is not None and self.sharding.replicas is not None:
             raise ValueError("under torchft the replicas are the manager's replica groups: shard the model with FSDP2 "
                              "over the replica group's own world (a 1-D mesh, each group its own torch.distributed "
                              "world), not on a 2-D mesh with replicas of its own")
-        if self.sharding is None and self.world_size != 1:
-            raise ValueError(f"under torchft a replica group of {self.world_size} ranks needs FSDP2 shards inside it "
-                             "(fully_shard over the group's own world); a mean over plain copies inside the group is "
-                             "not supported: shard the model, or run one worker per replica group")
-        mine = 1 if self.sharding is None else self.agree_size
+        mine = self.world_size if self.sharding is None else self.agree_size
         if ranks != mine:
+            how = f"sharded over {mine}" if self.sharding is not None else f"plain on a world of {mine} (a node mean)"
             raise ValueError(f"manager: its replica group has {ranks} ranks (world_size=) but the parameters are "
-                             f"sharded over {mine}; build it on each rank of the group with make_manager, which takes "
+                             f"{how}; build it on each rank of the group with make_manager, which takes "
                              "the group's torch.distributed world")
         return ranks
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure=None, grad_scaler=None):
+        if self.node_mean and grad_scaler is not None:
+            raise ValueError("grad_scaler: a node mean inside a replica group averages the gradients before each "
+                             "rank's own loss scale is taken out; train without a GradScaler (bf16)")
         if not self._joined:  # a (re)started replica's empty agreement: the quorum, maybe a heal
             self.join()
         if self.local_step == 0:
             self._fault("inner", True)
-        return super().step(closure, grad_scaler)
+        if not self.node_mean:
+            return super().step(closure, grad_scaler)
+        loss = self.run_closure(closure)
+        self.last_intra_stats = comm.step_stats(self.device)  # the group's mean gradient on each of its ranks
+        node_mean(self.params, None, self.group_ranks, self.device, self.last_intra_stats)
+        super().step(None)
+        return loss
 
     @torch.no_grad()
     def join(self) -> None:
@@ -316,7 +340,7 @@ class FTLocalCub(LocalCub):
         with the aggregation sized for its P."""
         group = ReplicaGroup(self.manager)
         P = group.size()
-        if self.group_ranks == 1:
+        if self.group_ranks == 1 or self.node_mean:  # one worker, or a node mean: this rank's Δ is its group's
             return RoundGroup(group, P, group, self._aggregation(P))
         ranks = QuorumRanks(self.manager, self.group_ranks)  # the agreement over every shard of every group
         return RoundGroup(ranks, ranks.size(), group, self._aggregation(P))
@@ -392,7 +416,8 @@ class FTLionCub(FTLocalCub):
     (binary lanes sized for the quorum, the vote decided among the C that voted) or ``'sign_allreduce'``.
     With no failure it equals LionCub on a fixed group bit for bit (tests/test_ft.py); on replica groups of many
     ranks (FSDP2 inside, the module docstring) LionCub on a 2-D mesh whose replicas are the groups
-    (tests/test_ft_groups.py)."""
+    (tests/test_ft_groups.py); with a node mean inside, the node's mean gradient then LionCub on the cross-node group
+    of each local rank (tests/test_ft_node_mean.py)."""
 
     def __init__(self, params, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0, *, manager,
                  aggregation="sign-vote", model=None, options=None):
