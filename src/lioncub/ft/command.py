@@ -1,5 +1,5 @@
 """``lioncub train --ft`` (the supervisor) and ``--ft-replica K`` (one replica): the command's side
-of :mod:`lioncub.ft.train`."""
+of :mod:`lioncub.ft.train`, its options (:func:`add_ft_arguments`) included."""
 from __future__ import annotations
 
 import os
@@ -12,6 +12,57 @@ _FT_KEYS = ("ft", "replicas", "min_replicas", "kill_every", "restart_after", "he
             "ft_host", "ft_deadline", "ft_config", "ft_timeout", "ft_fault", "warm_spare", "ft_standby",
             "ft_stop_round", "nproc_per_replica", "ft_rank", "ft_group_port",
            "ft_ready_dir", "inside")
+
+
+def add_ft_arguments(p) -> None:
+    """``lioncub train``'s fault-tolerance options (the parser ``p``'s argument group)."""
+    import argparse
+
+    ft = p.add_argument_group("fault tolerance (torchft; pip install 'lioncub[ft]')")
+    ft.add_argument("--ft", action="store_true",
+                    help="run LocalCub (default: the comparison's LocalCub setting) as --replicas replica groups "
+                    "on torchft: a lighthouse, replicas that survive a lost peer; with --kill-every, a replica is "
+                    "killed on that schedule and restarted --restart-after seconds later (lioncub.ft)")
+    ft.add_argument("--replicas", type=int, default=3, help="--ft: replica groups (default: %(default)s)")
+    ft.add_argument("--min-replicas", type=int, default=2, help="--ft: replicas a round needs (default: %(default)s)")
+    ft.add_argument("--nproc-per-replica", type=int, default=1, metavar="N",
+                    help="--ft/--ft-replica: ranks per replica group, its own torch.distributed world (a node's "
+                    "GPUs; the model inside: --inside); a failed rank takes its group out and the whole group "
+                    "restarts and heals (default: %(default)s)")
+    ft.add_argument("--inside", choices=("fsdp2", "mean"), default="fsdp2", help="--nproc-per-replica N > 1: the "
+                    "model FSDP2-sharded over the group's ranks (fsdp2, the default) or whole on each, its gradients "
+                    "averaged over them every step (mean: a node mean; N copies of the exchange cross the groups)")
+    ft.add_argument("--kill-every", type=float, default=0.0, metavar="SECONDS",
+                    help="--ft: SIGKILL a replica every SECONDS (round-robin; 0 = no failures)")
+    ft.add_argument("--ft-fault", action="append", default=[], metavar="REPLICA:ROUND:POINT[:ACTION]",
+                    help="--ft: a failure at a chosen point of a round instead of a clock (repeatable; POINT inner, "
+                    "head, lanes or commit; ACTION kill (default; restarted --restart-after seconds later) or "
+                    "error: docs/fault_tolerance.md)")
+    ft.add_argument("--restart-after", type=float, default=5.0, metavar="SECONDS",
+                    help="--ft: restart a killed replica after SECONDS (default: %(default)s)")
+    ft.add_argument("--warm-spare", type=int, nargs="?", const=1, default=0, metavar="N",
+                    help="--ft: keep N started spares (a group of --nproc-per-replica ranks) per replica, set up before "
+                    "the run (N=1 when not given); one takes a lost replica's place at once, instead of a restart "
+                    "--restart-after seconds later; one more starts when the last is used (lioncub.ft.spare)")
+    ft.add_argument("--ft-standby", action="store_true",
+                    help="--ft-replica: start as a warm spare, waiting on standard input to be activated")
+    ft.add_argument("--ft-stop-round", type=int, default=None, metavar="R",
+                    help="--ft: stop at the first commit from round R on with every replica in its quorum (a run "
+                    "that ends on events, not the clock; --budget stays the limit)")
+    ft.add_argument("--heartbeat-ms", type=int, default=1000,
+                    help="--ft: the lighthouse's heartbeat timeout, after which a silent replica leaves the quorum")
+    ft.add_argument("--ft-replica", type=int, default=None, metavar="K",
+                    help="run as replica K of a fault-tolerant job (one per machine on a real cluster; needs "
+                    "--lighthouse or TORCHFT_LIGHTHOUSE)")
+    ft.add_argument("--lighthouse", default=None, help="--ft-replica: the lighthouse's address (http://HOST:PORT)")
+    ft.add_argument("--ft-host", default="127.0.0.1", help="--ft-replica: the address peers reach this replica at")
+    ft.add_argument("--ft-rank", type=int, default=0, help=argparse.SUPPRESS)  # this rank of its replica group
+    ft.add_argument("--ft-group-port", type=int, default=0, help=argparse.SUPPRESS)  # the group's rendezvous
+    ft.add_argument("--ft-ready-dir", default=None, help=argparse.SUPPRESS)  # a fresh start's barrier (lioncub.ft.train)
+    ft.add_argument("--ft-deadline", type=float, default=None, help=argparse.SUPPRESS)
+    ft.add_argument("--ft-config", default=None, help=argparse.SUPPRESS)
+    ft.add_argument("--ft-timeout", type=float, default=10.0, metavar="SECONDS",
+                    help="--ft/--ft-replica: a collective's time limit (default: %(default)s)")
 
 
 def cmd_train_ft(args) -> int:
