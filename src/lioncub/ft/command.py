@@ -144,7 +144,7 @@ def cmd_train_ft(args) -> int:
     plan = FTPlan(replicas=args.replicas, min_replicas=args.min_replicas, kill_every=args.kill_every,
                   restart_after=args.restart_after, heartbeat_ms=args.heartbeat_ms, timeout_s=args.ft_timeout,
                   link=link, faults=tuple(args.ft_fault), warm_spare=args.warm_spare,
-                  stop_round=args.ft_stop_round, nproc_per_replica=args.nproc_per_replica)
+                  stop_round=args.ft_stop_round, nproc_per_replica=args.nproc_per_replica, inside=args.inside)
     try:
         plan.check()
         check_inputs(config, args.replicas * args.nproc_per_replica)
@@ -161,11 +161,10 @@ def cmd_train_ft(args) -> int:
     with open(path, "w") as f:
         json.dump(config.as_dict(), f)
     try:
-        inside = ["--inside", args.inside] if args.inside != "fsdp2" else []  # (every replica's, every life)
-        run = run_ft(config, plan, ["--ft-config", path, "--out", config.out, *inside], budget=config.time_budget)
+        run = run_ft(config, plan, ["--ft-config", path, "--out", config.out], budget=config.time_budget)
     except RuntimeError as exc:
         print(f"lioncub train --ft: {exc}", file=sys.stderr)
         return 1
-    print(format_summary(run.summary, plan, config.local_steps, inside=args.inside))
+    print(format_summary(run.summary, plan, config.local_steps))
     print(f"\nwrote {config.out}/ft_summary.json and {config.out}/replica_*.jsonl")
     return 0

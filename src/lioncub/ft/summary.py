@@ -90,13 +90,12 @@ def summarize(out: str, plan, run, *, budget: float) -> dict:
     return summary
 
 
-def format_summary(summary: dict, plan, H: int, inside: str = "fsdp2") -> str:
-    """The summary's lines for the terminal (``plan``: the run's :class:`~lioncub.ft.train.FTPlan`; ``inside``: what
-    a replica group of many ranks runs inside, ``'fsdp2'`` shards or ``'mean'``, a node mean)."""
+def format_summary(summary: dict, plan, H: int) -> str:
+    """The summary's lines for the terminal (``plan``: the run's :class:`~lioncub.ft.train.FTPlan`)."""
     s = summary
     what = "LionCub (the vote every step)" if H == 1 else "LocalCub"
     ranks = getattr(plan, "nproc_per_replica", 1)
-    within = "FSDP2 inside" if inside == "fsdp2" else "a node mean inside"
+    within = "FSDP2 inside" if plan.inside == "fsdp2" else "a node mean inside"
     groups = f"{plan.replicas} replica groups of {ranks} ranks ({within})" if ranks > 1 else f"{plan.replicas} replicas"
     lines = [f"fault-tolerant {what}: {groups}, kill every {plan.kill_every:g} s "
              f"(restart after {plan.restart_after:g} s), link {plan.link or 'loopback'}",

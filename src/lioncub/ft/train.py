@@ -66,6 +66,7 @@ class FTPlan:
     faults: tuple = ()  # lioncub.ft.faults specs, REPLICA:ROUND:POINT[:ACTION], each armed in its replica's first life
     stop_round: Optional[int] = None  # stop at a commit of this round or later with every replica in it
     nproc_per_replica: int = 1  # ranks per replica group (its own world, the model FSDP2-sharded over them)
+    inside: str = "fsdp2"  # what a group of many ranks runs inside: FSDP2 shards, or 'mean' (a node mean)
 
     def check(self) -> "FTPlan":
         if self.replicas < 2:
@@ -183,7 +184,7 @@ def run_ft(config, plan: FTPlan, replica_argv: list[str], *, budget: float) -> F
             if plan.stop_round is not None:
                 argv += ["--ft-stop-round", str(plan.stop_round)]
             if plan.nproc_per_replica > 1:
-                argv += ["--nproc-per-replica", str(plan.nproc_per_replica)]
+                argv += ["--nproc-per-replica", str(plan.nproc_per_replica), "--inside", plan.inside]
             env = dict(os.environ, OMP_NUM_THREADS="1", RUST_LOG="error")
             env.pop("TORCHFT_LIGHTHOUSE", None)
             if testbed is not None:
@@ -282,10 +283,8 @@ def _replace(r: _Replica, deadline: Optional[float]) -> bool:
 
     while r.spares:
         spare = r.spares.pop(0)
-        if os.geteuid() == 0:
-            for p in spare:
-                if p.poll() is None:
-                    restore_priority(p)
+        for p in spare:  # (a no-op for a spare started at the supervisor's priority)
+            restore_priority(p)
         if all(p.poll() is None for p in spare) and all([activate(p, deadline) for p in spare]):
             r.proc, r.others, r.lives, r.down_since, r.kill_planned = spare[0], spare[1:], r.lives + 1, None, False
             return True
