@@ -14,7 +14,9 @@ The races behind it (bench/README.md, "Low-bit rounds for the library's default"
 1"; 3 seeds, 100 s each): the 2-bit rounds at H = 5 led the long setting at r ≈ 250 beyond the noise and the 8-bit
 lane mean at H = 10 at r ≈ 10; at 5 Mbit/s (r ≈ 480) H = 12, this rule's pick there, reached AdamW + DDP's
 loopback loss at 1.17 times its time where H = 5 (a share of 4) needed 1.84 and H = 25 1.41. Streaming these short
-rounds (one round in flight) ran at 0.89 of the compute rate but stalled on 2 of 3 seeds: they stay blocking. The inner lr stays the caller's: the
+rounds (one round in flight) ran at 0.89 of the compute rate but stalled on 2 of 3 seeds; in 5 fragments (3 steps
+in flight) they hid the wire (0.79 of the no-communication row at 5 Mbit/s, 0.78 on loopback) but stalled on 1 of 3
+(bench/README.md, "Short rounds streamed in fragments"): they stay blocking. The inner lr stays the caller's: the
 low-bit rounds were raced at :data:`AUTO_LR`, the long ones at 2e-3.
 
 Example::
