@@ -103,10 +103,14 @@ def test_identical_compares_every_shard_of_replica_groups_of_many_ranks(tmp_path
 
 
 def test_bad_rank_settings_are_refused_in_one_line():
-    """--nproc-per-replica below 1 is refused; warm spares of groups of many ranks (spare groups) are not."""
+    """--nproc-per-replica below 1 and an unknown --inside are refused; warm spares of groups of many ranks (spare groups) are not."""
     from lioncub.ft.train import FTPlan
 
     with pytest.raises(ValueError, match=r"^--nproc-per-replica must be >= 1 \(ranks per replica group\), got 0$"):
         FTPlan(nproc_per_replica=0).check()
+    with pytest.raises(ValueError, match=r"^--inside must be 'fsdp2' or 'mean' \(what a replica group runs inside\), "
+                       r"got 'ddp'$"):
+        FTPlan(nproc_per_replica=2, inside="ddp").check()
     FTPlan(nproc_per_replica=2, warm_spare=1).check()
+    FTPlan(nproc_per_replica=2, inside="mean").check()
     FTPlan(nproc_per_replica=2, replicas=2, min_replicas=1, kill_every=30, faults=()).check()

@@ -90,6 +90,8 @@ class FTPlan:
             raise ValueError(f"--warm-spare must be 0..8 spares per replica, got {self.warm_spare}")
         if self.nproc_per_replica < 1:
             raise ValueError(f"--nproc-per-replica must be >= 1 (ranks per replica group), got {self.nproc_per_replica}")
+        if self.inside not in ("fsdp2", "mean"):
+            raise ValueError(f"--inside must be 'fsdp2' or 'mean' (what a replica group runs inside), got {self.inside!r}")
         if self.faults and self.kill_every:
             raise ValueError("--ft-fault and --kill-every are two schedules of failures: give one")
         return self
