@@ -43,11 +43,28 @@ def write_json(path: str, obj) -> None:
     print(f"wrote {path}")
 
 
+def write_record(out: str, record: dict, lines: list[str]) -> None:
+    """``record`` as ``OUT.json`` and its table ``lines`` as ``OUT.md`` (directories made); the table on stdout."""
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out + ".json", "w") as f:
+        f.write(json.dumps(record, indent=1) + "\n")
+    with open(out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 # ---------------------------------------------------------------------------- the model
 def read_json(path: str):
     """A JSON file, for ``--report-only JSON``: the table re-made from an earlier run."""
     with open(path) as f:
         return json.load(f)
+
+
+def add_race_model_args(ap: argparse.ArgumentParser) -> None:
+    """``--workers --layers --heads --embd --block --batch``: the race's workers and GPT (``bench.race``'s flags), at
+    the recipe's 4 workers x 3 sequences of 64 tokens, 4 layers of width 128."""
+    for flag, default in (("workers", 4), ("layers", 4), ("heads", 4), ("embd", 128), ("block", 64), ("batch", 3)):
+        ap.add_argument(f"--{flag}", type=int, default=default)
 
 
 def add_gpt_args(ap: argparse.ArgumentParser, *, layers: int, embd: int, vocab: int = 8192, tokens: int = 16) -> None:

@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench import _runner
+
 OUT = Path(__file__).resolve().parent / "results"
 
 
@@ -88,11 +90,7 @@ def main(argv=None) -> int:
                               cwd=Path(__file__).resolve().parents[1], env=dict(os.environ, OMP_NUM_THREADS="1"))
         rows[method] = json.loads(proc.stdout.strip().splitlines()[-1])
     record = dict(load_at_start=load, cpus=os.cpu_count(), calls=a.calls, results=rows)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out + ".json").write_text(json.dumps(record, indent=1) + "\n")
-    lines = table(record)
-    Path(a.out + ".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    _runner.write_record(a.out, record, table(record))
     return 0
 
 

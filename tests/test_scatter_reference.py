@@ -23,6 +23,12 @@ elements, one above in slices of 18 (20 cut down to the blocks). fragments=2 cut
 81 elements (40, the first tensor's end): chunks 0-2 and 3-6. No owner holds a multiple of 4 elements of a tensor
 (:func:`_owned`)."""
 FRAGMENTS = {1: [range(0, 7)], 2: [range(0, 3), range(3, 7)]}
+WHOLE = 100
+"""A ``round_chunk`` above the model's 81 elements: no tensor cut, and with fragments=2 each fragment one chunk
+(:data:`LAYOUTS`), the case where a fragment's end keeps the v it measured for its send."""
+LAYOUTS = {CHUNK: (PLAN, FRAGMENTS),
+           WHOLE: ([[(0, 0, 40)], [(1, 0, 11), (2, 0, 6), (3, 0, 21), (4, 0, 3)]], {2: [range(0, 1), range(1, 2)]})}
+"""Each ``round_chunk`` tested: the chunks it cuts and each fragment count's chunks."""
 START = [sum(SIZES[:i]) for i in range(len(SIZES))]
 
 
@@ -31,20 +37,20 @@ def _grads(rank: int, t: int) -> list[torch.Tensor]:
     return [k * torch.randn(n, generator=g) for n, k in zip(SIZES, GAIN)]
 
 
-def _owned(c: int, rank: int) -> torch.Tensor:
+def _owned(c: int, rank: int, plan=PLAN) -> torch.Tensor:
     """Rank ``rank``'s residual of its span of chunk ``c`` at the start, loaded as from a checkpoint: generic values
     at the tensors' scale (fp32; 0 on the padding). Why: x/unit' = 7·m·x_k / (4·Σ|x|) over the m elements of a tensor
     in a span. With r = 0 (a chunk's first exchange) it is a ratio of small integers, and an owner's new residual
     keeps Σ_k sign(x_k)·r_k = unit'·(7m/4 − Σ|w|), 0 where 4 divides m: both put x/unit' exactly on an edge between
     two levels (k + ½) in most data sets, where fp32 and float64 round apart. (The reference asserts the data keeps
     off the edges: EDGE.)"""
-    gain = [GAIN[i] for i, lo, hi in PLAN[c] for _ in range(lo, hi)]
+    gain = [GAIN[i] for i, lo, hi in plan[c] for _ in range(lo, hi)]
     span = _span(len(gain), WORLD, BITS)
     gain = torch.tensor(gain + [0.0] * (WORLD * span - len(gain)))
     return (gain * torch.randn(WORLD * span, generator=torch.Generator().manual_seed(c)))[rank * span:(rank + 1) * span]
 
 
-def _worker(rank, world, kw, H, steps, slow=0.0):
+def _worker(rank, world, kw, H, steps, slow=0.0, chunk=CHUNK):
     """Inner SGD at lr 1 from zeros (θ_i ← θ_i − g), rank 1 ``slow`` seconds behind at each step. At each fragment's
     end (each round's with ``delay=0``): θ_i, θ_s, e_i, the outer momentum and every chunk's owner residual, all
     settled there (the exchange in flight received; the fragment's own launched there, or with H/F > 1 at a later
@@ -57,9 +63,10 @@ def _worker(rank, world, kw, H, steps, slow=0.0):
     ps = [torch.nn.Parameter(torch.zeros(n)) for n in SIZES]
     opt = LocalCub(ps, lr=1.0, local_steps=H, inner=lambda groups: torch.optim.SGD(groups), vote="onebit",
                    aggregate="mean", bits=BITS, error_feedback=True, **kw)
-    opt.round_chunk = CHUNK
+    opt.round_chunk = chunk
     sd = opt.state_dict()
-    sd["local"]["owner_residuals"] = {str(c): _owned(c, rank) for c in range(len(PLAN))}
+    plan = LAYOUTS[chunk][0]
+    sd["local"]["owner_residuals"] = {str(c): _owned(c, rank, plan) for c in range(len(plan))}
     opt.load_state_dict(sd)
     every = H // kw.get("fragments", 1)
 
@@ -89,7 +96,7 @@ def _worker(rank, world, kw, H, steps, slow=0.0):
                 rounds=opt.rounds)
 
 
-def _reference(H: int, F: int, steps: int, delay: int, alpha: float, mu: float):
+def _reference(H: int, F: int, steps: int, delay: int, alpha: float, mu: float, chunk: int = CHUNK):
     """LocalCub's schedule in float64 (docs/local_steps.md), every rank's, and each element's tensor's least unit.
     A round (``delay=0``) at every H-th step: Δ_i = θ_s − θ_i, the exchange of v_i = Δ_i + e_i, θ_s ← outer(θ_s, d),
     θ_i ← θ_s. Fragment j's end (``delay=1``, at steps (j+1)·H/F of a round; F = 1: the streaming round, its rebase
@@ -98,12 +105,12 @@ def _reference(H: int, F: int, steps: int, delay: int, alpha: float, mu: float):
     is received. Each tensor's unit_t from the ranks' mean |v_i| over its part of the fragment; each chunk its own
     message and owners' residuals. Outer: b ← μ·b + d, θ_s ← θ_s − α·(d + μ·b) (μ = 0: SGD). 4 bits: no level
     takes the round's parity."""
-    n = sum(SIZES)
-    idx = [[START[i] + k for i, lo, hi in chunk for k in range(lo, hi)] for chunk in PLAN]
-    tensor_of = [[i for i, lo, hi in chunk for _ in range(lo, hi)] for chunk in PLAN]
+    n, (plan, fragments) = sum(SIZES), LAYOUTS[chunk]
+    idx = [[START[i] + k for i, lo, hi in part for k in range(lo, hi)] for part in plan]
+    tensor_of = [[i for i, lo, hi in part for _ in range(lo, hi)] for part in plan]
     theta, origin, e = ([torch.zeros(n, dtype=torch.float64) for _ in range(WORLD)] for _ in range(3))
     start, b = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
-    owners = {c: [_owned(c, j).double() for j in range(WORLD)] for c in range(len(PLAN))}
+    owners = {c: [_owned(c, j, plan).double() for j in range(WORLD)] for c in range(len(plan))}
     least = [math.inf] * len(SIZES)
     snaps, flight = [], None
 
@@ -111,12 +118,12 @@ def _reference(H: int, F: int, steps: int, delay: int, alpha: float, mu: float):
         """The workers' half of fragment j's exchange (every rank's e_i updated): each chunk's mean a."""
         v = [start - o + r for o, r in zip(origin, e)]  # (Δ_i = θ_s − θ_i, θ_i = o_i at the fragment's end)
         parts = {}
-        for c in FRAGMENTS[F][j]:
+        for c in fragments[F][j]:
             for k, t in zip(idx[c], tensor_of[c]):
                 parts.setdefault(t, []).append(k)
         units = {t: _unit(sum(float(x[ks].abs().mean()) for x in v) / WORLD, BITS) for t, ks in parts.items()}
         out = {}
-        for c in FRAGMENTS[F][j]:
+        for c in fragments[F][j]:
             sent, out[c] = _encode([x[idx[c]] for x in v], tensor_of[c], units, BITS, 0)
             for i in range(WORLD):
                 e[i][idx[c]] = v[i][idx[c]] - sent[i]
@@ -152,7 +159,7 @@ def _reference(H: int, F: int, steps: int, delay: int, alpha: float, mu: float):
         if flight is not None:
             receive(flight)
         j = (t - 1) % H // every
-        frag = [k for c in FRAGMENTS[F][j] for k in idx[c]]
+        frag = [k for c in fragments[F][j] for k in idx[c]]
         for x, o in zip(theta, origin):
             o[frag] = x[frag]
         if late:
@@ -169,18 +176,18 @@ def _reference(H: int, F: int, steps: int, delay: int, alpha: float, mu: float):
     return snaps, torch.tensor([least[t] for t, n in enumerate(SIZES) for _ in range(n)], dtype=torch.float64)
 
 
-def _check(got: list[dict], snaps: list[dict], least: torch.Tensor) -> None:
+def _check(got: list[dict], snaps: list[dict], least: torch.Tensor, plan=PLAN) -> None:
     """Every rank's snapshots against the reference's, element for element within LEVEL of the element's tensor's
     least unit (an owner's padding exactly 0); θ_s the same on every rank, bit for bit."""
     tol = LEVEL * least
     owned = {}  # each chunk's owner spans: the tolerance of the message's element there, 0 on the padding
-    for c, chunk in enumerate(PLAN):
+    for c, chunk in enumerate(plan):
         part = torch.cat([tol[START[i] + lo:START[i] + hi] for i, lo, hi in chunk])
         span = _span(part.numel(), WORLD, BITS)
         part = torch.cat([part, torch.zeros(WORLD * span - part.numel(), dtype=torch.float64)])
         owned[c] = part.view(WORLD, span)
     for rank, mine in enumerate(got):
-        assert mine["plan"] == PLAN and len(mine["snaps"]) == len(snaps)
+        assert mine["plan"] == plan and len(mine["snaps"]) == len(snaps)
         for at, (m, want) in enumerate(zip(mine["snaps"], snaps)):
             assert torch.equal(m["start"], got[0]["snaps"][at]["start"])
             _assert_close(m["theta"], want["theta"][rank], tol, ("θ_i", at, rank))
@@ -193,12 +200,12 @@ def _check(got: list[dict], snaps: list[dict], least: torch.Tensor) -> None:
                 _assert_close(m["owners"][c], rs[rank], owned[c][rank], ("owner residual of chunk", c, at, rank))
 
 
-def _round_bytes(fragments: int) -> tuple[float, int]:
+def _round_bytes(fragments: int, plan=PLAN) -> tuple[float, int]:
     """A round's bytes per rank and collectives: each fragment's agreement (a head for every parameter), and each
     chunk's exchange as ScatterMean.plan prices it (two collectives)."""
-    chunks = [(sum(hi - lo for _, lo, hi in chunk), len(chunk)) for chunk in PLAN]
+    chunks = [(sum(hi - lo for _, lo, hi in chunk), len(chunk)) for chunk in plan]
     return (fragments * _agreement_bytes(WORLD, len(SIZES)) + _planned_bytes(WORLD, BITS, chunks),
-            fragments + 2 * len(PLAN))
+            fragments + 2 * len(plan))
 
 
 def test_the_scatter_mean_in_chunks_equals_the_reference():
@@ -225,6 +232,23 @@ def test_the_scatter_mean_streamed_in_fragments_equals_the_reference(F):
     got = run_workers(_worker, WORLD, kw, H, steps, 0.02, timeout_s=30)
     _check(got, *_reference(H, F, steps, delay=1, alpha=0.7, mu=0.9))
     sent, calls = _round_bytes(F)
+    for mine in got:
+        assert mine["rounds"] == 3
+        assert sum(b for b, _ in mine["sent"]) == pytest.approx(3 * sent, rel=1e-12), mine["sent"]
+        assert sum(n for _, n in mine["sent"]) == 3 * calls, mine["sent"]
+
+
+def test_fragments_of_one_chunk_each_equal_the_reference():
+    """``fragments=2`` with no tensor cut (``round_chunk`` above the model): each fragment is one chunk, whose end
+    keeps the v_i = Δ_i + e_i it measured for the send a step later instead of making it again; with the 4-bit code's
+    residuals e_i ≠ 0, a send of Δ_i alone (or of a stale v) departs from the reference's θ_s and e_i. H = 4, outer
+    Nesterov (0.7, 0.9), 3 rounds and a flush, a rank 20 ms slower at each step."""
+    H, steps = 4, 12
+    kw = dict(outer="nesterov", outer_lr=0.7, outer_momentum=0.9, delay=1, fragments=2)
+    got = run_workers(_worker, WORLD, kw, H, steps, 0.02, WHOLE, timeout_s=30)
+    plan = LAYOUTS[WHOLE][0]
+    _check(got, *_reference(H, 2, steps, delay=1, alpha=0.7, mu=0.9, chunk=WHOLE), plan=plan)
+    sent, calls = _round_bytes(2, plan)
     for mine in got:
         assert mine["rounds"] == 3
         assert sum(b for b, _ in mine["sent"]) == pytest.approx(3 * sent, rel=1e-12), mine["sent"]

@@ -170,6 +170,8 @@ class StreamingRounds:
             else:
                 for pc in pieces:
                     self._store(pc, "origin", _slot(self.params[pc.index], pc))
+        if not self.eager and seen.kept is not None:  # a fragment of one chunk: its v as measured, not made again
+            kept.append(seen.kept[1])  # (θ_s, o_i and e_i of the fragment do not change until its send)
         self._agreeing = LateFragment(agreeing, j, seen.scales, kept)
         self.last_round_stats = stats
         if self.H // self.fragments == 1:
