@@ -89,7 +89,8 @@ def table(record: dict) -> list[str]:
     rows = record["rows"]
     base = rows[0]["fwd_bwd_ms"] + rows[0]["step_ms"]
     lines = [f"{record['workers']} workers on {record['cpus']} cores, {record['steps']} steps ({record['skip']} not "
-             f"counted), thread CPU ms per step, mean over workers; load before {record['load_before'][0]:.2f}", "",
+             f"counted), thread CPU ms per step, mean over workers, median of {record.get('repeats', 1)} runs; load "
+             f"before {record['load_before'][0]:.2f}", "",
              "| method | fwd+bwd | optimizer step | of it: round ends | of it: finite check | step CPU | rate vs row 1 |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -105,6 +106,8 @@ def main(argv=None) -> int:
                                                         "the reference row")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--skip", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=3, help="runs of every method, round robin; the table's figures "
+                                                          "are each method's medians over them")
     _runner.add_race_model_args(ap)
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--report-only", metavar="JSON", help="print the table of an earlier run's JSON; run nothing")
@@ -114,16 +117,26 @@ def main(argv=None) -> int:
         return 0
     if not 0 <= a.skip < a.steps:
         raise SystemExit(f"--skip must be at least 0 and below --steps={a.steps}, got {a.skip}")
+    if a.repeats < 1:
+        raise SystemExit(f"--repeats must be at least 1, got {a.repeats}")
     model = dict(n_layer=a.layers, n_head=a.heads, n_embd=a.embd, block_size=a.block, batch=a.batch)
     load = os.getloadavg()
-    rows = []
+    methods = []
     for item in a.methods.split(","):
         name, _, lr = item.partition("@")
         if not lr:
             raise SystemExit(f"--methods: each entry is NAME@LR, got {item!r}")
-        rows.append(_measure(name, float(lr), model, a.workers, a.steps, a.skip))
+        methods.append((name, float(lr)))
+    runs = [_measure(name, lr, model, a.workers, a.steps, a.skip)
+            for _ in range(a.repeats) for name, lr in methods]  # (round robin: a slow minute hits every method)
+    rows = []
+    for name, lr in methods:
+        mine = [r for r in runs if r["method"] == name and r["lr"] == lr]
+        keys = [k for k in mine[0] if k.endswith("_ms")]
+        rows.append(dict(method=name, lr=lr, **{k: statistics.median(r.get(k, 0.0) for r in mine) for k in keys}))
     record = dict(load_before=load, cpus=os.cpu_count(), workers=a.workers, steps=a.steps, skip=a.skip,
-                  model=model, torch_threads=os.environ.get("OMP_NUM_THREADS"), rows=rows)
+                  repeats=a.repeats, model=model, torch_threads=os.environ.get("OMP_NUM_THREADS"), rows=rows,
+                  runs=runs)
     _runner.write_record(a.out, record, table(record))
     return 0
 

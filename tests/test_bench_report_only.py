@@ -31,7 +31,7 @@ CASES = (
     ("vote_agreement", "vote_agreement.json", ["--report-only", "{json}", "--study", str(RESULTS / "study_recipe.jsonl")],
      "| B=12 1-bit lr=0.0001 | 0-400 |"),
     ("worker_start", "worker_start.json", ["--report-only", "{json}"], "| workers | spawn (median s) |"),
-    ("round_cpu", "round_cpu.json", ["--report-only", "{json}"], "| lcub-smean2-h15-sgd1-ef-adamw-stream-f5 | 18.86 |"),
+    ("round_cpu", "round_cpu.json", ["--report-only", "{json}"], "| lcub-smean2-h15-sgd1-ef-adamw-stream-f5 | 18.35 |"),
     ("study", "study_recipe.jsonl", ["--report-only", "{json}"], "| Lion lr=0.0001 wd=1 | 3 | 2000 | 2.1239 ± 0.0104 |"),
     ("study_ab", "study_ab_issue64.json", ["--report-only", "{json}"], "| 1-bit (onebit) | 4.256273 | 4.256273 | yes |"),
     ("fault_tolerance", "fault_tolerance.json", ["--report-only", "{json}"], "| 0 | 5 |"),

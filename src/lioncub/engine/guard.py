@@ -103,10 +103,12 @@ def grads_finite(params: list[Tensor]) -> Union[bool, Tensor]:
     """Whether every present gradient is finite (local, no communication, no host sync):
     ``True`` when there is none, else a 0-dim bool tensor on the gradients' device.
 
-    One reduction per gradient into one small tensor: the min and max of each on CPU
-    (``isfinite(g).all()`` was ~8x slower there), one fused multi-tensor ∞-norm
-    (``torch._foreach_norm``) on other devices, read with a few kernels whatever the tensor count
-    (it cast each norm to float64 before: one launch per tensor). NaN and ±Inf survive both.
+    On CPU one multi-tensor pass, AMP's own check (``torch._amp_foreach_non_finite_check_and_unscale_`` with a
+    scale of 1, which leaves every finite value as it was: x·1 = x, −0 included), ~3.5x faster than the min and max
+    of each gradient it replaced (0.18 against 0.62 ms for the race's 52 tensors), which stays the fallback
+    (a torch without that kernel on CPU, or a gradient it cannot write); ``isfinite(g).all()`` was ~8x slower. On
+    other devices one fused multi-tensor ∞-norm (``torch._foreach_norm``), read with a few kernels whatever the
+    tensor count (it cast each norm to float64 before: one launch per tensor). NaN and ±Inf survive all three.
     Raises ``TypeError`` for a sparse gradient (LionCub votes on dense tensors).
     """
     grads = []
@@ -122,8 +124,13 @@ def grads_finite(params: list[Tensor]) -> Union[bool, Tensor]:
     if not grads:
         return True
     if grads[0].device.type == "cpu":
-        extremes = [x.double() for g in grads for x in torch.aminmax(g)]
-        return torch.isfinite(torch.stack(extremes)).all()
+        found = torch.zeros(1)
+        try:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.ones(()))
+            return found[0] == 0
+        except (RuntimeError, NotImplementedError):  # (an older torch, or a gradient it cannot write: x·1 is x)
+            extremes = [x.double() for g in grads for x in torch.aminmax(g)]
+            return torch.isfinite(torch.stack(extremes)).all()
     # a few kernels whatever the tensor count (a launch each costs more than the arithmetic): one ∞-norm
     # launch per dtype, then per dtype one stack (the ∞-norm of a finite tensor is finite in its own dtype)
     by_dtype: dict = {}

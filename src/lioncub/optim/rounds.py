@@ -59,10 +59,11 @@ def abs_means(blocks: list[list[Tensor]], sizes: list[int], device) -> Tensor:
     over the tensor's size. A tensor of one block gets ``v.abs().mean()`` exactly; one of several gets the
     same value whether its blocks came whole or in slices. An empty tensor's is 0, and so is one with no pieces
     (a tensor outside the fragment measured: its size there is 0)."""
-    if not sizes:
-        return torch.zeros(0, dtype=torch.float64, device=device)
-    sums = torch.stack([torch.cat(parts).sum() if parts else torch.zeros((), dtype=torch.float64, device=device)
-                        for parts in blocks])  # (one block: its value, exactly)
+    sums = torch.zeros(len(sizes), dtype=torch.float64, device=device)
+    present = [i for i, parts in enumerate(blocks) if parts]  # (a fragment's tensors: the others stay 0)
+    if present:  # (one block: its value, exactly)
+        sums[present] = torch.stack([(blocks[i][0] if len(blocks[i]) == 1 else torch.cat(blocks[i])).sum()
+                                     for i in present])
     return sums / torch.tensor([max(n, 1) for n in sizes], dtype=torch.float64, device=device)
 
 
