@@ -71,6 +71,20 @@ def test_the_cpu_finite_check_is_one_pass_that_leaves_the_gradients_as_they_were
         assert torch.equal(p.grad.view(bits), was.view(bits))
 
 
+def test_a_gradient_the_cpu_check_cannot_write_takes_the_min_max_fallback():
+    """A stride-0 gradient (an expanded tensor: one element seen many times) cannot be written in place, so the
+    multi-tensor check raises on it; the per-gradient min and max then decide, NaN and ±Inf still found."""
+    from lioncub.engine.guard import grads_finite
+
+    p, q = torch.nn.Parameter(torch.zeros(5)), torch.nn.Parameter(torch.zeros(3))
+    q.grad = torch.randn(3)
+    p.grad = torch.tensor([2.0]).expand(5)
+    assert bool(grads_finite([q, p]))
+    for bad in (math.nan, math.inf, -math.inf):
+        p.grad = torch.tensor([bad]).expand(5)
+        assert not bool(grads_finite([q, p])), bad
+
+
 # ----------------------------------------------------------------------------- validation, one process
 @pytest.mark.parametrize("kwargs, exc, match", [
     (dict(lr=-1.0), ValueError, r"lr must be >= 0"),

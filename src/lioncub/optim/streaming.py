@@ -51,7 +51,8 @@ def check_fragments(fragments, delay: int, auto: bool, H: int) -> int:
 
 class LateFragment(NamedTuple):
     """A fragment's round between its end and its exchange's launch (:meth:`StreamingRounds._send_late`): ``verdict``
-    (its finite check and head in flight), the fragment, each tensor's mean |v| and, with ``eager``, each chunk's v."""
+    (its finite check and head in flight), the fragment, each tensor's mean |v| and each chunk's v where the end kept
+    it (``eager``; or a fragment of one chunk, whose v its measure made); empty: :meth:`_send_late` makes v."""
 
     verdict: guard.Agreeing
     fragment: int
@@ -180,7 +181,7 @@ class StreamingRounds:
     def _send_late(self, stats: CommStats) -> None:
         """A step after fragment ``j``'s end: its verdict read (complete, or the next fragment's end is due) and, when
         every rank's Δ is finite, its exchange launched, each chunk's v = θ_s − o_i + e_i (o_i: θ_i at the
-        fragment's end; the eager stand-in's kept v); the bytes counted in ``stats`` (this step's). What is sent
+        fragment's end; or the v its end kept: :class:`LateFragment`); the bytes counted in ``stats`` (this step's). What is sent
         does not depend on the step: fragment j's θ_s, o_i and e_i change only at its own end and receive."""
         late, self._agreeing = self._agreeing, None
         verdict = late.verdict.read(stats)
